@@ -1,0 +1,58 @@
+"""The ``compileops`` torch.library namespace and helpers shared by every op family.
+
+Every op is declared with :func:`custom_op` below, so all of them live under
+``torch.ops.compileops.*`` and are functional (``mutates_args=()``): Inductor lowers
+functional ops directly, while mutating ones would go through auto-functionalization.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+NAMESPACE = "compileops"
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def custom_op(name: str) -> Callable:
+    """Declare ``compileops::<name>`` as a functional custom op."""
+    return torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())
+
+
+def qualified(name: str) -> str:
+    return f"{NAMESPACE}::{name}"
+
+
+def check_index_dtype(t: torch.Tensor, what: str) -> None:
+    """Precondition usable from fake functions and eager code alike."""
+    torch._check(
+        t.dtype in INDEX_DTYPES,
+        lambda: f"{what} must be int32 or int64, got {t.dtype}",
+    )
+
+
+def check_floating(t: torch.Tensor, what: str) -> None:
+    torch._check(
+        t.is_floating_point(),
+        lambda: f"{what} must be a floating-point tensor, got {t.dtype}",
+    )
+
+
+def check_same_device(named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """All tensors on one device; the message names the two that differ."""
+    named = list(named)
+    first_name, first = named[0]
+    for name, t in named[1:]:
+        torch._check(
+            t.device == first.device,
+            lambda: f"{name} is on {t.device} but {first_name} is on {first.device}; "
+            "move them to the same device",
+        )
+
+
+def check_dim(t: torch.Tensor, dim: int, what: str, shape_doc: str) -> None:
+    torch._check(
+        t.dim() == dim,
+        lambda: f"{what} must be {dim}-D {shape_doc}, got shape {tuple(t.shape)}",
+    )

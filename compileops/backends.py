@@ -1,0 +1,136 @@
+"""Backend registry: which implementation an op runs eagerly on a given device.
+
+Two backends exist:
+
+* ``reference``: the plain-PyTorch ground truth of each family (``<family>/reference.py``).
+  Always available.
+* ``triton``: the family's Triton kernels (``<family>/kernels.py``). Available on CUDA/ROCm
+  devices when Triton is installed, and on CPU tensors when ``TRITON_INTERPRET=1`` (Triton's
+  interpreter; this is how CI runs the kernels without a GPU).
+
+Each device type has a priority list; the first available backend wins unless
+:func:`use_backend` forces one. Forcing a backend that cannot run on the tensors' device is
+an error, never a silent fallback.
+
+This module decides the *eager* implementation only. Under ``torch.compile`` the Inductor
+lowerings in the ``lowerings`` package take over where they exist.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib.util
+import os
+from typing import Iterator
+
+import torch
+
+BACKENDS = ("reference", "triton")
+
+# Device kinds are "cuda", "rocm" (a HIP build of torch reports its GPUs as "cuda") and "cpu".
+PRIORITY: dict[str, tuple[str, ...]] = {
+    "cuda": ("triton", "reference"),
+    "rocm": ("triton", "reference"),
+    "cpu": ("triton", "reference"),
+}
+
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "compileops_forced_backend", default=None
+)
+
+
+class BackendUnavailableError(RuntimeError):
+    """A backend was requested for a device it cannot run on."""
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpret_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def device_kind(device: torch.device | str) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return "rocm" if torch.version.hip else "cuda"
+    return device.type
+
+
+def why_unavailable(name: str, device: torch.device | str) -> str | None:
+    """``None`` when ``name`` can run on ``device``, else the reason it cannot."""
+    if name not in BACKENDS:
+        return f"unknown backend {name!r}; choose one of {BACKENDS}"
+    if name == "reference":
+        return None
+    kind = device_kind(device)
+    if not _triton_installed():
+        return "the triton backend needs the 'triton' package, which is not installed"
+    if kind in ("cuda", "rocm"):
+        return None
+    if kind == "cpu":
+        if triton_interpret_enabled():
+            return None
+        return (
+            "the triton backend runs on CPU tensors only under Triton's interpreter; "
+            "set TRITON_INTERPRET=1 before importing compileops"
+        )
+    return f"the triton backend does not support device type {kind!r}"
+
+
+def available(name: str, device: torch.device | str) -> bool:
+    return why_unavailable(name, device) is None
+
+
+def select(op: str, device: torch.device | str) -> str:
+    """The backend ``op`` runs with on ``device``: forced by :func:`use_backend`, else by priority."""
+    forced = _forced.get()
+    if forced is not None:
+        reason = why_unavailable(forced, device)
+        if reason is not None:
+            raise BackendUnavailableError(
+                f"compileops::{op}: backend {forced!r} was forced by use_backend() but "
+                f"cannot run on {torch.device(device)}: {reason}"
+            )
+        return forced
+    kind = device_kind(device)
+    for name in PRIORITY.get(kind, ("reference",)):
+        if available(name, device):
+            return name
+    raise BackendUnavailableError(f"compileops::{op}: no backend can run on {device}")
+
+
+@contextlib.contextmanager
+def _forcing(name: str) -> Iterator[None]:
+    token = _forced.set(name)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+class use_backend(contextlib.ContextDecorator):
+    """Force every compileops op to run with backend ``name``.
+
+    Usable as ``with compileops.use_backend("reference"):`` or as a decorator. Unknown names
+    raise ``ValueError`` at once; a backend unavailable for the tensors' device raises
+    :class:`BackendUnavailableError` when an op runs.
+    """
+
+    def __init__(self, name: str):
+        if name not in BACKENDS:
+            raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
+        self.name = name
+        self._stack: list[contextlib.AbstractContextManager] = []
+
+    def __enter__(self) -> "use_backend":
+        cm = _forcing(self.name)
+        cm.__enter__()
+        self._stack.append(cm)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.pop().__exit__(*exc)

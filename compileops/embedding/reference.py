@@ -1,0 +1,82 @@
+"""Ground truth for the embedding family, in plain PyTorch.
+
+This is the numerical contract the Triton kernels and the Inductor lowering are tested
+against, and what the ``reference`` backend runs. Keep it obvious.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def out_of_range_message(bad_id: int, num_embeddings: int) -> str:
+    return (
+        f"compileops.embedding: id {bad_id} is out of range for a table of "
+        f"{num_embeddings} rows (valid ids are 0..{num_embeddings - 1})"
+    )
+
+
+def check_ids_in_range(ids: torch.Tensor, num_embeddings: int) -> None:
+    """Raise ``IndexError`` naming the first bad id. Reads ids on the host (a sync on GPU)."""
+    if ids.numel() == 0:
+        return
+    bad = (ids < 0) | (ids >= num_embeddings)
+    if bool(bad.any()):
+        first_bad = int(ids.reshape(-1)[bad.reshape(-1)][0])
+        raise IndexError(out_of_range_message(first_bad, num_embeddings))
+
+
+def embedding_forward(
+    ids: torch.Tensor, weight: torch.Tensor, out_dtype: Optional[torch.dtype] = None
+) -> torch.Tensor:
+    """``out[*ids.shape, D] = weight[ids]``, upcast after the gather when ``out_dtype`` is given.
+
+    ids: int32/int64 ``[*]``; weight: ``[V, D]``. Lossless: bitwise equal to ``weight[ids]``.
+    Only the gathered rows are converted, never the whole table.
+    """
+    check_ids_in_range(ids, weight.shape[0])
+    rows = weight.index_select(0, ids.reshape(-1).long())
+    rows = rows.reshape(*ids.shape, weight.shape[1])
+    if out_dtype is not None and out_dtype != weight.dtype:
+        rows = rows.to(out_dtype)
+    return rows
+
+
+def embedding_backward(
+    grad: torch.Tensor,
+    ids: torch.Tensor,
+    num_embeddings: int,
+    padding_idx: Optional[int],
+    weight_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Gradient of the table: ``grad_weight[V, D]``, each row the fp32 sum of its tokens' grads.
+
+    grad: ``[*ids.shape, D]`` (any float dtype, any strides); ids: ``[*]``.
+    Contributions to one row are added in token-position order in fp32, then cast once to
+    ``weight_dtype``. Untouched rows and the ``padding_idx`` row are zero.
+    """
+    dim = grad.shape[-1]
+    flat_ids = ids.reshape(-1).long()
+    flat_grad = grad.reshape(-1, dim).float()
+    if padding_idx is not None:
+        keep = flat_ids != padding_idx
+        flat_ids, flat_grad = flat_ids[keep], flat_grad[keep]
+    order = torch.argsort(flat_ids, stable=True)  # (id, position) order
+    sorted_ids, sorted_grad = flat_ids[order], flat_grad[order]
+    out = torch.zeros(num_embeddings, dim, dtype=torch.float32, device=grad.device)
+    if sorted_ids.numel() == 0:
+        return out.to(weight_dtype)
+    # Sum each run of equal ids sequentially in position order, vectorised across runs:
+    # step r adds the r-th contribution of every run that has one. (index_add_/scatter_add_
+    # on GPU use atomics and would leave the order undefined.)
+    is_start = torch.ones_like(sorted_ids, dtype=torch.bool)
+    is_start[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    run_starts = is_start.nonzero().reshape(-1)
+    run_lengths = torch.diff(run_starts, append=run_starts.new_tensor([sorted_ids.numel()]))
+    acc = torch.zeros(run_starts.numel(), dim, dtype=torch.float32, device=grad.device)
+    for r in range(int(run_lengths.max())):
+        active = run_lengths > r
+        acc[active] += sorted_grad[run_starts[active] + r]
+    out[sorted_ids[run_starts]] = acc
+    return out.to(weight_dtype)

@@ -1,0 +1,81 @@
+"""Inductor lowerings for the compileops ops.
+
+``install()`` registers every lowering (idempotent). Users never need to call it:
+``import compileops`` arms :func:`install_on_inductor_import`, which runs ``install()`` right
+after ``torch._inductor.lowering`` finishes importing (or at once if it already has). That
+keeps ``import compileops`` free of the multi-second Inductor import while guaranteeing the
+lowerings exist before Inductor lowers its first graph.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+
+_INDUCTOR_LOWERING_MODULE = "torch._inductor.lowering"
+
+_install_lock = threading.Lock()
+_installed = False
+
+
+def install() -> None:
+    """Register every compileops lowering with Inductor. Safe to call more than once."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        from lowerings import embedding
+
+        embedding.register()
+        _installed = True
+
+
+def is_installed() -> bool:
+    return _installed
+
+
+class _InstallAfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; wraps the real loader of Inductor's lowering module so that
+    :func:`install` runs as soon as that module has executed."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _INDUCTOR_LOWERING_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _InstallingLoader(spec.loader)
+                return spec
+        return None
+
+
+class _InstallingLoader(importlib.abc.Loader):
+    def __init__(self, inner):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        _remove_hook()
+        install()
+
+
+_hook = _InstallAfterImport()
+
+
+def _remove_hook() -> None:
+    if _hook in sys.meta_path:
+        sys.meta_path.remove(_hook)
+
+
+def install_on_inductor_import() -> None:
+    """Install now if Inductor's lowering table is loaded, else right after it loads."""
+    if _INDUCTOR_LOWERING_MODULE in sys.modules:
+        install()
+    elif _hook not in sys.meta_path:
+        sys.meta_path.insert(0, _hook)

@@ -1,0 +1,87 @@
+"""The one module that touches private ``torch._inductor`` API.
+
+Every import of ``torch._inductor`` in compileops goes through here, lazily (inside
+functions), so importing this module is cheap and the differences between the supported
+torch versions (2.11 on GPU machines, 2.13 on CPU machines; see shared INDUCTOR.md) are
+absorbed in one place.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
+from unittest import mock
+
+import torch
+
+
+# ---------------------------------------------------------------------------------------
+# Lowering registration and IR construction
+
+
+def register_lowering(op: torch._ops.OpOverload, fn: Callable) -> None:
+    """Register ``fn`` as the Inductor lowering of ``op``, with no type promotion (integer
+    index inputs must stay integers)."""
+    from torch._inductor.lowering import register_lowering as _register
+
+    _register(op, type_promotion_kind=None)(fn)
+
+
+def ops():
+    """Inductor's virtualised ``ops`` handler, for ``inner_fn`` bodies."""
+    from torch._inductor.virtualized import ops as _ops
+
+    return _ops
+
+
+def pointwise(*, device, dtype, inner_fn: Callable, ranges: Sequence) -> Any:
+    from torch._inductor.ir import Pointwise
+
+    return Pointwise.create(device=device, dtype=dtype, inner_fn=inner_fn, ranges=list(ranges))
+
+
+def indirect_index(index_value, size, *, check: bool = True):
+    """Turn a loaded integer into an index expression; negative ids are errors, not wrapped."""
+    return ops().indirect_indexing(index_value, size, check=check, wrap_neg=False)
+
+
+# ---------------------------------------------------------------------------------------
+# Test and report helpers (code generation, caches)
+
+
+def fresh_inductor_cache():
+    """A context with empty Inductor caches: our lowering code is not in their key."""
+    from torch._inductor.utils import fresh_cache
+
+    return fresh_cache()
+
+
+def run_and_get_code(fn: Callable, *args, **kwargs) -> tuple[Any, list[str]]:
+    from torch._inductor.utils import run_and_get_code as _run_and_get_code
+
+    return _run_and_get_code(fn, *args, **kwargs)
+
+
+def get_code(fn: Callable, *args, **kwargs) -> list[str]:
+    """Compile ``fn(*args)`` and return the generated sources without running the kernels."""
+    from torch._inductor.utils import get_code as _get_code
+
+    return _get_code(fn, *args, **kwargs)
+
+
+def inductor_config_patch(**changes):
+    from torch._inductor import config
+
+    return config.patch(**changes)
+
+
+@contextlib.contextmanager
+def triton_codegen_on_cpu() -> Iterator[None]:
+    """Make Inductor emit Triton (not C++) for CPU tensors, as on a GPU.
+
+    The hash patch avoids probing a GPU toolchain for the cache key, which fails on a
+    CPU-only machine (INDUCTOR.md, verified on 2.13).
+    """
+    with inductor_config_patch(cpu_backend="triton"), mock.patch(
+        "torch.utils._triton.triton_hash_with_backend", lambda *a, **k: "0" * 64
+    ):
+        yield
