@@ -8,8 +8,10 @@ lowerings exist before Inductor lowers its first graph.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.abc
 import importlib.machinery
+import pathlib
 import sys
 import threading
 
@@ -22,13 +24,53 @@ _installed = False
 def install() -> None:
     """Register every compileops lowering with Inductor. Safe to call more than once."""
     global _installed
+    if _installed:
+        return
+    # Load Inductor's lowering table before taking the lock: if our import hook is armed,
+    # that import itself calls install() (which then does the work) and must not deadlock.
+    from lowerings import _compat
+
+    _compat.load_inductor_lowerings()
     with _install_lock:
         if _installed:
             return
         from lowerings import embedding
 
         embedding.register()
+        _tag_compile_cache()
         _installed = True
+
+
+def source_fingerprint() -> str:
+    """Hash of every compileops/lowerings source file (kernels, lowerings, templates)."""
+    digest = hashlib.sha256()
+    for package in ("compileops", "lowerings"):
+        root = pathlib.Path(sys.modules[package].__file__).parent if package in sys.modules else None
+        if root is None:
+            root = pathlib.Path(__file__).parent.parent / package
+        for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".jinja")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _tag_compile_cache() -> None:
+    """Put our sources into torch.compile's cache key.
+
+    Inductor's on-disk caches key on the FX graph, torch and the config, not on our lowering
+    code: after an upgrade of compileops a cached graph would keep running the old kernels
+    (seen: a stale kernel served after the CPU bounds check changed). The public
+    ``torch.compiler.config.cache_key_tag`` enters the key, so we append our fingerprint to
+    whatever tag the user set.
+    """
+    import torch.compiler
+
+    config = getattr(torch.compiler, "config", None)
+    if config is None or not hasattr(config, "cache_key_tag"):
+        return
+    ours = f"compileops-{source_fingerprint()}"
+    if ours not in config.cache_key_tag:
+        config.cache_key_tag = f"{config.cache_key_tag}+{ours}" if config.cache_key_tag else ours
 
 
 def is_installed() -> bool:

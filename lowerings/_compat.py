@@ -18,6 +18,10 @@ import torch
 # Lowering registration and IR construction
 
 
+def load_inductor_lowerings() -> None:
+    import torch._inductor.lowering  # noqa: F401
+
+
 def register_lowering(op: torch._ops.OpOverload, fn: Callable) -> None:
     """Register ``fn`` as the Inductor lowering of ``op``, with no type promotion (integer
     index inputs must stay integers)."""
@@ -37,6 +41,20 @@ def pointwise(*, device, dtype, inner_fn: Callable, ranges: Sequence) -> Any:
     from torch._inductor.ir import Pointwise
 
     return Pointwise.create(device=device, dtype=dtype, inner_fn=inner_fn, ranges=list(ranges))
+
+
+def aten_lowering(op: torch._ops.OpOverload) -> Callable:
+    """Inductor's own lowering of an aten op, to compose inside ours."""
+    from torch._inductor.lowering import lowerings
+
+    return lowerings[op]
+
+
+def emits_cpp(device: torch.device) -> bool:
+    """True when Inductor generates C++ (OpenMP) rather than Triton for ``device``."""
+    from torch._inductor import config
+
+    return device.type == "cpu" and config.cpu_backend == "cpp"
 
 
 def indirect_index(index_value, size, *, check: bool = True):

@@ -6,6 +6,11 @@ add) fuse into the same kernel: one C++ loop on CPU, one Triton kernel on GPU. B
 checked in the kernel (``TORCH_CHECK`` / ``tl.device_assert``); negative ids are rejected,
 not wrapped.
 
+With C++ code generation (CPU) the in-kernel check would be a ``TORCH_CHECK`` inside an OpenMP parallel region, where a
+throw aborts the whole process. There the lowering instead asserts one scalar "all ids valid"
+outside any loop (a Python ``RuntimeError``), and the gather clamps ids so it can never read
+out of bounds even if it runs before the assert.
+
 The backward op (``compileops::embedding_backward``) is deliberately not lowered: it stays an
 extern call to our deterministic sort + ordered-sum kernel, so Inductor never substitutes its
 own atomic scatter-add.
@@ -26,9 +31,19 @@ def lower_embedding(ids, weight, out_dtype=None, padding_idx=None):
     load_id = ids.make_loader()
     load_weight = weight.make_loader()
     ops = _compat.ops()
+    on_cpu = _compat.emits_cpp(weight.get_device())
+    if on_cpu:
+        _assert_ids_in_range(ids, num_embeddings)
 
     def gather(index):
-        row = _compat.indirect_index(load_id(index[:n_id_dims]), num_embeddings)
+        id_value = load_id(index[:n_id_dims])
+        if on_cpu:
+            in_range = ops.and_(
+                ops.ge(id_value, ops.constant(0, ids.get_dtype())),
+                ops.lt(id_value, ops.index_expr(num_embeddings, ids.get_dtype())),
+            )
+            id_value = ops.where(in_range, id_value, ops.constant(0, ids.get_dtype()))
+        row = _compat.indirect_index(id_value, num_embeddings, check=not on_cpu)
         value = load_weight([row, index[n_id_dims]])
         if dtype != weight_dtype:
             value = ops.to_dtype(value, dtype)
@@ -39,6 +54,18 @@ def lower_embedding(ids, weight, out_dtype=None, padding_idx=None):
         dtype=dtype,
         inner_fn=gather,
         ranges=[*ids.get_size(), dim],
+    )
+
+
+def _assert_ids_in_range(ids, num_embeddings) -> None:
+    aten = torch.ops.aten
+    below = _compat.aten_lowering(aten.lt.Scalar)(ids, 0)
+    above = _compat.aten_lowering(aten.ge.Scalar)(ids, num_embeddings)
+    invalid = _compat.aten_lowering(aten.logical_or.default)(below, above)
+    any_invalid = _compat.aten_lowering(aten.any.default)(invalid)
+    all_valid = _compat.aten_lowering(aten.logical_not.default)(any_invalid)
+    _compat.aten_lowering(aten._assert_async.msg)(
+        all_valid, "compileops.embedding: an id is out of range [0, num_embeddings)"
     )
 
 
