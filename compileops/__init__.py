@@ -8,6 +8,7 @@ import itself stays cheap: nothing here imports ``torch._inductor``.
 from compileops import backends
 from compileops.backends import BackendUnavailableError, use_backend
 from compileops.embedding import embedding, set_strict_index_checks
+from compileops import xtoken  # noqa: F401  (registers the xtoken ops)
 from compileops import nn  # noqa: E402  (registers modules; cheap)
 
 import lowerings as _lowerings

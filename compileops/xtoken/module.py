@@ -1,0 +1,65 @@
+"""``compileops.xtoken.SparseProjection``: a frozen student-to-teacher projection module."""
+from __future__ import annotations
+
+import os
+from typing import Optional, Union
+
+import torch
+
+from compileops.xtoken.projection import ProjectionCOO, ProjectionCSR, build_csr, project
+
+
+class SparseProjection(torch.nn.Module):
+    """``p [*, V_s]`` -> fp32 ``p @ M`` ``[*, V_t]`` (or ``[*, K]`` for ``columns [*, K]``).
+
+    ``M`` is frozen and stored as plain buffers (both CSR layouts, see
+    :class:`~compileops.xtoken.projection.ProjectionCSR`), so it follows ``.to(device)`` and
+    the state dict, and gets no gradient. Build it with :meth:`from_coo` or :meth:`from_file`.
+    """
+
+    col_indptr: torch.Tensor
+    col_student_ids: torch.Tensor
+    col_weights: torch.Tensor
+    row_indptr: torch.Tensor
+    row_teacher_ids: torch.Tensor
+    row_weights: torch.Tensor
+
+    def __init__(self, csr: ProjectionCSR):
+        super().__init__()
+        for name in ("col_indptr", "col_student_ids", "col_weights",
+                     "row_indptr", "row_teacher_ids", "row_weights"):
+            self.register_buffer(name, getattr(csr, name))
+
+    @classmethod
+    def from_coo(cls, coo: ProjectionCOO, device=None) -> "SparseProjection":
+        return cls(build_csr(coo, device))
+
+    @classmethod
+    def from_file(
+        cls, path: Union[str, os.PathLike], device="cpu", num_student: int = 0,
+        num_teacher: int = 0, *, normalize_rows: bool = False,
+    ) -> "SparseProjection":
+        """Through the shared cache (:func:`compileops.xtoken.get_projection`)."""
+        from compileops.xtoken.files import get_projection
+
+        return cls(get_projection(path, device, num_student, num_teacher,
+                                  normalize_rows=normalize_rows))
+
+    @property
+    def num_student(self) -> int:
+        return self.row_indptr.shape[0] - 1
+
+    @property
+    def num_teacher(self) -> int:
+        return self.col_indptr.shape[0] - 1
+
+    def csr(self) -> ProjectionCSR:
+        return ProjectionCSR(self.col_indptr, self.col_student_ids, self.col_weights,
+                             self.row_indptr, self.row_teacher_ids, self.row_weights)
+
+    def forward(self, p: torch.Tensor, columns: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return project(p, self, columns)
+
+    def extra_repr(self) -> str:
+        return (f"num_student={self.num_student}, num_teacher={self.num_teacher}, "
+                f"nnz={self.row_weights.shape[0]}")

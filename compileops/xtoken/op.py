@@ -1,0 +1,299 @@
+"""The cross-tokenizer custom ops.
+
+* ``compileops::xtoken_project`` / ``compileops::xtoken_project_backward``: ``p @ M`` for a
+  frozen sparse ``M [V_s, V_t]`` held as plain CSR buffers, and ``grad @ M^T``. Both always
+  compute in fp32 and return fp32; each has its own fp32 autocast rule (``register_autocast``
+  covers only the op it is registered on), so a bf16 autocast region changes nothing.
+* ``compileops::xtoken_chunk_sums`` / ``compileops::xtoken_chunk_sums_backward``: per-chunk
+  row sums and sizes, and the gather of the sums' gradient back to the tokens.
+
+All four are functional, with fake functions that check every precondition, and shapes that
+never depend on tensor data.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from compileops import backends
+from compileops._library import (
+    check_dim,
+    check_floating,
+    check_index_dtype,
+    check_same_device,
+    custom_op,
+)
+from compileops.xtoken import reference
+
+
+def _check_csr(indptr, ids, weights, what: str) -> None:
+    check_dim(indptr, 1, f"{what} indptr", "[n_segments + 1]")
+    check_index_dtype(indptr, f"{what} indptr")
+    check_dim(ids, 1, f"{what} ids", "[nnz]")
+    check_index_dtype(ids, f"{what} ids")
+    check_dim(weights, 1, f"{what} weights", "[nnz]")
+    torch._check_type(
+        weights.dtype == torch.float32,
+        lambda: f"{what} weights must be float32, got {weights.dtype}",
+    )
+    torch._check_value(indptr.shape[0] >= 1, lambda: f"{what} indptr must have >= 1 entry")
+    torch._check_value(
+        ids.shape[0] == weights.shape[0],
+        lambda: f"{what} ids and weights must have the same length, got "
+        f"{ids.shape[0]} and {weights.shape[0]}",
+    )
+
+
+def _check_columns(columns, lead, what_lead: str) -> None:
+    check_index_dtype(columns, "columns")
+    torch._check_value(
+        columns.dim() >= 1 and tuple(columns.shape[:-1]) == tuple(lead),
+        lambda: f"columns must be [*{what_lead}.shape[:-1], K] = [{', '.join(map(str, lead))}, K], "
+        f"got {tuple(columns.shape)}",
+    )
+
+
+def check_project_args(p, col_indptr, col_student_ids, col_weights,
+                       row_indptr, row_teacher_ids, row_weights, columns) -> None:
+    check_floating(p, "p")
+    torch._check_value(p.dim() >= 1, lambda: "p must be [*, V_s], got a 0-d tensor")
+    _check_csr(col_indptr, col_student_ids, col_weights, "column CSR")
+    _check_csr(row_indptr, row_teacher_ids, row_weights, "row CSR")
+    torch._check_value(
+        p.shape[-1] == row_indptr.shape[0] - 1,
+        lambda: f"p's last dim ({p.shape[-1]}) must equal the projection's student vocab "
+        f"({row_indptr.shape[0] - 1})",
+    )
+    torch._check_value(
+        col_student_ids.shape[0] == row_teacher_ids.shape[0],
+        lambda: "the column CSR and the row CSR must hold the same number of entries",
+    )
+    tensors = [("p", p), ("col_indptr", col_indptr), ("col_student_ids", col_student_ids),
+               ("col_weights", col_weights), ("row_indptr", row_indptr),
+               ("row_teacher_ids", row_teacher_ids), ("row_weights", row_weights)]
+    if columns is not None:
+        _check_columns(columns, p.shape[:-1], "p")
+        tensors.append(("columns", columns))
+    check_same_device(tensors)
+
+
+def check_project_backward_args(grad, row_indptr, row_teacher_ids, row_weights,
+                                num_teacher, columns) -> None:
+    check_floating(grad, "grad")
+    torch._check_value(grad.dim() >= 1, lambda: "grad must be [*, V_t] or [*, K]")
+    _check_csr(row_indptr, row_teacher_ids, row_weights, "row CSR")
+    torch._check_value(num_teacher >= 0, lambda: "num_teacher must be >= 0")
+    tensors = [("grad", grad), ("row_indptr", row_indptr),
+               ("row_teacher_ids", row_teacher_ids), ("row_weights", row_weights)]
+    if columns is None:
+        torch._check_value(
+            grad.shape[-1] == num_teacher,
+            lambda: f"grad's last dim ({grad.shape[-1]}) must equal num_teacher ({num_teacher})",
+        )
+    else:
+        _check_columns(columns, grad.shape[:-1], "grad")
+        torch._check_value(
+            columns.shape[-1] == grad.shape[-1],
+            lambda: f"columns [*, K] and grad [*, K] disagree on K: "
+            f"{columns.shape[-1]} vs {grad.shape[-1]}",
+        )
+        tensors.append(("columns", columns))
+    check_same_device(tensors)
+
+
+# ---------------------------------------------------------------------------------------
+# Projection
+
+
+@custom_op("xtoken_project")
+def project_op(
+    p: torch.Tensor,
+    col_indptr: torch.Tensor,
+    col_student_ids: torch.Tensor,
+    col_weights: torch.Tensor,
+    row_indptr: torch.Tensor,
+    row_teacher_ids: torch.Tensor,
+    row_weights: torch.Tensor,
+    columns: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``p [*, V_s]`` -> fp32 ``p @ M`` ``[*, V_t]``, or ``[*, K]`` for ``columns [*, K]``.
+
+    The row CSR is not read here; it is an input so the backward can use it.
+    """
+    check_project_args(p, col_indptr, col_student_ids, col_weights,
+                       row_indptr, row_teacher_ids, row_weights, columns)
+    if backends.select("xtoken_project", p.device) == "triton":
+        from compileops.xtoken import kernels
+
+        flat = p.reshape(-1, p.shape[-1])
+        segs = None if columns is None else columns.reshape(-1, columns.shape[-1])
+        out = kernels.csr_gather_sum(flat, col_indptr, col_student_ids, col_weights, segs)
+        return out.reshape(*p.shape[:-1], out.shape[-1])
+    return reference.project_forward(p, col_indptr, col_student_ids, col_weights, columns)
+
+
+@project_op.register_fake
+def _project_fake(p, col_indptr, col_student_ids, col_weights,
+                  row_indptr, row_teacher_ids, row_weights, columns=None):
+    check_project_args(p, col_indptr, col_student_ids, col_weights,
+                       row_indptr, row_teacher_ids, row_weights, columns)
+    n_out = col_indptr.shape[0] - 1 if columns is None else columns.shape[-1]
+    return p.new_empty((*p.shape[:-1], n_out), dtype=torch.float32)
+
+
+def _project_setup_context(ctx, inputs, output) -> None:
+    p, col_indptr, _cs, _cw, row_indptr, row_teacher_ids, row_weights, columns = inputs
+    ctx.save_for_backward(row_indptr, row_teacher_ids, row_weights, columns)
+    ctx.num_teacher = col_indptr.shape[0] - 1
+    ctx.p_dtype = p.dtype
+
+
+def _project_autograd(ctx, grad):
+    row_indptr, row_teacher_ids, row_weights, columns = ctx.saved_tensors
+    grad_p = project_backward_op(
+        grad, row_indptr, row_teacher_ids, row_weights, ctx.num_teacher, columns
+    )
+    if grad_p.dtype != ctx.p_dtype:
+        grad_p = grad_p.to(ctx.p_dtype)
+    return grad_p, None, None, None, None, None, None, None
+
+
+project_op.register_autograd(_project_autograd, setup_context=_project_setup_context)
+
+
+@custom_op("xtoken_project_backward")
+def project_backward_op(
+    grad: torch.Tensor,
+    row_indptr: torch.Tensor,
+    row_teacher_ids: torch.Tensor,
+    row_weights: torch.Tensor,
+    num_teacher: int,
+    columns: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``grad [*, V_t]`` (or ``[*, K]`` with ``columns``) -> fp32 ``grad @ M^T`` ``[*, V_s]``.
+
+    A gather over the row CSR in a fixed order: deterministic, bitwise batch-invariant.
+    """
+    check_project_backward_args(grad, row_indptr, row_teacher_ids, row_weights,
+                                num_teacher, columns)
+    if backends.select("xtoken_project_backward", grad.device) == "triton":
+        from compileops.xtoken import kernels
+
+        flat = grad.reshape(-1, grad.shape[-1])
+        if columns is None:
+            out = kernels.csr_gather_sum(flat, row_indptr, row_teacher_ids, row_weights)
+        else:
+            cols = columns.reshape(-1, columns.shape[-1])
+            out = kernels.csr_match_sum(flat, cols, row_indptr, row_teacher_ids, row_weights)
+        return out.reshape(*grad.shape[:-1], out.shape[-1])
+    return reference.project_backward(grad, row_indptr, row_teacher_ids, row_weights,
+                                      num_teacher, columns)
+
+
+@project_backward_op.register_fake
+def _project_backward_fake(grad, row_indptr, row_teacher_ids, row_weights, num_teacher,
+                           columns=None):
+    check_project_backward_args(grad, row_indptr, row_teacher_ids, row_weights,
+                                num_teacher, columns)
+    return grad.new_empty((*grad.shape[:-1], row_indptr.shape[0] - 1), dtype=torch.float32)
+
+
+# fp32 inside autocast, forward and backward: each op carries its own rule.
+for _op in (project_op, project_backward_op):
+    for _device_type in ("cpu", "cuda"):
+        torch.library.register_autocast(_op, _device_type, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# Chunk sums
+
+
+def check_chunk_args(log_probs, chunk_id, max_chunks) -> None:
+    check_dim(log_probs, 3, "log_probs", "[B, T, V]")
+    check_floating(log_probs, "log_probs")
+    check_dim(chunk_id, 2, "chunk_id", "[B, T]")
+    check_index_dtype(chunk_id, "chunk_id")
+    torch._check_value(
+        tuple(chunk_id.shape) == tuple(log_probs.shape[:2]),
+        lambda: f"chunk_id must be [B, T] = {tuple(log_probs.shape[:2])}, "
+        f"got {tuple(chunk_id.shape)}",
+    )
+    torch._check_value(max_chunks >= 0, lambda: f"max_chunks must be >= 0, got {max_chunks}")
+    check_same_device([("log_probs", log_probs), ("chunk_id", chunk_id)])
+
+
+@custom_op("xtoken_chunk_sums")
+def chunk_sums_op(
+    log_probs: torch.Tensor, chunk_id: torch.Tensor, max_chunks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log_probs [B, T, V]``, ``chunk_id [B, T]`` -> ``sums [B, C, V]``, ``sizes [B, C]`` (fp32).
+
+    Rows of one chunk are added in token order in fp32; ids outside ``[0, C)`` are ignored.
+    """
+    check_chunk_args(log_probs, chunk_id, max_chunks)
+    if backends.select("xtoken_chunk_sums", log_probs.device) == "triton":
+        from compileops.xtoken import kernels
+
+        order, starts, ends = reference.chunk_segments(chunk_id, max_chunks)
+        sums = kernels.chunk_sums(log_probs, order, starts, ends)
+        return sums, (ends - starts).float()
+    return reference.chunk_sums(log_probs, chunk_id, max_chunks)
+
+
+@chunk_sums_op.register_fake
+def _chunk_sums_fake(log_probs, chunk_id, max_chunks):
+    check_chunk_args(log_probs, chunk_id, max_chunks)
+    B, _, V = log_probs.shape
+    return (log_probs.new_empty((B, max_chunks, V), dtype=torch.float32),
+            log_probs.new_empty((B, max_chunks), dtype=torch.float32))
+
+
+def _chunk_sums_setup_context(ctx, inputs, output) -> None:
+    log_probs, chunk_id, _max_chunks = inputs
+    ctx.save_for_backward(chunk_id)
+    ctx.lp_dtype = log_probs.dtype
+    ctx.mark_non_differentiable(output[1])
+
+
+def _chunk_sums_autograd(ctx, grad_sums, _grad_sizes):
+    (chunk_id,) = ctx.saved_tensors
+    return chunk_sums_backward_op(grad_sums, chunk_id, ctx.lp_dtype), None, None
+
+
+chunk_sums_op.register_autograd(_chunk_sums_autograd, setup_context=_chunk_sums_setup_context)
+
+
+def check_chunk_backward_args(grad_sums, chunk_id, dtype) -> None:
+    check_dim(grad_sums, 3, "grad_sums", "[B, C, V]")
+    check_floating(grad_sums, "grad_sums")
+    check_dim(chunk_id, 2, "chunk_id", "[B, T]")
+    check_index_dtype(chunk_id, "chunk_id")
+    torch._check_value(
+        chunk_id.shape[0] == grad_sums.shape[0],
+        lambda: f"chunk_id [B, T] and grad_sums [B, C, V] disagree on B: "
+        f"{chunk_id.shape[0]} vs {grad_sums.shape[0]}",
+    )
+    torch._check_type(dtype.is_floating_point,
+                      lambda: f"dtype must be a floating-point dtype, got {dtype}")
+    check_same_device([("grad_sums", grad_sums), ("chunk_id", chunk_id)])
+
+
+@custom_op("xtoken_chunk_sums_backward")
+def chunk_sums_backward_op(
+    grad_sums: torch.Tensor, chunk_id: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``grad_sums [B, C, V]``, ``chunk_id [B, T]`` -> ``[B, T, V]`` in ``dtype``: a gather."""
+    check_chunk_backward_args(grad_sums, chunk_id, dtype)
+    if backends.select("xtoken_chunk_sums_backward", grad_sums.device) == "triton":
+        from compileops.xtoken import kernels
+
+        return kernels.chunk_sums_backward(grad_sums, chunk_id, dtype)
+    return reference.chunk_sums_backward(grad_sums, chunk_id, dtype)
+
+
+@chunk_sums_backward_op.register_fake
+def _chunk_sums_backward_fake(grad_sums, chunk_id, dtype):
+    check_chunk_backward_args(grad_sums, chunk_id, dtype)
+    B, _, V = grad_sums.shape
+    return grad_sums.new_empty((B, chunk_id.shape[1], V), dtype=dtype)

@@ -1,0 +1,164 @@
+"""Projection files, the cache, and the exact token map."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from compileops.xtoken import (
+    ProjectionCOO,
+    build_exact_token_map,
+    clear_caches,
+    get_projection,
+    parse_projection_file,
+)
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache():
+    clear_caches()
+    yield
+    clear_caches()
+
+
+def _dense_topk_file(tmp_path):
+    indices = torch.tensor([[0, 2, -1], [1, -1, -1], [-1, -1, -1], [2, 0, 1]])
+    likelihoods = torch.tensor([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0],
+                                [0.7, 0.2, 0.1]])
+    path = tmp_path / "topk.pt"
+    torch.save({"indices": indices, "likelihoods": likelihoods}, path)
+    return path
+
+
+def _sparse_file(tmp_path):
+    path = tmp_path / "sparse.pt"
+    torch.save({(0, 1): 3, (0, 4): 1, (2, 1): 2.5, (5, 0): 1, (-1, 3): 9}, path)
+    return path
+
+
+def _as_set(coo: ProjectionCOO):
+    return {(int(s), int(t), round(float(w), 6))
+            for s, t, w in zip(coo.student_ids, coo.teacher_ids, coo.weights)}
+
+
+def test_parse_dense_topk(tmp_path):
+    coo = parse_projection_file(_dense_topk_file(tmp_path))
+    assert _as_set(coo) == {(0, 0, 0.5), (0, 2, 0.5), (1, 1, 1.0), (3, 2, 0.7), (3, 0, 0.2),
+                            (3, 1, 0.1)}
+    assert (coo.num_student, coo.num_teacher) == (4, 3)
+
+
+def test_parse_sparse_counts(tmp_path):
+    coo = parse_projection_file(_sparse_file(tmp_path))
+    assert _as_set(coo) == {(0, 1, 3.0), (0, 4, 1.0), (2, 1, 2.5), (5, 0, 1.0)}
+    assert (coo.num_student, coo.num_teacher) == (6, 5)
+
+
+def test_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.pt"):
+        parse_projection_file(tmp_path / "missing.pt")
+    bad = tmp_path / "bad.pt"
+    torch.save({"weights": torch.ones(3)}, bad)
+    with pytest.raises(ValueError, match=r"unknown projection format.*'weights'"):
+        parse_projection_file(bad)
+    torch.save([1, 2, 3], bad)
+    with pytest.raises(ValueError, match="unknown projection format.*list"):
+        parse_projection_file(bad)
+    torch.save({(1, 2): "x"}, bad)
+    with pytest.raises(ValueError, match="sparse format"):
+        parse_projection_file(bad)
+    torch.save({"indices": torch.ones(3, 2), "likelihoods": torch.ones(3, 2)}, bad)
+    with pytest.raises(ValueError, match="dense top-k format"):
+        parse_projection_file(bad)
+
+
+def test_unsafe_pickle_is_refused(tmp_path):
+    """Only weights_only=True loading: an arbitrary object is refused, never executed."""
+    path = tmp_path / "evil.pt"
+    torch.save({"indices": torch.ones(1, 1, dtype=torch.long), "likelihoods": ProjectionCOO},
+               path)
+    with pytest.raises(ValueError, match="weights_only=True"):
+        parse_projection_file(path)
+
+
+def test_cache_identity_keying_and_sizes(tmp_path):
+    path = _dense_topk_file(tmp_path)
+    a = get_projection(path, "cpu", 10, 2)
+    assert get_projection(str(path), torch.device("cpu"), 10, 2) is a
+    assert (a.num_student, a.num_teacher) == (10, 3)  # max(configured, observed + 1)
+    b = get_projection(path, "cpu", 10, 8)
+    assert b is not a and b.num_teacher == 8
+    c = get_projection(path, "cpu", 10, 2, normalize_rows=True)
+    assert c is not a
+    dense = a.to_dense()
+    assert dense.shape == (10, 3) and dense[1, 1] == 1.0 and dense[2:].sum() == 0.7 + 0.2 + 0.1
+    clear_caches()
+    assert get_projection(path, "cpu", 10, 2) is not a
+
+
+def test_normalize_rows_turns_counts_into_likelihoods(tmp_path):
+    csr = get_projection(_sparse_file(tmp_path), normalize_rows=True)
+    dense = csr.to_dense()
+    assert torch.allclose(dense[0], torch.tensor([0.0, 0.75, 0.0, 0.0, 0.25]))
+    assert torch.allclose(dense.sum(1), torch.tensor([1.0, 0, 1, 0, 0, 1]))
+
+
+def test_cache_is_thread_safe(tmp_path):
+    path = _dense_topk_file(tmp_path)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(get_projection(path, "cpu", 4, 3)))
+               for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 8 and all(r is results[0] for r in results)
+
+
+def _coo(entries, num_student, num_teacher):
+    s, t, w = zip(*entries)
+    return ProjectionCOO(torch.tensor(s), torch.tensor(t), torch.tensor(w, dtype=torch.float32),
+                         num_student, num_teacher)
+
+
+def test_exact_map_strict():
+    coo = _coo([
+        (0, 3, 1.0),                 # exact
+        (1, 2, 1.0), (1, 4, 0.5),    # second candidate: not exact
+        (2, 5, 0.9),                 # below 1.0
+        (4, 0, 1.0), (3, 0, 1.0),    # collision on teacher 0: lowest student (3) wins
+        (6, 1, 1.0),
+    ], 8, 7)
+    m = build_exact_token_map(coo, "strict")
+    assert m.student_to_teacher.tolist() == [3, -1, -1, 0, -1, -1, 1, -1]
+    assert m.teacher_to_student.tolist() == [3, 6, -1, 0, -1, -1, -1]
+    assert m.common_student_ids.tolist() == [0, 3, 6]
+    assert m.common_teacher_ids.tolist() == [3, 0, 1]
+    assert m.uncommon_student_ids.tolist() == [1, 2, 4, 5, 7]
+    assert m.uncommon_teacher_ids.tolist() == [2, 4, 5, 6]
+    # A partition of each vocab.
+    assert sorted(m.common_student_ids.tolist() + m.uncommon_student_ids.tolist()) == list(range(8))
+
+
+def test_exact_map_relaxed():
+    coo = _coo([
+        (0, 3, 0.6), (0, 1, 0.4),    # top >= 0.6: pairs with 3
+        (1, 2, 0.59),                # below threshold
+        (2, 4, 0.7), (5, 4, 0.9),    # collision on 4: highest weight (student 5) wins
+        (3, 6, 0.8), (4, 6, 0.8),    # tie on weight: lowest id (3) wins
+        (6, 0, 0.65), (6, 5, 0.65),  # own tie: lowest teacher id (0)
+    ], 7, 7)
+    m = build_exact_token_map(coo, "relaxed")
+    assert m.student_to_teacher.tolist() == [3, -1, -1, 6, -1, 4, 0]
+    assert m.teacher_to_student.tolist() == [6, -1, -1, 0, 5, -1, 3]
+    with pytest.raises(ValueError, match="rule"):
+        build_exact_token_map(coo, "loose")
+
+
+def test_exact_map_from_file(tmp_path):
+    coo = parse_projection_file(_dense_topk_file(tmp_path))
+    strict = build_exact_token_map(coo, "strict", num_student=6)
+    assert strict.student_to_teacher.tolist() == [-1, 1, -1, -1, -1, -1]
+    relaxed = build_exact_token_map(coo, "relaxed")
+    assert relaxed.student_to_teacher.tolist() == [-1, 1, -1, 2]
