@@ -3,8 +3,8 @@
 Forward: a row gather with 64-bit row offsets (tables past 2**31 elements work), upcasting
 only the gathered rows. Backward: a deterministic, batch-invariant scatter-add with no
 floating-point atomics: ids are stably sorted, so each distinct id is a contiguous run in
-token-position order, and one program per (run, column block) sums that run in fp32,
-strictly in position order, and writes the row once.
+token-position order, and one program per (run, column block) sums that run in fp32 (fp64 for fp64
+grads), strictly in position order, and writes the row once.
 """
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ def sum_sorted_runs_kernel(
     n_tokens, dim, padding_idx,
     stride_g_row, stride_g_col,
     HAS_PADDING: tl.constexpr, UNROLL: tl.constexpr, BLOCK_COL: tl.constexpr,
+    ACC_FP64: tl.constexpr,
 ):
     """Program (p, c): if sorted position p starts a run of id r, out[r, c-block] = sum of the
     run's grad rows, added one by one in position order in fp32. Other programs exit.
@@ -78,7 +79,8 @@ def sum_sorted_runs_kernel(
         cols = tl.program_id(1) * BLOCK_COL + tl.arange(0, BLOCK_COL)
         col_ok = cols < dim
         col_off = cols.to(tl.int64) * stride_g_col
-        acc = tl.zeros([BLOCK_COL], dtype=tl.float32)
+        acc_dtype = tl.float64 if ACC_FP64 else tl.float32
+        acc = tl.zeros([BLOCK_COL], dtype=acc_dtype)
         pos = start
         in_run = True
         while in_run:
@@ -88,12 +90,9 @@ def sum_sorted_runs_kernel(
                 same = (tl.load(sorted_ids_ptr + p, mask=p_ok, other=-1) == row) & p_ok
                 tok = tl.load(order_ptr + p, mask=same, other=0).to(tl.int64)
                 g = tl.load(grad_ptr + tok * stride_g_row + col_off, mask=col_ok & same, other=0.0)
-                acc += g.to(tl.float32)
+                acc += g.to(acc_dtype)
             pos += UNROLL
-            last = pos - 1
-            in_run = (last + 1 < n_tokens) & (
-                tl.load(sorted_ids_ptr + last + 1, mask=last + 1 < n_tokens, other=-1) == row
-            )
+            in_run = tl.load(sorted_ids_ptr + pos, mask=pos < n_tokens, other=-1) == row
         dst = out_ptr + row.to(tl.int64) * dim + cols
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
@@ -161,6 +160,7 @@ def embedding_backward(
         n_tokens, dim, -1 if padding_idx is None else padding_idx,
         flat_grad.stride(0), flat_grad.stride(1),
         HAS_PADDING=padding_idx is not None, UNROLL=unroll, BLOCK_COL=block_col,
+        ACC_FP64=grad.dtype == torch.float64,
         num_warps=4 if block_col >= 512 else 2,
     )
     return out

@@ -43,6 +43,11 @@ def embedding_forward(
     return rows
 
 
+def accumulation_dtype(grad_dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half-precision and fp32 grads, fp64 for fp64 grads."""
+    return torch.promote_types(grad_dtype, torch.float32)
+
+
 def embedding_backward(
     grad: torch.Tensor,
     ids: torch.Tensor,
@@ -53,18 +58,19 @@ def embedding_backward(
     """Gradient of the table: ``grad_weight[V, D]``, each row the fp32 sum of its tokens' grads.
 
     grad: ``[*ids.shape, D]`` (any float dtype, any strides); ids: ``[*]``.
-    Contributions to one row are added in token-position order in fp32, then cast once to
-    ``weight_dtype``. Untouched rows and the ``padding_idx`` row are zero.
+    Contributions to one row are added in token-position order in fp32 (fp64 when ``grad``
+    is fp64), then cast once to ``weight_dtype``. Untouched rows and the ``padding_idx`` row are zero.
     """
     dim = grad.shape[-1]
     flat_ids = ids.reshape(-1).long()
-    flat_grad = grad.reshape(-1, dim).float()
+    acc_dtype = accumulation_dtype(grad.dtype)
+    flat_grad = grad.reshape(-1, dim).to(acc_dtype)
     if padding_idx is not None:
         keep = flat_ids != padding_idx
         flat_ids, flat_grad = flat_ids[keep], flat_grad[keep]
     order = torch.argsort(flat_ids, stable=True)  # (id, position) order
     sorted_ids, sorted_grad = flat_ids[order], flat_grad[order]
-    out = torch.zeros(num_embeddings, dim, dtype=torch.float32, device=grad.device)
+    out = torch.zeros(num_embeddings, dim, dtype=acc_dtype, device=grad.device)
     if sorted_ids.numel() == 0:
         return out.to(weight_dtype)
     # Sum each run of equal ids sequentially in position order, vectorised across runs:
@@ -74,7 +80,7 @@ def embedding_backward(
     is_start[1:] = sorted_ids[1:] != sorted_ids[:-1]
     run_starts = is_start.nonzero().reshape(-1)
     run_lengths = torch.diff(run_starts, append=run_starts.new_tensor([sorted_ids.numel()]))
-    acc = torch.zeros(run_starts.numel(), dim, dtype=torch.float32, device=grad.device)
+    acc = torch.zeros(run_starts.numel(), dim, dtype=acc_dtype, device=grad.device)
     for r in range(int(run_lengths.max())):
         active = run_lengths > r
         acc[active] += sorted_grad[run_starts[active] + r]
