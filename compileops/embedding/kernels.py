@@ -15,9 +15,6 @@ import triton
 import triton.language as tl
 
 
-OUT_OF_RANGE_ASSERT = "compileops.embedding: id out of range [0, num_embeddings)"
-
-
 @triton.jit
 def gather_rows_tile(
     ids_ptr, weight_ptr, out_ptr,
@@ -32,8 +29,13 @@ def gather_rows_tile(
     tok_ok = toks < n_tokens
     col_ok = cols < dim
     ids = tl.load(ids_ptr + toks, mask=tok_ok, other=0).to(tl.int64)
-    # Active only when compiled with debug=True (the launcher does so on GPUs).
-    tl.device_assert((ids >= 0) & (ids < num_embeddings), OUT_OF_RANGE_ASSERT, mask=tok_ok)
+    # Active only when compiled with debug=True (the launcher does so on GPUs). The message
+    # must be a literal: Triton kernels cannot read non-constexpr globals.
+    tl.device_assert(
+        (ids >= 0) & (ids < num_embeddings),
+        "compileops.embedding: id out of range [0, num_embeddings)",
+        mask=tok_ok,
+    )
     mask = tok_ok[:, None] & col_ok[None, :]
     src = weight_ptr + ids[:, None] * stride_w_row + cols[None, :].to(tl.int64) * stride_w_col
     rows = tl.load(src, mask=mask)
