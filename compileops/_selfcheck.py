@@ -20,6 +20,7 @@ import torch
 # One module per family; later families append theirs.
 FAMILY_DEMOS: list[str] = [
     "compileops.embedding.selfcheck",
+    "compileops.grouped_linear.selfcheck",
 ]
 
 
