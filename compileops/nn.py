@@ -1,4 +1,5 @@
 """Every compileops ``nn.Module``, one import away: ``compileops.nn.Embedding``, ..."""
 from compileops.embedding.module import Embedding
+from compileops.grouped_linear.module import GroupedLinear
 
-__all__ = ["Embedding"]
+__all__ = ["Embedding", "GroupedLinear"]
