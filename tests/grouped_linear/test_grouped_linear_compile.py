@@ -126,9 +126,36 @@ class GraphModule(torch.nn.Module):
         self.assertExpectedInline(kernels, """triton_tem_fused_grouped_linear_swiglu_mul_unsqueeze""")
 
     @needs_213
+    def test_swiglu_template_kernels_fw_bw(self):
+        # Forward: the SwiGLU template with the router scaling epilogue. Backward: the
+        # pre-activation recomputed by the plain template, one pointwise kernel for the
+        # SwiGLU derivative (the cat fused in), then our dX and dW/db ops as extern calls.
+        x, w, offs, b, p = make([5, 0, 11, 3])
+        for t in (x, w, b):
+            t.requires_grad_()
+        kernels = inductor_kernels(moe_expert, x, w, offs, b, p, triton=True, backward=True)
+        self.assertExpectedInline(kernels, """\
+triton_tem_fused_grouped_linear_swiglu_mul_unsqueeze
+# backward
+triton_tem_fused_grouped_linear
+triton_poi_fused_add_mul_rsub_sigmoid_split_unsqueeze
+torch.ops.compileops.grouped_linear_dx.default
+torch.ops.compileops.grouped_linear_wgrad.default""")
+
+    @needs_213
     def test_cpu_cpp_backend_is_extern_call(self):
         x, w, offs, b, p = make([5, 0, 11, 3])
         kernels = inductor_kernels(moe_expert, x, w, offs, b, p)
         self.assertExpectedInline(kernels, """\
 cpp_fused_mul_unsqueeze
 torch.ops.compileops.grouped_linear_swiglu.default""")
+
+
+def test_autotune_offsets_are_skewed_and_valid():
+    from lowerings.grouped_linear import AUTOTUNE_CONFIGS, skewed_offsets
+
+    offs = skewed_offsets(16, 4096, "cpu")
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    assert offs.dtype == torch.int32 and int(offs[-1]) == 4096 and bool((sizes >= 0).all())
+    assert int(sizes.max()) > 2 * 4096 // 16, "Dirichlet(1) sizes should be skewed"
+    assert len(AUTOTUNE_CONFIGS) <= 8
