@@ -226,3 +226,26 @@ def test_module_state_dict_round_trips():
         max_relative_error=1e-5)
     with pytest.raises(KeyError, match="missing"):
         from_per_group_state_dict({"weight0": per_group["weight0"]}, 3)
+
+
+def test_fp32_honours_allow_tf32():
+    from compileops.grouped_linear.kernels import input_precision
+
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert input_precision(torch.float32) == "ieee"
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert input_precision(torch.float32) == "tf32"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def test_import_stays_cheap():
+    import subprocess
+    import sys
+
+    code = ("import sys, compileops; "
+            "print('triton' in sys.modules, 'torch._inductor.lowering' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
