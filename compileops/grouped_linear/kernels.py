@@ -11,7 +11,8 @@ the tiles), all reading the group offsets on the device (no host sync, CUDA-grap
   static tile space ``G x N-tiles x K-tiles``, each tile reducing over its group's rows in
   row order. No split-K, no atomics: bitwise deterministic. Empty groups give exact zeros.
 
-The ``@triton.jit`` bodies (:func:`group_rows`, :func:`mjagged_tile`, :func:`swiglu`,
+The ``@triton.jit`` bodies (:func:`group_rows`, :func:`mjagged_tile` (single tile, or the
+gate/up tile pair sharing one A load), :func:`swiglu`,
 :func:`kjagged_tile`) are shared with the Inductor template
 (``lowerings/templates/grouped_linear.py.jinja``), so no kernel math is written twice.
 
@@ -50,17 +51,19 @@ def group_rows(offs_ptr, g, G, M):
 @triton.jit
 def mjagged_tile(
     a_ptr, b_ptr, bias_ptr, g, active, row_start, m_size, tile_m, tile_n,
-    col_start, n_size, K,
+    n_size, pair_offset, K,
     stride_am, stride_ak, stride_bg, stride_bk, stride_bn, stride_biasg, stride_biasn,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PAIR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
-    """fp32 ``[BLOCK_M, BLOCK_N]`` tile of ``A[row_start + rm] @ B_g[:, col_start + rn] (+ bias)``.
+    """fp32 ``[BLOCK_M, BLOCK_N]`` tile of ``A[row_start + rm] @ B_g[:, rn] (+ bias_g[rn])``.
 
     ``rm = tile_m * BLOCK_M + arange`` (valid below ``m_size``), ``rn = tile_n * BLOCK_N +
-    arange`` (valid below ``n_size``). ``active == False`` gives exact zeros (no loads).
-    The K loop always runs in the same BLOCK_K order: a row's value does not depend on the
-    other rows of its tile.
+    arange`` (valid below ``n_size``). Returns ``(tile, tile2)``: with ``PAIR`` the second
+    is the tile at columns ``rn + pair_offset`` (the up half of a fused gate/up weight),
+    computed in the same K loop so the A tile is loaded once; otherwise ``tile2 is tile``.
+    ``active == False`` gives exact zeros (no loads). The K loop always runs in the same
+    BLOCK_K order: a row's value does not depend on the other rows of its tile.
     """
     rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -68,11 +71,13 @@ def mjagged_tile(
     row_ok = rm < m_size
     col_ok = rn < n_size
     rows = (row_start + rm).to(tl.int64)
-    cols = (col_start + rn).to(tl.int64)
+    cols = rn.to(tl.int64)
     a_ptrs = a_ptr + rows[:, None] * stride_am + rk[None, :] * stride_ak
     b_ptrs = (b_ptr + tl.cast(g, tl.int64) * stride_bg + rk[:, None] * stride_bk
               + cols[None, :] * stride_bn)
+    b2_ptrs = b_ptrs + tl.cast(pair_offset, tl.int64) * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_end = tl.where(active, K, 0)
     for k0 in range(0, k_end, BLOCK_K):
         k_ok = (k0 + rk) < K
@@ -82,13 +87,25 @@ def mjagged_tile(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        if PAIR:
+            b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if DOT_UPCAST:
+                b2 = b2.to(tl.float32)
+            acc2 = tl.dot(a, b2, acc2, input_precision=INPUT_PRECISION)
+            b2_ptrs += BLOCK_K * stride_bk
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + tl.cast(g, tl.int64) * stride_biasg + cols * stride_biasn,
-                       mask=col_ok & active, other=0.0)
+        bias_ptrs = bias_ptr + tl.cast(g, tl.int64) * stride_biasg + cols * stride_biasn
+        bias = tl.load(bias_ptrs, mask=col_ok & active, other=0.0)
         acc += bias.to(tl.float32)[None, :]
-    return acc
+        if PAIR:
+            bias2 = tl.load(bias_ptrs + tl.cast(pair_offset, tl.int64) * stride_biasn,
+                            mask=col_ok & active, other=0.0)
+            acc2 += bias2.to(tl.float32)[None, :]
+    if PAIR:
+        return acc, acc2
+    return acc, acc
 
 
 @triton.jit
@@ -157,19 +174,13 @@ def mjagged_gemm_kernel(
         for t in range(first, num_tiles, NUM_PROGS):
             tile_m = t // num_n
             tile_n = t % num_n
-            acc = mjagged_tile(
+            acc, up = mjagged_tile(
                 a_ptr, b_ptr, bias_ptr, g, active, start, end - start, tile_m, tile_n,
-                0, N_OUT, K, stride_am, stride_ak, stride_bg, stride_bk, stride_bn,
-                stride_biasg, stride_biasn, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION,
-                DOT_UPCAST,
+                N_OUT, N_OUT, K, stride_am, stride_ak, stride_bg, stride_bk, stride_bn,
+                stride_biasg, stride_biasn, HAS_BIAS, SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K,
+                INPUT_PRECISION, DOT_UPCAST,
             )
             if SWIGLU:
-                up = mjagged_tile(
-                    a_ptr, b_ptr, bias_ptr, g, active, start, end - start, tile_m, tile_n,
-                    N_OUT, N_OUT, K, stride_am, stride_ak, stride_bg, stride_bk, stride_bn,
-                    stride_biasg, stride_biasn, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K,
-                    INPUT_PRECISION, DOT_UPCAST,
-                )
                 acc = swiglu(acc, up)
             rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
             rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
