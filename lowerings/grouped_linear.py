@@ -14,8 +14,10 @@ fuse after it.
   skewed offsets (``input_gen_fns``).
 * Without Triton codegen for the device (CPU C++ backend): an extern call of the op.
 
-The backward ops (``grouped_linear_dx``, ``grouped_linear_wgrad``) are not lowered: they stay
-extern calls to our persistent Triton kernels (nothing to fuse into a dW product).
+``grouped_linear_dx`` (the backward's ``dY_g @ W_g``) uses the same template with W's axes
+swapped, so consumers of dX (e.g. a residual-gradient add, a cast) fuse too.
+``grouped_linear_wgrad`` (dW and db) is not lowered: it stays an extern call to our
+persistent K-jagged kernel (a [G, N, K] product has no pointwise neighbours worth fusing).
 """
 from __future__ import annotations
 
@@ -81,18 +83,19 @@ def _configs(m_hint: int, groups: int, n_out: int, k: int, dtype, device):
     return [(bm, bn, min(bk, small_k), w, s) for bm, bn, bk, w, s in AUTOTUNE_CONFIGS], True
 
 
-def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None):
+def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: bool = False):
     op = getattr(torch.ops.compileops, op_name).default
     device = x.get_device()
     if not _compat.emits_triton_for(device):
-        return _compat.fallback(op)(x, weight, offsets, bias)
+        extra = () if dx else (bias,)
+        return _compat.fallback(op)(x, weight, offsets, *extra)
     from compileops.grouped_linear import kernels
 
     nodes = _compat.realize_inputs(x, weight, offsets, *([bias] if bias is not None else []))
     x, weight, offsets = nodes[:3]
     m, k = x.get_size()
     groups, n, _ = weight.get_size()
-    n_out = n // 2 if swiglu else n
+    n_out = weight.get_size()[2] if dx else (n // 2 if swiglu else n)
     dtype = x.get_dtype()
     layout = _compat.fixed_layout(device, dtype, [m, n_out], [n_out, 1])
     m_hint = _compat.size_hint(m)
@@ -101,6 +104,7 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None):
     constexprs = dict(
         HAS_BIAS=bias is not None,
         SWIGLU=swiglu,
+        DX=dx,
         NUM_PROGS=kernels.num_programs(device.index if device.type == "cuda" else None, device.type),
         TF32=kernels.input_precision(dtype) == "tf32",
         DOT_UPCAST=device.type == "cpu" and dtype == torch.bfloat16,
@@ -127,6 +131,10 @@ def lower_grouped_linear_swiglu(x, weight, offsets, bias=None):
     return _lower("grouped_linear_swiglu", True, x, weight, offsets, bias)
 
 
+def lower_grouped_linear_dx(grad, weight, offsets):
+    return _lower("grouped_linear_dx", False, grad, weight, offsets, dx=True)
+
+
 def register() -> None:
     import compileops.grouped_linear.op  # noqa: F401  (the ops must exist before lowering)
 
@@ -134,3 +142,4 @@ def register() -> None:
     _compat.register_lowering(
         torch.ops.compileops.grouped_linear_swiglu.default, lower_grouped_linear_swiglu
     )
+    _compat.register_lowering(torch.ops.compileops.grouped_linear_dx.default, lower_grouped_linear_dx)
