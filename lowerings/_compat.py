@@ -112,6 +112,13 @@ def extern_kernel_choice(op: torch._ops.OpOverload, name: str) -> Any:
                               use_fallback_kernel=True)
 
 
+def extern_function_choice(fn: Callable, name: str) -> Any:
+    """An extern choice calling a plain Python function (``extern_kernels.<name>``)."""
+    from torch._inductor.select_algorithm import ExternKernelChoice
+
+    return ExternKernelChoice(fn, name=name, has_out_variant=False)
+
+
 def realize_inputs(*nodes):
     from torch._inductor.select_algorithm import realize_inputs as _realize
 

@@ -11,7 +11,9 @@ fuse after it.
 
 * Default mode: one heuristic config (no compile-time benchmarking).
 * ``max_autotune``: a bounded config list plus the extern eager op, benchmarked on Dirichlet(1)
-  skewed offsets (``input_gen_fns``).
+  skewed offsets (``input_gen_fns``). On sm90+ in bf16 without bias, ``torch._grouped_mm``
+  (CUTLASS, with its uninitialised tail rows zeroed: :func:`grouped_mm_anchor`) is a choice
+  too, for the forward and dX.
 * Without Triton codegen for the device (CPU C++ backend): an extern call of the op.
 
 ``grouped_linear_dx`` (the backward's ``dY_g @ W_g``) uses the same template with W's axes
@@ -57,6 +59,37 @@ def template():
 def extern_choice(op_name: str):
     op = getattr(torch.ops.compileops, op_name).default
     return _compat.extern_kernel_choice(op, f"compileops_{op_name}_eager")
+
+
+def grouped_mm_anchor(a: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(a, weight^T)`` (forward) with rows past ``offsets[-1]`` zeroed
+    (``_grouped_mm`` leaves them uninitialised); sync-free."""
+    out = torch._grouped_mm(a, weight.transpose(-2, -1), offs=offsets)
+    return _zero_tail(out, offsets)
+
+
+def grouped_mm_dx_anchor(grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``dX = dY_g @ W_g`` through ``torch._grouped_mm``, tail rows zeroed."""
+    return _zero_tail(torch._grouped_mm(grad, weight, offs=offsets), offsets)
+
+
+def _zero_tail(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    rows = torch.arange(out.shape[0], device=out.device, dtype=offsets.dtype)
+    return torch.where((rows < offsets[-1])[:, None], out, out.new_zeros(()))
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_mm_choice(dx: bool):
+    # Created when the lowerings install (see register), so the extern_kernels attribute
+    # exists before any cached compiled graph that calls it is loaded.
+    fn = grouped_mm_dx_anchor if dx else grouped_mm_anchor
+    return _compat.extern_function_choice(fn, "compileops_grouped_mm_dx" if dx else "compileops_grouped_mm")
+
+
+def _grouped_mm_applies(device, dtype, has_bias: bool, swiglu: bool, groups_hint: int) -> bool:
+    return (device.type == "cuda" and not torch.version.hip and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(device) >= (9, 0)
+            and dtype == torch.bfloat16 and not has_bias and not swiglu and groups_hint > 0)
 
 
 def skewed_offsets(groups: int, m: int, device, seed: int = 0) -> torch.Tensor:
@@ -117,6 +150,8 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
         )
     if autotune or not choices:
         choices.append(extern_choice(op_name).bind(nodes, layout))
+    if autotune and _grouped_mm_applies(device, dtype, bias is not None, swiglu, g_hint):
+        choices.append(grouped_mm_choice(dx).bind(nodes, layout))
     input_gen_fns = {2: lambda node: skewed_offsets(g_hint, m_hint, node.get_device())}
     return _compat.autotune_select_algorithm(
         f"compileops_{op_name}", choices, nodes, layout, input_gen_fns=input_gen_fns
@@ -137,6 +172,9 @@ def lower_grouped_linear_dx(grad, weight, offsets):
 
 def register() -> None:
     import compileops.grouped_linear.op  # noqa: F401  (the ops must exist before lowering)
+
+    grouped_mm_choice(False)
+    grouped_mm_choice(True)
 
     _compat.register_lowering(torch.ops.compileops.grouped_linear.default, lower_grouped_linear)
     _compat.register_lowering(

@@ -182,3 +182,49 @@ def test_autotune_offsets_are_skewed_and_valid():
     assert offs.dtype == torch.int32 and int(offs[-1]) == 4096 and bool((sizes >= 0).all())
     assert int(sizes.max()) > 2 * 4096 // 16, "Dirichlet(1) sizes should be skewed"
     assert len(AUTOTUNE_CONFIGS) <= 8
+
+
+def test_grouped_mm_anchor_choice_zeroes_the_tail():
+    from lowerings.grouped_linear import grouped_mm_anchor, grouped_mm_dx_anchor
+
+    x, w, offs, _, _ = make([3, 0, 6], extra_rows=4)
+    x, w = x.bfloat16(), w.bfloat16()
+    y = grouped_mm_anchor(x, w, offs)
+    assert torch.equal(y[9:], torch.zeros_like(y[9:]))
+    ref = reference.grouped_linear_forward(x.double(), w.double(), offs)
+    assert_close_to_reference(y.float(), ref, max_relative_error=1e-2)
+    dy = torch.randn(13, 24).bfloat16()
+    dx = grouped_mm_dx_anchor(dy, w, offs)
+    assert_close_to_reference(dx.float(), reference.grouped_linear_dx(dy.double(), w.double(), offs),
+                              max_relative_error=1e-2)
+
+
+def test_max_autotune_path_benchmarks_choices_on_skewed_offsets():
+    """The max-autotune branch (GPU-only by default) forced on CPU with two tiny template
+    configs + the extern op: benchmarks run on generated skewed offsets, result is right."""
+    from unittest import mock
+
+    import lowerings.grouped_linear as lowering
+
+    x, w, offs, b, _ = make([5, 0, 11, 14], extra_rows=10)
+    calls = []
+    real_gen = lowering.skewed_offsets
+
+    def gen(*args, **kwargs):
+        calls.append(args)
+        return real_gen(*args, **kwargs)
+
+    def two_configs(*args):
+        return [(16, 32, 16, 1, 1), (16, 16, 16, 1, 1)], True
+
+    def f(x, w, offs, b):
+        return compileops.grouped_linear(x, w, offs, b) * 2
+
+    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu(), \
+            _compat.inductor_config_patch(max_autotune=True), \
+            mock.patch.object(lowering, "_configs", two_configs), \
+            mock.patch.object(lowering, "skewed_offsets", gen):
+        out = torch.compile(f, fullgraph=True)(x, w, offs, b)
+    assert calls, "autotuning must benchmark on generated (skewed) offsets"
+    ref = 2 * reference.grouped_linear_forward(x.double(), w.double(), offs, b.double())
+    assert_close_to_reference(out, ref, max_relative_error=1e-5)
