@@ -249,3 +249,14 @@ def test_import_stays_cheap():
             "print('triton' in sys.modules, 'torch._inductor.lowering' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_device_mismatch_in_fake():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(10, 8, device="cuda")
+        w = torch.empty(2, 6, 8)
+        offs = torch.empty(2, dtype=torch.int32, device="cuda")
+        with pytest.raises(RuntimeError, match="weight is on cpu but x is on cuda"):
+            torch.ops.compileops.grouped_linear(x, w, offs)
