@@ -138,6 +138,7 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
         HAS_BIAS=bias is not None,
         SWIGLU=swiglu,
         DX=dx,
+        GROUP_M=kernels.GROUP_M,
         NUM_PROGS=kernels.num_programs(device.index if device.type == "cuda" else None, device.type),
         TF32=kernels.input_precision(dtype) == "tf32",
         DOT_UPCAST=device.type == "cpu" and dtype == torch.bfloat16,

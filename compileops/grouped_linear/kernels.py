@@ -49,6 +49,18 @@ def group_rows(offs_ptr, g, G, M):
 
 
 @triton.jit
+def tile_coords(t, num_m, num_n, GROUP_M: tl.constexpr):
+    """Tile ``t`` of a group's ``num_m x num_n`` grid -> ``(tile_m, tile_n)``, ``GROUP_M``-row
+    super-grouped so that concurrently running programs share A rows and B columns in L2."""
+    per_group = GROUP_M * num_n
+    first_m = (t // per_group) * GROUP_M
+    rows_here = tl.minimum(num_m - first_m, GROUP_M)
+    tile_m = first_m + (t % per_group) % rows_here
+    tile_n = (t % per_group) // rows_here
+    return tile_m, tile_n
+
+
+@triton.jit
 def mjagged_tile(
     a_ptr, b_ptr, bias_ptr, g, active, row_start, m_size, tile_m, tile_n,
     n_size, pair_offset, K,
@@ -158,7 +170,7 @@ def mjagged_gemm_kernel(
     M, N_OUT, K, G,
     stride_am, stride_ak, stride_bg, stride_bk, stride_bn, stride_biasg, stride_biasn,
     stride_om, stride_on,
-    HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NUM_PROGS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NUM_PROGS: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
@@ -169,11 +181,11 @@ def mjagged_gemm_kernel(
     for g in range(0, G + 1):
         start, end = group_rows(offs_ptr, g, G, M)
         active = g < G
-        num_tiles = tl.cdiv(end - start, BLOCK_M) * num_n
+        num_m = tl.cdiv(end - start, BLOCK_M)
+        num_tiles = num_m * num_n
         first = (pid - done % NUM_PROGS + NUM_PROGS) % NUM_PROGS
         for t in range(first, num_tiles, NUM_PROGS):
-            tile_m = t // num_n
-            tile_n = t % num_n
+            tile_m, tile_n = tile_coords(t, num_m, num_n, GROUP_M)
             acc, up = mjagged_tile(
                 a_ptr, b_ptr, bias_ptr, g, active, start, end - start, tile_m, tile_n,
                 N_OUT, N_OUT, K, stride_am, stride_ak, stride_bg, stride_bk, stride_bn,
@@ -239,6 +251,9 @@ class Config:
     num_warps: int = 4
     num_stages: int = 3
 
+
+# Rows of tiles per L2 super-group in the M-jagged schedule (tile_coords).
+GROUP_M = 8
 
 # Batch-invariant mode: one fixed config for the M-jagged products, whatever the group sizes.
 BATCH_INVARIANT_CONFIG = Config(64, 64, 32, num_warps=4, num_stages=3)
@@ -331,7 +346,7 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
         a.stride(0), a.stride(1), *b_strides,
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
         out.stride(0), out.stride(1),
-        HAS_BIAS=bias is not None, SWIGLU=swiglu_out, NUM_PROGS=progs,
+        HAS_BIAS=bias is not None, SWIGLU=swiglu_out, NUM_PROGS=progs, GROUP_M=GROUP_M,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         INPUT_PRECISION=input_precision(a.dtype), DOT_UPCAST=dot_upcast(a),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -260,3 +260,12 @@ def test_device_mismatch_in_fake():
         offs = torch.empty(2, dtype=torch.int32, device="cuda")
         with pytest.raises(RuntimeError, match="weight is on cpu but x is on cuda"):
             torch.ops.compileops.grouped_linear(x, w, offs)
+
+
+def test_large_group_spans_several_tile_super_groups():
+    # 16-row tiles under the interpreter: 150 rows = 10 M-tiles > GROUP_M (8), x 2 N-tiles.
+    x, w, offs, b = make([3, 150, 1], k=16, n=40, extra_rows=5)
+    y = compileops.grouped_linear(x, w, offs, b)
+    ref = reference.grouped_linear_forward(x.double(), w.double(), offs, b.double())
+    assert_close_to_reference(y, ref, max_relative_error=1e-5)
+    assert torch.equal(y[154:], torch.zeros_like(y[154:]))
