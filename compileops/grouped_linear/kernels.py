@@ -20,13 +20,18 @@ Offsets are clamped per group (``start = clamp(offs[g-1], 0, M)``, ``end = clamp
 start, M)``): bad offsets never cause an out-of-bounds access; the result for them is
 unspecified (see :mod:`compileops.grouped_linear.op` for the opt-in eager check).
 
-No TMA yet: loads are pointer-based (``tl.load`` with masks). Tile shapes are chosen on
-the host from ``M / G`` (the mean group size; no device read) by :func:`choose_config`.
+TMA: on sm90+ the eager M-jagged kernel (forward, SwiGLU, dX) loads A and W tiles through
+device-side tensor descriptors when strides/alignment allow (:func:`tma_applies`;
+``COMPILEOPS_GROUPED_TMA=0`` turns it off). The dW kernel and the Inductor template use
+masked pointer loads. Tile shapes are chosen on the host from ``M / G`` (the mean group
+size; no device read) by :func:`choose_config`.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import warnings
 from typing import Optional
 
 import torch
@@ -61,12 +66,43 @@ def tile_coords(t, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _desc_b_tile(b_desc, g, n0, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 B_KN: tl.constexpr):
+    """``[BLOCK_K, BLOCK_N]`` tile of B_g at ``(k0, n0)`` through the 3-D weight descriptor."""
+    if B_KN:
+        return b_desc.load([g, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+    else:
+        return b_desc.load([g, n0, k0]).reshape(BLOCK_N, BLOCK_K).T
+
+
+@triton.jit
+def make_descriptors(a_ptr, b_ptr, M, K, G, B_N, stride_am, stride_bg, stride_b1,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     B_KN: tl.constexpr):
+    """Device-side TMA descriptors: A ``[M, K]`` (unit column stride) and the weight
+    ``[G, K, B_N]`` (``B_KN``) or ``[G, B_N, K]`` (unit last stride)."""
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    if B_KN:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[G, K, B_N],
+                                           strides=[stride_bg, stride_b1, 1],
+                                           block_shape=[1, BLOCK_K, BLOCK_N])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[G, B_N, K],
+                                           strides=[stride_bg, stride_b1, 1],
+                                           block_shape=[1, BLOCK_N, BLOCK_K])
+    return a_desc, b_desc
+
+
+@triton.jit
 def mjagged_tile(
     a_ptr, b_ptr, bias_ptr, g, active, row_start, m_size, tile_m, tile_n,
     n_size, pair_offset, K,
     stride_am, stride_ak, stride_bg, stride_bk, stride_bn, stride_biasg, stride_biasn,
+    a_desc, b_desc,
     HAS_BIAS: tl.constexpr, PAIR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    USE_TMA: tl.constexpr, B_KN: tl.constexpr,
 ):
     """fp32 ``[BLOCK_M, BLOCK_N]`` tile of ``A[row_start + rm] @ B_g[:, rn] (+ bias_g[rn])``.
 
@@ -76,6 +112,12 @@ def mjagged_tile(
     computed in the same K loop so the A tile is loaded once; otherwise ``tile2 is tile``.
     ``active == False`` gives exact zeros (no loads). The K loop always runs in the same
     BLOCK_K order: a row's value does not depend on the other rows of its tile.
+
+    ``USE_TMA``: A and B tiles come through tensor descriptors (``a_desc`` over A ``[M, K]``,
+    ``b_desc`` over the weight ``[G, *, *]``; :func:`make_descriptors`). Rows of A past the
+    group (other groups' rows) only reach output rows that are masked at the store; columns
+    and K past the tensor's bounds are zero-filled by the TMA unit.
+    ``B_KN``: B_g is stored ``[K, N]`` (dX: ``W_g`` untransposed), else ``[N, K]``.
     """
     rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -93,14 +135,22 @@ def mjagged_tile(
     k_end = tl.where(active, K, 0)
     for k0 in range(0, k_end, BLOCK_K):
         k_ok = (k0 + rk) < K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if USE_TMA:
+            a = a_desc.load([(row_start + tile_m * BLOCK_M).to(tl.int32), k0])
+            b = _desc_b_tile(b_desc, g, tile_n * BLOCK_N, k0, BLOCK_N, BLOCK_K, B_KN)
+        else:
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if DOT_UPCAST:  # interpreter only: its tl.dot mishandles bf16 (raw bits)
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         if PAIR:
-            b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if USE_TMA:
+                b2 = _desc_b_tile(b_desc, g, tile_n * BLOCK_N + pair_offset, k0,
+                                  BLOCK_N, BLOCK_K, B_KN)
+            else:
+                b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             if DOT_UPCAST:
                 b2 = b2.to(tl.float32)
             acc2 = tl.dot(a, b2, acc2, input_precision=INPUT_PRECISION)
@@ -173,9 +223,20 @@ def mjagged_gemm_kernel(
     HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NUM_PROGS: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    USE_TMA: tl.constexpr, B_KN: tl.constexpr,
 ):
     """Persistent M-jagged grouped GEMM; ``N_OUT`` output columns (``N / 2`` with SWIGLU)."""
     pid = tl.program_id(0)
+    a_desc = None
+    b_desc = None
+    if USE_TMA:
+        if B_KN:
+            a_desc, b_desc = make_descriptors(a_ptr, b_ptr, M, K, G, N_OUT, stride_am, stride_bg,
+                                              stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, B_KN)
+        else:
+            b_n = N_OUT * 2 if SWIGLU else N_OUT
+            a_desc, b_desc = make_descriptors(a_ptr, b_ptr, M, K, G, b_n, stride_am, stride_bg,
+                                              stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, B_KN)
     num_n = tl.cdiv(N_OUT, BLOCK_N)
     done = 0
     for g in range(0, G + 1):
@@ -189,8 +250,8 @@ def mjagged_gemm_kernel(
             acc, up = mjagged_tile(
                 a_ptr, b_ptr, bias_ptr, g, active, start, end - start, tile_m, tile_n,
                 N_OUT, N_OUT, K, stride_am, stride_ak, stride_bg, stride_bk, stride_bn,
-                stride_biasg, stride_biasn, HAS_BIAS, SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K,
-                INPUT_PRECISION, DOT_UPCAST,
+                stride_biasg, stride_biasn, a_desc, b_desc, HAS_BIAS, SWIGLU, BLOCK_M, BLOCK_N,
+                BLOCK_K, INPUT_PRECISION, DOT_UPCAST, USE_TMA, B_KN,
             )
             if SWIGLU:
                 acc = swiglu(acc, up)
@@ -326,12 +387,49 @@ def _grid_size(device: torch.device) -> int:
 # Launchers
 
 
+_tma_failed = False
+
+
+def _tma_env_enabled() -> bool:
+    return os.environ.get("COMPILEOPS_GROUPED_TMA", "1") not in ("0", "")
+
+
+def tma_applies(a: torch.Tensor, w: torch.Tensor, cfg: Config) -> bool:
+    """TMA descriptors need a unit inner stride, 16-byte aligned bases and outer strides, and
+    a GPU with the TMA unit (sm90+). Host metadata only: no device read."""
+    if _tma_failed or not _tma_env_enabled() or not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    if a.device.type != "cuda" or torch.version.hip:
+        return False
+    if torch.cuda.get_device_capability(a.device) < (9, 0):
+        return False
+    es = a.element_size()
+    return (a.stride(1) == 1 and w.stride(2) == 1 and a.data_ptr() % 16 == 0
+            and w.data_ptr() % 16 == 0 and (a.stride(0) * es) % 16 == 0
+            and (w.stride(0) * es) % 16 == 0 and (w.stride(1) * es) % 16 == 0
+            and cfg.block_k * es >= 16)
+
+
+def _set_tma_allocator(device: torch.device) -> None:
+    # Device-side descriptors need a small global scratch per launch; take it from torch's
+    # caching allocator (stream-ordered, so CUDA graph capture works).
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
+
+
 def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, int],
                  offsets: torch.Tensor, n_out: int, *, bias: Optional[torch.Tensor] = None,
                  swiglu_out: bool = False, out_dtype: torch.dtype,
-                 config: Optional[Config] = None, batch_invariant: bool = False) -> torch.Tensor:
+                 config: Optional[Config] = None, batch_invariant: bool = False,
+                 b_kn: bool = False, use_tma: Optional[bool] = None) -> torch.Tensor:
     """``out [M, n_out]``: rows of group g are ``A_g @ B_g`` (B addressed through
-    ``b_strides = (stride_g, stride_k, stride_n)``), tail rows zero."""
+    ``b_strides = (stride_g, stride_k, stride_n)``), tail rows zero.
+
+    ``b`` is the weight ``[G, N, K]``; ``b_kn`` says B_g is ``W_g`` itself (dX) rather than
+    ``W_g^T``. ``use_tma=None`` picks TMA when :func:`tma_applies` (never in batch-invariant
+    mode: one code path per row). If a TMA launch raises (e.g. an older driver), a warning
+    is printed once and the pointer path is used from then on.
+    """
+    global _tma_failed
     m, k = a.shape
     groups = offsets.shape[0]
     out = torch.empty((m, n_out), dtype=out_dtype, device=a.device)
@@ -340,40 +438,60 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
     cfg = config or choose_config(m, groups, n_out, k, a.dtype, a.device,
                                   batch_invariant=batch_invariant)
     progs = _grid_size(a.device)
-    mjagged_gemm_kernel[(progs,)](
-        a, b, bias if bias is not None else a, offsets, out,
-        m, n_out, k, groups,
-        a.stride(0), a.stride(1), *b_strides,
-        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
-        out.stride(0), out.stride(1),
-        HAS_BIAS=bias is not None, SWIGLU=swiglu_out, NUM_PROGS=progs, GROUP_M=GROUP_M,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        INPUT_PRECISION=input_precision(a.dtype), DOT_UPCAST=dot_upcast(a),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    if use_tma is None:
+        use_tma = not batch_invariant and tma_applies(a, b, cfg)
+
+    def launch(tma: bool) -> None:
+        if tma:
+            _set_tma_allocator(a.device)
+        mjagged_gemm_kernel[(progs,)](
+            a, b, bias if bias is not None else a, offsets, out,
+            m, n_out, k, groups,
+            a.stride(0), a.stride(1), *b_strides,
+            bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
+            out.stride(0), out.stride(1),
+            HAS_BIAS=bias is not None, SWIGLU=swiglu_out, NUM_PROGS=progs, GROUP_M=GROUP_M,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            INPUT_PRECISION=input_precision(a.dtype), DOT_UPCAST=dot_upcast(a),
+            USE_TMA=tma, B_KN=b_kn,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    if use_tma and a.device.type == "cuda":
+        try:
+            launch(True)
+            return out
+        except Exception as exc:  # compile/launch error: fall back once, loudly
+            _tma_failed = True
+            warnings.warn(f"compileops.grouped_linear: TMA kernel failed ({type(exc).__name__}: "
+                          f"{exc}); using the pointer-based kernel from now on")
+    launch(bool(use_tma) and a.device.type != "cuda")
     return out
 
 
-def grouped_linear_forward(x, weight, offsets, bias=None, *, batch_invariant=False):
+def grouped_linear_forward(x, weight, offsets, bias=None, *, batch_invariant=False, use_tma=None):
     """x ``[M, K]``, weight ``[G, N, K]``, offsets int32 ``[G]``, bias ``[G, N]`` -> ``[M, N]``."""
     n = weight.shape[1]
     return mjagged_gemm(x, weight, (weight.stride(0), weight.stride(2), weight.stride(1)),
-                        offsets, n, bias=bias, out_dtype=x.dtype, batch_invariant=batch_invariant)
+                        offsets, n, bias=bias, out_dtype=x.dtype, batch_invariant=batch_invariant,
+                        use_tma=use_tma)
 
 
-def grouped_linear_swiglu_forward(x, weight, offsets, bias=None, *, batch_invariant=False):
+def grouped_linear_swiglu_forward(x, weight, offsets, bias=None, *, batch_invariant=False,
+                                  use_tma=None):
     """weight ``[G, 2H, K]`` (gate rows first, then up) -> ``silu(x W_gate^T) * (x W_up^T)`` ``[M, H]``."""
     h = weight.shape[1] // 2
     return mjagged_gemm(x, weight, (weight.stride(0), weight.stride(2), weight.stride(1)),
                         offsets, h, bias=bias, swiglu_out=True, out_dtype=x.dtype,
-                        batch_invariant=batch_invariant)
+                        batch_invariant=batch_invariant, use_tma=use_tma)
 
 
-def grouped_linear_dx(grad, weight, offsets, *, batch_invariant=False):
+def grouped_linear_dx(grad, weight, offsets, *, batch_invariant=False, use_tma=None):
     """grad ``[M, N]`` (any strides, stride 0 included) -> ``dX [M, K] = dY_g @ W_g``."""
     k = weight.shape[2]
     return mjagged_gemm(grad, weight, (weight.stride(0), weight.stride(1), weight.stride(2)),
-                        offsets, k, out_dtype=grad.dtype, batch_invariant=batch_invariant)
+                        offsets, k, out_dtype=grad.dtype, batch_invariant=batch_invariant,
+                        b_kn=True, use_tma=use_tma)
 
 
 def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype):

@@ -97,3 +97,21 @@ def test_compiled_template_fused_epilogue():
     ref = reference.swiglu(reference.grouped_linear_forward(x.double(), w.double(), offs,
                                                             b.double())) * p.double()[:, None]
     assert_close_to_reference(out, ref, max_relative_error=1e-2)
+
+
+def test_tma_path_used_on_sm90_and_matches_pointer_path():
+    from compileops.grouped_linear import kernels
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA needs sm90+")
+    x, w, offs, b = make(16, 4096, 1024, 768, torch.bfloat16)
+    cfg = kernels.choose_config(4096, 16, 768, 1024, torch.bfloat16, x.device)
+    assert kernels.tma_applies(x, w, cfg)
+    tma = kernels.grouped_linear_forward(x, w, offs, b, use_tma=True)
+    ptr = kernels.grouped_linear_forward(x, w, offs, b, use_tma=False)
+    assert not kernels._tma_failed
+    assert_close_to_reference(tma.float(), ptr.double(), max_relative_error=1e-2)
+    grad = torch.randn(4096, 768, device="cuda", dtype=torch.bfloat16)
+    assert_close_to_reference(kernels.grouped_linear_dx(grad, w, offs, use_tma=True).float(),
+                              kernels.grouped_linear_dx(grad, w, offs, use_tma=False).double(),
+                              max_relative_error=1e-2)

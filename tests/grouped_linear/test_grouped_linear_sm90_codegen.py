@@ -1,7 +1,8 @@
 """Ahead-of-time compile of the eager Triton kernels for an H100 (sm90) on this CPU machine
 (triton ships ptxas): catches what the interpreter tolerates but the compiler rejects, and
-checks the GEMM loops get Hopper wgmma and software pipelining (cp.async) when strides are
-specialised as in real launches (unit inner strides, 16-divisible pointers and sizes)."""
+checks the GEMM loops get Hopper wgmma and software pipelining (cp.async, or TMA copies in
+the TMA variants) when strides are specialised as in real launches (unit inner strides,
+16-divisible pointers and sizes). Compiling is not running: GPU runs are in the gpu tests."""
 import json
 import os
 import subprocess
@@ -48,7 +49,7 @@ def mjagged_args(ptr):
                                     "stride_biasg", "stride_biasn", "stride_om", "stride_on")])
 
 
-def mjagged_ttgir(dtype, swiglu):
+def mjagged_ttgir(dtype, swiglu, tma=False, b_kn=False):
     from compileops.grouped_linear import kernels
 
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
@@ -57,7 +58,8 @@ def mjagged_ttgir(dtype, swiglu):
         kernels.mjagged_gemm_kernel, mjagged_args(TYPES[dtype]),
         dict(HAS_BIAS=True, SWIGLU=swiglu, NUM_PROGS=132, GROUP_M=kernels.GROUP_M,
              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-             INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32", DOT_UPCAST=False),
+             INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32", DOT_UPCAST=False,
+             USE_TMA=tma, B_KN=b_kn),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return k.asm["ttgir"]
@@ -75,7 +77,9 @@ def kjagged_ttgir():
     return k.asm["ttgir"]
 
 
-CASES = {"bf16": ("bf16", False), "bf16-swiglu": ("bf16", True), "fp32-ieee": ("fp32", False)}
+CASES = {"bf16": ("bf16", False), "bf16-swiglu": ("bf16", True), "fp32-ieee": ("fp32", False),
+         "bf16-tma": ("bf16", False, True), "bf16-swiglu-tma": ("bf16", True, True),
+         "bf16-dx-tma": ("bf16", False, True, True)}
 
 
 def _main():  # runs in a subprocess without TRITON_INTERPRET (the compiler needs JITFunctions)
@@ -85,7 +89,10 @@ def _main():  # runs in a subprocess without TRITON_INTERPRET (the compiler need
 
 
 def summarize(ttgir):
-    return {"wgmma": "warp_group_dot" in ttgir, "pipelined": "async_copy_global_to_local" in ttgir}
+    return {"wgmma": "warp_group_dot" in ttgir,
+            "pipelined": ("async_copy_global_to_local" in ttgir
+                          or "async_tma_copy_global_to_local" in ttgir),
+            "tma": "async_tma_copy_global_to_local" in ttgir}
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +111,7 @@ def test_kernel_compiles_for_sm90_pipelined(compiled, case):
     assert compiled[case]["pipelined"], f"{case}: expected a software-pipelined (cp.async) K loop"
     if case != "fp32-ieee":  # IEEE fp32 dots use FMA, not tensor cores
         assert compiled[case]["wgmma"], f"{case}: expected Hopper wgmma"
+    assert compiled[case]["tma"] == case.endswith("-tma"), f"{case}: TMA loads iff requested"
 
 
 if __name__ == "__main__":
