@@ -10,8 +10,8 @@ computes the gate and up tiles together and stores ``silu(gate) * up`` ``[M, H]`
 fuse after it.
 
 * Default mode: one heuristic config (no compile-time benchmarking).
-* ``max_autotune``: a bounded config list plus the extern eager op, benchmarked on Dirichlet(1)
-  skewed offsets (``input_gen_fns``). On sm90+ in bf16 without bias, ``torch._grouped_mm``
+* ``max_autotune``: a bounded config list (on sm90+ each also as a TMA-descriptor variant)
+  plus the extern eager op, benchmarked on Dirichlet(1) skewed offsets (``input_gen_fns``). On sm90+ in bf16 without bias, ``torch._grouped_mm``
   (CUTLASS, with its uninitialised tail rows zeroed: :func:`grouped_mm_anchor`) is a choice
   too, for the forward and dX.
 * Without Triton codegen for the device (CPU C++ backend): an extern call of the op.
@@ -104,16 +104,39 @@ def skewed_offsets(groups: int, m: int, device, seed: int = 0) -> torch.Tensor:
     return ends.to(torch.int32).to(device)
 
 
-def _configs(m_hint: int, groups: int, n_out: int, k: int, dtype, device):
+def _configs(m_hint: int, groups: int, n_out: int, k: int, dtype, device, tma: bool = False):
+    """``([(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, USE_TMA)], autotune)``."""
     from compileops.grouped_linear import kernels
     from compileops.grouped_linear.op import is_batch_invariant
 
     if is_batch_invariant() or not _compat.max_autotune_enabled() or device.type != "cuda":
         cfg = kernels.choose_config(m_hint, groups, n_out, k, dtype, device,
                                     batch_invariant=is_batch_invariant())
-        return [(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)], False
+        return [(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, False)], False
     small_k = 32 if dtype == torch.float32 else 64
-    return [(bm, bn, min(bk, small_k), w, s) for bm, bn, bk, w, s in AUTOTUNE_CONFIGS], True
+    configs = [(bm, bn, min(bk, small_k), w, s, False) for bm, bn, bk, w, s in AUTOTUNE_CONFIGS]
+    if tma:  # the same tiles again through TMA descriptors; benchmarking picks
+        configs += [(bm, bn, bk, w, s, True) for bm, bn, bk, w, s, _ in configs]
+    return configs, True
+
+
+def _template_tma_applies(x, weight, device, dtype) -> bool:
+    """TMA descriptors in the template: sm90+, unit inner strides, 16-byte outer strides (all
+    static). Base pointers: Inductor copies misaligned graph inputs and aligns its buffers."""
+    import triton.language as tl
+
+    if device.type != "cuda" or torch.version.hip or not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    es = dtype.itemsize
+    xs, ws = x.get_stride(), weight.get_stride()
+    static = all(isinstance(v, int) or getattr(v, "is_number", False) for v in (*xs, *ws))
+    if not static:
+        return False
+    xs, ws = [int(v) for v in xs], [int(v) for v in ws]
+    return (xs[1] == 1 and ws[2] == 1 and (xs[0] * es) % 16 == 0
+            and (ws[0] * es) % 16 == 0 and (ws[1] * es) % 16 == 0)
 
 
 def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: bool = False):
@@ -133,7 +156,8 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
     layout = _compat.fixed_layout(device, dtype, [m, n_out], [n_out, 1])
     m_hint = _compat.size_hint(m)
     g_hint, n_hint, k_hint = (_compat.size_hint(s) for s in (groups, n_out, k))
-    configs, autotune = _configs(m_hint, g_hint, n_hint, k_hint, dtype, device)
+    configs, autotune = _configs(m_hint, g_hint, n_hint, k_hint, dtype, device,
+                                 tma=_template_tma_applies(x, weight, device, dtype))
     constexprs = dict(
         HAS_BIAS=bias is not None,
         SWIGLU=swiglu,
@@ -144,10 +168,10 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
         DOT_UPCAST=device.type == "cpu" and dtype == torch.bfloat16,
     )
     choices: list = []
-    for bm, bn, bk, warps, stages in configs:
+    for bm, bn, bk, warps, stages, tma in configs:
         template().maybe_append_choice(
             choices, input_nodes=nodes, layout=layout, num_stages=stages, num_warps=warps,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **constexprs,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_TMA=tma, **constexprs,
         )
     if autotune or not choices:
         choices.append(extern_choice(op_name).bind(nodes, layout))

@@ -201,7 +201,8 @@ def test_grouped_mm_anchor_choice_zeroes_the_tail():
 
 def test_max_autotune_path_benchmarks_choices_on_skewed_offsets():
     """The max-autotune branch (GPU-only by default) forced on CPU with two tiny template
-    configs + the extern op: benchmarks run on generated skewed offsets, result is right."""
+    configs (one through TMA descriptors) + the extern op: benchmarks run on generated skewed
+    offsets, result is right."""
     from unittest import mock
 
     import lowerings.grouped_linear as lowering
@@ -214,8 +215,8 @@ def test_max_autotune_path_benchmarks_choices_on_skewed_offsets():
         calls.append(args)
         return real_gen(*args, **kwargs)
 
-    def two_configs(*args):
-        return [(16, 32, 16, 1, 1), (16, 16, 16, 1, 1)], True
+    def two_configs(*args, **kwargs):
+        return [(16, 32, 16, 1, 1, False), (16, 16, 16, 1, 1, True)], True
 
     def f(x, w, offs, b):
         return compileops.grouped_linear(x, w, offs, b) * 2
@@ -228,3 +229,38 @@ def test_max_autotune_path_benchmarks_choices_on_skewed_offsets():
     assert calls, "autotuning must benchmark on generated (skewed) offsets"
     ref = 2 * reference.grouped_linear_forward(x.double(), w.double(), offs, b.double())
     assert_close_to_reference(out, ref, max_relative_error=1e-5)
+
+
+def test_template_tma_variant_fw_bw_under_interpreter():
+    """The template's TMA-descriptor variant (a max-autotune choice on sm90) forced as the only
+    config: SwiGLU forward, recomputed forward and dX in the backward, all through it."""
+    from unittest import mock
+
+    import lowerings.grouped_linear as lowering
+
+    x, w, offs, b, p = make([5, 0, 11, 3], k=24, n=40)
+    for t in (x, w, b):
+        t.requires_grad_()
+    grad = torch.randn(21, 20)
+
+    def tma_only(*args, **kwargs):
+        return [(16, 16, 16, 1, 1, True)], False
+
+    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu(), \
+            mock.patch.object(lowering, "_configs", tma_only):
+        compiled = torch.compile(moe_expert, fullgraph=True)
+
+        def fw_bw():
+            out = compiled(x, w, offs, b, p)
+            out.backward(grad)
+            return out
+
+        out, sources = _compat.run_and_get_code(fw_bw)
+    code = "\n".join(sources)
+    assert code.count("make_descriptors(") >= 3, "forward, recompute and dX templates use TMA"
+    leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    ref = ref_moe_expert(leaves[0], leaves[1], offs, leaves[2], p)
+    ref.backward(grad.double())
+    assert_close_to_reference(out, ref, max_relative_error=1e-5)
+    for got, exp, what in zip((x.grad, w.grad, b.grad), leaves, ("dX", "dW", "db")):
+        assert_close_to_reference(got, exp.grad, max_relative_error=1e-5, what=what)
