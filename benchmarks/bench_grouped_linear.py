@@ -70,6 +70,9 @@ def timer(fn, smoke: bool) -> float:
     return harness.bench_ms(fn, warmup=5, rep=30)
 
 
+_FUSED: dict = {}
+
+
 def run_case(name, shape, split, args, device, rows):
     groups, m, k, n = shape
     dtype = torch.bfloat16 if not args.smoke else torch.float32
@@ -125,7 +128,10 @@ def run_case(name, shape, split, args, device, rows):
     def ours(x, w, offs, b):
         return compileops.grouped_linear_swiglu(x, w, offs, b)
 
-    fused = torch.compile(ours, fullgraph=True, dynamic=False)
+    if args.skip_fused:
+        return
+    # One compiled function per shape, shared by both splits (same shapes: no recompile).
+    fused = _FUSED.setdefault(name, torch.compile(ours, fullgraph=True, dynamic=False))
     add("gl+bias+swiglu", "compileops compiled (fused)", lambda: fused(x, w, offs, b))
     if have_gmm:
         gid = torch.searchsorted(offs, torch.arange(m, device=device, dtype=torch.int32), right=True)
@@ -146,6 +152,8 @@ def main(argv=None) -> int:
     parser.add_argument("--compile-anchor", action="store_true",
                         help="also time torch.compile(F.grouped_mm, max-autotune) (slow to compile)")
     parser.add_argument("--skip-loop", action="store_true", help="skip the loop-of-F.linear anchor")
+    parser.add_argument("--skip-fused", action="store_true",
+                        help="skip the compiled grouped linear + bias + SwiGLU comparison")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter)")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
@@ -156,12 +164,14 @@ def main(argv=None) -> int:
     names = args.shapes or list(table)
     rows: list[harness.Row] = []
     torch.manual_seed(0)
+    start = time.perf_counter()
     for name in names:
         for split in args.splits:
             print(f"-- {name} {split} {table[name]}", flush=True)
             run_case(name, table[name], split, args, device, rows)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    print(f"-- benchmark wall time {time.perf_counter() - start:.0f} s", flush=True)
     csv_path = os.path.join(harness.out_dir(), "grouped_linear.csv")
     harness.report("grouped linear (bf16)" if not args.smoke else "grouped linear smoke (CPU)",
                    rows, csv_path=csv_path, baseline_impl="torch._grouped_mm")
