@@ -295,3 +295,17 @@ def test_tma_descriptor_path_matches_pointer_path(dtype):
     for name in got:
         assert_close_to_reference(got[name].float(), want[name], max_relative_error=tol, what=name)
         assert torch.equal(got[name][45:], torch.zeros_like(got[name][45:])), name
+
+
+def test_k_zero_gives_bias_only_and_bias_grad():
+    x, w, offs, b = make([3, 3], k=0, n=5, extra_rows=1)
+    for t in (x, w, b):
+        t.requires_grad_()
+    y = compileops.grouped_linear(x, w, offs, b)
+    grad = torch.randn(7, 5)
+    y.backward(grad)
+    _, _, _, db_ref = grads_fp64(x, w, offs, b, grad)
+    assert_close_to_reference(y, reference.grouped_linear_forward(x.double(), w.double(), offs, b.double()),
+                              max_relative_error=1e-6)
+    assert_close_to_reference(b.grad, db_ref, max_relative_error=1e-6)
+    assert w.grad.shape == (2, 5, 0) and x.grad.shape == (7, 0)
