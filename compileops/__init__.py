@@ -9,6 +9,11 @@ from compileops import backends
 from compileops.backends import BackendUnavailableError, use_backend
 from compileops.embedding import embedding, set_strict_index_checks
 from compileops import xtoken  # noqa: F401  (registers the xtoken ops)
+from compileops.grouped_linear import (
+    grouped_linear,
+    grouped_linear_splits,
+    grouped_linear_swiglu,
+)
 from compileops import nn  # noqa: E402  (registers modules; cheap)
 
 import lowerings as _lowerings
@@ -21,6 +26,9 @@ __all__ = [
     "BackendUnavailableError",
     "backends",
     "embedding",
+    "grouped_linear",
+    "grouped_linear_splits",
+    "grouped_linear_swiglu",
     "nn",
     "set_strict_index_checks",
     "use_backend",

@@ -21,6 +21,7 @@ import torch
 FAMILY_DEMOS: list[str] = [
     "compileops.embedding.selfcheck",
     "compileops.xtoken.selfcheck",
+    "compileops.grouped_linear.selfcheck",
 ]
 
 

@@ -1,5 +1,6 @@
 """Every compileops ``nn.Module``, one import away: ``compileops.nn.Embedding``, ..."""
 from compileops.embedding.module import Embedding
+from compileops.grouped_linear.module import GroupedLinear
 from compileops.xtoken.module import SparseProjection
 
-__all__ = ["Embedding", "SparseProjection"]
+__all__ = ["Embedding", "GroupedLinear", "SparseProjection"]

@@ -34,9 +34,10 @@ def install() -> None:
     with _install_lock:
         if _installed:
             return
-        from lowerings import embedding
+        from lowerings import embedding, grouped_linear
 
         embedding.register()
+        grouped_linear.register()
         _tag_compile_cache()
         _installed = True
 

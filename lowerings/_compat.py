@@ -103,3 +103,91 @@ def triton_codegen_on_cpu() -> Iterator[None]:
         "torch.utils._triton.triton_hash_with_backend", lambda *a, **k: "0" * 64
     ):
         yield
+
+
+# ---------------------------------------------------------------------------------------
+# Templates and algorithm selection (grouped linear)
+
+
+def symbolic_grid_fn(fn: Callable) -> Any:
+    """Wrap a ``grid(*args) -> (x, y, z)`` function for ``TritonTemplate`` (the last arg is meta)."""
+    from torch._inductor.select_algorithm import SymbolicGridFn
+
+    return SymbolicGridFn(fn)
+
+
+def triton_template(name: str, grid: Any, source: str) -> Any:
+    from torch._inductor.select_algorithm import TritonTemplate
+
+    return TritonTemplate(name=name, grid=grid, source=source)
+
+
+def extern_kernel_choice(op: torch._ops.OpOverload, name: str) -> Any:
+    """An extern choice that calls the op itself (our eager kernels) with its input nodes."""
+    from torch._inductor.select_algorithm import ExternKernelChoice
+
+    return ExternKernelChoice(op, name=name, has_out_variant=False, op_overload=op,
+                              use_fallback_kernel=True)
+
+
+def extern_function_choice(fn: Callable, name: str) -> Any:
+    """An extern choice calling a plain Python function (``extern_kernels.<name>``)."""
+    from torch._inductor.select_algorithm import ExternKernelChoice
+
+    return ExternKernelChoice(fn, name=name, has_out_variant=False)
+
+
+def realize_inputs(*nodes):
+    from torch._inductor.select_algorithm import realize_inputs as _realize
+
+    out = _realize(*nodes)
+    return out if isinstance(out, (list, tuple)) else [out]
+
+
+def fixed_layout(device, dtype, size, stride) -> Any:
+    from torch._inductor.ir import FixedLayout
+
+    return FixedLayout(device, dtype, list(size), list(stride))
+
+
+def fallback(op: torch._ops.OpOverload) -> Callable:
+    """Lower ``op`` as an extern call of itself (the eager implementation)."""
+    from torch._inductor.lowering import fallback_handler
+
+    return fallback_handler(op, add_to_fallback_set=False)
+
+
+def size_hint(expr) -> int:
+    """A concrete hint for a possibly symbolic size (``size_hint`` on 2.11, ``optimization_hint``
+    on 2.13)."""
+    from torch._inductor.virtualized import V
+
+    sizevars = V.graph.sizevars
+    if hasattr(sizevars, "optimization_hint"):
+        return int(sizevars.optimization_hint(expr))
+    return int(sizevars.size_hint(expr))
+
+
+def max_autotune_enabled() -> bool:
+    from torch._inductor import config
+
+    return bool(config.max_autotune or config.max_autotune_gemm)
+
+
+def emits_triton_for(device: torch.device) -> bool:
+    """Whether Inductor generates Triton (so Triton templates apply) for ``device``."""
+    from torch._inductor import config
+
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and config.cpu_backend == "triton"
+
+
+def autotune_select_algorithm(name: str, choices, input_nodes, layout, *, input_gen_fns=None):
+    """The chosen node: 2.11 returns a ``TensorBox``, 2.13 a ``(node, choice)`` tuple."""
+    from torch._inductor.select_algorithm import autotune_select_algorithm as _select
+
+    out = _select(name, choices, input_nodes, layout, input_gen_fns=input_gen_fns or {})
+    if isinstance(out, tuple):
+        return out[0]
+    return out

@@ -1,0 +1,525 @@
+"""Triton kernels for the grouped linear family, with their eager launchers.
+
+Three grouped products, all persistent (a fixed grid of ``NUM_PROGS`` programs that walk
+the tiles), all reading the group offsets on the device (no host sync, CUDA-graph safe):
+
+* **M-jagged** ``out[rows_g] = A[rows_g] @ B_g (+ bias_g)``: the forward
+  (``A = x``, ``B_g = W_g^T``), ``dX`` (``A = dY``, ``B_g = W_g``) and the fused SwiGLU
+  forward (gate and up halves of N in one tile). The rows past ``offsets[-1]`` form a
+  virtual group ``G`` whose tiles are written as exact zeros.
+* **K-jagged** ``dW_g = dY_g^T @ X_g`` with ``db_g = colsum(dY_g)`` in the same pass: a
+  static tile space ``G x N-tiles x K-tiles``, each tile reducing over its group's rows in
+  row order. No split-K, no atomics: bitwise deterministic. Empty groups give exact zeros.
+
+The ``@triton.jit`` bodies (:func:`group_rows`, :func:`mjagged_tile` (single tile, or the
+gate/up tile pair sharing one A load), :func:`swiglu`,
+:func:`kjagged_tile`) are shared with the Inductor template
+(``lowerings/templates/grouped_linear.py.jinja``), so no kernel math is written twice.
+
+Offsets are clamped per group (``start = clamp(offs[g-1], 0, M)``, ``end = clamp(offs[g],
+start, M)``): bad offsets never cause an out-of-bounds access; the result for them is
+unspecified (see :mod:`compileops.grouped_linear.op` for the opt-in eager check).
+
+TMA: on sm90+ the eager M-jagged kernel (forward, SwiGLU, dX) loads A and W tiles through
+device-side tensor descriptors when strides/alignment allow (:func:`tma_applies`;
+``COMPILEOPS_GROUPED_TMA=0`` turns it off). The dW kernel and the Inductor template use
+masked pointer loads. Tile shapes are chosen on the host from ``M / G`` (the mean group
+size; no device read) by :func:`choose_config`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import warnings
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+# ---------------------------------------------------------------------------------------
+# Shared @triton.jit bodies (also called by the Inductor template)
+
+
+@triton.jit
+def group_rows(offs_ptr, g, G, M):
+    """Rows ``[start, end)`` of group ``g`` (``g == G``: the tail ``[offs[G-1], M)``), clamped."""
+    prev = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+    start = tl.minimum(tl.maximum(prev, 0), M)
+    raw = tl.load(offs_ptr + g, mask=g < G, other=M)
+    end = tl.minimum(tl.maximum(raw, start), M)
+    return start, end
+
+
+@triton.jit
+def tile_coords(t, num_m, num_n, GROUP_M: tl.constexpr):
+    """Tile ``t`` of a group's ``num_m x num_n`` grid -> ``(tile_m, tile_n)``, ``GROUP_M``-row
+    super-grouped so that concurrently running programs share A rows and B columns in L2."""
+    per_group = GROUP_M * num_n
+    first_m = (t // per_group) * GROUP_M
+    rows_here = tl.minimum(num_m - first_m, GROUP_M)
+    tile_m = first_m + (t % per_group) % rows_here
+    tile_n = (t % per_group) // rows_here
+    return tile_m, tile_n
+
+
+@triton.jit
+def _desc_b_tile(b_desc, g, n0, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 B_KN: tl.constexpr):
+    """``[BLOCK_K, BLOCK_N]`` tile of B_g at ``(k0, n0)`` through the 3-D weight descriptor."""
+    if B_KN:
+        return b_desc.load([g, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+    else:
+        return b_desc.load([g, n0, k0]).reshape(BLOCK_N, BLOCK_K).T
+
+
+@triton.jit
+def make_descriptors(a_ptr, b_ptr, M, K, G, B_N, stride_am, stride_bg, stride_b1,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     B_KN: tl.constexpr):
+    """Device-side TMA descriptors: A ``[M, K]`` (unit column stride) and the weight
+    ``[G, K, B_N]`` (``B_KN``) or ``[G, B_N, K]`` (unit last stride)."""
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    if B_KN:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[G, K, B_N],
+                                           strides=[stride_bg, stride_b1, 1],
+                                           block_shape=[1, BLOCK_K, BLOCK_N])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[G, B_N, K],
+                                           strides=[stride_bg, stride_b1, 1],
+                                           block_shape=[1, BLOCK_N, BLOCK_K])
+    return a_desc, b_desc
+
+
+@triton.jit
+def mjagged_tile(
+    a_ptr, b_ptr, bias_ptr, g, active, row_start, m_size, tile_m, tile_n,
+    n_size, pair_offset, K,
+    stride_am, stride_ak, stride_bg, stride_bk, stride_bn, stride_biasg, stride_biasn,
+    a_desc, b_desc,
+    HAS_BIAS: tl.constexpr, PAIR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    USE_TMA: tl.constexpr, B_KN: tl.constexpr,
+):
+    """fp32 ``[BLOCK_M, BLOCK_N]`` tile of ``A[row_start + rm] @ B_g[:, rn] (+ bias_g[rn])``.
+
+    ``rm = tile_m * BLOCK_M + arange`` (valid below ``m_size``), ``rn = tile_n * BLOCK_N +
+    arange`` (valid below ``n_size``). Returns ``(tile, tile2)``: with ``PAIR`` the second
+    is the tile at columns ``rn + pair_offset`` (the up half of a fused gate/up weight),
+    computed in the same K loop so the A tile is loaded once; otherwise ``tile2 is tile``.
+    ``active == False`` gives exact zeros (no loads). The K loop always runs in the same
+    BLOCK_K order: a row's value does not depend on the other rows of its tile.
+
+    ``USE_TMA``: A and B tiles come through tensor descriptors (``a_desc`` over A ``[M, K]``,
+    ``b_desc`` over the weight ``[G, *, *]``; :func:`make_descriptors`). Rows of A past the
+    group (other groups' rows) only reach output rows that are masked at the store; columns
+    and K past the tensor's bounds are zero-filled by the TMA unit.
+    ``B_KN``: B_g is stored ``[K, N]`` (dX: ``W_g`` untransposed), else ``[N, K]``.
+    """
+    rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    row_ok = rm < m_size
+    col_ok = rn < n_size
+    rows = (row_start + rm).to(tl.int64)
+    cols = rn.to(tl.int64)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + rk[None, :] * stride_ak
+    b_ptrs = (b_ptr + tl.cast(g, tl.int64) * stride_bg + rk[:, None] * stride_bk
+              + cols[None, :] * stride_bn)
+    b2_ptrs = b_ptrs + tl.cast(pair_offset, tl.int64) * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_end = tl.where(active, K, 0)
+    for k0 in range(0, k_end, BLOCK_K):
+        k_ok = (k0 + rk) < K
+        if USE_TMA:
+            a = a_desc.load([(row_start + tile_m * BLOCK_M).to(tl.int32), k0])
+            b = _desc_b_tile(b_desc, g, tile_n * BLOCK_N, k0, BLOCK_N, BLOCK_K, B_KN)
+        else:
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if DOT_UPCAST:  # interpreter only: its tl.dot mishandles bf16 (raw bits)
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        if PAIR:
+            if USE_TMA:
+                b2 = _desc_b_tile(b_desc, g, tile_n * BLOCK_N + pair_offset, k0,
+                                  BLOCK_N, BLOCK_K, B_KN)
+            else:
+                b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if DOT_UPCAST:
+                b2 = b2.to(tl.float32)
+            acc2 = tl.dot(a, b2, acc2, input_precision=INPUT_PRECISION)
+            b2_ptrs += BLOCK_K * stride_bk
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if HAS_BIAS:
+        bias_ptrs = bias_ptr + tl.cast(g, tl.int64) * stride_biasg + cols * stride_biasn
+        bias = tl.load(bias_ptrs, mask=col_ok & active, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+        if PAIR:
+            bias2 = tl.load(bias_ptrs + tl.cast(pair_offset, tl.int64) * stride_biasn,
+                            mask=col_ok & active, other=0.0)
+            acc2 += bias2.to(tl.float32)[None, :]
+    if PAIR:
+        return acc, acc2
+    return acc, acc
+
+
+@triton.jit
+def swiglu(gate, up):
+    """``silu(gate) * up`` in fp32 (``tl.sigmoid``: no libdevice, runs in the interpreter)."""
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def kjagged_tile(
+    dy_ptr, x_ptr, start, end, tile_n, tile_k, N, K,
+    stride_dym, stride_dyn, stride_xm, stride_xk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    """``(dW tile [BLOCK_N, BLOCK_K], db partial [BLOCK_N])`` over rows ``[start, end)``, in
+    row order, fp32. An empty range gives exact zeros."""
+    rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    k_ok = rk < K
+    rn64 = rn.to(tl.int64)
+    rk64 = rk.to(tl.int64)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for m0 in range(start, end, BLOCK_M):
+        rm = m0 + tl.arange(0, BLOCK_M)
+        m_ok = rm < end
+        rm64 = rm.to(tl.int64)
+        dyt = tl.load(dy_ptr + rn64[:, None] * stride_dyn + rm64[None, :] * stride_dym,
+                      mask=n_ok[:, None] & m_ok[None, :], other=0.0)
+        xb = tl.load(x_ptr + rm64[:, None] * stride_xm + rk64[None, :] * stride_xk,
+                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if DOT_UPCAST:
+            acc = tl.dot(dyt.to(tl.float32), xb.to(tl.float32), acc,
+                         input_precision=INPUT_PRECISION)
+        else:
+            acc = tl.dot(dyt, xb, acc, input_precision=INPUT_PRECISION)
+        db += tl.sum(dyt.to(tl.float32), axis=1)
+    return acc, db
+
+
+# ---------------------------------------------------------------------------------------
+# Eager kernels: persistent schedules around the bodies
+
+
+@triton.jit
+def mjagged_gemm_kernel(
+    a_ptr, b_ptr, bias_ptr, offs_ptr, out_ptr,
+    M, N_OUT, K, G,
+    stride_am, stride_ak, stride_bg, stride_bk, stride_bn, stride_biasg, stride_biasn,
+    stride_om, stride_on,
+    HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NUM_PROGS: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    USE_TMA: tl.constexpr, B_KN: tl.constexpr,
+):
+    """Persistent M-jagged grouped GEMM; ``N_OUT`` output columns (``N / 2`` with SWIGLU)."""
+    pid = tl.program_id(0)
+    a_desc = None
+    b_desc = None
+    if USE_TMA:
+        if B_KN:
+            a_desc, b_desc = make_descriptors(a_ptr, b_ptr, M, K, G, N_OUT, stride_am, stride_bg,
+                                              stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, B_KN)
+        else:
+            b_n = N_OUT * 2 if SWIGLU else N_OUT
+            a_desc, b_desc = make_descriptors(a_ptr, b_ptr, M, K, G, b_n, stride_am, stride_bg,
+                                              stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, B_KN)
+    num_n = tl.cdiv(N_OUT, BLOCK_N)
+    done = 0
+    for g in range(0, G + 1):
+        start, end = group_rows(offs_ptr, g, G, M)
+        active = g < G
+        num_m = tl.cdiv(end - start, BLOCK_M)
+        num_tiles = num_m * num_n
+        first = (pid - done % NUM_PROGS + NUM_PROGS) % NUM_PROGS
+        for t in range(first, num_tiles, NUM_PROGS):
+            tile_m, tile_n = tile_coords(t, num_m, num_n, GROUP_M)
+            acc, up = mjagged_tile(
+                a_ptr, b_ptr, bias_ptr, g, active, start, end - start, tile_m, tile_n,
+                N_OUT, N_OUT, K, stride_am, stride_ak, stride_bg, stride_bk, stride_bn,
+                stride_biasg, stride_biasn, a_desc, b_desc, HAS_BIAS, SWIGLU, BLOCK_M, BLOCK_N,
+                BLOCK_K, INPUT_PRECISION, DOT_UPCAST, USE_TMA, B_KN,
+            )
+            if SWIGLU:
+                acc = swiglu(acc, up)
+            rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = (rm < end - start)[:, None] & (rn < N_OUT)[None, :]
+            rows = (start + rm).to(tl.int64)
+            dst = out_ptr + rows[:, None] * stride_om + rn[None, :].to(tl.int64) * stride_on
+            tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        done += num_tiles
+
+
+@triton.jit
+def kjagged_gemm_kernel(
+    dy_ptr, x_ptr, offs_ptr, dw_ptr, db_ptr,
+    M, N, K, G,
+    stride_dym, stride_dyn, stride_xm, stride_xk,
+    HAS_DB: tl.constexpr, NUM_PROGS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    """Persistent K-jagged grouped GEMM: ``dw [G, N, K]``, ``db [G, N]`` (both contiguous)."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_k = tl.cdiv(K, BLOCK_K)
+    total = G * num_n * num_k
+    for t in range(pid, total, NUM_PROGS):
+        g = t // (num_n * num_k)
+        rest = t % (num_n * num_k)
+        tile_n = rest // num_k
+        tile_k = rest % num_k
+        start, end = group_rows(offs_ptr, g, G, M)
+        acc, db = kjagged_tile(
+            dy_ptr, x_ptr, start, end, tile_n, tile_k, N, K,
+            stride_dym, stride_dyn, stride_xm, stride_xk,
+            BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, DOT_UPCAST,
+        )
+        rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        n_ok = rn < N
+        base = tl.cast(g, tl.int64) * N * K
+        dst = dw_ptr + base + rn[:, None].to(tl.int64) * K + rk[None, :]
+        tl.store(dst, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & (rk < K)[None, :])
+        if HAS_DB:
+            tl.store(db_ptr + tl.cast(g, tl.int64) * N + rn, db.to(db_ptr.dtype.element_ty),
+                     mask=n_ok & (tile_k == 0))
+
+
+# ---------------------------------------------------------------------------------------
+# Configs (host-side heuristics; no device reads)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Rows of tiles per L2 super-group in the M-jagged schedule (tile_coords).
+GROUP_M = 8
+
+# Batch-invariant mode: one fixed config for the M-jagged products, whatever the group sizes.
+BATCH_INVARIANT_CONFIG = Config(64, 64, 32, num_warps=4, num_stages=3)
+# Interpreter (CPU) configs stay small: it runs one numpy op per tile statement.
+_INTERPRET_CONFIG = Config(16, 32, 32, num_warps=1, num_stages=1)
+
+
+def _interpreting(device: torch.device) -> bool:
+    return device.type == "cpu"
+
+
+def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
+                  device: torch.device, *, batch_invariant: bool = False) -> Config:
+    """M-jagged tile config from the mean group size ``M / G`` (host ints only).
+
+    Small groups (decode-like MoE, many experts) get short M tiles so little work is
+    masked; large groups get 128-row tiles. ``batch_invariant`` returns the fixed config.
+    """
+    if batch_invariant:
+        return BATCH_INVARIANT_CONFIG if not _interpreting(device) else _INTERPRET_CONFIG
+    if _interpreting(device):
+        return _INTERPRET_CONFIG
+    mean = m_total / max(groups, 1)
+    small = dtype == torch.float32
+    if mean <= 16:
+        return Config(16, 128, 64 if not small else 32, num_warps=4, num_stages=4)
+    if mean <= 64:
+        return Config(64, 128, 64 if not small else 32, num_warps=4, num_stages=4)
+    return Config(128, 128 if n >= 128 else 64, 64 if not small else 32, num_warps=8,
+                  num_stages=3 if not small else 2)
+
+
+def choose_wgrad_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
+                        device: torch.device) -> Config:
+    """K-jagged config: ``block_m`` is the row chunk each dW tile reduces over."""
+    if _interpreting(device):
+        return Config(16, 32, 32, num_warps=1, num_stages=1)
+    small = dtype == torch.float32
+    return Config(64 if not small else 32, 128, 128 if not small else 64, num_warps=8,
+                  num_stages=3)
+
+
+def input_precision(dtype: torch.dtype) -> str:
+    """``ieee`` for fp32 unless ``torch.backends.cuda.matmul.allow_tf32``; tf32 is ignored for
+    16-bit inputs (they use the tensor cores' native precision)."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def dot_upcast(t: torch.Tensor) -> bool:
+    """Upcast bf16 tiles to fp32 before ``tl.dot`` on CPU only: triton 3.6's interpreter
+    multiplies bf16 tiles as raw integer bits. On GPUs the native bf16 MMA runs."""
+    return t.device.type == "cpu" and t.dtype == torch.bfloat16
+
+
+@functools.lru_cache(maxsize=None)
+def num_programs(device_index: Optional[int], device_type: str) -> int:
+    """Persistent grid size: one program per SM on GPUs, 4 in the interpreter."""
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
+    return 4
+
+
+def _grid_size(device: torch.device) -> int:
+    return num_programs(device.index if device.type == "cuda" else None, device.type)
+
+
+# ---------------------------------------------------------------------------------------
+# Launchers
+
+
+_tma_failed = False
+
+
+def _tma_env_enabled() -> bool:
+    return os.environ.get("COMPILEOPS_GROUPED_TMA", "1") not in ("0", "")
+
+
+def tma_applies(a: torch.Tensor, w: torch.Tensor, cfg: Config) -> bool:
+    """TMA descriptors need a unit inner stride, 16-byte aligned bases and outer strides, and
+    a GPU with the TMA unit (sm90+). Host metadata only: no device read."""
+    if _tma_failed or not _tma_env_enabled() or not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    if a.device.type != "cuda" or torch.version.hip:
+        return False
+    if torch.cuda.get_device_capability(a.device) < (9, 0):
+        return False
+    es = a.element_size()
+    return (a.stride(1) == 1 and w.stride(2) == 1 and a.data_ptr() % 16 == 0
+            and w.data_ptr() % 16 == 0 and (a.stride(0) * es) % 16 == 0
+            and (w.stride(0) * es) % 16 == 0 and (w.stride(1) * es) % 16 == 0
+            and cfg.block_k * es >= 16)
+
+
+def _set_tma_allocator(device: torch.device) -> None:
+    # Device-side descriptors need a small global scratch per launch; take it from torch's
+    # caching allocator (stream-ordered, so CUDA graph capture works).
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
+
+
+def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, int],
+                 offsets: torch.Tensor, n_out: int, *, bias: Optional[torch.Tensor] = None,
+                 swiglu_out: bool = False, out_dtype: torch.dtype,
+                 config: Optional[Config] = None, batch_invariant: bool = False,
+                 b_kn: bool = False, use_tma: Optional[bool] = None) -> torch.Tensor:
+    """``out [M, n_out]``: rows of group g are ``A_g @ B_g`` (B addressed through
+    ``b_strides = (stride_g, stride_k, stride_n)``), tail rows zero.
+
+    ``b`` is the weight ``[G, N, K]``; ``b_kn`` says B_g is ``W_g`` itself (dX) rather than
+    ``W_g^T``. ``use_tma=None`` picks TMA when :func:`tma_applies` (never in batch-invariant
+    mode: one code path per row). If a TMA launch raises (e.g. an older driver), a warning
+    is printed once and the pointer path is used from then on.
+    """
+    global _tma_failed
+    m, k = a.shape
+    groups = offsets.shape[0]
+    out = torch.empty((m, n_out), dtype=out_dtype, device=a.device)
+    if m == 0 or n_out == 0:
+        return out
+    cfg = config or choose_config(m, groups, n_out, k, a.dtype, a.device,
+                                  batch_invariant=batch_invariant)
+    progs = _grid_size(a.device)
+    if use_tma is None:
+        use_tma = not batch_invariant and tma_applies(a, b, cfg)
+
+    def launch(tma: bool) -> None:
+        if tma:
+            _set_tma_allocator(a.device)
+        mjagged_gemm_kernel[(progs,)](
+            a, b, bias if bias is not None else a, offsets, out,
+            m, n_out, k, groups,
+            a.stride(0), a.stride(1), *b_strides,
+            bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
+            out.stride(0), out.stride(1),
+            HAS_BIAS=bias is not None, SWIGLU=swiglu_out, NUM_PROGS=progs, GROUP_M=GROUP_M,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            INPUT_PRECISION=input_precision(a.dtype), DOT_UPCAST=dot_upcast(a),
+            USE_TMA=tma, B_KN=b_kn,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    if use_tma and a.device.type == "cuda":
+        try:
+            launch(True)
+            return out
+        except Exception as exc:  # compile/launch error: fall back once, loudly
+            _tma_failed = True
+            warnings.warn(f"compileops.grouped_linear: TMA kernel failed ({type(exc).__name__}: "
+                          f"{exc}); using the pointer-based kernel from now on")
+    launch(bool(use_tma) and a.device.type != "cuda")
+    return out
+
+
+def grouped_linear_forward(x, weight, offsets, bias=None, *, batch_invariant=False, use_tma=None):
+    """x ``[M, K]``, weight ``[G, N, K]``, offsets int32 ``[G]``, bias ``[G, N]`` -> ``[M, N]``."""
+    n = weight.shape[1]
+    return mjagged_gemm(x, weight, (weight.stride(0), weight.stride(2), weight.stride(1)),
+                        offsets, n, bias=bias, out_dtype=x.dtype, batch_invariant=batch_invariant,
+                        use_tma=use_tma)
+
+
+def grouped_linear_swiglu_forward(x, weight, offsets, bias=None, *, batch_invariant=False,
+                                  use_tma=None):
+    """weight ``[G, 2H, K]`` (gate rows first, then up) -> ``silu(x W_gate^T) * (x W_up^T)`` ``[M, H]``."""
+    h = weight.shape[1] // 2
+    return mjagged_gemm(x, weight, (weight.stride(0), weight.stride(2), weight.stride(1)),
+                        offsets, h, bias=bias, swiglu_out=True, out_dtype=x.dtype,
+                        batch_invariant=batch_invariant, use_tma=use_tma)
+
+
+def grouped_linear_dx(grad, weight, offsets, *, batch_invariant=False, use_tma=None):
+    """grad ``[M, N]`` (any strides, stride 0 included) -> ``dX [M, K] = dY_g @ W_g``."""
+    k = weight.shape[2]
+    return mjagged_gemm(grad, weight, (weight.stride(0), weight.stride(1), weight.stride(2)),
+                        offsets, k, out_dtype=grad.dtype, batch_invariant=batch_invariant,
+                        b_kn=True, use_tma=use_tma)
+
+
+def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype):
+    """``(dW [G, N, K] = dY_g^T X_g, db [G, N] = colsum(dY_g))``, deterministic."""
+    m, n = grad.shape
+    k = x.shape[1]
+    groups = offsets.shape[0]
+    dw = torch.empty((groups, n, k), dtype=weight_dtype, device=grad.device)
+    db = torch.empty((groups, n), dtype=bias_dtype, device=grad.device)
+    if groups == 0 or n == 0:
+        return dw, db
+    if k == 0:
+        return dw, db.zero_() if m == 0 else _colsum_only(grad, offsets, db)
+    cfg = choose_wgrad_config(m, groups, n, k, x.dtype, x.device)
+    progs = _grid_size(x.device)
+    kjagged_gemm_kernel[(progs,)](
+        grad, x, offsets, dw, db, m, n, k, groups,
+        grad.stride(0), grad.stride(1), x.stride(0), x.stride(1),
+        HAS_DB=True, NUM_PROGS=progs,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        INPUT_PRECISION=input_precision(x.dtype), DOT_UPCAST=dot_upcast(x),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return dw, db
+
+
+def _colsum_only(grad, offsets, db):
+    # K == 0: no dW tiles exist to carry the bias sums; use a 1-column dummy x of zeros.
+    x = grad.new_zeros((grad.shape[0], 1))
+    dw_dummy, db2 = grouped_linear_wgrad(grad, x, offsets, grad.dtype, db.dtype)
+    return db.copy_(db2)

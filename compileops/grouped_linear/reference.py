@@ -1,0 +1,110 @@
+"""Ground truth for the grouped linear family, in plain PyTorch.
+
+What the tests compare against and what the ``reference`` backend runs. Groups are
+contiguous row ranges: group ``g`` owns rows ``[offsets[g-1], offsets[g])`` (``offsets[-1]
+= 0``); rows past ``offsets[G-1]`` belong to no group and their output is exactly zero.
+
+Sync-free: the group id of each row comes from ``searchsorted`` on the device, and each
+group is a masked dense product (a Python loop over the static ``G``), so no group size is
+ever read on the host. It costs ``G`` dense GEMMs: fine for a reference and small CPU runs.
+Low-precision inputs are computed in fp32 and cast once; fp64 inputs stay fp64.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def row_groups(offsets: torch.Tensor, m: int) -> torch.Tensor:
+    """``[M]`` int64 group id per row; ``G`` for rows past the last offset."""
+    rows = torch.arange(m, device=offsets.device, dtype=offsets.dtype)
+    return torch.searchsorted(offsets.contiguous(), rows, right=True)
+
+
+def check_offsets_values(offsets: torch.Tensor, m: int) -> None:
+    """Raise ``ValueError`` if offsets decrease, are negative or exceed ``m`` (reads them on
+    the host: a device sync on GPUs, so only run eagerly on CPU or when asked to)."""
+    if offsets.numel() == 0:
+        return
+    o = offsets.detach().to("cpu", torch.int64)
+    if bool((o < 0).any()):
+        raise ValueError(f"grouped_linear: offsets must be >= 0, got {o.tolist()}")
+    if bool((o[1:] < o[:-1]).any()):
+        raise ValueError(
+            f"grouped_linear: offsets must be non-decreasing (cumulative end rows), got {o.tolist()}"
+        )
+    if int(o[-1]) > m:
+        raise ValueError(
+            f"grouped_linear: offsets[-1] = {int(o[-1])} exceeds the number of rows M = {m}"
+        )
+
+
+def grouped_linear_forward(
+    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """x ``[M, K]``, weight ``[G, N, K]``, offsets int ``[G]``, bias ``[G, N]`` -> ``[M, N]``:
+    ``y[r] = x[r] @ weight[g(r)].T + bias[g(r)]``; rows of no group are 0."""
+    m, groups, n = x.shape[0], weight.shape[0], weight.shape[1]
+    cdt = _compute_dtype(x.dtype)
+    gid = row_groups(offsets, m)
+    xc = x.to(cdt)
+    y = torch.zeros((m, n), dtype=cdt, device=x.device)
+    for g in range(groups):
+        yg = xc @ weight[g].to(cdt).t()
+        if bias is not None:
+            yg = yg + bias[g].to(cdt)
+        y = torch.where((gid == g)[:, None], yg, y)
+    return y.to(x.dtype)
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """``[..., 2H] -> [..., H]``: ``silu(h[..., :H]) * h[..., H:]`` (gate first, then up)."""
+    gate, up = h.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def grouped_linear_swiglu_forward(x, weight, offsets, bias=None) -> torch.Tensor:
+    """weight ``[G, 2H, K]`` -> ``swiglu(x W_g^T + b_g)`` ``[M, H]``, computed in fp32, cast once."""
+    cdt = _compute_dtype(x.dtype)
+    h = grouped_linear_forward(x.to(cdt), weight.to(cdt), offsets,
+                               None if bias is None else bias.to(cdt))
+    return swiglu(h).to(x.dtype)
+
+
+def grouped_linear_dx(grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """grad ``[M, N]`` -> ``dX [M, K]``, ``dX[r] = grad[r] @ weight[g(r)]``; rows of no group 0."""
+    m, groups, k = grad.shape[0], weight.shape[0], weight.shape[2]
+    cdt = _compute_dtype(grad.dtype)
+    gid = row_groups(offsets, m)
+    gc = grad.to(cdt)
+    dx = torch.zeros((m, k), dtype=cdt, device=grad.device)
+    for g in range(groups):
+        dx = torch.where((gid == g)[:, None], gc @ weight[g].to(cdt), dx)
+    return dx.to(grad.dtype)
+
+
+def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype):
+    """``(dW [G, N, K], db [G, N])``: ``dW_g = grad_g^T x_g``, ``db_g = sum of grad_g rows``.
+    An empty group gives exact zeros."""
+    m, n, k = grad.shape[0], grad.shape[1], x.shape[1]
+    groups = offsets.shape[0]
+    cdt = _compute_dtype(grad.dtype)
+    gid = row_groups(offsets, m)
+    gc, xc = grad.to(cdt), x.to(cdt)
+    dws, dbs = [], []
+    for g in range(groups):
+        in_g = (gid == g)[:, None]
+        gg = torch.where(in_g, gc, torch.zeros((), dtype=cdt, device=grad.device))
+        xg = torch.where(in_g, xc, torch.zeros((), dtype=cdt, device=grad.device))
+        dws.append(gg.t() @ xg)
+        dbs.append(gg.sum(0))
+    if groups == 0:
+        return (torch.zeros((0, n, k), dtype=weight_dtype, device=grad.device),
+                torch.zeros((0, n), dtype=bias_dtype, device=grad.device))
+    return torch.stack(dws).to(weight_dtype), torch.stack(dbs).to(bias_dtype)

@@ -1,0 +1,37 @@
+"""Sync-free MoE routing helpers: top-k assignments -> expert-sorted rows + offsets, and back.
+
+Nothing here reads a group size on the host: the sort, the offsets (``searchsorted`` of
+the expert ids ``0..G-1`` in the sorted assignment list) and the inverse permutation all
+stay on the device, so the MoE layer compiles with ``fullgraph=True`` and captures in CUDA
+graphs. Both directions are gathers (their backwards scatter into a permutation: every
+destination gets exactly one contribution, so they are deterministic).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def permute_by_expert(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
+    """x ``[T, D]``, expert_ids ``[T, k]`` (int) -> ``(x_sorted [T*k, D], order [T*k],
+    offsets int32 [E])``.
+
+    ``order[i]`` is the flat assignment (``token * k + slot``) in sorted position i; assignments
+    of one expert keep token order (stable sort). ``offsets[e]`` is the end row of expert e.
+    """
+    top_k = expert_ids.shape[1]
+    flat = expert_ids.reshape(-1)
+    sorted_ids, order = torch.sort(flat, stable=True)
+    experts = torch.arange(num_experts, device=flat.device, dtype=sorted_ids.dtype)
+    offsets = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
+    x_sorted = x.index_select(0, order // top_k)
+    return x_sorted, order, offsets
+
+
+def unpermute_and_combine(y_sorted: torch.Tensor, order: torch.Tensor,
+                          weights: torch.Tensor) -> torch.Tensor:
+    """y_sorted ``[T*k, D]`` (rows in expert order), order ``[T*k]``, weights ``[T, k]`` ->
+    ``[T, D]``: ``out[t] = sum_j weights[t, j] * y[t*k + j]`` summed over slots in order."""
+    tokens, top_k = weights.shape
+    inverse = torch.argsort(order)
+    y = y_sorted.index_select(0, inverse).reshape(tokens, top_k, -1)
+    return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)

@@ -1,0 +1,208 @@
+"""Inductor lowering of ``compileops::grouped_linear`` and ``compileops::grouped_linear_swiglu``.
+
+Both become a persistent Triton template (``templates/grouped_linear.py.jinja``) that calls
+the same ``@triton.jit`` bodies as the eager kernel and writes through ``store_output``, so
+pointwise consumers (GELU, per-row router-probability scaling, casts, residual adds) fuse as
+its epilogue. The bias is applied inside the template (it is indexed by group). SwiGLU over
+a fused gate/up weight cannot be an epilogue of the ``[M, 2H]`` product (its output has half
+the elements, and the two halves are different tiles), so it is its own op whose template
+computes the gate and up tiles together and stores ``silu(gate) * up`` ``[M, H]``; epilogues
+fuse after it.
+
+* Default mode: one heuristic config (no compile-time benchmarking).
+* ``max_autotune``: a bounded config list (on sm90+ each also as a TMA-descriptor variant)
+  plus the extern eager op, benchmarked on Dirichlet(1) skewed offsets (``input_gen_fns``). On sm90+ in bf16 without bias, ``torch._grouped_mm``
+  (CUTLASS, with its uninitialised tail rows zeroed: :func:`grouped_mm_anchor`) is a choice
+  too, for the forward and dX.
+* Without Triton codegen for the device (CPU C++ backend): an extern call of the op.
+
+``grouped_linear_dx`` (the backward's ``dY_g @ W_g``) uses the same template with W's axes
+swapped, so consumers of dX (e.g. a residual-gradient add, a cast) fuse too.
+``grouped_linear_wgrad`` (dW and db) is not lowered: it stays an extern call to our
+persistent K-jagged kernel (a [G, N, K] product has no pointwise neighbours worth fusing).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from lowerings import _compat
+
+_TEMPLATE_PATH = os.path.join(os.path.dirname(__file__), "templates", "grouped_linear.py.jinja")
+
+# The max-autotune list (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): bounded.
+AUTOTUNE_CONFIGS = (
+    (16, 128, 64, 4, 4),
+    (64, 128, 64, 4, 4),
+    (64, 256, 64, 8, 3),
+    (128, 128, 64, 8, 3),
+    (128, 256, 64, 8, 3),
+    (128, 128, 32, 4, 4),
+)
+
+
+def _grid(*args):
+    meta = args[-1]
+    return (meta["NUM_PROGS"], 1, 1)
+
+
+@functools.lru_cache(maxsize=None)
+def template():
+    with open(_TEMPLATE_PATH) as f:
+        source = f.read()
+    return _compat.triton_template("compileops_grouped_linear", _compat.symbolic_grid_fn(_grid), source)
+
+
+@functools.lru_cache(maxsize=None)
+def extern_choice(op_name: str):
+    op = getattr(torch.ops.compileops, op_name).default
+    return _compat.extern_kernel_choice(op, f"compileops_{op_name}_eager")
+
+
+def grouped_mm_anchor(a: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(a, weight^T)`` (forward) with rows past ``offsets[-1]`` zeroed
+    (``_grouped_mm`` leaves them uninitialised); sync-free."""
+    out = torch._grouped_mm(a, weight.transpose(-2, -1), offs=offsets)
+    return _zero_tail(out, offsets)
+
+
+def grouped_mm_dx_anchor(grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``dX = dY_g @ W_g`` through ``torch._grouped_mm``, tail rows zeroed."""
+    return _zero_tail(torch._grouped_mm(grad, weight, offs=offsets), offsets)
+
+
+def _zero_tail(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    rows = torch.arange(out.shape[0], device=out.device, dtype=offsets.dtype)
+    return torch.where((rows < offsets[-1])[:, None], out, out.new_zeros(()))
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_mm_choice(dx: bool):
+    # Created when the lowerings install (see register), so the extern_kernels attribute
+    # exists before any cached compiled graph that calls it is loaded.
+    fn = grouped_mm_dx_anchor if dx else grouped_mm_anchor
+    return _compat.extern_function_choice(fn, "compileops_grouped_mm_dx" if dx else "compileops_grouped_mm")
+
+
+def _grouped_mm_applies(device, dtype, has_bias: bool, swiglu: bool, groups_hint: int) -> bool:
+    return (device.type == "cuda" and not torch.version.hip and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(device) >= (9, 0)
+            and dtype == torch.bfloat16 and not has_bias and not swiglu and groups_hint > 0)
+
+
+def skewed_offsets(groups: int, m: int, device, seed: int = 0) -> torch.Tensor:
+    """int32 cumulative end rows of Dirichlet(1)-skewed group sizes summing to ``m``."""
+    gen = torch.Generator().manual_seed(seed)
+    if groups == 0:
+        return torch.zeros(0, dtype=torch.int32, device=device)
+    e = -torch.log(torch.rand(groups, generator=gen).clamp_min(1e-12))  # Exp(1) -> Dirichlet(1)
+    share = e / e.sum()
+    ends = torch.round(torch.cumsum(share, 0) * m).to(torch.int64)
+    ends[-1] = m
+    return ends.to(torch.int32).to(device)
+
+
+def _configs(m_hint: int, groups: int, n_out: int, k: int, dtype, device, tma: bool = False):
+    """``([(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, USE_TMA)], autotune)``."""
+    from compileops.grouped_linear import kernels
+    from compileops.grouped_linear.op import is_batch_invariant
+
+    if is_batch_invariant() or not _compat.max_autotune_enabled() or device.type != "cuda":
+        cfg = kernels.choose_config(m_hint, groups, n_out, k, dtype, device,
+                                    batch_invariant=is_batch_invariant())
+        return [(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, False)], False
+    small_k = 32 if dtype == torch.float32 else 64
+    configs = [(bm, bn, min(bk, small_k), w, s, False) for bm, bn, bk, w, s in AUTOTUNE_CONFIGS]
+    if tma:  # the same tiles again through TMA descriptors; benchmarking picks
+        configs += [(bm, bn, bk, w, s, True) for bm, bn, bk, w, s, _ in configs]
+    return configs, True
+
+
+def _template_tma_applies(x, weight, device, dtype) -> bool:
+    """TMA descriptors in the template: sm90+, unit inner strides, 16-byte outer strides (all
+    static). Base pointers: Inductor copies misaligned graph inputs and aligns its buffers."""
+    import triton.language as tl
+
+    if device.type != "cuda" or torch.version.hip or not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    es = dtype.itemsize
+    xs, ws = x.get_stride(), weight.get_stride()
+    static = all(isinstance(v, int) or getattr(v, "is_number", False) for v in (*xs, *ws))
+    if not static:
+        return False
+    xs, ws = [int(v) for v in xs], [int(v) for v in ws]
+    return (xs[1] == 1 and ws[2] == 1 and (xs[0] * es) % 16 == 0
+            and (ws[0] * es) % 16 == 0 and (ws[1] * es) % 16 == 0)
+
+
+def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: bool = False):
+    op = getattr(torch.ops.compileops, op_name).default
+    device = x.get_device()
+    if not _compat.emits_triton_for(device):
+        extra = () if dx else (bias,)
+        return _compat.fallback(op)(x, weight, offsets, *extra)
+    from compileops.grouped_linear import kernels
+
+    nodes = _compat.realize_inputs(x, weight, offsets, *([bias] if bias is not None else []))
+    x, weight, offsets = nodes[:3]
+    m, k = x.get_size()
+    groups, n, _ = weight.get_size()
+    n_out = weight.get_size()[2] if dx else (n // 2 if swiglu else n)
+    dtype = x.get_dtype()
+    layout = _compat.fixed_layout(device, dtype, [m, n_out], [n_out, 1])
+    m_hint = _compat.size_hint(m)
+    g_hint, n_hint, k_hint = (_compat.size_hint(s) for s in (groups, n_out, k))
+    configs, autotune = _configs(m_hint, g_hint, n_hint, k_hint, dtype, device,
+                                 tma=_template_tma_applies(x, weight, device, dtype))
+    constexprs = dict(
+        HAS_BIAS=bias is not None,
+        SWIGLU=swiglu,
+        DX=dx,
+        GROUP_M=kernels.GROUP_M,
+        NUM_PROGS=kernels.num_programs(device.index if device.type == "cuda" else None, device.type),
+        TF32=kernels.input_precision(dtype) == "tf32",
+        DOT_UPCAST=device.type == "cpu" and dtype == torch.bfloat16,
+    )
+    choices: list = []
+    for bm, bn, bk, warps, stages, tma in configs:
+        template().maybe_append_choice(
+            choices, input_nodes=nodes, layout=layout, num_stages=stages, num_warps=warps,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_TMA=tma, **constexprs,
+        )
+    if autotune or not choices:
+        choices.append(extern_choice(op_name).bind(nodes, layout))
+    if autotune and _grouped_mm_applies(device, dtype, bias is not None, swiglu, g_hint):
+        choices.append(grouped_mm_choice(dx).bind(nodes, layout))
+    input_gen_fns = {2: lambda node: skewed_offsets(g_hint, m_hint, node.get_device())}
+    return _compat.autotune_select_algorithm(
+        f"compileops_{op_name}", choices, nodes, layout, input_gen_fns=input_gen_fns
+    )
+
+
+def lower_grouped_linear(x, weight, offsets, bias=None):
+    return _lower("grouped_linear", False, x, weight, offsets, bias)
+
+
+def lower_grouped_linear_swiglu(x, weight, offsets, bias=None):
+    return _lower("grouped_linear_swiglu", True, x, weight, offsets, bias)
+
+
+def lower_grouped_linear_dx(grad, weight, offsets):
+    return _lower("grouped_linear_dx", False, grad, weight, offsets, dx=True)
+
+
+def register() -> None:
+    import compileops.grouped_linear.op  # noqa: F401  (the ops must exist before lowering)
+
+    grouped_mm_choice(False)
+    grouped_mm_choice(True)
+
+    _compat.register_lowering(torch.ops.compileops.grouped_linear.default, lower_grouped_linear)
+    _compat.register_lowering(
+        torch.ops.compileops.grouped_linear_swiglu.default, lower_grouped_linear_swiglu
+    )
+    _compat.register_lowering(torch.ops.compileops.grouped_linear_dx.default, lower_grouped_linear_dx)

@@ -1,0 +1,311 @@
+"""grouped_linear op: parity with the fp64 reference (eager Triton kernels under the interpreter
+on CPU), edge cases, errors, determinism, batch invariance, routing helpers, module."""
+import pytest
+import torch
+
+import compileops
+from compileops.grouped_linear import op as gl_op
+from compileops.grouped_linear import permute_by_expert, reference, unpermute_and_combine
+from compileops.testing import (
+    assert_batch_invariant,
+    assert_close_to_reference,
+    assert_deterministic,
+)
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def offsets_of(sizes):
+    return torch.cumsum(torch.tensor(sizes), 0).to(torch.int32)
+
+
+def make(sizes, k, n, dtype=torch.float32, bias=True, extra_rows=0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    m = sum(sizes) + extra_rows
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(len(sizes), n, k, generator=gen) / k**0.5).to(dtype)
+    b = torch.randn(len(sizes), n, generator=gen).to(dtype) if bias else None
+    return x, w, offsets_of(sizes), b
+
+
+def grads_fp64(x, w, offs, b, grad):
+    leaves = [t.detach().double().requires_grad_() for t in (x, w)]
+    bb = b.detach().double().requires_grad_() if b is not None else None
+    y = reference.grouped_linear_forward(leaves[0], leaves[1], offs, bb)
+    y.backward(grad.double())
+    return y, leaves[0].grad, leaves[1].grad, (bb.grad if bb is not None else None)
+
+
+@pytest.mark.parametrize("sizes", [[5, 0, 17, 3], [0, 0, 33, 0], [1, 2, 3, 40], [0, 0, 0, 0]],
+                         ids=["mixed", "one-group", "skewed", "all-empty"])
+def test_forward_backward_match_fp64(sizes):
+    x, w, offs, b = make(sizes, k=24, n=20, extra_rows=3)
+    for t in (x, w, b):
+        t.requires_grad_()
+    y = compileops.grouped_linear(x, w, offs, b)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    y_ref, dx_ref, dw_ref, db_ref = grads_fp64(x, w, offs, b, grad)
+    assert_close_to_reference(y, y_ref, max_relative_error=1e-5, what="y")
+    assert_close_to_reference(x.grad, dx_ref, max_relative_error=1e-5, what="dX")
+    assert_close_to_reference(w.grad, dw_ref, max_relative_error=1e-5, what="dW")
+    assert_close_to_reference(b.grad, db_ref, max_relative_error=1e-5, what="db")
+    tail = offs[-1].item()
+    assert torch.equal(y[tail:], torch.zeros_like(y[tail:])), "rows past offsets[-1] must be 0"
+    assert torch.equal(x.grad[tail:], torch.zeros_like(x.grad[tail:]))
+    for g, size in enumerate(sizes):
+        if size == 0:  # empty group: exactly zero dW_g and db_g
+            assert torch.equal(w.grad[g], torch.zeros_like(w.grad[g]))
+            assert torch.equal(b.grad[g], torch.zeros_like(b.grad[g]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_low_precision_forward_and_grads(dtype):
+    x, w, offs, b = make([7, 0, 21], k=40, n=24, dtype=dtype, extra_rows=2)
+    for t in (x, w, b):
+        t.requires_grad_()
+    y = compileops.grouped_linear(x, w, offs, b)
+    assert y.dtype == dtype
+    grad = torch.randn(y.shape).to(dtype)
+    y.backward(grad)
+    y_ref, dx_ref, dw_ref, db_ref = grads_fp64(x, w, offs, b, grad)
+    # Compare in fp32 terms: the interpreter truncates fp32 -> bf16 casts.
+    tol = TOL[dtype]
+    assert_close_to_reference(y.float(), y_ref, max_relative_error=tol, what="y")
+    assert_close_to_reference(x.grad.float(), dx_ref, max_relative_error=tol, what="dX")
+    assert_close_to_reference(w.grad.float(), dw_ref, max_relative_error=tol, what="dW")
+    assert_close_to_reference(b.grad.float(), db_ref, max_relative_error=tol, what="db")
+
+
+def test_no_bias_and_m_splits_variant():
+    x, w, offs, _ = make([3, 9, 4], k=16, n=8, bias=False)
+    y = compileops.grouped_linear_splits(x, w, torch.tensor([3, 9, 4]))
+    assert_close_to_reference(y, reference.grouped_linear_forward(x.double(), w.double(), offs),
+                              max_relative_error=1e-5)
+
+
+def test_m_zero():
+    x, w, offs, b = make([0, 0], k=8, n=8)
+    x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
+    y = compileops.grouped_linear(x, w, offs, b)
+    assert y.shape == (0, 8)
+    y.sum().backward()
+    assert x.grad.shape == (0, 8)
+    assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
+
+
+def test_stride0_and_noncontiguous_grad():
+    x, w, offs, b = make([6, 10, 0, 5], k=16, n=12)
+    for t in (x, w, b):
+        t.requires_grad_()
+    compileops.grouped_linear(x, w, offs, b).sum().backward()  # stride-0 incoming grad
+    _, dx_ref, dw_ref, db_ref = grads_fp64(x, w, offs, b, torch.ones(21, 12))
+    assert_close_to_reference(x.grad, dx_ref, max_relative_error=1e-5)
+    assert_close_to_reference(w.grad, dw_ref, max_relative_error=1e-5)
+    assert_close_to_reference(b.grad, db_ref, max_relative_error=1e-5)
+    grad_t = torch.randn(12, 21).t()  # non-contiguous
+    dx = torch.ops.compileops.grouped_linear_dx(grad_t, w.detach(), offs)
+    assert_close_to_reference(dx, reference.grouped_linear_dx(grad_t.double(), w.double(), offs),
+                              max_relative_error=1e-5)
+
+
+def test_swiglu_matches_reference_fw_bw():
+    x, w, offs, b = make([4, 0, 13], k=16, n=24, extra_rows=2)
+    for t in (x, w, b):
+        t.requires_grad_()
+    out = compileops.grouped_linear_swiglu(x, w, offs, b)
+    assert out.shape == (19, 12)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    ref = reference.swiglu(reference.grouped_linear_forward(leaves[0], leaves[1], offs, leaves[2]))
+    ref.backward(grad.double())
+    assert_close_to_reference(out, ref, max_relative_error=1e-5)
+    for got, exp in zip((x.grad, w.grad, b.grad), leaves):
+        assert_close_to_reference(got, exp.grad, max_relative_error=1e-5)
+
+
+def test_opcheck():
+    x, w, offs, b = make([3, 0, 6], k=8, n=8, extra_rows=1)
+    args = (x.requires_grad_(), w.requires_grad_(), offs, b.requires_grad_())
+    torch.library.opcheck(torch.ops.compileops.grouped_linear.default, args)
+    torch.library.opcheck(torch.ops.compileops.grouped_linear_swiglu.default, args)
+    grad = torch.randn(10, 8)
+    torch.library.opcheck(torch.ops.compileops.grouped_linear_dx.default, (grad, w.detach(), offs))
+    torch.library.opcheck(torch.ops.compileops.grouped_linear_wgrad.default,
+                          (grad, x.detach(), offs, torch.float32, torch.float32))
+
+
+BAD = {
+    "decreasing offsets": (lambda x, w, o, b: (x, w, torch.tensor([5, 3, 9], dtype=torch.int32), b),
+                           ValueError, "non-decreasing"),
+    "offsets exceed M": (lambda x, w, o, b: (x, w, torch.tensor([5, 6, 99], dtype=torch.int32), b),
+                         ValueError, "exceeds"),
+    "int64 offsets": (lambda x, w, o, b: (x, w, o.long(), b), TypeError, "int32"),
+    "wrong offsets length": (lambda x, w, o, b: (x, w, o[:2], b), ValueError, "one entry per group"),
+    "mismatched K": (lambda x, w, o, b: (x[:, :7], w, o, b), ValueError, "mismatched K"),
+    "bias shape": (lambda x, w, o, b: (x, w, o, b[:, :3]), ValueError, "bias must be"),
+    "dtype mismatch": (lambda x, w, o, b: (x, w.double(), o, b), TypeError, "weight dtype"),
+    "device mismatch": (lambda x, w, o, b: (x, w.to("meta"), o, b), (ValueError, RuntimeError), "device"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_bad_input_errors_eagerly(case):
+    make_args, exc, msg = BAD[case]
+    x, w, offs, b = make([3, 4, 5], k=8, n=6)
+    with pytest.raises(exc, match=msg):
+        compileops.grouped_linear(*make_args(x, w, offs, b))
+
+
+@pytest.mark.parametrize("case", [c for c in BAD if "offsets exceed" not in c and "decreasing" not in c
+                                  and "device" not in c])
+def test_bad_input_errors_in_fake(case):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    make_args, exc, msg = BAD[case]
+    x, w, offs, b = make([3, 4, 5], k=8, n=6)
+    args = make_args(x, w, offs, b)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with pytest.raises(exc, match=msg):
+            torch.ops.compileops.grouped_linear(*args)
+
+
+def test_deterministic_fw_bw():
+    x, w, offs, b = make([9, 0, 30, 2], k=32, n=24, extra_rows=3)
+    assert_deterministic(compileops.grouped_linear,
+                         [x.requires_grad_(), w.requires_grad_(), offs, b.requires_grad_()], runs=3)
+
+
+def test_batch_invariant_mode_bitwise():
+    x, w, offs, b = make([12], k=32, n=24)
+    # One group holding every row, so slices/concatenations keep each row in its group.
+    def fn(xs):
+        o = torch.tensor([xs.shape[0]], dtype=torch.int32)
+        return compileops.grouped_linear(xs, w, o, b)
+
+    with gl_op.batch_invariant():
+        assert_batch_invariant(fn, [x])
+
+
+def test_routing_round_trip():
+    gen = torch.Generator().manual_seed(0)
+    tokens, k, experts, d = 11, 2, 5, 6
+    x = torch.randn(tokens, d, generator=gen)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+    ids[:, 0] = 3  # skew: expert 3 is popular; some experts stay empty
+    probs = torch.rand(tokens, k, generator=gen)
+    xs, order, offs = permute_by_expert(x, ids, experts)
+    assert offs.dtype == torch.int32 and offs[-1] == tokens * k
+    assert torch.equal(offs, torch.cumsum(torch.bincount(ids.reshape(-1), minlength=experts), 0).int())
+    sorted_ids = ids.reshape(-1)[order]
+    assert bool((sorted_ids[1:] >= sorted_ids[:-1]).all())
+    back = unpermute_and_combine(xs, order, probs)
+    assert torch.allclose(back, x * probs.sum(1, keepdim=True))
+
+
+def test_module_state_dict_round_trips():
+    from compileops.grouped_linear.module import from_per_group_state_dict, to_per_group_state_dict
+
+    mod = compileops.nn.GroupedLinear(3, 8, 5)
+    sd = mod.state_dict()
+    per_group = to_per_group_state_dict(sd)
+    assert set(per_group) == {f"{n}{i}" for n in ("weight", "bias") for i in range(3)}
+    assert per_group["weight1"].shape == (5, 8)
+    back = from_per_group_state_dict(per_group, 3)
+    assert torch.equal(back["weight"], sd["weight"]) and torch.equal(back["bias"], sd["bias"])
+    other = compileops.nn.GroupedLinear(3, 8, 5)
+    other.load_state_dict(per_group)  # TransformerEngine layout accepted directly
+    assert torch.equal(other.weight, mod.weight) and torch.equal(other.bias, mod.bias)
+    other.load_state_dict(sd)
+    x = torch.randn(7, 8)
+    y = other(x, torch.tensor([2, 0, 5]))
+    assert_close_to_reference(
+        y, reference.grouped_linear_forward(x.double(), mod.weight.double(),
+                                            offsets_of([2, 0, 5]), mod.bias.double()),
+        max_relative_error=1e-5)
+    with pytest.raises(KeyError, match="missing"):
+        from_per_group_state_dict({"weight0": per_group["weight0"]}, 3)
+
+
+def test_fp32_honours_allow_tf32():
+    from compileops.grouped_linear.kernels import input_precision
+
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert input_precision(torch.float32) == "ieee"
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert input_precision(torch.float32) == "tf32"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def test_import_stays_cheap():
+    import subprocess
+    import sys
+
+    code = ("import sys, compileops; "
+            "print('triton' in sys.modules, 'torch._inductor.lowering' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_device_mismatch_in_fake():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(10, 8, device="cuda")
+        w = torch.empty(2, 6, 8)
+        offs = torch.empty(2, dtype=torch.int32, device="cuda")
+        with pytest.raises(RuntimeError, match="weight is on cpu but x is on cuda"):
+            torch.ops.compileops.grouped_linear(x, w, offs)
+
+
+def test_large_group_spans_several_tile_super_groups():
+    # 16-row tiles under the interpreter: 150 rows = 10 M-tiles > GROUP_M (8), x 2 N-tiles.
+    x, w, offs, b = make([3, 150, 1], k=16, n=40, extra_rows=5)
+    y = compileops.grouped_linear(x, w, offs, b)
+    ref = reference.grouped_linear_forward(x.double(), w.double(), offs, b.double())
+    assert_close_to_reference(y, ref, max_relative_error=1e-5)
+    assert torch.equal(y[154:], torch.zeros_like(y[154:]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_tma_descriptor_path_matches_pointer_path(dtype):
+    """The TMA variant (device-side tensor descriptors; the interpreter emulates them) against
+    the fp64 reference: partial N/K tiles, a SwiGLU half narrower than a tile, an empty group,
+    tail rows."""
+    from compileops.grouped_linear import kernels
+
+    x, w, offs, b = make([5, 0, 15, 25], k=40, n=48, dtype=dtype, extra_rows=8)
+    grad = torch.randn(53, 48).to(dtype)
+    tol = TOL[dtype]
+    got = {
+        "fwd": kernels.grouped_linear_forward(x, w, offs, b, use_tma=True),
+        "swiglu": kernels.grouped_linear_swiglu_forward(x, w, offs, b, use_tma=True),
+        "dx": kernels.grouped_linear_dx(grad, w, offs, use_tma=True),
+    }
+    xd, wd, bd = x.double(), w.double(), b.double()
+    want = {
+        "fwd": reference.grouped_linear_forward(xd, wd, offs, bd),
+        "swiglu": reference.grouped_linear_swiglu_forward(xd, wd, offs, bd),
+        "dx": reference.grouped_linear_dx(grad.double(), wd, offs),
+    }
+    for name in got:
+        assert_close_to_reference(got[name].float(), want[name], max_relative_error=tol, what=name)
+        assert torch.equal(got[name][45:], torch.zeros_like(got[name][45:])), name
+
+
+def test_k_zero_gives_bias_only_and_bias_grad():
+    x, w, offs, b = make([3, 3], k=0, n=5, extra_rows=1)
+    for t in (x, w, b):
+        t.requires_grad_()
+    y = compileops.grouped_linear(x, w, offs, b)
+    grad = torch.randn(7, 5)
+    y.backward(grad)
+    _, _, _, db_ref = grads_fp64(x, w, offs, b, grad)
+    assert_close_to_reference(y, reference.grouped_linear_forward(x.double(), w.double(), offs, b.double()),
+                              max_relative_error=1e-6)
+    assert_close_to_reference(b.grad, db_ref, max_relative_error=1e-6)
+    assert w.grad.shape == (2, 5, 0) and x.grad.shape == (7, 0)
