@@ -87,6 +87,20 @@ def test_triton_backward_matches_reference(weight_dtype, padding_idx):
         assert torch.allclose(got.float(), want.float(), rtol=2**-7, atol=0)
 
 
+def test_triton_backward_writes_every_row_of_a_poisoned_output():
+    from compileops.embedding import kernels
+
+    V, D = 300, 40  # > one zero-fill block, several column blocks
+    ids = torch.randint(0, 50, (7, 9))
+    ids[0, :4] = 299
+    grad = torch.randn(7, 9, D)
+    with use_backend("triton"):
+        poisoned = torch.full((V, D), float("nan"))
+        got = kernels.embedding_backward(grad, ids, V, 3, torch.float32, out=poisoned)
+    assert not got.isnan().any()
+    assert torch.equal(got, reference.embedding_backward(grad, ids, V, 3, torch.float32))
+
+
 def test_triton_backward_stride_zero_and_non_contiguous_grad():
     ids = torch.randint(0, 9, (5, 6))
     expanded = torch.randn(1, 1, 8).expand(5, 6, 8)
