@@ -15,6 +15,7 @@ from compileops.grouped_linear import (
     grouped_linear_swiglu,
 )
 from compileops import nn  # noqa: E402  (registers modules; cheap)
+from compileops import testing  # noqa: E402  (imports Inductor only when its helpers run)
 
 import lowerings as _lowerings
 
@@ -31,5 +32,6 @@ __all__ = [
     "grouped_linear_swiglu",
     "nn",
     "set_strict_index_checks",
+    "testing",
     "use_backend",
 ]

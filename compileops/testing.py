@@ -161,10 +161,22 @@ def assert_deterministic(
     runs: int = 10,
     backward: bool = True,
     seed: int = 0,
+    wrt: Sequence[torch.Tensor] | None = None,
 ) -> None:
-    """Run ``fn(*args)`` ``runs`` times; outputs, and with ``backward`` the gradients of every
-    input that requires grad (under one fixed random cotangent), must be bitwise equal."""
-    grad_inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    """Run ``fn(*args)`` ``runs`` times; outputs, and with ``backward`` the gradients (under
+    one fixed random cotangent) must be bitwise equal.
+
+    Gradients are taken with respect to ``wrt``; by default every argument that requires grad
+    plus, when ``fn`` is an ``nn.Module``, its parameters that require grad.
+    """
+    if wrt is None:
+        grad_inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        if isinstance(fn, torch.nn.Module):
+            grad_inputs += [p for p in fn.parameters() if p.requires_grad]
+    else:
+        grad_inputs = list(wrt)
+    if backward and not grad_inputs:
+        raise ValueError("assert_deterministic(backward=True) found nothing to differentiate")
     cotangents = None
     first = None
     for run_index in range(runs):
@@ -190,7 +202,7 @@ def assert_deterministic(
         for i, (a, b) in enumerate(zip(current[1], first[1])):
             if a is None or b is None:
                 continue
-            _assert_bitwise(a, b, f"gradient of input {i}, run {run_index} vs run 0")
+            _assert_bitwise(a, b, f"gradient {i}, run {run_index} vs run 0")
 
 
 # ---------------------------------------------------------------------------------------

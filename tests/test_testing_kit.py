@@ -55,5 +55,33 @@ def test_determinism_catches_nondeterminism_in_forward_and_backward():
             DriftingGrad.count += 1
             return g * (1 + 1e-6 * DriftingGrad.count)
 
-    with pytest.raises(AssertionError, match="gradient of input 0"):
+    with pytest.raises(AssertionError, match="gradient 0"):
         testing.assert_deterministic(DriftingGrad.apply, [x], runs=3)
+
+
+def test_determinism_covers_module_parameters_and_refuses_nothing_to_check():
+    class Drifting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, t):
+            return DriftingScale.apply(self.w) * t
+
+    class DriftingScale(torch.autograd.Function):
+        count = 0
+
+        @staticmethod
+        def forward(ctx, w):
+            return w.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            DriftingScale.count += 1
+            return g * (1 + 1e-6 * DriftingScale.count)
+
+    with pytest.raises(AssertionError, match="gradient 0"):
+        testing.assert_deterministic(Drifting(), [torch.randn(3)], runs=3)
+    with pytest.raises(ValueError, match="nothing to differentiate"):
+        testing.assert_deterministic(lambda t: t * 2, [torch.randn(3)], runs=2)
+    testing.assert_deterministic(lambda t: t * 2, [torch.randn(3)], runs=2, backward=False)

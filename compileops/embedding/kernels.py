@@ -113,11 +113,12 @@ def embedding_backward_kernel(
                     # so the result is bitwise the sequential sum.
                     lanes = tl.arange(0, TILE)
                     for chunk in range(start, end, TILE):
-                        in_run = chunk + lanes < end
-                        toks = tl.load(order_ptr + chunk + lanes, mask=in_run, other=0).to(tl.int64)
+                        lane_in_run = chunk + lanes < end
+                        lane_toks = tl.load(order_ptr + chunk + lanes, mask=lane_in_run,
+                                            other=0).to(tl.int64)
                         tile = tl.load(
-                            grad_ptr + toks[:, None] * stride_g_row + col_off[None, :],
-                            mask=in_run[:, None] & col_ok[None, :], other=0.0,
+                            grad_ptr + lane_toks[:, None] * stride_g_row + col_off[None, :],
+                            mask=lane_in_run[:, None] & col_ok[None, :], other=0.0,
                         ).to(acc_dtype)
                         for k in tl.static_range(TILE):
                             if chunk + k < end:
@@ -184,8 +185,11 @@ def embedding_backward(
 ) -> torch.Tensor:
     """grad ``[*ids.shape, D]`` -> grad_weight ``[V, D]`` in ``weight_dtype`` (see module doc).
 
-    Defaults measured on an H100 (benchmarks/RESULTS.md): 1024-column blocks and 8-row tiles
-    for long runs, 8 loads in flight for short runs; narrower blocks and more warps were slower. Device-side preparation, no host sync: a stable sort of the ids (int32 keys when the
+    Defaults measured on an H100 (benchmarks/RESULTS.md): 1024-column blocks, 8-row tiles
+    for long runs, 8 loads in flight for short runs; narrower blocks, more warps and a
+    software-prefetched tile loop were slower or no faster.
+
+    Device-side preparation, no host sync: a stable sort of the ids (int32 keys when the
     table allows: half the radix passes), each sorted position's run end (searchsorted),
     and a touched-row map. Then one kernel writes every row once. ``out`` (``[V, D]``,
     ``weight_dtype``) may be given as the destination; its prior contents never matter.
