@@ -31,6 +31,21 @@ def test_batch_invariance_catches_cross_row_dependence():
         testing.assert_batch_invariant(lambda t: t - t.mean(0), [x])
 
 
+class _DriftingGrad(torch.autograd.Function):
+    """Identity whose backward drifts by 1e-6 on every call: a nondeterministic gradient."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        _DriftingGrad.calls += 1
+        return g * (1 + 1e-6 * _DriftingGrad.calls)
+
+
 def test_determinism_catches_nondeterminism_in_forward_and_backward():
     x = torch.randn(5, requires_grad=True)
     testing.assert_deterministic(lambda t: t.sin(), [x], runs=3)
@@ -43,20 +58,8 @@ def test_determinism_catches_nondeterminism_in_forward_and_backward():
     with pytest.raises(AssertionError, match="forward output 0"):
         testing.assert_deterministic(drifting_forward, [x], runs=3)
 
-    class DriftingGrad(torch.autograd.Function):
-        count = 0
-
-        @staticmethod
-        def forward(ctx, t):
-            return t.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            DriftingGrad.count += 1
-            return g * (1 + 1e-6 * DriftingGrad.count)
-
     with pytest.raises(AssertionError, match="gradient 0"):
-        testing.assert_deterministic(DriftingGrad.apply, [x], runs=3)
+        testing.assert_deterministic(_DriftingGrad.apply, [x], runs=3)
 
 
 def test_determinism_covers_module_parameters_and_refuses_nothing_to_check():
@@ -66,19 +69,7 @@ def test_determinism_covers_module_parameters_and_refuses_nothing_to_check():
             self.w = torch.nn.Parameter(torch.ones(3))
 
         def forward(self, t):
-            return DriftingScale.apply(self.w) * t
-
-    class DriftingScale(torch.autograd.Function):
-        count = 0
-
-        @staticmethod
-        def forward(ctx, w):
-            return w.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            DriftingScale.count += 1
-            return g * (1 + 1e-6 * DriftingScale.count)
+            return _DriftingGrad.apply(self.w) * t
 
     with pytest.raises(AssertionError, match="gradient 0"):
         testing.assert_deterministic(Drifting(), [torch.randn(3)], runs=3)
