@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import compileops  # noqa: E402
 from benchmarks import harness  # noqa: E402
+from compileops.grouped_linear.routing import dirichlet_offsets  # noqa: E402
 
 SHAPES = {
     "mixtral": (8, 16384, 4096, 14336),
@@ -49,15 +50,10 @@ SMOKE_SHAPES = {"tiny": (4, 64, 32, 48)}
 def make_offsets(groups: int, m: int, split: str, device, seed: int = 0) -> torch.Tensor:
     """int32 cumulative ends; balanced, or Dirichlet(1) skewed. Multiples of 16 rows in the
     balanced case; skewed sizes are arbitrary (torch._grouped_mm accepts any on sm90)."""
-    gen = torch.Generator().manual_seed(seed)
-    if split == "balanced":
-        sizes = torch.full((groups,), m // groups, dtype=torch.int64)
-        sizes[-1] += m - int(sizes.sum())
-    else:
-        share = -torch.log(torch.rand(groups, generator=gen))
-        share = share / share.sum()
-        sizes = torch.floor(share * m).to(torch.int64)
-        sizes[int(torch.argmax(sizes))] += m - int(sizes.sum())
+    if split != "balanced":
+        return dirichlet_offsets(groups, m, seed=seed, device=device)
+    sizes = torch.full((groups,), m // groups, dtype=torch.int64)
+    sizes[-1] += m - int(sizes.sum())
     return torch.cumsum(sizes, 0).to(torch.int32).to(device)
 
 
@@ -87,11 +83,14 @@ def run_case(name, shape, split, args, device, rows):
     w_t = w.transpose(-2, -1)
 
     def add(stage, impl, fn, note=""):
-        try:
-            ms = timer(fn, args.smoke)
-        except Exception as e:  # an anchor may not support a config: report, keep going
-            print(f"  skip {stage}/{impl}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-            return
+        if impl.startswith("compileops"):
+            ms = timer(fn, args.smoke)  # a broken compileops kernel must fail the run
+        else:
+            try:
+                ms = timer(fn, args.smoke)
+            except Exception as e:  # an anchor may not support a config: report, keep going
+                print(f"  skip {stage}/{impl}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                return
         rows.append(harness.Row(case=f"{case} {stage}", impl=impl, ms=ms, flops=flops, note=note))
 
     # Forward

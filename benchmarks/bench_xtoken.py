@@ -47,8 +47,9 @@ def main(argv=None) -> int:
 
     import compileops
     from benchmarks import harness
-    from compileops.xtoken import ProjectionCOO, SparseProjection, chunk_average, chunk_sums
+    from compileops.xtoken import SparseProjection, chunk_average, chunk_sums
     from compileops.xtoken.reference import chunk_average_one_hot_bmm
+    from compileops.xtoken.selfcheck import random_topk_projection
 
     if args.smoke:
         device = "cpu"
@@ -104,10 +105,7 @@ def main(argv=None) -> int:
     # ---- projection --------------------------------------------------------------------
     case_p = f"project T={T_proj} V_s=V_t={V_proj} top-{topk} fp32"
     cpu_gen = torch.Generator().manual_seed(1)
-    students = torch.arange(V_proj).repeat_interleave(topk)
-    teachers = torch.randint(0, V_proj, (V_proj * topk,), generator=cpu_gen)
-    weights = torch.rand(V_proj * topk, generator=cpu_gen)
-    coo = ProjectionCOO(students, teachers, weights, V_proj, V_proj)
+    coo = random_topk_projection(V_proj, V_proj, topk, cpu_gen)
     proj = SparseProjection.from_coo(coo, device)
     nnz = proj.row_weights.numel()
     p = torch.rand(T_proj, V_proj, device=device, generator=gen)

@@ -16,7 +16,6 @@ which Triton's CPU interpreter lacks).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 
@@ -26,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import compileops  # noqa: E402
 from compileops.grouped_linear import permute_by_expert, unpermute_and_combine  # noqa: E402
+from compileops.testing import inductor_kernels  # noqa: E402
 
 
 class MoELayer(torch.nn.Module):
@@ -50,6 +50,15 @@ class MoELayer(torch.nn.Module):
         return unpermute_and_combine(y, order, torch.ones_like(probs))
 
 
+def report(kernels: str) -> None:
+    lines = kernels.splitlines()
+    templates = [k for k in lines if k.startswith("triton_tem_")]
+    externs = [k for k in lines if "compileops" in k]
+    print("fused template kernels:",
+          templates or "(none: C++ backend, grouped ops are extern calls)")
+    print("extern compileops calls:", externs or "(none)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--triton-on-cpu", action="store_true",
@@ -58,31 +67,21 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     layer = MoELayer(dim=32, hidden=48, experts=4, top_k=2).to(device)
-    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
-    from lowerings import _compat
-
-    import re
-
-    def report(sources):
-        code = "\n".join(sources)
-        kernels = sorted(set(re.findall(r"def (triton_tem_\w+)\(", code)))
-        externs = sorted(set(re.findall(r"(torch\.ops\.compileops\.\w+\.default)\(", code)))
-        print("fused template kernels:", kernels or "(none: C++ backend, grouped ops are extern calls)")
-        print("extern compileops calls:", externs or "(none)")
 
     if args.triton_on_cpu and device == "cpu":
-        with _compat.triton_codegen_on_cpu(), _compat.fresh_inductor_cache(), torch.no_grad():
-            report(_compat.get_code(torch.compile(layer, fullgraph=True), torch.randn(16, 32)))
+        # Compile only (forward): the kernels Inductor would emit for a GPU.
+        with torch.no_grad():
+            report(inductor_kernels(layer, torch.randn(16, 32), triton=True))
         return
-    with contextlib.nullcontext(), _compat.fresh_inductor_cache():
-        for tokens in (16, 40):
-            x = torch.randn(tokens, 32, device=device, requires_grad=True)
-            out, sources = _compat.run_and_get_code(lambda: compiled(x))
-            eager = layer(x)
-            out.sum().backward()
-            err = (out - eager).abs().max().item()
-            print(f"tokens={tokens}: out {tuple(out.shape)}, max |compiled - eager| = {err:.2e}")
-        report(sources)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    for tokens in (16, 40):
+        x = torch.randn(tokens, 32, device=device, requires_grad=True)
+        out = compiled(x)
+        eager = layer(x)
+        out.sum().backward()
+        err = (out - eager).abs().max().item()
+        print(f"tokens={tokens}: out {tuple(out.shape)}, max |compiled - eager| = {err:.2e}")
+    report(inductor_kernels(layer, torch.randn(16, 32, device=device), dynamic=True))
 
 
 if __name__ == "__main__":

@@ -93,15 +93,11 @@ def _grouped_mm_applies(device, dtype, has_bias: bool, swiglu: bool, groups_hint
 
 
 def skewed_offsets(groups: int, m: int, device, seed: int = 0) -> torch.Tensor:
-    """int32 cumulative end rows of Dirichlet(1)-skewed group sizes summing to ``m``."""
-    gen = torch.Generator().manual_seed(seed)
-    if groups == 0:
-        return torch.zeros(0, dtype=torch.int32, device=device)
-    e = -torch.log(torch.rand(groups, generator=gen).clamp_min(1e-12))  # Exp(1) -> Dirichlet(1)
-    share = e / e.sum()
-    ends = torch.round(torch.cumsum(share, 0) * m).to(torch.int64)
-    ends[-1] = m
-    return ends.to(torch.int32).to(device)
+    """int32 cumulative end rows of Dirichlet(1)-skewed group sizes summing to ``m``
+    (:func:`compileops.grouped_linear.routing.dirichlet_offsets`)."""
+    from compileops.grouped_linear.routing import dirichlet_offsets
+
+    return dirichlet_offsets(groups, m, seed=seed, device=device)
 
 
 def _configs(m_hint: int, groups: int, n_out: int, k: int, dtype, device, tma: bool = False):

@@ -128,26 +128,52 @@ def _use_triton(op: str, device: torch.device) -> bool:
 # Forward
 
 
+def _check_swiglu_n(weight) -> None:
+    torch._check_value(
+        weight.shape[1] % 2 == 0,
+        lambda: f"grouped_linear_swiglu needs an even N (gate and up halves), got N = {weight.shape[1]}",
+    )
+
+
+def _check_forward(x, weight, offsets, bias, swiglu: bool) -> None:
+    """Shape/dtype/device checks shared by the eager ops and their fake functions."""
+    check_forward_args(x, weight, offsets, bias)
+    if swiglu:
+        _check_swiglu_n(weight)
+
+
+def _forward_fake(x, weight, offsets, bias, swiglu: bool) -> torch.Tensor:
+    _check_forward(x, weight, offsets, bias, swiglu)
+    n = weight.shape[1] // 2 if swiglu else weight.shape[1]
+    return x.new_empty((x.shape[0], n))
+
+
+def _forward(x, weight, offsets, bias, swiglu: bool) -> torch.Tensor:
+    """Eager forward of both ops: the same checks as the fake, then the chosen backend."""
+    _check_forward(x, weight, offsets, bias, swiglu)
+    _check_offset_values(offsets, x.shape[0])
+    name = "grouped_linear_swiglu" if swiglu else "grouped_linear"
+    if _use_triton(name, x.device):
+        from compileops.grouped_linear import kernels
+
+        fn = kernels.grouped_linear_swiglu_forward if swiglu else kernels.grouped_linear_forward
+        return fn(x, weight, offsets, bias, batch_invariant=_batch_invariant)
+    fn = reference.grouped_linear_swiglu_forward if swiglu else reference.grouped_linear_forward
+    return fn(x, weight, offsets, bias)
+
+
 @custom_op("grouped_linear")
 def grouped_linear_op(
     x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """x ``[M, K]``, weight ``[G, N, K]``, offsets int32 ``[G]``, bias ``[G, N]`` -> ``[M, N]``."""
-    check_forward_args(x, weight, offsets, bias)
-    _check_offset_values(offsets, x.shape[0])
-    if _use_triton("grouped_linear", x.device):
-        from compileops.grouped_linear import kernels
-
-        return kernels.grouped_linear_forward(x, weight, offsets, bias,
-                                              batch_invariant=_batch_invariant)
-    return reference.grouped_linear_forward(x, weight, offsets, bias)
+    return _forward(x, weight, offsets, bias, swiglu=False)
 
 
 @grouped_linear_op.register_fake
 def _grouped_linear_fake(x, weight, offsets, bias=None):
-    check_forward_args(x, weight, offsets, bias)
-    return x.new_empty((x.shape[0], weight.shape[1]))
+    return _forward_fake(x, weight, offsets, bias, swiglu=False)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -180,28 +206,12 @@ def grouped_linear_swiglu_op(
 ) -> torch.Tensor:
     """weight ``[G, 2H, K]`` (gate rows ``[:H]``, up rows ``[H:]``) ->
     ``silu(x W_gate^T + b_gate) * (x W_up^T + b_up)`` ``[M, H]``, in one kernel."""
-    check_forward_args(x, weight, offsets, bias)
-    _check_offset_values(offsets, x.shape[0])
-    if _use_triton("grouped_linear_swiglu", x.device):
-        from compileops.grouped_linear import kernels
-
-        return kernels.grouped_linear_swiglu_forward(x, weight, offsets, bias,
-                                                     batch_invariant=_batch_invariant)
-    return reference.grouped_linear_swiglu_forward(x, weight, offsets, bias)
-
-
-def _check_swiglu_n(weight) -> None:
-    torch._check_value(
-        weight.shape[1] % 2 == 0,
-        lambda: f"grouped_linear_swiglu needs an even N (gate and up halves), got N = {weight.shape[1]}",
-    )
+    return _forward(x, weight, offsets, bias, swiglu=True)
 
 
 @grouped_linear_swiglu_op.register_fake
 def _grouped_linear_swiglu_fake(x, weight, offsets, bias=None):
-    check_forward_args(x, weight, offsets, bias)
-    _check_swiglu_n(weight)
-    return x.new_empty((x.shape[0], weight.shape[1] // 2))
+    return _forward_fake(x, weight, offsets, bias, swiglu=True)
 
 
 def _swiglu_backward(ctx, grad):

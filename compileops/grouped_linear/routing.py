@@ -8,6 +8,8 @@ destination gets exactly one contribution, so they are deterministic).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -35,3 +37,23 @@ def unpermute_and_combine(y_sorted: torch.Tensor, order: torch.Tensor,
     inverse = torch.argsort(order)
     y = y_sorted.index_select(0, inverse).reshape(tokens, top_k, -1)
     return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+
+
+def dirichlet_offsets(groups: int, m: int, *, seed: int = 0,
+                      generator: Optional[torch.Generator] = None,
+                      device=None) -> torch.Tensor:
+    """int32 cumulative end rows ``[groups]`` of Dirichlet(1)-skewed group sizes summing to
+    ``m`` (realistic MoE routing imbalance; for tests, benchmarks and autotuning inputs).
+
+    Drawn on the CPU from ``generator`` (or a fresh one seeded with ``seed``), then moved to
+    ``device``. Groups may be empty.
+    """
+    if generator is None:
+        generator = torch.Generator().manual_seed(seed)
+    if groups == 0:
+        return torch.zeros(0, dtype=torch.int32, device=device)
+    e = -torch.log(torch.rand(groups, generator=generator).clamp_min(1e-12))  # Exp(1)
+    share = e / e.sum()  # normalized Exp(1) draws: Dirichlet(1)
+    ends = torch.round(torch.cumsum(share, 0) * m).to(torch.int64)
+    ends[-1] = m
+    return ends.to(torch.int32).to(device)

@@ -7,6 +7,7 @@ import torch
 from compileops._selfcheck import Demo
 from compileops.grouped_linear import reference
 from compileops.grouped_linear.op import grouped_linear, grouped_linear_swiglu
+from compileops.grouped_linear.routing import dirichlet_offsets
 
 
 class ExpertMLP(torch.nn.Module):
@@ -32,9 +33,7 @@ def demo(device: torch.device) -> Demo:
 
     def args_for(tokens: int) -> tuple:
         x = torch.randn(tokens, dim, generator=gen).to(dtype)
-        e = -torch.log(torch.rand(experts, generator=gen))
-        ends = torch.round(torch.cumsum(e / e.sum(), 0) * tokens).to(torch.int32)
-        ends[-1] = tokens
+        ends = dirichlet_offsets(experts, tokens, generator=gen)
         probs = torch.rand(tokens, generator=gen)
         return x.to(device), ends.to(device), probs.to(device)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from typing import Optional, Union
+from typing import Union
 
 import torch
 
@@ -114,10 +114,15 @@ _cache: dict[tuple, ProjectionCSR] = {}
 
 
 def _normalize_rows(coo: ProjectionCOO) -> ProjectionCOO:
+    """Divide each student row by its total. A row whose total is not positive (all-zero
+    weights) gets zero weights, which :func:`build_csr` drops: never NaN/inf entries."""
     totals = torch.zeros(coo.num_student, dtype=torch.float64).index_add_(
         0, coo.student_ids, coo.weights.double()
     )
-    w = (coo.weights.double() / totals[coo.student_ids]).float()
+    row_total = totals[coo.student_ids]
+    w = coo.weights.double()
+    safe = torch.where(row_total > 0, row_total, torch.ones_like(row_total))
+    w = torch.where(row_total > 0, w / safe, torch.zeros_like(w)).float()
     return dataclasses.replace(coo, weights=w)
 
 

@@ -27,11 +27,12 @@ import triton.language as tl
 @triton.jit
 def csr_gather_sum_kernel(
     values_ptr, seg_ptr, indptr_ptr, idx_ptr, w_ptr, out_ptr,
-    n_rows, n_out,
+    n_rows, n_out, n_seg,
     stride_v_row, stride_v_col, stride_seg_row, stride_o_row, stride_o_col,
     HAS_SEG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
 ):
-    """Program (row block, output block). Without ``HAS_SEG`` output j uses segment j."""
+    """Program (row block, output block). Without ``HAS_SEG`` output j uses segment j.
+    With ``HAS_SEG``, a segment id outside ``[0, n_seg)`` is masked: empty, output 0."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     js = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
     row_ok = rows < n_rows
@@ -41,6 +42,7 @@ def csr_gather_sum_kernel(
     if HAS_SEG:
         seg = tl.load(seg_ptr + rows64[:, None] * stride_seg_row + js[None, :], mask=mask, other=0)
         seg = seg.to(tl.int64)
+        mask = mask & (seg >= 0) & (seg < n_seg)  # bad ids never index indptr
         start = tl.load(indptr_ptr + seg, mask=mask, other=0).to(tl.int64)
         length = tl.load(indptr_ptr + seg + 1, mask=mask, other=0).to(tl.int64) - start
     else:
@@ -49,6 +51,7 @@ def csr_gather_sum_kernel(
         start = start1[None, :] + tl.zeros([BLOCK_N, BLOCK_J], dtype=tl.int64)
         length = len1[None, :] + tl.zeros([BLOCK_N, BLOCK_J], dtype=tl.int64)
     length = tl.where(mask, length, 0)
+    out_mask = row_ok[:, None] & j_ok[None, :]
     max_len = tl.max(tl.max(length, axis=1), axis=0)
     acc = tl.zeros([BLOCK_N, BLOCK_J], dtype=tl.float32)
     for r in range(0, max_len):
@@ -60,24 +63,26 @@ def csr_gather_sum_kernel(
                     mask=active, other=0.0)
         acc += v.to(tl.float32) * w
     dst = out_ptr + rows64[:, None] * stride_o_row + js[None, :].to(tl.int64) * stride_o_col
-    tl.store(dst, acc, mask=mask)
+    tl.store(dst, acc, mask=out_mask)
 
 
 @triton.jit
 def csr_match_sum_kernel(
     grad_ptr, cols_ptr, indptr_ptr, idx_ptr, w_ptr, out_ptr,
-    n_rows, n_student, k_cols,
+    n_rows, n_student, n_teacher, k_cols,
     stride_g_row, stride_c_row, stride_o_row,
     BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """Program (token n, student block): ``out[n, s] = sum_k w[k] * sum_{j: cols[n, j] ==
-    teacher[k]} grad[n, j]`` over row s's entries in CSR order."""
+    teacher[k]} grad[n, j]`` over row s's entries in CSR order. A column outside
+    ``[0, n_teacher)`` matches nothing (its position gives no gradient)."""
     n = tl.program_id(0).to(tl.int64)
     ss = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     s_ok = ss < n_student
     ks = tl.arange(0, BLOCK_K)
     k_ok = ks < k_cols
     cols = tl.load(cols_ptr + n * stride_c_row + ks, mask=k_ok, other=-1).to(tl.int64)
+    cols = tl.where((cols >= 0) & (cols < n_teacher), cols, -1)  # never equals a teacher id
     g = tl.load(grad_ptr + n * stride_g_row + ks, mask=k_ok, other=0.0).to(tl.float32)
     start = tl.load(indptr_ptr + ss, mask=s_ok, other=0).to(tl.int64)
     length = tl.load(indptr_ptr + ss + 1, mask=s_ok, other=0).to(tl.int64) - start
@@ -87,7 +92,7 @@ def csr_match_sum_kernel(
     for r in range(0, max_len):
         active = r < length
         k = start + r
-        teacher = tl.load(idx_ptr + k, mask=active, other=-2).to(tl.int64)
+        teacher = tl.load(idx_ptr + k, mask=active, other=-2).to(tl.int64)  # -2: no match
         w = tl.load(w_ptr + k, mask=active, other=0.0)
         match = teacher[:, None] == cols[None, :]
         gsum = tl.sum(tl.where(match, g[None, :], 0.0), axis=1)
@@ -152,9 +157,11 @@ def csr_gather_sum(
     w: torch.Tensor,  # [nnz] fp32
     segments: Optional[torch.Tensor] = None,  # [N, J] or None (J = S)
 ) -> torch.Tensor:
-    """``[N, J]`` fp32: ``out[n, j] = sum_{k in segment} values[n, idx[k]] * w[k]``."""
+    """``[N, J]`` fp32: ``out[n, j] = sum_{k in segment} values[n, idx[k]] * w[k]``.
+    A segment id outside ``[0, S)`` gives 0 (masked in the kernel, nothing read)."""
     n_rows = values.shape[0]
-    n_out = indptr.numel() - 1 if segments is None else segments.shape[1]
+    n_seg = indptr.numel() - 1
+    n_out = n_seg if segments is None else segments.shape[1]
     out = torch.empty((n_rows, n_out), dtype=torch.float32, device=values.device)
     if n_rows == 0 or n_out == 0:
         return out
@@ -171,7 +178,7 @@ def csr_gather_sum(
     grid = (triton.cdiv(n_rows, block_n), triton.cdiv(n_out, block_j))
     csr_gather_sum_kernel[grid](
         values, seg, indptr, idx, w, out,
-        n_rows, n_out,
+        n_rows, n_out, n_seg,
         values.stride(0), values.stride(1), stride_seg, out.stride(0), out.stride(1),
         HAS_SEG=segments is not None, BLOCK_N=block_n, BLOCK_J=block_j, num_warps=4,
     )
@@ -184,8 +191,10 @@ def csr_match_sum(
     indptr: torch.Tensor,  # [V_s + 1]
     teacher_ids: torch.Tensor,  # [nnz]
     w: torch.Tensor,  # [nnz]
+    num_teacher: int,
 ) -> torch.Tensor:
-    """``[N, V_s]`` fp32: the projection backward for a projected column subset."""
+    """``[N, V_s]`` fp32: the projection backward for a projected column subset. Positions
+    whose column is outside ``[0, num_teacher)`` contribute nothing."""
     n_rows, k_cols = grad.shape
     n_student = indptr.numel() - 1
     out = torch.empty((n_rows, n_student), dtype=torch.float32, device=grad.device)
@@ -196,7 +205,7 @@ def csr_match_sum(
     grid = (n_rows, triton.cdiv(n_student, block_s))
     csr_match_sum_kernel[grid](
         grad, columns, indptr, teacher_ids, w, out,
-        n_rows, n_student, k_cols,
+        n_rows, n_student, num_teacher, k_cols,
         grad.stride(0), columns.stride(0), out.stride(0),
         BLOCK_K=max(2, triton.next_power_of_2(k_cols)), BLOCK_S=block_s, num_warps=4,
     )

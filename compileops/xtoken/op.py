@@ -102,6 +102,16 @@ def check_project_backward_args(grad, row_indptr, row_teacher_ids, row_weights,
     check_same_device(tensors)
 
 
+def _check_column_values(columns: Optional[torch.Tensor], num_teacher: int) -> None:
+    """Eager value check of ``columns``: on CPU tensors only (free there), never while
+    compiling. On CUDA nothing is read on the host: the kernels mask out-of-range columns
+    (0 output, no gradient) so they never access memory out of bounds."""
+    if columns is None or torch.compiler.is_compiling():
+        return
+    if columns.device.type == "cpu":
+        reference.check_columns_in_range(columns, num_teacher)
+
+
 # ---------------------------------------------------------------------------------------
 # Projection
 
@@ -119,10 +129,12 @@ def project_op(
 ) -> torch.Tensor:
     """``p [*, V_s]`` -> fp32 ``p @ M`` ``[*, V_t]``, or ``[*, K]`` for ``columns [*, K]``.
 
-    The row CSR is not read here; it is an input so the backward can use it.
+    The row CSR is not read here; it is an input so the backward can use it. A column outside
+    ``[0, V_t)`` raises ``IndexError`` on CPU; on CUDA it is masked (0 output, no gradient).
     """
     check_project_args(p, col_indptr, col_student_ids, col_weights,
                        row_indptr, row_teacher_ids, row_weights, columns)
+    _check_column_values(columns, col_indptr.shape[0] - 1)
     if backends.select("xtoken_project", p.device) == "triton":
         from compileops.xtoken import kernels
 
@@ -177,6 +189,7 @@ def project_backward_op(
     """
     check_project_backward_args(grad, row_indptr, row_teacher_ids, row_weights,
                                 num_teacher, columns)
+    _check_column_values(columns, num_teacher)
     if backends.select("xtoken_project_backward", grad.device) == "triton":
         from compileops.xtoken import kernels
 
@@ -185,7 +198,8 @@ def project_backward_op(
             out = kernels.csr_gather_sum(flat, row_indptr, row_teacher_ids, row_weights)
         else:
             cols = columns.reshape(-1, columns.shape[-1])
-            out = kernels.csr_match_sum(flat, cols, row_indptr, row_teacher_ids, row_weights)
+            out = kernels.csr_match_sum(flat, cols, row_indptr, row_teacher_ids, row_weights,
+                                        num_teacher)
         return out.reshape(*grad.shape[:-1], out.shape[-1])
     return reference.project_backward(grad, row_indptr, row_teacher_ids, row_weights,
                                       num_teacher, columns)

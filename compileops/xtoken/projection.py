@@ -109,6 +109,10 @@ def project(p: torch.Tensor, projection, columns: Optional[torch.Tensor] = None)
     under bf16 autocast; the result is fp32 and ``M`` gets no gradient (``grad_p = grad @ M^T``).
     Summation order is fixed: deterministic and bitwise batch-invariant. Against fp64
     ``p @ M`` the error is that of an fp32 sum of ``nnz(column)`` products.
+
+    ``columns`` must lie in ``[0, V_t)``. On CPU a bad column raises ``IndexError`` naming
+    it. On CUDA the ids are not read on the host (no sync): the kernels mask a bad column, so
+    nothing is accessed out of bounds; its output is 0 and it passes no gradient to ``p``.
     """
     from compileops.xtoken.op import project_op
 

@@ -28,8 +28,15 @@ def _segment_gather_sum(
     """``out[n, j] = sum_{k in segment segments[n, j]} values[n, entry_index[k]] * w[k]``,
     summed sequentially in CSR order (entry r of every segment is added at step r)."""
     indptr = indptr.long()
-    starts = indptr[segments]
-    lengths = indptr[segments + 1] - starts
+    n_segments = indptr.numel() - 1
+    valid = (segments >= 0) & (segments < n_segments)  # out of range: empty (0 output)
+    safe = torch.where(valid, segments, torch.zeros_like(segments))
+    if n_segments == 0:
+        starts = torch.zeros_like(segments)
+        lengths = torch.zeros_like(segments)
+    else:
+        starts = indptr[safe]
+        lengths = torch.where(valid, indptr[safe + 1] - starts, torch.zeros_like(starts))
     out = torch.zeros(segments.shape, dtype=torch.float32, device=values.device)
     steps = int(lengths.max()) if lengths.numel() else 0
     for r in range(steps):
@@ -42,6 +49,20 @@ def _segment_gather_sum(
     return out
 
 
+def check_columns_in_range(columns: torch.Tensor, num_teacher: int) -> None:
+    """Raise ``IndexError`` naming the first teacher column outside ``[0, num_teacher)``.
+    Reads ``columns`` on the host (a sync on GPU: the ops call it for CPU tensors only)."""
+    if columns.numel() == 0:
+        return
+    bad = (columns < 0) | (columns >= num_teacher)
+    if bool(bad.any()):
+        first = int(columns.reshape(-1)[bad.reshape(-1)][0])
+        raise IndexError(
+            f"columns holds teacher id {first}, out of range for a projection with "
+            f"{num_teacher} teacher columns (valid ids are 0..{num_teacher - 1})"
+        )
+
+
 def project_forward(
     p: torch.Tensor,
     col_indptr: torch.Tensor,
@@ -50,7 +71,10 @@ def project_forward(
     columns: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``p [*, V_s]`` -> ``p @ M`` ``[*, V_t]`` fp32, or with ``columns [*, K]`` only those
-    teacher columns: ``out[*, j] = (p @ M)[*, columns[*, j]]`` ``[*, K]``."""
+    teacher columns: ``out[*, j] = (p @ M)[*, columns[*, j]]`` ``[*, K]``.
+
+    An out-of-range column (``< 0`` or ``>= V_t``) gives 0, as in the Triton kernel (the op
+    raises ``IndexError`` for them on CPU before getting here)."""
     lead = p.shape[:-1]
     flat = p.reshape(-1, p.shape[-1]).float()
     n_cols = col_indptr.numel() - 1
@@ -74,14 +98,20 @@ def project_backward(
 
     With ``columns``, the gradient of a teacher column is the sum of the grads of every
     position ``j`` with ``columns[*, j]`` equal to it (duplicates add), in position order.
+    Positions with an out-of-range column (``< 0`` or ``>= num_teacher``) contribute nothing,
+    as in the Triton kernel.
     """
     lead = grad.shape[:-1]
     flat = grad.reshape(-1, grad.shape[-1]).float()
     if columns is not None:
         cols = columns.reshape(-1, columns.shape[-1]).long()
         dense = torch.zeros(flat.shape[0], num_teacher, dtype=torch.float32, device=grad.device)
-        for j in range(cols.shape[1]):  # position order: deterministic with duplicates
-            dense.scatter_(1, cols[:, j:j + 1], dense.gather(1, cols[:, j:j + 1]) + flat[:, j:j + 1])
+        valid = (cols >= 0) & (cols < num_teacher)
+        safe = torch.where(valid, cols, torch.zeros_like(cols))
+        contrib = torch.where(valid, flat, torch.zeros_like(flat))
+        for j in range(cols.shape[1] if num_teacher > 0 else 0):  # position order
+            c = safe[:, j:j + 1]
+            dense.scatter_(1, c, dense.gather(1, c) + contrib[:, j:j + 1])
         flat = dense
     n_rows = row_indptr.numel() - 1
     segments = torch.arange(n_rows, device=grad.device).expand(flat.shape[0], n_rows)

@@ -134,3 +134,13 @@ def test_strict_mode_raises_index_error_on_gpu():
             compileops.embedding(torch.tensor([3, 100], device="cuda"), w)
     finally:
         compileops.set_strict_index_checks(False)
+
+
+def test_device_mismatch_is_a_clear_error_eagerly_and_compiled():
+    w = torch.randn(10, 4, device="cuda")
+    ids = torch.tensor([1, 2])  # on the CPU
+    with pytest.raises(RuntimeError, match="ids is on cpu but weight is on cuda"):
+        compileops.embedding(ids, w)
+    compiled = torch.compile(lambda i, w: compileops.embedding(i, w), fullgraph=True)
+    with pytest.raises(Exception, match="ids is on cpu but weight is on cuda"):
+        compiled(ids, w)

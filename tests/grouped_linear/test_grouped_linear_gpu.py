@@ -4,6 +4,7 @@ import torch
 
 import compileops
 from compileops.grouped_linear import reference
+from compileops.grouped_linear.routing import dirichlet_offsets
 from compileops.testing import assert_batch_invariant, assert_close_to_reference, assert_deterministic
 
 pytestmark = pytest.mark.gpu
@@ -12,10 +13,9 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 def make(groups, m, k, n, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    e = -torch.log(torch.rand(groups, generator=gen))
-    sizes = torch.floor(e / e.sum() * (m - 7)).long()
-    sizes[0] = 0  # an empty group
-    offs = torch.cumsum(sizes, 0).to(torch.int32).cuda()
+    offs = dirichlet_offsets(groups, m - 7, generator=gen)  # 7 tail rows past the last group
+    offs[0] = 0  # an empty group
+    offs = offs.cuda()
     x = torch.randn(m, k, generator=gen).to("cuda", dtype)
     w = (torch.randn(groups, n, k, generator=gen) / k**0.5).to("cuda", dtype)
     b = torch.randn(groups, n, generator=gen).to("cuda", dtype)
@@ -23,8 +23,8 @@ def make(groups, m, k, n, dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_real_shape_fw_bw(dtype):
-    torch.backends.cuda.matmul.allow_tf32 = False
+def test_real_shape_fw_bw(dtype, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # restored after
     x, w, offs, b = make(16, 4096, 1024, 768, dtype)
     for t in (x, w, b):
         t.requires_grad_()
@@ -44,6 +44,9 @@ def test_real_shape_fw_bw(dtype):
 
 
 def test_cuda_graph_capture_fw_bw():
+    """Capture forward + backward once, refill every input in place (new values and new group
+    sizes: the offsets are read on the device), replay, and compare with eager on the new
+    inputs. Same kernels and configs, no atomics: bitwise equal."""
     x, w, offs, b = make(8, 2048, 512, 256, torch.bfloat16)
     w.requires_grad_(), b.requires_grad_()
     x.requires_grad_()
@@ -54,16 +57,31 @@ def test_cuda_graph_capture_fw_bw():
         return y
 
     s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         step()  # warm up (compiles kernels)
+    torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     x.grad = w.grad = b.grad = None
     with torch.cuda.graph(graph):
         y = step()
+
+    x2, w2, offs2, b2 = make(8, 2048, 512, 256, torch.bfloat16, seed=1)
+    assert not torch.equal(offs2, offs)
+    with torch.no_grad():
+        for dst, src in ((x, x2), (w, w2), (offs, offs2), (b, b2)):
+            dst.copy_(src)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.isfinite(y.float()).all()
+
+    leaves = [t.detach().clone().requires_grad_() for t in (x2, w2, b2)]
+    y_ref = compileops.grouped_linear_swiglu(leaves[0], leaves[1], offs2, leaves[2])
+    y_ref.float().sum().backward()
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    for name, got, leaf in (("dx", x.grad, leaves[0]), ("dw", w.grad, leaves[1]),
+                            ("db", b.grad, leaves[2])):
+        torch.testing.assert_close(got, leaf.grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
 def test_deterministic_and_batch_invariant():

@@ -171,6 +171,37 @@ def test_bad_input_errors_in_fake(case):
             torch.ops.compileops.grouped_linear(*args)
 
 
+def _odd_n_swiglu_args():
+    x, w, offs, b = make([3, 4, 5], k=8, n=7)  # N = 7: no even gate/up split
+    return x, w, offs, b
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_swiglu_odd_n_errors_eagerly(backend):
+    from compileops import backends
+
+    with backends.use_backend(backend):
+        with pytest.raises(ValueError, match="even N"):
+            compileops.grouped_linear_swiglu(*_odd_n_swiglu_args())
+
+
+def test_swiglu_odd_n_errors_in_fake():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = _odd_n_swiglu_args()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with pytest.raises(ValueError, match="even N"):
+            torch.ops.compileops.grouped_linear_swiglu(*args)
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_swiglu_bad_input_errors_eagerly(case):
+    make_args, exc, msg = BAD[case]
+    x, w, offs, b = make([3, 4, 5], k=8, n=6)
+    with pytest.raises(exc, match=msg):
+        compileops.grouped_linear_swiglu(*make_args(x, w, offs, b))
+
+
 def test_deterministic_fw_bw():
     x, w, offs, b = make([9, 0, 30, 2], k=32, n=24, extra_rows=3)
     assert_deterministic(compileops.grouped_linear,
@@ -186,6 +217,40 @@ def test_batch_invariant_mode_bitwise():
 
     with gl_op.batch_invariant():
         assert_batch_invariant(fn, [x])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_batch_invariant_config_is_fixed_on_cuda(dtype):
+    """Host-only (no GPU needed): on CUDA the eager config must not depend on group sizes in
+    batch-invariant mode. On CPU the interpreter config hides this, so check it directly."""
+    from compileops.grouped_linear import kernels
+
+    cuda = torch.device("cuda")
+    shapes = [(1, 8), (16, 8), (100, 4), (4096, 16), (65536, 8), (300, 1)]
+    normal = {kernels.choose_config(m, g, 256, 512, dtype, cuda) for m, g in shapes}
+    assert len(normal) > 1  # the heuristic does vary with M / G: the check below can fail
+    for m, g in shapes:
+        cfg = kernels.choose_config(m, g, 256, 512, dtype, cuda, batch_invariant=True)
+        assert cfg == kernels.BATCH_INVARIANT_CONFIG, (m, g, cfg)
+
+
+def test_batch_invariant_collapses_max_autotune_configs(monkeypatch):
+    """Under max-autotune the lowering benchmarks several tile configs; batch-invariant mode
+    must collapse that list to the single fixed config (host-only check)."""
+    from compileops.grouped_linear import kernels
+    import lowerings.grouped_linear as lowering
+
+    monkeypatch.setattr(lowering._compat, "max_autotune_enabled", lambda: True)
+    cuda = torch.device("cuda")
+    configs, autotune = lowering._configs(4096, 8, 256, 512, torch.bfloat16, cuda, tma=True)
+    assert autotune and len(configs) > 1  # autotuning is really on outside the mode
+    bi = kernels.BATCH_INVARIANT_CONFIG
+    expected = [(bi.block_m, bi.block_n, bi.block_k, bi.num_warps, bi.num_stages, False)]
+    with gl_op.batch_invariant():
+        for m in (1, 64, 4096, 65536):
+            configs, autotune = lowering._configs(m, 8, 256, 512, torch.bfloat16, cuda, tma=True)
+            assert configs == expected and not autotune, (m, configs)
+    assert not gl_op.is_batch_invariant()
 
 
 def test_routing_round_trip():

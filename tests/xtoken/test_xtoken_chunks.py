@@ -1,9 +1,6 @@
 """chunk_sums / chunk_average / valid_chunk_mask."""
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
@@ -17,8 +14,7 @@ from compileops.xtoken import chunk_average, chunk_sums, valid_chunk_mask
 from compileops.xtoken.op import chunk_sums_backward_op, chunk_sums_op
 from compileops.xtoken.reference import chunk_average_one_hot_bmm
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _helpers import BACKENDS  # noqa: E402
+from tests.xtoken._helpers import BACKENDS
 
 
 def _runs(B, T, C, seed=0, gaps=True):

@@ -104,6 +104,25 @@ def test_normalize_rows_turns_counts_into_likelihoods(tmp_path):
     assert torch.allclose(dense.sum(1), torch.tensor([1.0, 0, 1, 0, 0, 1]))
 
 
+def test_normalize_rows_zero_total_row_gives_no_nan(tmp_path):
+    """A student row whose weights sum to 0 must not become NaN (0/0) entries in M."""
+    from compileops.xtoken.files import _normalize_rows
+
+    coo = ProjectionCOO(torch.tensor([0, 0, 1, 1]), torch.tensor([1, 2, 0, 2]),
+                        torch.tensor([3.0, 1.0, 0.0, 0.0]), 3, 3)
+    weights = coo.weights.clone()
+    out = _normalize_rows(coo)
+    assert torch.equal(coo.weights, weights)  # the input is not modified
+    assert torch.isfinite(out.weights).all()
+    assert torch.allclose(out.weights, torch.tensor([0.75, 0.25, 0.0, 0.0]))
+
+    path = tmp_path / "zero_row.pt"
+    torch.save({(0, 1): 3, (0, 2): 1, (1, 0): 0, (1, 2): 0.0}, path)
+    dense = get_projection(path, normalize_rows=True).to_dense()
+    assert torch.isfinite(dense).all()
+    assert torch.allclose(dense.sum(1), torch.tensor([1.0, 0.0]))
+
+
 def test_cache_is_thread_safe(tmp_path):
     path = _dense_topk_file(tmp_path)
     results = []

@@ -1,9 +1,6 @@
 """compileops.xtoken.project / SparseProjection: math, fp32 contract, compile, invariance."""
 from __future__ import annotations
 
-import sys
-import os
-
 import pytest
 import torch
 
@@ -16,8 +13,7 @@ from compileops.testing import (
 from compileops.xtoken import ProjectionCSR, SparseProjection, build_csr, project
 from compileops.xtoken.op import project_backward_op, project_op
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _helpers import BACKENDS, random_coo, random_projection  # noqa: E402
+from tests.xtoken._helpers import BACKENDS, random_coo, random_projection
 
 
 def _dense(proj: SparseProjection) -> torch.Tensor:
@@ -248,6 +244,68 @@ def test_bad_inputs_raise_clear_errors():
     compiled = torch.compile(lambda p: proj(p), fullgraph=True)
     with pytest.raises(Exception, match="student vocab"):
         compiled(torch.rand(2, proj.num_student + 1))
+
+
+def _bad_columns(num_teacher):
+    cols = torch.randint(0, num_teacher, (2, 3, 4), generator=torch.Generator().manual_seed(3))
+    bad = torch.zeros_like(cols, dtype=torch.bool)
+    for (i, j, k), v in {(0, 0, 1): -1, (0, 2, 3): num_teacher, (1, 1, 0): -(2**40),
+                         (1, 2, 2): num_teacher + 1000, (1, 2, 3): 2**40}.items():
+        cols[i, j, k] = v
+        bad[i, j, k] = True
+    return cols, bad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", ["negative", "too-large"])
+def test_out_of_range_columns_raise_index_error_on_cpu(backend, bad):
+    proj = random_projection()
+    p = torch.rand(2, 3, proj.num_student)
+    cols = torch.zeros(2, 3, 4, dtype=torch.long)
+    value = -1 if bad == "negative" else proj.num_teacher
+    cols[1, 2, 3] = value
+    cols_copy = cols.clone()
+    with compileops.use_backend(backend):
+        with pytest.raises(IndexError, match=f"teacher id {value}.*{proj.num_teacher} teacher"):
+            proj(p, cols)
+        with pytest.raises(IndexError, match=f"teacher id {value}"):
+            project_backward_op(torch.randn(2, 3, 4), proj.row_indptr, proj.row_teacher_ids,
+                                proj.row_weights, proj.num_teacher, cols)
+    assert torch.equal(cols, cols_copy)
+
+
+def test_kernels_mask_out_of_range_columns():
+    """What CUDA does (no host check there): a bad column reads nothing out of bounds, gives
+    0 in the forward and no gradient; the reference backend has the same semantics."""
+    from compileops.xtoken import kernels, reference
+
+    proj = random_projection()
+    cols, bad = _bad_columns(proj.num_teacher)
+    p = torch.rand(2, 3, proj.num_student)
+    g = torch.randn(2, 3, 4)
+    g[bad] = float("nan")  # must not leak into grad_p
+    safe = torch.where(bad, torch.zeros_like(cols), cols)
+    g_safe = torch.where(bad, torch.zeros_like(g), g)
+
+    flat_p, flat_cols = p.reshape(6, -1), cols.reshape(6, 4)
+    out = kernels.csr_gather_sum(flat_p, proj.col_indptr, proj.col_student_ids,
+                                 proj.col_weights, flat_cols).reshape(2, 3, 4)
+    ref = reference.project_forward(p, proj.col_indptr, proj.col_student_ids,
+                                    proj.col_weights, cols)
+    expected = torch.where(bad, torch.zeros_like(out), project(p, proj, safe))
+    assert torch.equal(out, expected) and torch.equal(ref, expected)
+    assert out[bad].eq(0).all() and out[~bad].ne(0).any()
+
+    grad_p = kernels.csr_match_sum(g.reshape(6, 4), flat_cols, proj.row_indptr,
+                                   proj.row_teacher_ids, proj.row_weights,
+                                   proj.num_teacher).reshape(2, 3, -1)
+    ref_grad = reference.project_backward(g, proj.row_indptr, proj.row_teacher_ids,
+                                          proj.row_weights, proj.num_teacher, cols)
+    expected_grad = project_backward_op(g_safe, proj.row_indptr, proj.row_teacher_ids,
+                                        proj.row_weights, proj.num_teacher, safe)
+    assert torch.isfinite(grad_p).all()
+    torch.testing.assert_close(grad_p, expected_grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ref_grad, expected_grad, rtol=1e-6, atol=1e-6)
 
 
 def test_module_state_dict_and_csr_roundtrip():

@@ -5,9 +5,6 @@ projection input is cast to fp32 under autocast) and that no graph break or deco
 sneaks in."""
 from __future__ import annotations
 
-import os
-import sys
-
 import expecttest
 import pytest
 import torch
@@ -15,8 +12,7 @@ import torch
 from compileops.testing import aot_graph_text, inductor_kernels
 from compileops.xtoken import chunk_average
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _helpers import random_projection  # noqa: E402
+from tests.xtoken._helpers import random_projection
 
 pytestmark = pytest.mark.skipif(
     not torch.__version__.startswith("2.13"), reason="snapshots are pinned on torch 2.13"
