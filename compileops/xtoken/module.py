@@ -1,6 +1,7 @@
 """``compileops.xtoken.SparseProjection``: a frozen student-to-teacher projection module."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional, Union
 
@@ -26,9 +27,8 @@ class SparseProjection(torch.nn.Module):
 
     def __init__(self, csr: ProjectionCSR):
         super().__init__()
-        for name in ("col_indptr", "col_student_ids", "col_weights",
-                     "row_indptr", "row_teacher_ids", "row_weights"):
-            self.register_buffer(name, getattr(csr, name))
+        for field in dataclasses.fields(ProjectionCSR):
+            self.register_buffer(field.name, getattr(csr, field.name))
 
     @classmethod
     def from_coo(cls, coo: ProjectionCOO, device=None) -> "SparseProjection":

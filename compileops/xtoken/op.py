@@ -223,11 +223,15 @@ for _op in (project_op, project_backward_op):
 # Chunk sums
 
 
+def _check_chunk_id(chunk_id) -> None:
+    check_dim(chunk_id, 2, "chunk_id", "[B, T]")
+    check_index_dtype(chunk_id, "chunk_id")
+
+
 def check_chunk_args(log_probs, chunk_id, max_chunks) -> None:
     check_dim(log_probs, 3, "log_probs", "[B, T, V]")
     check_floating(log_probs, "log_probs")
-    check_dim(chunk_id, 2, "chunk_id", "[B, T]")
-    check_index_dtype(chunk_id, "chunk_id")
+    _check_chunk_id(chunk_id)
     torch._check_value(
         tuple(chunk_id.shape) == tuple(log_probs.shape[:2]),
         lambda: f"chunk_id must be [B, T] = {tuple(log_probs.shape[:2])}, "
@@ -281,8 +285,7 @@ chunk_sums_op.register_autograd(_chunk_sums_autograd, setup_context=_chunk_sums_
 def check_chunk_backward_args(grad_sums, chunk_id, dtype) -> None:
     check_dim(grad_sums, 3, "grad_sums", "[B, C, V]")
     check_floating(grad_sums, "grad_sums")
-    check_dim(chunk_id, 2, "chunk_id", "[B, T]")
-    check_index_dtype(chunk_id, "chunk_id")
+    _check_chunk_id(chunk_id)
     torch._check_value(
         chunk_id.shape[0] == grad_sums.shape[0],
         lambda: f"chunk_id [B, T] and grad_sums [B, C, V] disagree on B: "

@@ -35,6 +35,18 @@ def ref_moe_expert(x, w, offs, b, p):
     return reference.swiglu(h) * p.double()[:, None]
 
 
+def _compiled_fw_bw(fn, args, grad):
+    """Compile ``fn`` (fullgraph), run forward and backward; returns (output, generated code)."""
+    compiled = torch.compile(fn, fullgraph=True)
+
+    def fw_bw():
+        out = compiled(*args)
+        out.backward(grad)
+        return out
+
+    return _compat.run_and_get_code(fw_bw)
+
+
 def test_fullgraph_dynamic_no_recompiles_fw_bw():
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -72,14 +84,7 @@ def test_compiled_fw_bw_on_triton_templates_matches_fp64():
         t.requires_grad_()
     grad = torch.randn(21, 12)
     with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
-        compiled = torch.compile(moe_expert, fullgraph=True)
-
-        def fw_bw():
-            out = compiled(x, w, offs, b, p)
-            out.backward(grad)
-            return out
-
-        out, sources = _compat.run_and_get_code(fw_bw)
+        out, sources = _compiled_fw_bw(moe_expert, (x, w, offs, b, p), grad)
     assert "def triton_tem_fused_grouped_linear_dx" in "\n".join(sources)
     leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
     ref = ref_moe_expert(leaves[0], leaves[1], offs, leaves[2], p)
@@ -248,14 +253,7 @@ def test_template_tma_variant_fw_bw_under_interpreter():
 
     with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu(), \
             mock.patch.object(lowering, "_configs", tma_only):
-        compiled = torch.compile(moe_expert, fullgraph=True)
-
-        def fw_bw():
-            out = compiled(x, w, offs, b, p)
-            out.backward(grad)
-            return out
-
-        out, sources = _compat.run_and_get_code(fw_bw)
+        out, sources = _compiled_fw_bw(moe_expert, (x, w, offs, b, p), grad)
     code = "\n".join(sources)
     assert code.count("make_descriptors(") >= 3, "forward, recompute and dX templates use TMA"
     leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
