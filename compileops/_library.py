@@ -20,10 +20,6 @@ def custom_op(name: str) -> Callable:
     return torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())
 
 
-def qualified(name: str) -> str:
-    return f"{NAMESPACE}::{name}"
-
-
 def check_index_dtype(t: torch.Tensor, what: str) -> None:
     """Precondition usable from fake functions and eager code alike."""
     torch._check(

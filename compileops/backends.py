@@ -22,7 +22,6 @@ import contextvars
 import functools
 import importlib.util
 import os
-from typing import Iterator
 
 import torch
 
@@ -103,15 +102,6 @@ def select(op: str, device: torch.device | str) -> str:
     raise BackendUnavailableError(f"compileops::{op}: no backend can run on {device}")
 
 
-@contextlib.contextmanager
-def _forcing(name: str) -> Iterator[None]:
-    token = _forced.set(name)
-    try:
-        yield
-    finally:
-        _forced.reset(token)
-
-
 class use_backend(contextlib.ContextDecorator):
     """Force every compileops op to run with backend ``name``.
 
@@ -124,13 +114,11 @@ class use_backend(contextlib.ContextDecorator):
         if name not in BACKENDS:
             raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
         self.name = name
-        self._stack: list[contextlib.AbstractContextManager] = []
+        self._tokens: list[contextvars.Token] = []  # one per active (possibly nested) use
 
     def __enter__(self) -> "use_backend":
-        cm = _forcing(self.name)
-        cm.__enter__()
-        self._stack.append(cm)
+        self._tokens.append(_forced.set(self.name))
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stack.pop().__exit__(*exc)
+        _forced.reset(self._tokens.pop())

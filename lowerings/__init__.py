@@ -45,10 +45,9 @@ def install() -> None:
 def source_fingerprint() -> str:
     """Hash of every compileops/lowerings source file (kernels, lowerings, templates)."""
     digest = hashlib.sha256()
+    # One distribution installs both packages side by side.
     for package in ("compileops", "lowerings"):
-        root = pathlib.Path(sys.modules[package].__file__).parent if package in sys.modules else None
-        if root is None:
-            root = pathlib.Path(__file__).parent.parent / package
+        root = pathlib.Path(__file__).parent.parent / package
         for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".jinja")):
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())

@@ -47,6 +47,16 @@ def _compiled_fw_bw(fn, args, grad):
     return _compat.run_and_get_code(fw_bw)
 
 
+def _assert_fw_bw_match_fp64(out, grad, x, w, offs, b, p):
+    """Output and the grads of x, w, b (already backpropagated) against fp64 autograd."""
+    leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    ref = ref_moe_expert(leaves[0], leaves[1], offs, leaves[2], p)
+    ref.backward(grad.double())
+    assert_close_to_reference(out, ref, max_relative_error=1e-5)
+    for got, exp, what in zip((x.grad, w.grad, b.grad), leaves, ("dX", "dW", "db")):
+        assert_close_to_reference(got, exp.grad, max_relative_error=1e-5, what=what)
+
+
 def test_fullgraph_dynamic_no_recompiles_fw_bw():
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -86,12 +96,7 @@ def test_compiled_fw_bw_on_triton_templates_matches_fp64():
     with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
         out, sources = _compiled_fw_bw(moe_expert, (x, w, offs, b, p), grad)
     assert "def triton_tem_fused_grouped_linear_dx" in "\n".join(sources)
-    leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
-    ref = ref_moe_expert(leaves[0], leaves[1], offs, leaves[2], p)
-    ref.backward(grad.double())
-    assert_close_to_reference(out, ref, max_relative_error=1e-5)
-    for got, exp, what in zip((x.grad, w.grad, b.grad), leaves, ("dX", "dW", "db")):
-        assert_close_to_reference(got, exp.grad, max_relative_error=1e-5, what=what)
+    _assert_fw_bw_match_fp64(out, grad, x, w, offs, b, p)
 
 
 def test_template_dynamic_token_counts_bf16():
@@ -256,9 +261,4 @@ def test_template_tma_variant_fw_bw_under_interpreter():
         out, sources = _compiled_fw_bw(moe_expert, (x, w, offs, b, p), grad)
     code = "\n".join(sources)
     assert code.count("make_descriptors(") >= 3, "forward, recompute and dX templates use TMA"
-    leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
-    ref = ref_moe_expert(leaves[0], leaves[1], offs, leaves[2], p)
-    ref.backward(grad.double())
-    assert_close_to_reference(out, ref, max_relative_error=1e-5)
-    for got, exp, what in zip((x.grad, w.grad, b.grad), leaves, ("dX", "dW", "db")):
-        assert_close_to_reference(got, exp.grad, max_relative_error=1e-5, what=what)
+    _assert_fw_bw_match_fp64(out, grad, x, w, offs, b, p)

@@ -150,12 +150,14 @@ BAD = {
 }
 
 
+@pytest.mark.parametrize("op", [compileops.grouped_linear, compileops.grouped_linear_swiglu],
+                         ids=["plain", "swiglu"])
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
-def test_bad_input_errors_eagerly(case):
+def test_bad_input_errors_eagerly(case, op):
     make_args, exc, msg = BAD[case]
     x, w, offs, b = make([3, 4, 5], k=8, n=6)
     with pytest.raises(exc, match=msg):
-        compileops.grouped_linear(*make_args(x, w, offs, b))
+        op(*make_args(x, w, offs, b))
 
 
 @pytest.mark.parametrize("case", [c for c in BAD if "offsets exceed" not in c and "decreasing" not in c
@@ -192,14 +194,6 @@ def test_swiglu_odd_n_errors_in_fake():
     with FakeTensorMode(allow_non_fake_inputs=True):
         with pytest.raises(ValueError, match="even N"):
             torch.ops.compileops.grouped_linear_swiglu(*args)
-
-
-@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
-def test_swiglu_bad_input_errors_eagerly(case):
-    make_args, exc, msg = BAD[case]
-    x, w, offs, b = make([3, 4, 5], k=8, n=6)
-    with pytest.raises(exc, match=msg):
-        compileops.grouped_linear_swiglu(*make_args(x, w, offs, b))
 
 
 def test_deterministic_fw_bw():
