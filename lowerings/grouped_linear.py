@@ -9,7 +9,8 @@ the elements, and the two halves are different tiles), so it is its own op whose
 computes the gate and up tiles together and stores ``silu(gate) * up`` ``[M, H]``; epilogues
 fuse after it.
 
-* Default mode: one heuristic config (no compile-time benchmarking).
+* Default mode: one heuristic config (no compile-time benchmarking), through TMA
+  descriptors where the GPU and the strides allow (``_template_tma_applies``).
 * ``max_autotune``: a bounded config list (on sm90+ each also as a TMA-descriptor variant)
   plus the extern eager op, benchmarked on Dirichlet(1) skewed offsets (``input_gen_fns``). On sm90+ in bf16 without bias, ``torch._grouped_mm``
   (CUTLASS, with its uninitialised tail rows zeroed: :func:`grouped_mm_anchor`) is a choice
@@ -100,19 +101,24 @@ def skewed_offsets(groups: int, m: int, device, seed: int = 0) -> torch.Tensor:
     return dirichlet_offsets(groups, m, seed=seed, device=device)
 
 
-def _configs(m_hint: int, groups: int, n_out: int, k: int, dtype, device, tma: bool = False):
-    """``([(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, USE_TMA)], autotune)``."""
+def _configs(m_hint: int, groups: int, n_out: int, k: int, dtype, device, tma: bool = False,
+             swiglu: bool = False):
+    """``([(Config, USE_TMA)], autotune)``: the heuristic config alone (default mode, or
+    batch-invariant mode: pointer loads, one code path), or the bounded max-autotune list."""
     from compileops.grouped_linear import kernels
     from compileops.grouped_linear.op import is_batch_invariant
 
     if is_batch_invariant() or not _compat.max_autotune_enabled() or device.type != "cuda":
         cfg = kernels.choose_config(m_hint, groups, n_out, k, dtype, device,
-                                    batch_invariant=is_batch_invariant())
-        return [(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, False)], False
+                                    batch_invariant=is_batch_invariant(), swiglu=swiglu)
+        return [(cfg, tma and not is_batch_invariant())], False
     small_k = 32 if dtype == torch.float32 else 64
-    configs = [(bm, bn, min(bk, small_k), w, s, False) for bm, bn, bk, w, s in AUTOTUNE_CONFIGS]
-    if tma:  # the same tiles again through TMA descriptors; benchmarking picks
-        configs += [(bm, bn, bk, w, s, True) for bm, bn, bk, w, s, _ in configs]
+    configs = [(kernels.Config(bm, bn, min(bk, small_k), w, s), False)
+               for bm, bn, bk, w, s in AUTOTUNE_CONFIGS]
+    if tma:  # the same tiles again through TMA descriptors, plus the heuristic pick
+        configs += [(cfg, True) for cfg, _ in configs]
+        configs.append((kernels.choose_config(m_hint, groups, n_out, k, dtype, device,
+                                              swiglu=swiglu), True))
     return configs, True
 
 
@@ -153,21 +159,24 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
     m_hint = _compat.size_hint(m)
     g_hint, n_hint, k_hint = (_compat.size_hint(s) for s in (groups, n_out, k))
     configs, autotune = _configs(m_hint, g_hint, n_hint, k_hint, dtype, device,
-                                 tma=_template_tma_applies(x, weight, device, dtype))
+                                 tma=_template_tma_applies(x, weight, device, dtype),
+                                 swiglu=swiglu)
     constexprs = dict(
         HAS_BIAS=bias is not None,
         SWIGLU=swiglu,
         DX=dx,
-        GROUP_M=kernels.GROUP_M,
-        NUM_PROGS=kernels.num_programs(device.index if device.type == "cuda" else None, device.type),
+        G_BLOCK=kernels.group_block(g_hint),
         TF32=kernels.input_precision(dtype) == "tf32",
         DOT_UPCAST=device.type == "cpu" and dtype == torch.bfloat16,
     )
     choices: list = []
-    for bm, bn, bk, warps, stages, tma in configs:
+    sms = kernels.num_programs(device.index if device.type == "cuda" else None, device.type)
+    for cfg, tma in configs:
         template().maybe_append_choice(
-            choices, input_nodes=nodes, layout=layout, num_stages=stages, num_warps=warps,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_TMA=tma, **constexprs,
+            choices, input_nodes=nodes, layout=layout, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, USE_TMA=tma, FLATTEN=cfg.flatten, GROUP_M=cfg.group_m,
+            NUM_PROGS=sms * cfg.programs_per_sm, **constexprs,
         )
     if autotune or not choices:
         choices.append(extern_choice(op_name).bind(nodes, layout))

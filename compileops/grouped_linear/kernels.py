@@ -54,15 +54,44 @@ def group_rows(offs_ptr, g, G, M):
 
 
 @triton.jit
-def tile_coords(t, num_m, num_n, GROUP_M: tl.constexpr):
-    """Tile ``t`` of a group's ``num_m x num_n`` grid -> ``(tile_m, tile_n)``, ``GROUP_M``-row
-    super-grouped so that concurrently running programs share A rows and B columns in L2."""
-    per_group = GROUP_M * num_n
-    first_m = (t // per_group) * GROUP_M
-    rows_here = tl.minimum(num_m - first_m, GROUP_M)
-    tile_m = first_m + (t % per_group) % rows_here
-    tile_n = (t % per_group) // rows_here
-    return tile_m, tile_n
+def group_tile_table(offs_ptr, G, M, BLOCK_M: tl.constexpr, G_BLOCK: tl.constexpr):
+    """Per-group M-tile prefix sums, read once per program from the device offsets.
+
+    Lane ``g < G`` is group g, lane ``G`` the tail rows past ``offs[G-1]`` (written as zeros),
+    lanes past ``G`` are empty. Returns ``(tile_end [G_BLOCK], total_m)``: ``tile_end[g]`` is
+    the number of M-tiles in groups ``0..g`` (inclusive prefix sum), ``total_m`` the total.
+    ``G_BLOCK`` is a power of two > G.
+    """
+    lanes = tl.arange(0, G_BLOCK)
+    prev = tl.load(offs_ptr + lanes - 1, mask=(lanes > 0) & (lanes <= G), other=0)
+    start = tl.minimum(tl.maximum(prev, 0), M)
+    raw = tl.load(offs_ptr + lanes, mask=lanes < G, other=M)
+    end = tl.minimum(tl.maximum(raw, start), M)
+    m_tiles = tl.where(lanes <= G, tl.cdiv(end - start, BLOCK_M), 0)
+    tile_end = tl.cumsum(m_tiles, axis=0)
+    return tile_end, tl.sum(m_tiles, axis=0)
+
+
+@triton.jit
+def locate_tile(t, tile_end, total_m, num_n, offs_ptr, G, M,
+                GROUP_M: tl.constexpr, G_BLOCK: tl.constexpr):
+    """Flat tile ``t`` of the ``total_m x num_n`` tile space -> ``(g, start, end, tile_m,
+    tile_n)``: group g's rows ``[start, end)`` and the tile's place in that group.
+
+    M-tiles are numbered group after group (``group_tile_table``), then ``GROUP_M`` M-tiles
+    are swept across all N-tiles before moving on (L2 reuse of A rows and of B_g). Finding
+    the group is a compare-and-count over the G lanes: no per-group loop, no extra launch.
+    """
+    per_super = GROUP_M * num_n
+    first_m = (t // per_super) * GROUP_M
+    rows_here = tl.minimum(total_m - first_m, GROUP_M)
+    m_idx = first_m + (t % per_super) % rows_here
+    tile_n = (t % per_super) // rows_here
+    g = tl.sum((tile_end <= m_idx).to(tl.int32), axis=0)
+    lanes = tl.arange(0, G_BLOCK)
+    group_first = tl.sum(tl.where(lanes == g - 1, tile_end, 0), axis=0)
+    start, end = group_rows(offs_ptr, g, G, M)
+    return g, start, end, m_idx - group_first, tile_n
 
 
 @triton.jit
@@ -110,7 +139,10 @@ def mjagged_tile(
     arange`` (valid below ``n_size``). Returns ``(tile, tile2)``: with ``PAIR`` the second
     is the tile at columns ``rn + pair_offset`` (the up half of a fused gate/up weight),
     computed in the same K loop so the A tile is loaded once; otherwise ``tile2 is tile``.
-    ``active == False`` gives exact zeros (no loads). The K loop always runs in the same
+    ``active == False`` (the tail past the last group) gives exact zeros: its pointer loads
+    are masked off, its TMA loads of the out-of-range group ``G`` are zero-filled, and the
+    accumulator is replaced by zeros (tail rows of A may hold anything, even inf). The K
+    loop always runs in the same
     BLOCK_K order: a row's value does not depend on the other rows of its tile.
 
     ``USE_TMA``: A and B tiles come through tensor descriptors (``a_desc`` over A ``[M, K]``,
@@ -132,15 +164,16 @@ def mjagged_tile(
     b2_ptrs = b_ptrs + tl.cast(pair_offset, tl.int64) * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_end = tl.where(active, K, 0)
-    for k0 in range(0, k_end, BLOCK_K):
+    # A loop-invariant trip count (K, not "0 when inactive") lets tl.range(flatten=True) fuse
+    # this loop with the persistent tile loop; inactive tiles are zeroed after it instead.
+    for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + rk) < K
         if USE_TMA:
             a = a_desc.load([(row_start + tile_m * BLOCK_M).to(tl.int32), k0])
             b = _desc_b_tile(b_desc, g, tile_n * BLOCK_N, k0, BLOCK_N, BLOCK_K, B_KN)
         else:
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=(row_ok & active)[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & (col_ok & active)[None, :], other=0.0)
         if DOT_UPCAST:  # interpreter only: its tl.dot mishandles bf16 (raw bits)
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -150,13 +183,15 @@ def mjagged_tile(
                 b2 = _desc_b_tile(b_desc, g, tile_n * BLOCK_N + pair_offset, k0,
                                   BLOCK_N, BLOCK_K, B_KN)
             else:
-                b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & (col_ok & active)[None, :], other=0.0)
             if DOT_UPCAST:
                 b2 = b2.to(tl.float32)
             acc2 = tl.dot(a, b2, acc2, input_precision=INPUT_PRECISION)
             b2_ptrs += BLOCK_K * stride_bk
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    acc = tl.where(active, acc, 0.0)
+    acc2 = tl.where(active, acc2, 0.0)
     if HAS_BIAS:
         bias_ptrs = bias_ptr + tl.cast(g, tl.int64) * stride_biasg + cols * stride_biasn
         bias = tl.load(bias_ptrs, mask=col_ok & active, other=0.0)
@@ -179,12 +214,18 @@ def swiglu(gate, up):
 @triton.jit
 def kjagged_tile(
     dy_ptr, x_ptr, start, end, tile_n, tile_k, N, K,
-    stride_dym, stride_dyn, stride_xm, stride_xk,
+    stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc, x_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """``(dW tile [BLOCK_N, BLOCK_K], db partial [BLOCK_N])`` over rows ``[start, end)``, in
-    row order, fp32. An empty range gives exact zeros."""
+    """fp32 ``dW`` tile ``[BLOCK_N, BLOCK_K] = dY[start:end, rn]^T @ X[start:end, rk]``,
+    reduced over the rows in ``BLOCK_M`` chunks in row order. An empty range gives zeros.
+
+    ``USE_TMA``: whole ``BLOCK_M``-row chunks come through the ``dy_desc`` (over dY ``[M, N]``)
+    and ``x_desc`` (over X ``[M, K]``) descriptors; the group's last partial chunk takes the
+    masked pointer path, so rows of the next group never enter the product (not even as
+    0 * x). Columns past N / K are zero-filled by the TMA unit or masked.
+    """
     rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
     n_ok = rn < N
@@ -192,8 +233,17 @@ def kjagged_tile(
     rn64 = rn.to(tl.int64)
     rk64 = rk.to(tl.int64)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for m0 in range(start, end, BLOCK_M):
+    tail = start
+    if USE_TMA:
+        tail = start + ((end - start) // BLOCK_M) * BLOCK_M
+        for m0 in range(start, tail, BLOCK_M):
+            dy = dy_desc.load([m0, tile_n * BLOCK_N])
+            xb = x_desc.load([m0, tile_k * BLOCK_K])
+            if DOT_UPCAST:  # interpreter only (see dot_upcast)
+                dy = dy.to(tl.float32)
+                xb = xb.to(tl.float32)
+            acc = tl.dot(dy.T, xb, acc, input_precision=INPUT_PRECISION)
+    for m0 in range(tail, end, BLOCK_M):
         rm = m0 + tl.arange(0, BLOCK_M)
         m_ok = rm < end
         rm64 = rm.to(tl.int64)
@@ -206,8 +256,24 @@ def kjagged_tile(
                          input_precision=INPUT_PRECISION)
         else:
             acc = tl.dot(dyt, xb, acc, input_precision=INPUT_PRECISION)
-        db += tl.sum(dyt.to(tl.float32), axis=1)
-    return acc, db
+    return acc
+
+
+@triton.jit
+def column_sums(dy_ptr, start, end, tile_n, N, stride_dym, stride_dyn,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``db`` partial ``[BLOCK_N]`` = fp32 column sums of ``dY[start:end, rn]``, in
+    ``BLOCK_M``-row chunks in row order (deterministic). Zeros for an empty range."""
+    rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for m0 in range(start, end, BLOCK_M):
+        rm = m0 + tl.arange(0, BLOCK_M)
+        dy = tl.load(dy_ptr + rm.to(tl.int64)[:, None] * stride_dym
+                     + rn.to(tl.int64)[None, :] * stride_dyn,
+                     mask=(rm < end)[:, None] & n_ok[None, :], other=0.0)
+        db += tl.sum(dy.to(tl.float32), axis=0)
+    return db
 
 
 # ---------------------------------------------------------------------------------------
@@ -223,9 +289,13 @@ def mjagged_gemm_kernel(
     HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NUM_PROGS: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    USE_TMA: tl.constexpr, B_KN: tl.constexpr,
+    USE_TMA: tl.constexpr, B_KN: tl.constexpr, G_BLOCK: tl.constexpr, FLATTEN: tl.constexpr,
 ):
-    """Persistent M-jagged grouped GEMM; ``N_OUT`` output columns (``N / 2`` with SWIGLU)."""
+    """Persistent M-jagged grouped GEMM; ``N_OUT`` output columns (``N / 2`` with SWIGLU).
+
+    One flat tile space over all groups (``group_tile_table`` / ``locate_tile``): every
+    program strides through it by ``NUM_PROGS``, so load balance does not depend on how the
+    rows split into groups. ``FLATTEN`` lets Triton pipeline across consecutive tiles."""
     pid = tl.program_id(0)
     a_desc = None
     b_desc = None
@@ -238,30 +308,24 @@ def mjagged_gemm_kernel(
             a_desc, b_desc = make_descriptors(a_ptr, b_ptr, M, K, G, b_n, stride_am, stride_bg,
                                               stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, B_KN)
     num_n = tl.cdiv(N_OUT, BLOCK_N)
-    done = 0
-    for g in range(0, G + 1):
-        start, end = group_rows(offs_ptr, g, G, M)
-        active = g < G
-        num_m = tl.cdiv(end - start, BLOCK_M)
-        num_tiles = num_m * num_n
-        first = (pid - done % NUM_PROGS + NUM_PROGS) % NUM_PROGS
-        for t in range(first, num_tiles, NUM_PROGS):
-            tile_m, tile_n = tile_coords(t, num_m, num_n, GROUP_M)
-            acc, up = mjagged_tile(
-                a_ptr, b_ptr, bias_ptr, g, active, start, end - start, tile_m, tile_n,
-                N_OUT, N_OUT, K, stride_am, stride_ak, stride_bg, stride_bk, stride_bn,
-                stride_biasg, stride_biasn, a_desc, b_desc, HAS_BIAS, SWIGLU, BLOCK_M, BLOCK_N,
-                BLOCK_K, INPUT_PRECISION, DOT_UPCAST, USE_TMA, B_KN,
-            )
-            if SWIGLU:
-                acc = swiglu(acc, up)
-            rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask = (rm < end - start)[:, None] & (rn < N_OUT)[None, :]
-            rows = (start + rm).to(tl.int64)
-            dst = out_ptr + rows[:, None] * stride_om + rn[None, :].to(tl.int64) * stride_on
-            tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        done += num_tiles
+    tile_end, total_m = group_tile_table(offs_ptr, G, M, BLOCK_M, G_BLOCK)
+    for t in tl.range(pid, total_m * num_n, NUM_PROGS, flatten=FLATTEN):
+        g, start, end, tile_m, tile_n = locate_tile(t, tile_end, total_m, num_n, offs_ptr, G, M,
+                                                    GROUP_M, G_BLOCK)
+        acc, up = mjagged_tile(
+            a_ptr, b_ptr, bias_ptr, g, g < G, start, end - start, tile_m, tile_n,
+            N_OUT, N_OUT, K, stride_am, stride_ak, stride_bg, stride_bk, stride_bn,
+            stride_biasg, stride_biasn, a_desc, b_desc, HAS_BIAS, SWIGLU, BLOCK_M, BLOCK_N,
+            BLOCK_K, INPUT_PRECISION, DOT_UPCAST, USE_TMA, B_KN,
+        )
+        if SWIGLU:
+            acc = swiglu(acc, up)
+        rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rm < end - start)[:, None] & (rn < N_OUT)[None, :]
+        rows = (start + rm).to(tl.int64)
+        dst = out_ptr + rows[:, None] * stride_om + rn[None, :].to(tl.int64) * stride_on
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -271,10 +335,21 @@ def kjagged_gemm_kernel(
     stride_dym, stride_dyn, stride_xm, stride_xk,
     HAS_DB: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """Persistent K-jagged grouped GEMM: ``dw [G, N, K]``, ``db [G, N]`` (both contiguous)."""
+    """Persistent K-jagged grouped GEMM: ``dw [G, N, K]``, ``db [G, N]`` (both contiguous).
+
+    Tiles ``(g, tile_n, tile_k)``, K-tiles fastest so concurrent programs share dY's column
+    block. The tiles with ``tile_k == 0`` also sum dY's columns for ``db`` (one extra read
+    of that block, instead of every K-tile summing it)."""
     pid = tl.program_id(0)
+    dy_desc = None
+    x_desc = None
+    if USE_TMA:
+        dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[M, N], strides=[stride_dym, 1],
+                                            block_shape=[BLOCK_M, BLOCK_N])
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
     num_n = tl.cdiv(N, BLOCK_N)
     num_k = tl.cdiv(K, BLOCK_K)
     total = G * num_n * num_k
@@ -284,10 +359,10 @@ def kjagged_gemm_kernel(
         tile_n = rest // num_k
         tile_k = rest % num_k
         start, end = group_rows(offs_ptr, g, G, M)
-        acc, db = kjagged_tile(
+        acc = kjagged_tile(
             dy_ptr, x_ptr, start, end, tile_n, tile_k, N, K,
-            stride_dym, stride_dyn, stride_xm, stride_xk,
-            BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, DOT_UPCAST,
+            stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc, x_desc,
+            BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, DOT_UPCAST, USE_TMA,
         )
         rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -296,8 +371,11 @@ def kjagged_gemm_kernel(
         dst = dw_ptr + base + rn[:, None].to(tl.int64) * K + rk[None, :]
         tl.store(dst, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & (rk < K)[None, :])
         if HAS_DB:
-            tl.store(db_ptr + tl.cast(g, tl.int64) * N + rn, db.to(db_ptr.dtype.element_ty),
-                     mask=n_ok & (tile_k == 0))
+            if tile_k == 0:
+                db = column_sums(dy_ptr, start, end, tile_n, N, stride_dym, stride_dyn,
+                                 BLOCK_M, BLOCK_N)
+                tl.store(db_ptr + tl.cast(g, tl.int64) * N + rn, db.to(db_ptr.dtype.element_ty),
+                         mask=n_ok)
 
 
 # ---------------------------------------------------------------------------------------
@@ -311,10 +389,18 @@ class Config:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    flatten: bool = False  # pipeline across consecutive tiles (tl.range(flatten=True))
+    programs_per_sm: int = 1  # >1: co-resident programs hide each other's prologue/epilogue
+    group_m: int = 8  # M-tiles per L2 super-group (locate_tile)
 
 
-# Rows of tiles per L2 super-group in the M-jagged schedule (tile_coords).
+# Rows of tiles per L2 super-group in the M-jagged schedule (locate_tile).
 GROUP_M = 8
+
+
+def group_block(groups: int) -> int:
+    """Lanes of the per-group tile table: a power of two above ``groups`` (the tail lane)."""
+    return triton.next_power_of_2(groups + 1)
 
 # Batch-invariant mode: one fixed config for the M-jagged products, whatever the group sizes.
 BATCH_INVARIANT_CONFIG = Config(64, 64, 32, num_warps=4, num_stages=3)
@@ -327,11 +413,17 @@ def _interpreting(device: torch.device) -> bool:
 
 
 def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
-                  device: torch.device, *, batch_invariant: bool = False) -> Config:
+                  device: torch.device, *, batch_invariant: bool = False,
+                  swiglu: bool = False) -> Config:
     """M-jagged tile config from the mean group size ``M / G`` (host ints only).
 
     Small groups (decode-like MoE, many experts) get short M tiles so little work is
-    masked; large groups get 128-row tiles. ``batch_invariant`` returns the fixed config.
+    masked. Larger groups in 16-bit get 128 x 256 tiles (the intensity Hopper's wgmma needs
+    to stay off the L2-bandwidth limit) with the persistent loop flattened, so the next
+    tile's loads overlap this tile's epilogue; SwiGLU holds two accumulators, so its tiles
+    are 128 x 128 and not flattened (flattening measured slower there). Measured on an H100:
+    benchmarks/RESULTS.md (sweep_grouped_linear.py). ``batch_invariant`` returns the fixed
+    config.
     """
     if batch_invariant:
         return BATCH_INVARIANT_CONFIG if not _interpreting(device) else _INTERPRET_CONFIG
@@ -343,18 +435,28 @@ def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
         return Config(16, 128, 64 if not small else 32, num_warps=4, num_stages=4)
     if mean <= 64:
         return Config(64, 128, 64 if not small else 32, num_warps=4, num_stages=4)
-    return Config(128, 128 if n >= 128 else 64, 64 if not small else 32, num_warps=8,
-                  num_stages=3 if not small else 2)
+    if small:
+        return Config(128, 128 if n >= 128 else 64, 32, num_warps=8, num_stages=2)
+    if swiglu:
+        return Config(128, 128, 64, num_warps=8, num_stages=3)
+    if n <= 128:
+        return Config(128, 128, 64, num_warps=8, num_stages=3, flatten=True)
+    return Config(128, 256, 64, num_warps=8, num_stages=3, flatten=True)
 
 
 def choose_wgrad_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
                         device: torch.device) -> Config:
-    """K-jagged config: ``block_m`` is the row chunk each dW tile reduces over."""
+    """K-jagged config: ``block_m`` is the row chunk each dW tile reduces over; the output
+    tile is ``block_n x block_k``. Long groups: 256 x 128 output tiles. Short groups (few
+    chunks per tile): 128 x 128 tiles, two programs per SM so one's prologue and epilogue
+    overlap the other's loop (H100 sweep, benchmarks/RESULTS.md)."""
     if _interpreting(device):
         return Config(16, 32, 32, num_warps=1, num_stages=1)
-    small = dtype == torch.float32
-    return Config(64 if not small else 32, 128, 128 if not small else 64, num_warps=8,
-                  num_stages=3)
+    if dtype == torch.float32:
+        return Config(32, 128, 64, num_warps=8, num_stages=3)
+    if m_total / max(groups, 1) >= 1024:
+        return Config(64, 256, 128, num_warps=8, num_stages=3)
+    return Config(64, 128, 128, num_warps=4, num_stages=3, programs_per_sm=2)
 
 
 def input_precision(dtype: torch.dtype) -> str:
@@ -436,8 +538,8 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
     if m == 0 or n_out == 0:
         return out
     cfg = config or choose_config(m, groups, n_out, k, a.dtype, a.device,
-                                  batch_invariant=batch_invariant)
-    progs = _grid_size(a.device)
+                                  batch_invariant=batch_invariant, swiglu=swiglu_out)
+    progs = _grid_size(a.device) * cfg.programs_per_sm
     if use_tma is None:
         use_tma = not batch_invariant and tma_applies(a, b, cfg)
 
@@ -450,10 +552,10 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
             a.stride(0), a.stride(1), *b_strides,
             bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
             out.stride(0), out.stride(1),
-            HAS_BIAS=bias is not None, SWIGLU=swiglu_out, NUM_PROGS=progs, GROUP_M=GROUP_M,
+            HAS_BIAS=bias is not None, SWIGLU=swiglu_out, NUM_PROGS=progs, GROUP_M=cfg.group_m,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             INPUT_PRECISION=input_precision(a.dtype), DOT_UPCAST=dot_upcast(a),
-            USE_TMA=tma, B_KN=b_kn,
+            USE_TMA=tma, B_KN=b_kn, G_BLOCK=group_block(groups), FLATTEN=cfg.flatten,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
@@ -494,8 +596,25 @@ def grouped_linear_dx(grad, weight, offsets, *, batch_invariant=False, use_tma=N
                         b_kn=True, use_tma=use_tma)
 
 
-def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype):
+def wgrad_tma_applies(grad: torch.Tensor, x: torch.Tensor, cfg: Config) -> bool:
+    """TMA for the dW kernel: dY and X with unit inner strides and 16-byte aligned bases and
+    row strides on an sm90+ GPU (a stride-0 or transposed dY takes the pointer path)."""
+    if _tma_failed or not _tma_env_enabled() or not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    if x.device.type != "cuda" or torch.version.hip:
+        return False
+    if torch.cuda.get_device_capability(x.device) < (9, 0):
+        return False
+    es = x.element_size()
+    return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0
+               and t.stride(0) > 0 for t in (grad, x)) and cfg.block_k * es >= 16 \
+        and cfg.block_n * es >= 16
+
+
+def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
+                         config: Optional[Config] = None, use_tma: Optional[bool] = None):
     """``(dW [G, N, K] = dY_g^T X_g, db [G, N] = colsum(dY_g))``, deterministic."""
+    global _tma_failed
     m, n = grad.shape
     k = x.shape[1]
     groups = offsets.shape[0]
@@ -505,16 +624,32 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype):
         return dw, db
     if k == 0:
         return dw, db.zero_() if m == 0 else _colsum_only(grad, offsets, db)
-    cfg = choose_wgrad_config(m, groups, n, k, x.dtype, x.device)
-    progs = _grid_size(x.device)
-    kjagged_gemm_kernel[(progs,)](
-        grad, x, offsets, dw, db, m, n, k, groups,
-        grad.stride(0), grad.stride(1), x.stride(0), x.stride(1),
-        HAS_DB=True, NUM_PROGS=progs,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        INPUT_PRECISION=input_precision(x.dtype), DOT_UPCAST=dot_upcast(x),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    cfg = config or choose_wgrad_config(m, groups, n, k, x.dtype, x.device)
+    progs = _grid_size(x.device) * cfg.programs_per_sm
+    if use_tma is None:
+        use_tma = wgrad_tma_applies(grad, x, cfg)
+
+    def launch(tma: bool) -> None:
+        if tma:
+            _set_tma_allocator(x.device)
+        kjagged_gemm_kernel[(progs,)](
+            grad, x, offsets, dw, db, m, n, k, groups,
+            grad.stride(0), grad.stride(1), x.stride(0), x.stride(1),
+            HAS_DB=True, NUM_PROGS=progs,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            INPUT_PRECISION=input_precision(x.dtype), DOT_UPCAST=dot_upcast(x), USE_TMA=tma,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    if use_tma and x.device.type == "cuda":
+        try:
+            launch(True)
+            return dw, db
+        except Exception as exc:  # compile/launch error: fall back once, loudly
+            _tma_failed = True
+            warnings.warn(f"compileops.grouped_linear: TMA wgrad kernel failed "
+                          f"({type(exc).__name__}: {exc}); using the pointer-based kernel")
+    launch(bool(use_tma) and x.device.type != "cuda")
     return dw, db
 
 

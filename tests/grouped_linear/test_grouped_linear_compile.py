@@ -4,6 +4,8 @@ torch 2.13 (regenerate with EXPECTTEST_ACCEPT=1)."""
 import expecttest
 import pytest
 import torch
+
+from compileops.grouped_linear.kernels import Config
 import torch.nn.functional as F
 
 import compileops
@@ -226,7 +228,7 @@ def test_max_autotune_path_benchmarks_choices_on_skewed_offsets():
         return real_gen(*args, **kwargs)
 
     def two_configs(*args, **kwargs):
-        return [(16, 32, 16, 1, 1, False), (16, 16, 16, 1, 1, True)], True
+        return [(Config(16, 32, 16, 1, 1), False), (Config(16, 16, 16, 1, 1, flatten=True), True)], True
 
     def f(x, w, offs, b):
         return compileops.grouped_linear(x, w, offs, b) * 2
@@ -254,7 +256,7 @@ def test_template_tma_variant_fw_bw_under_interpreter():
     grad = torch.randn(21, 20)
 
     def tma_only(*args, **kwargs):
-        return [(16, 16, 16, 1, 1, True)], False
+        return [(Config(16, 16, 16, 1, 1), True)], False
 
     with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu(), \
             mock.patch.object(lowering, "_configs", tma_only):

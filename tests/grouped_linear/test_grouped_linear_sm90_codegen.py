@@ -49,7 +49,7 @@ def mjagged_args(ptr):
                                     "stride_biasg", "stride_biasn", "stride_om", "stride_on")])
 
 
-def mjagged_ttgir(dtype, swiglu, tma=False, b_kn=False):
+def mjagged_ttgir(dtype, swiglu, tma=False, b_kn=False, flatten=False):
     from compileops.grouped_linear import kernels
 
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
@@ -59,32 +59,35 @@ def mjagged_ttgir(dtype, swiglu, tma=False, b_kn=False):
         dict(HAS_BIAS=True, SWIGLU=swiglu, NUM_PROGS=132, GROUP_M=kernels.GROUP_M,
              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
              INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32", DOT_UPCAST=False,
-             USE_TMA=tma, B_KN=b_kn),
+             USE_TMA=tma, B_KN=b_kn, G_BLOCK=kernels.group_block(128), FLATTEN=flatten),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return k.asm["ttgir"]
 
 
-def kjagged_ttgir():
+def kjagged_ttgir(ptr="*fp16", tma=False):
     from compileops.grouped_linear import kernels
 
-    args = ([("dy_ptr", "*fp16"), ("x_ptr", "*fp16"), ("offs_ptr", "*i32"), ("dw_ptr", "*fp16"),
-             ("db_ptr", "*fp16")] + [(n, "i32") for n in ("M", "N", "K", "G")]
+    args = ([("dy_ptr", ptr), ("x_ptr", ptr), ("offs_ptr", "*i32"), ("dw_ptr", ptr),
+             ("db_ptr", ptr)] + [(n, "i32") for n in ("M", "N", "K", "G")]
             + [(n, "i64") for n in ("stride_dym", "stride_dyn", "stride_xm", "stride_xk")])
     k = compile_sm90(kernels.kjagged_gemm_kernel, args,
                      dict(HAS_DB=True, NUM_PROGS=132, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
-                          INPUT_PRECISION="tf32", DOT_UPCAST=False), num_warps=8, num_stages=3)
+                          INPUT_PRECISION="tf32", DOT_UPCAST=False, USE_TMA=tma),
+                     num_warps=8, num_stages=3)
     return k.asm["ttgir"]
 
 
 CASES = {"bf16": ("bf16", False), "bf16-swiglu": ("bf16", True), "fp32-ieee": ("fp32", False),
          "bf16-tma": ("bf16", False, True), "bf16-swiglu-tma": ("bf16", True, True),
-         "bf16-dx-tma": ("bf16", False, True, True)}
+         "bf16-dx-tma": ("bf16", False, True, True),
+         "bf16-flatten-tma": ("bf16", False, True, False, True)}
 
 
 def _main():  # runs in a subprocess without TRITON_INTERPRET (the compiler needs JITFunctions)
     out = {name: summarize(mjagged_ttgir(*args)) for name, args in CASES.items()}
     out["wgrad-fp16"] = summarize(kjagged_ttgir())
+    out["wgrad-bf16-tma"] = summarize(kjagged_ttgir("*bf16", tma=True))
     print(json.dumps(out))
 
 
@@ -106,7 +109,7 @@ def compiled():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", list(CASES) + ["wgrad-fp16"])
+@pytest.mark.parametrize("case", list(CASES) + ["wgrad-fp16", "wgrad-bf16-tma"])
 def test_kernel_compiles_for_sm90_pipelined(compiled, case):
     assert compiled[case]["pipelined"], f"{case}: expected a software-pipelined (cp.async) K loop"
     if case != "fp32-ieee":  # IEEE fp32 dots use FMA, not tensor cores

@@ -1,0 +1,141 @@
+"""Tile-config sweep for the grouped linear kernels (GPU): what the heuristics in
+``compileops.grouped_linear.kernels.choose_config`` / ``choose_wgrad_config`` are based on.
+
+For each benchmark shape and split, times the M-jagged kernel (forward and dX) and the
+K-jagged kernel (dW + db) over a bounded list of configs, next to ``torch._grouped_mm`` in
+the same process, after checking each config's result against ``torch._grouped_mm``.
+Prints one line per (case, config) with ms, TFLOP/s and the ratio to ``_grouped_mm``, then
+the best config per case.
+
+    python benchmarks/sweep_grouped_linear.py [--shapes qwen3_up ...] [--splits skewed ...]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import harness  # noqa: E402
+from benchmarks.bench_grouped_linear import SHAPES, make_offsets  # noqa: E402
+from compileops.grouped_linear import kernels  # noqa: E402
+from compileops.grouped_linear.kernels import Config  # noqa: E402
+
+FWD_CONFIGS = [
+    Config(128, 256, 64, 8, 3, flatten=True),
+    Config(128, 256, 64, 8, 3, flatten=True, group_m=4),
+    Config(128, 256, 64, 8, 3, flatten=True, group_m=16),
+    Config(256, 128, 64, 8, 3, flatten=True),
+    Config(128, 128, 64, 4, 3, programs_per_sm=2),
+    Config(128, 128, 64, 4, 3, flatten=True, programs_per_sm=2),
+    Config(128, 128, 64, 4, 4, programs_per_sm=2),
+]
+# SwiGLU tiles hold two accumulators (gate and up): half the N width of the plain ones.
+SWIGLU_CONFIGS = [
+    Config(128, 128, 64, 8, 3, flatten=True),
+    Config(128, 128, 64, 8, 3),
+    Config(128, 64, 64, 4, 3, programs_per_sm=2),
+    Config(128, 64, 64, 4, 4, flatten=True, programs_per_sm=2),
+]
+WGRAD_CONFIGS = [
+    Config(128, 128, 128, 8, 3),
+    Config(64, 256, 128, 8, 3),
+    Config(64, 128, 128, 4, 3, programs_per_sm=2),
+    Config(64, 128, 64, 4, 4, programs_per_sm=2),
+    Config(128, 128, 64, 8, 4),
+    Config(64, 256, 64, 8, 4),
+    Config(128, 128, 64, 4, 3, programs_per_sm=2),
+    Config(128, 256, 64, 8, 2),
+]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    parser.add_argument("--splits", nargs="*", default=["balanced", "skewed"])
+    parser.add_argument("--passes", nargs="*", default=["fwd", "dX", "dW", "swiglu"])
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    best: list[str] = []
+    t0 = time.perf_counter()
+    for name in args.shapes:
+        groups, m, k, n = SHAPES[name]
+        for split in args.splits:
+            offs = make_offsets(groups, m, split, dev)
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            w = torch.randn(groups, n, k, device=dev, dtype=torch.bfloat16) / k**0.5
+            dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+            flops = 2.0 * m * n * k
+            w_t = w.transpose(-2, -1)
+
+            def swiglu_anchor():
+                gate, up = torch._grouped_mm(x, w_t, offs=offs).chunk(2, dim=-1)
+                return torch.nn.functional.silu(gate) * up
+
+            cases = {
+                "swiglu": (lambda cfg: kernels.mjagged_gemm(
+                               x, w, (w.stride(0), w.stride(2), w.stride(1)), offs, n // 2,
+                               out_dtype=x.dtype, config=cfg, swiglu_out=True),
+                           swiglu_anchor, SWIGLU_CONFIGS),
+                "fwd": (lambda cfg: kernels.mjagged_gemm(
+                            x, w, (w.stride(0), w.stride(2), w.stride(1)), offs, n,
+                            out_dtype=x.dtype, config=cfg),
+                        lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs), FWD_CONFIGS),
+                "dX": (lambda cfg: kernels.mjagged_gemm(
+                           dy, w, (w.stride(0), w.stride(1), w.stride(2)), offs, k,
+                           out_dtype=dy.dtype, config=cfg, b_kn=True),
+                       lambda: torch._grouped_mm(dy, w, offs=offs), FWD_CONFIGS),
+                "dW": (lambda cfg: kernels.grouped_linear_wgrad(
+                           dy, x, offs, torch.bfloat16, torch.bfloat16, config=cfg)[0],
+                       lambda: torch._grouped_mm(dy.t(), x, offs=offs), WGRAD_CONFIGS),
+            }
+            for stage in args.passes:
+                ours, anchor, configs = cases[stage]
+                case = f"{name} {split} {stage}"
+                want = anchor()
+                anchor_ms = harness.bench_ms(anchor, warmup=5, rep=30)
+                print(f"{case:28s} torch._grouped_mm{' + eager SwiGLU' if stage == 'swiglu' else ''} {anchor_ms:8.4f} ms "
+                      f"{flops / anchor_ms / 1e9:6.1f} TFLOP/s", flush=True)
+                results = []
+                for cfg in configs:
+                    label = (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} "
+                             f"s{cfg.num_stages}{' flat' if cfg.flatten else ''}"
+                             f"{f' x{cfg.programs_per_sm}/SM' if cfg.programs_per_sm > 1 else ''}"
+                             f"{f' gm{cfg.group_m}' if cfg.group_m != 8 else ''}")
+                    try:
+                        got = ours(cfg)
+                        err = rel_err(got[: int(offs[-1])], want[: int(offs[-1])]) if stage != "dW" \
+                            else rel_err(got, want)
+                        ms = harness.bench_ms(lambda: ours(cfg), warmup=5, rep=30)
+                    except Exception as exc:  # a config may not fit (smem, registers)
+                        print(f"{case:28s} {label:28s} FAILED {type(exc).__name__}: "
+                              f"{str(exc)[:160]}", flush=True)
+                        continue
+                    ok = "ok" if err < 2e-2 else f"WRONG rel err {err:.2e}"
+                    results.append((ms, label))
+                    print(f"{case:28s} {label:28s} {ms:8.4f} ms {flops / ms / 1e9:6.1f} TFLOP/s "
+                          f"{anchor_ms / ms:5.2f}x  {ok}", flush=True)
+                if results:
+                    ms, label = min(results)
+                    best.append(f"{case:28s} best {label:28s} {ms:8.4f} ms  {anchor_ms / ms:5.2f}x")
+                del want
+            del x, w, dy
+            torch.cuda.empty_cache()
+    print("\nBest per case:")
+    print("\n".join(best))
+    print(f"-- sweep wall time {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
