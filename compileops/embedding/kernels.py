@@ -1,11 +1,38 @@
 """Triton kernels for the embedding family, with their eager launchers.
 
 Forward: a row gather with 64-bit row offsets (tables past 2**31 elements work), upcasting
-only the gathered rows. Backward: a deterministic, batch-invariant scatter-add with no
-floating-point atomics and no fp32 V x D buffer: ids are stably sorted, so each distinct id
-is a contiguous run in token-position order; one program per (run, column block) sums that
-run in fp32 (fp64 for fp64 grads) strictly in position order, and later programs of the same
-launch zero the untouched rows, so every row is written exactly once.
+only the gathered rows.
+
+Backward: a deterministic, batch-invariant scatter-add with no floating-point atomics and no
+fp32 V x D buffer. The ids are stably sorted on the device (``torch.sort``, int32 keys when
+the table allows), so each distinct id is a contiguous run of sorted positions in
+token-position order. Then ONE kernel writes every row of ``grad_weight`` exactly once:
+
+* Run programs, one per (block of ``RUN_BLOCK`` sorted positions, column block), each
+  handle every run that *starts* in their block, finding the run's end themselves by
+  comparing sorted ids (no searchsorted pass). Runs of at most ``UNROLL`` entries are summed
+  together as a 2-D ``[RUN_BLOCK, BLOCK_COL]`` accumulator: step k adds every run's k-th grad
+  row, all index and row loads independent of each other, so in flight together. A longer
+  run (at most one per block, since ``UNROLL >= RUN_BLOCK - 1``) is walked ``TILE`` rows per
+  step: the step's TILE row loads are issued before its in-order adds, and the next step's
+  token positions are loaded meanwhile, so each step costs about one memory round trip
+  (this is the latency-bound chain of a hot id: 2081 rows in the Zipf benchmark case).
+  Either way each row is the fp32 sum (fp64 for fp64 grads) of its grad rows added one by
+  one in token-position order, bitwise the reference's sum; the padding row gets zeros.
+* Fill programs zero the untouched rows, ``FILL_ROWS`` whole rows each (16-byte stores). A
+  row is untouched iff a binary search for it in the sorted ids (64 KB for 16K tokens,
+  cache-resident) misses, so no touched-row map has to be built before the launch.
+* Run programs come early in the grid (interleaved with some fill programs), so the long
+  chains run while the bandwidth-bound fill proceeds.
+
+The kernel uses up to ~128 registers per thread (the long-run step keeps TILE rows in
+flight), so the launcher caps registers with ``maxnreg``: with a cap, ptxas hoists a step's
+loads above its adds, without one it interleaves them and keeps only ~3 rows in flight
+(seen in the sm_90 SASS; benchmarks/sweep_embedding_bw.py times the difference).
+
+The previous design (one program per sorted position, searchsorted run ends, a touched map
+built by two extra launches, a 2-D tile plus masked-sum row extraction for long runs) stays
+available as ``impl="legacy"`` for comparison.
 """
 from __future__ import annotations
 
@@ -59,15 +86,16 @@ def embedding_forward_kernel(
 
 
 @triton.jit
-def embedding_backward_kernel(
+def legacy_embedding_backward_kernel(
     sorted_ids_ptr, order_ptr, run_end_ptr, touched_ptr, grad_ptr, out_ptr,
     n_tokens, num_embeddings, dim, padding_idx,
     stride_g_row, stride_g_col,
     HAS_PADDING: tl.constexpr, UNROLL: tl.constexpr, BLOCK_COL: tl.constexpr,
     ZERO_ROWS: tl.constexpr, ACC_FP64: tl.constexpr, TILE: tl.constexpr,
 ):
-    """Writes every row of ``out [V, D]`` exactly once, in one launch.
+    """The previous backward kernel (``impl="legacy"``), kept for comparison.
 
+    Writes every row of ``out [V, D]`` exactly once, in one launch.
     Programs ``[0, n_tokens * col_blocks)``: program (p, c), if sorted position p starts the
     run of id r, writes out[r, c-block] = the run's grad rows added one by one in position
     order (fp32, or fp64 for fp64 grads); the padding row gets zeros. Other programs exit.
@@ -135,6 +163,251 @@ def embedding_backward_kernel(
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * dim + cols[None, :], zeros, mask=mask)
 
 
+# Long-run strategies of ``embedding_backward_kernel`` (``LONG_MODE``; see ``_LONG_MODES``).
+LONG_ROWS = 0  # TILE independent [BLOCK_COL] row loads per step, next step's indices prefetched
+LONG_TILE = 1  # one 2-D [TILE, BLOCK_COL] gather per step, rows selected exactly
+
+
+@triton.jit
+def _load_positions(order_ptr, p, n_tokens, TILE: tl.constexpr):
+    """Token positions of sorted positions ``[p, p + TILE)`` (0 past the end), as a tuple of
+    TILE int32 scalars (``order_ptr``: int64 positions viewed as int32 pairs)."""
+    toks = ()
+    for k in tl.static_range(TILE):
+        q = p + k
+        toks = toks + (tl.load(order_ptr + q.to(tl.int64) * 2, mask=q < n_tokens, other=0),)
+    return toks
+
+
+@triton.jit
+def _long_run_sum(
+    sorted_ids_ptr, order_ptr, grad_ptr, start, row, n_tokens,
+    col_off, col_ok, stride_g_row,
+    ACC_DTYPE: tl.constexpr, BLOCK_COL: tl.constexpr, TILE: tl.constexpr,
+    LONG_MODE: tl.constexpr,
+):
+    """fp32/fp64 sum, in position order, of the grad rows of the run of ``row`` that starts at
+    sorted position ``start``, TILE rows per step.
+
+    The run's end is found on the way: one sorted id (position p + TILE - 1, loaded during the
+    previous step) says whether a whole step lies inside the run (sorted ids are monotone).
+    Such a full step loads its TILE rows with no per-row predicate, so (with a register cap,
+    see ``maxnreg``) the compiler issues them all before the first add; the last, partial
+    step checks every row. ``LONG_ROWS`` also loads the next step's token positions during
+    the current step (a loop-carried tuple), which leaves one memory round trip per step.
+
+    Every strategy adds the same values in the same order. Rows past the run's end are
+    loaded as +0.0; ``acc`` starts at +0.0 so it is never -0.0, and ``acc + 0.0`` is ``acc``
+    bitwise. ``LONG_TILE`` selects row k of its 2-D tile by a sum whose other terms are -0.0:
+    exact for every value (x + -0.0 == x, also for x = -0.0), and folded away by the compiler
+    when each thread holds whole tile columns (``BLOCK_COL == 256 * num_warps`` for 16-bit
+    grads); with other shapes the sum crosses threads and is slow.
+    """
+    acc = tl.zeros([BLOCK_COL], dtype=ACC_DTYPE)
+    p = start
+    last = p + TILE - 1
+    full = tl.load(sorted_ids_ptr + last, mask=last < n_tokens, other=-1) == row
+    more = start < n_tokens
+    if LONG_MODE == 0:
+        toks = _load_positions(order_ptr, p, n_tokens, TILE)
+        while more:
+            if full:
+                for k in tl.static_range(TILE):
+                    g = tl.load(grad_ptr + toks[k].to(tl.int64) * stride_g_row + col_off,
+                                mask=col_ok, other=0.0)
+                    acc += g.to(ACC_DTYPE)
+                p += TILE
+                toks = _load_positions(order_ptr, p, n_tokens, TILE)
+                last = p + TILE - 1
+                full = tl.load(sorted_ids_ptr + last, mask=last < n_tokens, other=-1) == row
+                more = tl.load(sorted_ids_ptr + p, mask=p < n_tokens, other=-1) == row
+            else:
+                for k in tl.static_range(TILE):
+                    q = p + k
+                    in_run = tl.load(sorted_ids_ptr + q, mask=q < n_tokens, other=-1) == row
+                    g = tl.load(grad_ptr + toks[k].to(tl.int64) * stride_g_row + col_off,
+                                mask=col_ok & in_run, other=0.0)
+                    acc += g.to(ACC_DTYPE)
+                more = full  # false: that was the run's last step
+    else:
+        lanes = tl.arange(0, TILE)
+        while more:
+            q = p + lanes
+            q_ok = q < n_tokens
+            toks = tl.load(order_ptr + q.to(tl.int64) * 2, mask=q_ok, other=0).to(tl.int64)
+            if full:
+                tile = tl.load(grad_ptr + toks[:, None] * stride_g_row + col_off[None, :],
+                               mask=col_ok[None, :], other=0.0)
+            else:
+                in_run = tl.load(sorted_ids_ptr + q, mask=q_ok, other=-1) == row
+                tile = tl.load(grad_ptr + toks[:, None] * stride_g_row + col_off[None, :],
+                               mask=in_run[:, None] & col_ok[None, :], other=0.0)
+            for k in tl.static_range(TILE):
+                acc += tl.sum(tl.where(lanes[:, None] == k, tile, -0.0), axis=0).to(ACC_DTYPE)
+            p += TILE
+            more = full & (tl.load(sorted_ids_ptr + p, mask=p < n_tokens, other=-1) == row)
+            last = p + TILE - 1
+            full = tl.load(sorted_ids_ptr + last, mask=last < n_tokens, other=-1) == row
+    return acc
+
+
+@triton.jit
+def _fill_untouched_rows(
+    sorted_ids_ptr, touched_ptr, out_ptr, fill_pid,
+    n_tokens, num_embeddings, dim, search_top, search_steps,
+    FILL_ROWS: tl.constexpr, FILL_CHUNK: tl.constexpr, FILL_COL: tl.constexpr,
+    FILL_SEARCH: tl.constexpr,
+):
+    """Zero rows ``[fill_pid * FILL_ROWS, +FILL_ROWS)`` that no token touched, all columns,
+    ``FILL_CHUNK`` rows x ``FILL_COL`` columns per store (bounded registers).
+
+    ``FILL_SEARCH``: one pair of binary searches over all sorted ids brackets the positions
+    ``[lo, hi)`` holding this program's rows (``search_top``: the largest power of two <=
+    n_tokens, ``search_steps`` its bit count); each chunk then binary-searches its rows in
+    that bracket only (a few steps: it is usually tiny). Stores do not block, so a chunk's
+    search overlaps with the previous chunk's stores draining.
+    """
+    r0 = fill_pid.to(tl.int64) * FILL_ROWS
+    if FILL_SEARCH:
+        below_lo = fill_pid * 0 - 1  # last positions holding an id < r0, < r0 + FILL_ROWS
+        below_hi = fill_pid * 0 - 1
+        for i in range(search_steps):
+            step = search_top >> i
+            cand_lo = below_lo + step
+            cand_hi = below_hi + step
+            id_lo = tl.load(sorted_ids_ptr + cand_lo, mask=cand_lo < n_tokens, other=0)
+            id_hi = tl.load(sorted_ids_ptr + cand_hi, mask=cand_hi < n_tokens, other=0)
+            below_lo = tl.where((cand_lo < n_tokens) & (id_lo < r0), cand_lo, below_lo)
+            below_hi = tl.where((cand_hi < n_tokens) & (id_hi < r0 + FILL_ROWS), cand_hi, below_hi)
+        lo = below_lo + 1
+        hi = below_hi + 1
+        top = hi * 0 + 1  # largest power of two <= hi - lo (1 when the bracket is empty)
+        while top * 2 <= hi - lo:
+            top *= 2
+    for chunk in range(FILL_ROWS // FILL_CHUNK):
+        rows = r0 + chunk * FILL_CHUNK + tl.arange(0, FILL_CHUNK)
+        row_ok = rows < num_embeddings
+        if FILL_SEARCH:
+            last = tl.zeros([FILL_CHUNK], dtype=tl.int32) + (lo - 1)
+            step = top
+            while step > 0:
+                cand = last + step
+                cand_ok = cand < hi
+                below = tl.load(sorted_ids_ptr + cand, mask=cand_ok, other=0) < rows
+                last = tl.where(cand_ok & below, cand, last)
+                step = step // 2
+            first = last + 1
+            found = tl.load(sorted_ids_ptr + first, mask=first < hi, other=-1) == rows
+            untouched = row_ok & (found == 0)
+        else:
+            untouched = row_ok & (tl.load(touched_ptr + rows, mask=row_ok, other=1) == 0)
+        zeros = tl.zeros([FILL_CHUNK, FILL_COL], dtype=out_ptr.dtype.element_ty)
+        row_base = out_ptr + rows[:, None] * dim
+        for c in range(0, dim, FILL_COL):
+            cols = c + tl.arange(0, FILL_COL)
+            tl.store(row_base + cols[None, :], zeros,
+                     mask=untouched[:, None] & (cols < dim)[None, :])
+
+
+@triton.jit(do_not_specialize=["search_top", "search_steps", "runs_per_fill", "mixed_groups"])
+def embedding_backward_kernel(
+    sorted_ids_ptr, order_ptr, touched_ptr, grad_ptr, out_ptr,
+    n_tokens, num_embeddings, dim, padding_idx, search_top, search_steps,
+    runs_per_fill, mixed_groups, stride_g_row, stride_g_col,
+    HAS_PADDING: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_COL: tl.constexpr,
+    RUN_BLOCK: tl.constexpr, UNROLL: tl.constexpr, TILE: tl.constexpr,
+    LONG_MODE: tl.constexpr, FILL_ROWS: tl.constexpr, FILL_CHUNK: tl.constexpr,
+    FILL_COL: tl.constexpr, FILL_SEARCH: tl.constexpr,
+):
+    """Writes every row of ``out [V, D]`` exactly once, in one launch (see the module doc).
+
+    ``order_ptr``: the int64 token positions viewed as int32 pairs; the low words are read.
+
+    Run program (b, c) sums, for column block c, every run that starts at a sorted position
+    in ``[b * RUN_BLOCK, +RUN_BLOCK)``; fill program f zeroes the untouched rows among
+    ``[f * FILL_ROWS, +FILL_ROWS)`` (``FILL_SEARCH``: found by binary search in the sorted
+    ids; else read from the ``touched_ptr`` int8 map). Run programs come early in the grid,
+    so that the long, latency-bound runs start at once; ``runs_per_fill`` > 0 interleaves
+    one fill program after every ``runs_per_fill`` run programs (``mixed_groups`` times), so
+    that the latency-bound short runs share the machine with bandwidth-bound stores.
+
+    The order of additions depends only on the run itself: bitwise batch-invariant.
+    """
+    pid = tl.program_id(0)
+    col_blocks = tl.cdiv(dim, BLOCK_COL)
+    run_programs = tl.cdiv(n_tokens, RUN_BLOCK) * col_blocks
+    acc_dtype: tl.constexpr = tl.float64 if ACC_FP64 else tl.float32
+    # Program order: ``mixed_groups`` groups of (``runs_per_fill`` run programs, 1 fill
+    # program), then the remaining run programs, then the remaining fill programs.
+    group = runs_per_fill + 1
+    mixed = mixed_groups * group
+    rest = pid - mixed
+    left_runs = run_programs - mixed_groups * runs_per_fill
+    if pid < mixed:
+        g = pid // group
+        is_run = pid - g * group < runs_per_fill
+        run_pid = pid - g
+        fill_pid = g
+    else:
+        is_run = rest < left_runs
+        run_pid = rest + mixed_groups * runs_per_fill
+        fill_pid = rest - left_runs + mixed_groups
+    if is_run:
+        cols = (run_pid % col_blocks) * BLOCK_COL + tl.arange(0, BLOCK_COL)
+        col_ok = cols < dim
+        col_off = cols.to(tl.int64) * stride_g_col
+        pos = (run_pid // col_blocks) * RUN_BLOCK + tl.arange(0, RUN_BLOCK)
+        in_n = pos < n_tokens
+        row = tl.load(sorted_ids_ptr + pos, mask=in_n, other=-1)
+        prev = tl.load(sorted_ids_ptr + pos - 1, mask=in_n & (pos > 0), other=-1)
+        in_table = (row >= 0) & (row < num_embeddings)
+        tl.device_assert(in_table, "compileops.embedding_backward: id out of range", mask=in_n)
+        is_start = in_n & in_table & (row != prev)
+        # A run is long when it has more than UNROLL entries. Since UNROLL >= RUN_BLOCK - 1,
+        # a long run covers the rest of the block: at most one per block, its last start.
+        after = pos + UNROLL
+        is_long = is_start & (
+            tl.load(sorted_ids_ptr + after, mask=after < n_tokens, other=-1) == row)
+        if HAS_PADDING:
+            is_long = is_long & (row != padding_idx)
+            summed = is_start & (is_long == 0) & (row != padding_idx)
+        else:
+            summed = is_start & (is_long == 0)
+
+        # Short runs: step k adds the k-th grad row of every short run of the block.
+        acc = tl.zeros([RUN_BLOCK, BLOCK_COL], dtype=acc_dtype)
+        for k in tl.static_range(UNROLL):
+            q = pos + k
+            q_ok = q < n_tokens  # the index loads depend on no other load: all in flight
+            if k == 0:
+                live = summed
+            else:
+                live = summed & (tl.load(sorted_ids_ptr + q, mask=q_ok, other=-1) == row)
+            tok = tl.load(order_ptr + q.to(tl.int64) * 2, mask=q_ok, other=0).to(tl.int64)
+            g = tl.load(grad_ptr + tok[:, None] * stride_g_row + col_off[None, :],
+                        mask=live[:, None] & col_ok[None, :], other=0.0)
+            acc += g.to(acc_dtype)
+        written = is_start & (is_long == 0)  # short runs, and the padding row (zeros)
+        tl.store(out_ptr + row.to(tl.int64)[:, None] * dim + cols[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=written[:, None] & col_ok[None, :])
+
+        long_start = tl.max(tl.where(is_long, pos, -1), axis=0)
+        if long_start >= 0:
+            long_row = tl.load(sorted_ids_ptr + long_start)
+            long_acc = _long_run_sum(
+                sorted_ids_ptr, order_ptr, grad_ptr, long_start, long_row, n_tokens,
+                col_off, col_ok, stride_g_row, acc_dtype, BLOCK_COL, TILE, LONG_MODE,
+            )
+            tl.store(out_ptr + long_row.to(tl.int64) * dim + cols,
+                     long_acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+    else:
+        _fill_untouched_rows(
+            sorted_ids_ptr, touched_ptr, out_ptr, fill_pid,
+            n_tokens, num_embeddings, dim, search_top, search_steps,
+            FILL_ROWS, FILL_CHUNK, FILL_COL, FILL_SEARCH,
+        )
+
+
 def _forward_config(dim: int, elem_size: int) -> tuple[int, int, int]:
     """(BLOCK_TOK, BLOCK_COL, num_warps): 16-byte accesses, ~16 KB moved per program."""
     block_col = min(triton.next_power_of_2(dim), max(16, 4096 // elem_size))
@@ -174,25 +447,70 @@ def embedding_forward(
     return out.reshape(*ids.shape, dim)
 
 
+_LONG_MODES = {"rows": LONG_ROWS, "tile": LONG_TILE}
+
+
+def _sort_ids(flat_ids: torch.Tensor, num_embeddings: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable device sort: (sorted ids, token positions). int32 keys when the table allows
+    (half the radix passes of int64); ids already int32 are sorted without a copy."""
+    keys = flat_ids
+    if keys.dtype != torch.int32 and num_embeddings <= 2**31 - 1:
+        keys = keys.to(torch.int32)
+    return torch.sort(keys, stable=True)
+
+
+def _touched_map(flat_ids: torch.Tensor, num_embeddings: int) -> torch.Tensor:
+    """int8 [V]: 1 where some token has that id (every write stores 1: deterministic)."""
+    touched = torch.zeros(num_embeddings, dtype=torch.int8, device=flat_ids.device)
+    touched.index_fill_(0, flat_ids.long(), 1)
+    return touched
+
+
 def embedding_backward(
     grad: torch.Tensor,
     ids: torch.Tensor,
     num_embeddings: int,
     padding_idx: Optional[int],
     weight_dtype: torch.dtype,
-    *, unroll: int = 8, tile: int = 8, block_col: int = 1024, zero_rows: int = 8,
-    num_warps: Optional[int] = None, out: Optional[torch.Tensor] = None,
+    *, impl: str = "runs", run_block: Optional[int] = None, unroll: Optional[int] = None,
+    tile: Optional[int] = None,
+    long_mode: str = "rows", block_col: int = 1024, fill_rows: Optional[int] = None,
+    fill_col: int = 1024, fill: str = "search", runs_per_fill: int = 16,
+    num_warps: Optional[int] = None, maxnreg: Optional[int] = 128,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """grad ``[*ids.shape, D]`` -> grad_weight ``[V, D]`` in ``weight_dtype`` (see module doc).
 
-    Defaults measured on an H100 (benchmarks/RESULTS.md): 1024-column blocks, 8-row tiles
-    for long runs, 8 loads in flight for short runs; narrower blocks, more warps and a
-    software-prefetched tile loop were slower or no faster.
+    ``out`` (``[V, D]``, ``weight_dtype``) may be given as the destination; its prior contents
+    never matter. Device-side work only, no host sync (CUDA-graph capturable): a stable sort
+    of the ids (plus an int32 cast of int64 ids), then one kernel launch (``fill="map"`` adds
+    two small launches).
 
-    Device-side preparation, no host sync: a stable sort of the ids (int32 keys when the
-    table allows: half the radix passes), each sorted position's run end (searchsorted),
-    and a touched-row map. Then one kernel writes every row once. ``out`` (``[V, D]``,
-    ``weight_dtype``) may be given as the destination; its prior contents never matter.
+    Tuning (``impl="runs"``, the default; the defaults are a best guess from the compiled code,
+    benchmarks/sweep_embedding_bw.py times the alternatives on a GPU):
+
+    * ``run_block``: sorted positions per run program (power of two); ``unroll``: longest run
+      summed by the 2-D short-run path (``>= run_block - 1``; default ``max(4, run_block -
+      1)``), longer runs take the long path; ``tile``: rows per long-path step. The defaults
+      scale with the grad's element size so that no variant spills registers on sm_90:
+      ``run_block`` 4/2/1 and ``tile`` 16/8/4 for 2/4/8-byte grads (1 and 4 when the grad's
+      columns are not contiguous).
+    * ``long_mode``: ``"rows"`` (``tile`` straight-line row loads per step) or ``"tile"`` (one
+      2-D ``[tile, block_col]`` gather per step; fast only when ``block_col == 256 *
+      num_warps`` for 16-bit grads, so that each thread holds whole tile columns).
+    * ``block_col``: columns per run program; ``fill_rows`` x ``fill_col``: rows per fill
+      program (default: ~256 KB of rows, 32 rows at D=4096 bf16) and columns per store;
+      ``fill="search"`` (binary search in the sorted ids) or ``"map"`` (a touched-row map
+      built by two extra launches); ``runs_per_fill``: run programs per interleaved fill
+      program at the start of the grid (0: all run programs first).
+    * ``maxnreg`` (CUDA only; None: the compiler's default): a register cap for the kernel.
+      Setting one also makes ptxas hoist all of a long-run step's loads above its adds (with
+      no cap it interleaves them, keeping only ~3 rows in flight), at the cost of occupancy.
+
+    ``impl="legacy"`` runs the previous kernel (one program per sorted position, searchsorted
+    run ends, touched map, 2-D tiles with masked-sum extraction; ``unroll``, ``tile``,
+    ``block_col``, ``fill_rows`` and ``num_warps`` apply, defaulting to its measured H100
+    settings: unroll 8, tile 8, block_col 1024, 8 rows per zero-fill program, 4 warps).
     """
     dim = grad.shape[-1]
     flat_grad = grad.reshape(-1, dim)  # a view, also for stride-0 (expanded) grads
@@ -204,21 +522,122 @@ def embedding_backward(
         return out
     if n_tokens == 0:
         return out.zero_()
-    keys = flat_ids.to(torch.int32) if num_embeddings <= 2**31 - 1 else flat_ids
-    sorted_ids, order = torch.sort(keys, stable=True)
+    if impl == "legacy":
+        return _legacy_embedding_backward(
+            flat_grad, flat_ids, num_embeddings, padding_idx, out, unroll=unroll or 8,
+            tile=tile or 8, block_col=block_col, zero_rows=fill_rows or 8, num_warps=num_warps,
+        )
+    if impl != "runs":
+        raise ValueError(f"unknown impl {impl!r}: expected 'runs' or 'legacy'")
+    if fill not in ("search", "map"):
+        raise ValueError(f"unknown fill {fill!r}: expected 'search' or 'map'")
+    config = backward_config(
+        flat_grad, run_block=run_block, unroll=unroll, tile=tile, long_mode=long_mode,
+        block_col=block_col, fill_rows=fill_rows, fill_col=fill_col,
+        runs_per_fill=runs_per_fill, num_warps=num_warps, maxnreg=maxnreg,
+    )
+    sorted_ids, order = _sort_ids(flat_ids, num_embeddings)
+    touched = _touched_map(flat_ids, num_embeddings) if fill == "map" else None
+    launch_backward_kernel(sorted_ids, order, touched, flat_grad, out, padding_idx, **config)
+    return out
+
+
+def backward_config(
+    flat_grad: torch.Tensor, *, run_block: Optional[int] = None, unroll: Optional[int] = None,
+    tile: Optional[int] = None, long_mode: str = "rows", block_col: int = 1024,
+    fill_rows: Optional[int] = None, fill_col: int = 1024, runs_per_fill: int = 16,
+    num_warps: Optional[int] = None, maxnreg: Optional[int] = 128,
+) -> dict:
+    """Checked keyword arguments of ``launch_backward_kernel`` for a ``[n_tokens, D]`` grad,
+    the ``None`` defaults resolved (see ``embedding_backward``)."""
+    n_tokens, dim = flat_grad.shape
+    if long_mode not in _LONG_MODES:
+        raise ValueError(f"unknown long_mode {long_mode!r}: expected one of {sorted(_LONG_MODES)}")
+    elem = flat_grad.element_size()
+    unit_cols = flat_grad.stride(1) == 1 or dim == 1
+    run_block = run_block or (max(1, 8 // elem) if unit_cols else 1)
+    tile = tile or (max(1, 32 // elem) if unit_cols else 4)
+    unroll = unroll or max(4, run_block - 1)
+    if unroll < max(1, run_block - 1):
+        raise ValueError(f"unroll ({unroll}) must be >= max(1, run_block - 1) ({run_block - 1})")
+    for name, value in (("run_block", run_block), ("tile", tile), ("fill_rows", fill_rows or 1),
+                        ("block_col", block_col), ("fill_col", fill_col)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two, got {value}")
+    if n_tokens >= 2**31 - 2 * max(tile, unroll):
+        raise ValueError(f"embedding_backward supports < 2**31 tokens, got {n_tokens}")
+    if runs_per_fill < 0:
+        raise ValueError(f"runs_per_fill must be >= 0, got {runs_per_fill}")
+    return dict(run_block=run_block, unroll=unroll, tile=tile, long_mode=long_mode,
+                block_col=block_col, fill_rows=fill_rows, fill_col=fill_col,
+                runs_per_fill=runs_per_fill, num_warps=num_warps, maxnreg=maxnreg)
+
+
+def launch_backward_kernel(
+    sorted_ids: torch.Tensor, order: torch.Tensor, touched: Optional[torch.Tensor],
+    flat_grad: torch.Tensor, out: torch.Tensor, padding_idx: Optional[int], *,
+    run_block: int, unroll: int, tile: int, long_mode: str, block_col: int,
+    fill_rows: Optional[int], fill_col: int, runs_per_fill: int, num_warps: Optional[int],
+    maxnreg: Optional[int],
+) -> None:
+    """The single kernel launch of ``embedding_backward`` (``impl="runs"``), given the
+    prepared ``sorted_ids``/``order`` (``_sort_ids``) and, for ``fill="map"``, the touched
+    map (None: the fill programs binary-search the sorted ids). Exposed for benchmarks."""
+    n_tokens, dim = flat_grad.shape
+    num_embeddings = out.shape[0]
+    block_col = min(triton.next_power_of_2(dim), block_col)
+    fill_col = min(triton.next_power_of_2(dim), fill_col)
+    if fill_rows is None:  # ~256 KB of rows per fill program: 32 rows at D=4096 bf16
+        row_bytes = dim * out.element_size()
+        fill_rows = max(1, min(256, triton.next_power_of_2(triton.cdiv(1 << 18, row_bytes))))
+    # Rows per store: at most 64 elements per thread (4 warps), so no fill_rows spills.
+    fill_chunk = min(fill_rows, max(1, triton.next_power_of_2(8192 // fill_col)))
+    col_blocks = triton.cdiv(dim, block_col)
+    run_programs = triton.cdiv(n_tokens, run_block) * col_blocks
+    fill_programs = triton.cdiv(num_embeddings, fill_rows)
+    mixed_groups = min(fill_programs, run_programs // runs_per_fill) if runs_per_fill else 0
+    grid = (run_programs + fill_programs,)
+    search_steps = n_tokens.bit_length()
+    options = _launch_options(flat_grad.device)
+    if maxnreg and flat_grad.device.type == "cuda" and not torch.version.hip:
+        options["maxnreg"] = maxnreg
+    embedding_backward_kernel[grid](
+        # The kernel reads the low 32-bit word of each int64 token position (little-endian,
+        # positions < 2**31): half the registers per in-flight index.
+        sorted_ids, order.view(torch.int32), sorted_ids if touched is None else touched,
+        flat_grad, out,
+        n_tokens, num_embeddings, dim, -1 if padding_idx is None else padding_idx,
+        1 << (search_steps - 1), search_steps, runs_per_fill, mixed_groups,
+        flat_grad.stride(0), flat_grad.stride(1),
+        HAS_PADDING=padding_idx is not None, ACC_FP64=flat_grad.dtype == torch.float64,
+        BLOCK_COL=block_col, RUN_BLOCK=run_block, UNROLL=unroll, TILE=tile,
+        LONG_MODE=_LONG_MODES[long_mode], FILL_ROWS=fill_rows, FILL_CHUNK=fill_chunk,
+        FILL_COL=fill_col, FILL_SEARCH=touched is None,
+        num_warps=num_warps or (4 if block_col >= 512 else 2),
+        **options,
+    )
+
+
+def _legacy_embedding_backward(
+    flat_grad: torch.Tensor, flat_ids: torch.Tensor, num_embeddings: int,
+    padding_idx: Optional[int], out: torch.Tensor, *, unroll: int, tile: int, block_col: int,
+    zero_rows: int, num_warps: Optional[int],
+) -> torch.Tensor:
+    """The previous launcher: sort, searchsorted run ends, touched map, legacy kernel."""
+    n_tokens, dim = flat_grad.shape
+    sorted_ids, order = _sort_ids(flat_ids, num_embeddings)
     run_end = torch.searchsorted(sorted_ids, sorted_ids, right=True)
-    touched = torch.zeros(num_embeddings, dtype=torch.int8, device=grad.device)
-    touched.index_fill_(0, flat_ids.long(), 1)  # every write stores the same value: deterministic
+    touched = _touched_map(flat_ids, num_embeddings)
     block_col = min(triton.next_power_of_2(dim), block_col)
     col_blocks = triton.cdiv(dim, block_col)
     grid = (n_tokens * col_blocks + triton.cdiv(num_embeddings, zero_rows) * col_blocks,)
-    embedding_backward_kernel[grid](
+    legacy_embedding_backward_kernel[grid](
         sorted_ids, order, run_end, touched, flat_grad, out,
         n_tokens, num_embeddings, dim, -1 if padding_idx is None else padding_idx,
         flat_grad.stride(0), flat_grad.stride(1),
         HAS_PADDING=padding_idx is not None, UNROLL=unroll, BLOCK_COL=block_col,
-        ZERO_ROWS=zero_rows, ACC_FP64=grad.dtype == torch.float64, TILE=tile,
+        ZERO_ROWS=zero_rows, ACC_FP64=flat_grad.dtype == torch.float64, TILE=tile,
         num_warps=num_warps or (4 if block_col >= 512 else 2),
-        **_launch_options(grad.device),
+        **_launch_options(flat_grad.device),
     )
     return out

@@ -265,3 +265,160 @@ def test_bad_backward_input():
 def test_unknown_and_unavailable_backends():
     with pytest.raises(ValueError, match="unknown backend 'cutlass'"):
         use_backend("cutlass")
+
+
+# --------------------------------------------------------------------------- backward kernel variants
+
+
+def _run_pattern_ids(V=67, seed=5):
+    """Ids whose sorted runs hit every code path of the backward kernel: a hot id at row 0 (37
+    tokens: longer than any unroll or tile, several run blocks and long-run steps, not a
+    multiple of the tile), a hot id at row V-1 (the last run of the sorted order, 20 tokens),
+    runs of exactly 4, 5, 8, 9, 16 and 17 tokens (unroll and tile boundaries), the padding
+    candidates 7 (short) and 11 (long), singletons; positions shuffled so order matters."""
+    gen = torch.Generator().manual_seed(seed)
+    runs = {0: 37, V - 1: 20, 3: 4, 5: 5, 13: 8, 21: 9, 30: 16, 41: 17, 7: 2, 11: 12}
+    ids = [i for i, n in runs.items() for _ in range(n)]
+    ids += torch.randint(0, V, (40,), generator=gen).tolist()
+    ids = torch.tensor(ids)
+    return ids[torch.randperm(ids.numel(), generator=gen)].reshape(2, -1)
+
+
+def _backward_inputs(grad_dtype=torch.float32, V=67, D=40, seed=5):
+    ids = _run_pattern_ids(V, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    grad = torch.randn(*ids.shape, D, generator=gen).to(grad_dtype)
+    grad.view(-1)[::7] = -0.0  # signed zeros must survive bitwise
+    return ids, grad
+
+
+def _assert_bitwise(got, want):
+    assert got.dtype == want.dtype
+    int_view = {2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
+    assert torch.equal(got.view(int_view), want.view(int_view))
+
+
+BACKWARD_VARIANTS = [
+    {},
+    {"impl": "legacy"},
+    {"impl": "legacy", "unroll": 4, "tile": 4, "block_col": 16, "fill_rows": 16},
+    {"long_mode": "tile"},
+    {"long_mode": "tile", "tile": 4, "block_col": 16},
+    {"run_block": 1, "unroll": 1, "tile": 1},
+    {"run_block": 1, "unroll": 2, "tile": 2, "long_mode": "tile"},
+    {"run_block": 2, "unroll": 4, "tile": 8},
+    {"run_block": 8, "unroll": 8, "tile": 4, "block_col": 16},
+    {"run_block": 4, "unroll": 3, "tile": 16, "block_col": 32},
+    {"fill": "map"},
+    {"fill_rows": 4, "fill_col": 16},
+    {"fill_rows": 1, "fill_col": 8, "fill": "map"},
+    {"maxnreg": None, "num_warps": 2},
+    {"runs_per_fill": 0},
+    {"runs_per_fill": 1, "fill_rows": 1, "fill_col": 16},
+    {"runs_per_fill": 3, "fill_rows": 4, "run_block": 1, "unroll": 1},
+]
+
+
+PADDINGS = [None, 7, 11, 0]  # none, on a short run, on a long run, on the hot row 0
+VARIANT_CASES = [(v, PADDINGS[i % 4]) for i, v in enumerate(BACKWARD_VARIANTS)] + [
+    (v, p) for v in BACKWARD_VARIANTS[:2] for p in PADDINGS[1:]
+]
+
+
+@pytest.mark.parametrize(
+    "variant,padding_idx", VARIANT_CASES,
+    ids=[(",".join(f"{k}={v[k]}" for k in v) or "default") + f"-pad{p}" for v, p in VARIANT_CASES],
+)
+def test_triton_backward_variants_bitwise_and_every_row_written_once(variant, padding_idx):
+    """Every kernel variant (long runs across several steps and run blocks, hot ids at rows 0
+    and V-1, run-length boundaries, padding on a short or long run) is bitwise the reference,
+    including signed zeros, and writes every row of a NaN-poisoned output."""
+    from compileops.embedding import kernels
+
+    V, D = 67, 40
+    ids, grad = _backward_inputs(V=V, D=D)
+    want = reference.embedding_backward(grad, ids, V, padding_idx, torch.float32)
+    poisoned = torch.full((V, D), float("nan"))
+    got = kernels.embedding_backward(grad, ids, V, padding_idx, torch.float32, out=poisoned, **variant)
+    assert got.data_ptr() == poisoned.data_ptr()
+    _assert_bitwise(got, want)
+    if padding_idx is not None:
+        assert torch.all(got[padding_idx] == 0)
+
+
+@pytest.mark.parametrize("variant", [{}, {"long_mode": "tile"}, {"impl": "legacy"}], ids=["default", "tile", "legacy"])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float64])
+def test_triton_backward_grad_dtypes_bitwise(variant, grad_dtype):
+    """Half-precision grads summed in fp32 (fp32 out: no final rounding involved) and fp64
+    grads summed in fp64, with the element-size dependent default run block and tile."""
+    from compileops.embedding import kernels
+
+    V = 67
+    ids, grad = _backward_inputs(grad_dtype)
+    out_dtype = torch.float64 if grad_dtype == torch.float64 else torch.float32
+    got = kernels.embedding_backward(grad, ids.int(), V, None, out_dtype, **variant)
+    _assert_bitwise(got, reference.embedding_backward(grad, ids, V, None, out_dtype))
+
+
+@pytest.mark.parametrize("run_length", [1, 4, 5, 15, 16, 17, 32, 33])
+@pytest.mark.parametrize("long_mode", ["rows", "tile"])
+def test_triton_backward_single_run_lengths(run_length, long_mode):
+    """One id repeated run_length times (plus a neighbour run): the long path's full steps,
+    its partial last step, and runs that end exactly on a step boundary."""
+    from compileops.embedding import kernels
+
+    V, D = 9, 24
+    ids = torch.tensor([4] * run_length + [8, 8, 1])
+    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(run_length))]
+    grad = torch.randn(ids.numel(), D, generator=torch.Generator().manual_seed(1))
+    got = kernels.embedding_backward(grad, ids, V, None, torch.float32, long_mode=long_mode,
+                                     run_block=2, unroll=4, tile=16)
+    _assert_bitwise(got, reference.embedding_backward(grad, ids, V, None, torch.float32))
+
+
+@pytest.mark.parametrize("fill_rows", [None, 64, 2])
+def test_triton_backward_fill_chunks_and_brackets(fill_rows):
+    """Fill programs of several store chunks (D=100: 64-row chunks, 256 rows per program by
+    default), touched rows on chunk and program boundaries and a hot row inside a bracket."""
+    from compileops.embedding import kernels
+
+    V, D = 300, 100
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.tensor([0, 63, 64, 127, 128, 255, 256, 299] + [200] * 30)
+    ids = torch.cat([ids, torch.randint(0, V, (20,), generator=gen)])
+    ids = ids[torch.randperm(ids.numel(), generator=gen)]
+    grad = torch.randn(ids.numel(), D, generator=gen)
+    poisoned = torch.full((V, D), float("nan"))
+    got = kernels.embedding_backward(grad, ids, V, 64, torch.float32, out=poisoned, fill_rows=fill_rows)
+    _assert_bitwise(got, reference.embedding_backward(grad, ids, V, 64, torch.float32))
+
+
+def test_triton_backward_long_run_non_contiguous_grad():
+    """Non-unit column stride (the default run block 1 and tile 4) with long runs."""
+    from compileops.embedding import kernels
+
+    ids, grad = _backward_inputs()
+    transposed = grad.transpose(-1, -2).contiguous().transpose(-1, -2)
+    strided = torch.randn(*ids.shape, 80)[..., ::2]
+    for g in (transposed, strided):
+        assert g.stride(-1) != 1
+        got = kernels.embedding_backward(g, ids, 67, 11, torch.float32)
+        _assert_bitwise(got, reference.embedding_backward(g, ids, 67, 11, torch.float32))
+
+
+def test_triton_backward_bad_tuning_arguments():
+    from compileops.embedding import kernels
+
+    ids, grad = _backward_inputs()
+    for kwargs, message in [
+        ({"impl": "fast"}, "unknown impl"),
+        ({"long_mode": "pipelined"}, "unknown long_mode"),
+        ({"fill": "memset"}, "unknown fill"),
+        ({"run_block": 8, "unroll": 4}, r"unroll \(4\) must be >= max\(1, run_block - 1\)"),
+        ({"tile": 12}, "tile must be a power of two"),
+        ({"run_block": 3}, "run_block must be a power of two"),
+        ({"block_col": 100}, "block_col must be a power of two"),
+        ({"runs_per_fill": -1}, "runs_per_fill must be >= 0"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            kernels.embedding_backward(grad, ids, 67, None, torch.float32, **kwargs)
