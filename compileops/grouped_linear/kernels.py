@@ -496,14 +496,20 @@ def _tma_env_enabled() -> bool:
     return os.environ.get("COMPILEOPS_GROUPED_TMA", "1") not in ("0", "")
 
 
+def _tma_device_ok(device: torch.device) -> bool:
+    """TMA is on (not disabled, no earlier failure), Triton has device-side descriptors and
+    the device is an sm90+ CUDA GPU."""
+    if _tma_failed or not _tma_env_enabled() or not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    if device.type != "cuda" or torch.version.hip:
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def tma_applies(a: torch.Tensor, w: torch.Tensor, cfg: Config) -> bool:
     """TMA descriptors need a unit inner stride, 16-byte aligned bases and outer strides, and
     a GPU with the TMA unit (sm90+). Host metadata only: no device read."""
-    if _tma_failed or not _tma_env_enabled() or not hasattr(tl, "make_tensor_descriptor"):
-        return False
-    if a.device.type != "cuda" or torch.version.hip:
-        return False
-    if torch.cuda.get_device_capability(a.device) < (9, 0):
+    if not _tma_device_ok(a.device):
         return False
     es = a.element_size()
     return (a.stride(1) == 1 and w.stride(2) == 1 and a.data_ptr() % 16 == 0
@@ -599,11 +605,7 @@ def grouped_linear_dx(grad, weight, offsets, *, batch_invariant=False, use_tma=N
 def wgrad_tma_applies(grad: torch.Tensor, x: torch.Tensor, cfg: Config) -> bool:
     """TMA for the dW kernel: dY and X with unit inner strides and 16-byte aligned bases and
     row strides on an sm90+ GPU (a stride-0 or transposed dY takes the pointer path)."""
-    if _tma_failed or not _tma_env_enabled() or not hasattr(tl, "make_tensor_descriptor"):
-        return False
-    if x.device.type != "cuda" or torch.version.hip:
-        return False
-    if torch.cuda.get_device_capability(x.device) < (9, 0):
+    if not _tma_device_ok(x.device):
         return False
     es = x.element_size()
     return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0
