@@ -141,13 +141,13 @@ def main() -> None:
     sort_only = bench_ms(lambda: torch.sort(ids, stable=True))
     rows.append(Row(case, "(part: stable sort of ids)", sort_only, floor_ms=floor))
     if args.sweep:
-        for unroll, tile, block_col in [(8, 8, 1024), (16, 8, 1024), (8, 16, 1024), (8, 4, 1024)]:
+        # A few backward variants; benchmarks/sweep_embedding_bw.py has the full sweep.
+        for cfg in ({"impl": "legacy"}, {}, {"long_mode": "tile"}, {"runs_per_fill": 0}):
             for name, sweep_ids in (("Zipf", ids), ("uniform", uniform)):
                 ms = bench_ms(lambda: kernels.embedding_backward(
-                    grad, sweep_ids, V, None, torch.bfloat16, unroll=unroll, tile=tile,
-                    block_col=block_col))
+                    grad, sweep_ids, V, None, torch.bfloat16, **cfg))
                 rows.append(Row(case, "compileops", ms, bw_bytes, floor_ms=floor,
-                                note=f"{name} ids; unroll {unroll} tile {tile} block_col {block_col}"))
+                                note=f"{name} ids; {cfg or 'defaults'}"))
 
     report("Embedding (Qwen3-8B table, Zipf ids)", rows, csv_path=os.path.join(out_dir(), "embedding.csv"))
     by = {(r.case, r.impl): r.ms for r in rows}

@@ -21,14 +21,18 @@ token-position order. Then ONE kernel writes every row of ``grad_weight`` exactl
   one in token-position order, bitwise the reference's sum; the padding row gets zeros.
 * Fill programs zero the untouched rows, ``FILL_ROWS`` whole rows each (16-byte stores). A
   row is untouched iff a binary search for it in the sorted ids (64 KB for 16K tokens,
-  cache-resident) misses, so no touched-row map has to be built before the launch.
-* Run programs come early in the grid (interleaved with some fill programs), so the long
-  chains run while the bandwidth-bound fill proceeds.
+  cache-resident) misses: one search over all ids brackets the program's rows, then a
+  short search per row inside the bracket. No touched-row map is built before the launch.
+* Run programs come first in the grid (``runs_per_fill`` interleaves fill programs among
+  them), so the long chains start at once and run while the bandwidth-bound fill proceeds.
+  On an H100 the first sweep suggests a hot id's chain makes little progress while the fill
+  saturates memory, so it can still end after the fill (see the sweep's diagnostics).
 
-The kernel uses up to ~128 registers per thread (the long-run step keeps TILE rows in
-flight), so the launcher caps registers with ``maxnreg``: with a cap, ptxas hoists a step's
-loads above its adds, without one it interleaves them and keeps only ~3 rows in flight
-(seen in the sm_90 SASS; benchmarks/sweep_embedding_bw.py times the difference).
+The long-run step keeps TILE rows in flight, so the kernel needs ~80 (8 warps) to ~128
+(4 warps) registers per thread; the launcher caps registers with ``maxnreg``: with a cap,
+ptxas hoists a step's loads above its adds, without one it interleaves them and keeps only
+~3 rows in flight (seen in the sm_90 SASS; the first H100 sweep: 0.633 ms without a cap,
+0.594 ms with one).
 
 The previous design (one program per sorted position, searchsorted run ends, a touched map
 built by two extra launches, a 2-D tile plus masked-sum row extraction for long runs) stays
@@ -180,11 +184,32 @@ def _load_positions(order_ptr, p, n_tokens, TILE: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_rows_l2(
+    sorted_ids_ptr, order_ptr, grad_ptr, p, row, n_tokens, dim, col_start,
+    stride_g_row, stride_g_col, ROWS: tl.constexpr, BLOCK_COL: tl.constexpr,
+):
+    """Hint only (no effect on results): ``prefetch.global.L2`` the 128-byte lines of columns
+    ``[col_start, +BLOCK_COL)`` of the grad rows of sorted positions ``[p, p + ROWS)`` that
+    belong to the run of ``row`` (rows outside it prefetch row 0). CUDA only: the Triton
+    interpreter has no inline assembly."""
+    line_elems: tl.constexpr = max(1, 128 // (grad_ptr.dtype.element_ty.primitive_bitwidth // 8))
+    lines: tl.constexpr = max(1, BLOCK_COL // line_elems)
+    q = p + tl.arange(0, ROWS)
+    q_ok = q < n_tokens
+    in_run = q_ok & (tl.load(sorted_ids_ptr + q, mask=q_ok, other=-1) == row)
+    toks = tl.load(order_ptr + q.to(tl.int64) * 2, mask=in_run, other=0).to(tl.int64)
+    cols = tl.minimum(col_start + tl.arange(0, lines) * line_elems, dim - 1).to(tl.int64)
+    ptrs = grad_ptr + toks[:, None] * stride_g_row + cols[None, :] * stride_g_col
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _long_run_sum(
-    sorted_ids_ptr, order_ptr, grad_ptr, start, row, n_tokens,
-    col_off, col_ok, stride_g_row,
+    sorted_ids_ptr, order_ptr, grad_ptr, start, row, n_tokens, dim, col_start,
+    col_off, col_ok, stride_g_row, stride_g_col,
     ACC_DTYPE: tl.constexpr, BLOCK_COL: tl.constexpr, TILE: tl.constexpr,
-    LONG_MODE: tl.constexpr,
+    LONG_MODE: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """fp32/fp64 sum, in position order, of the grad rows of the run of ``row`` that starts at
     sorted position ``start``, TILE rows per step.
@@ -195,6 +220,8 @@ def _long_run_sum(
     see ``maxnreg``) the compiler issues them all before the first add; the last, partial
     step checks every row. ``LONG_ROWS`` also loads the next step's token positions during
     the current step (a loop-carried tuple), which leaves one memory round trip per step.
+    ``PREFETCH`` > 0 (``LONG_ROWS`` on CUDA only): L2-prefetch the run's rows that far ahead
+    of the step being summed (a window of PREFETCH rows, TILE more per step).
 
     Every strategy adds the same values in the same order. Rows past the run's end are
     loaded as +0.0; ``acc`` starts at +0.0 so it is never -0.0, and ``acc + 0.0`` is ``acc``
@@ -209,6 +236,11 @@ def _long_run_sum(
     full = tl.load(sorted_ids_ptr + last, mask=last < n_tokens, other=-1) == row
     more = start < n_tokens
     if LONG_MODE == 0:
+        if PREFETCH > 0:
+            for j in tl.static_range(PREFETCH // min(PREFETCH, 64)):
+                _prefetch_rows_l2(sorted_ids_ptr, order_ptr, grad_ptr, p + j * min(PREFETCH, 64),
+                                  row, n_tokens, dim, col_start, stride_g_row, stride_g_col,
+                                  min(PREFETCH, 64), BLOCK_COL)
         toks = _load_positions(order_ptr, p, n_tokens, TILE)
         while more:
             if full:
@@ -216,6 +248,10 @@ def _long_run_sum(
                     g = tl.load(grad_ptr + toks[k].to(tl.int64) * stride_g_row + col_off,
                                 mask=col_ok, other=0.0)
                     acc += g.to(ACC_DTYPE)
+                if PREFETCH > 0:
+                    _prefetch_rows_l2(sorted_ids_ptr, order_ptr, grad_ptr, p + PREFETCH, row,
+                                      n_tokens, dim, col_start, stride_g_row, stride_g_col,
+                                      TILE, BLOCK_COL)
                 p += TILE
                 toks = _load_positions(order_ptr, p, n_tokens, TILE)
                 last = p + TILE - 1
@@ -256,7 +292,7 @@ def _fill_untouched_rows(
     sorted_ids_ptr, touched_ptr, out_ptr, fill_pid,
     n_tokens, num_embeddings, dim, search_top, search_steps,
     FILL_ROWS: tl.constexpr, FILL_CHUNK: tl.constexpr, FILL_COL: tl.constexpr,
-    FILL_SEARCH: tl.constexpr,
+    FILL_SEARCH: tl.constexpr, FILL_EVICT: tl.constexpr,
 ):
     """Zero rows ``[fill_pid * FILL_ROWS, +FILL_ROWS)`` that no token touched, all columns,
     ``FILL_CHUNK`` rows x ``FILL_COL`` columns per store (bounded registers).
@@ -306,7 +342,7 @@ def _fill_untouched_rows(
         for c in range(0, dim, FILL_COL):
             cols = c + tl.arange(0, FILL_COL)
             tl.store(row_base + cols[None, :], zeros,
-                     mask=untouched[:, None] & (cols < dim)[None, :])
+                     mask=untouched[:, None] & (cols < dim)[None, :], eviction_policy=FILL_EVICT)
 
 
 @triton.jit(do_not_specialize=["search_top", "search_steps", "runs_per_fill", "mixed_groups"])
@@ -316,10 +352,14 @@ def embedding_backward_kernel(
     runs_per_fill, mixed_groups, stride_g_row, stride_g_col,
     HAS_PADDING: tl.constexpr, ACC_FP64: tl.constexpr, BLOCK_COL: tl.constexpr,
     RUN_BLOCK: tl.constexpr, UNROLL: tl.constexpr, TILE: tl.constexpr,
-    LONG_MODE: tl.constexpr, FILL_ROWS: tl.constexpr, FILL_CHUNK: tl.constexpr,
-    FILL_COL: tl.constexpr, FILL_SEARCH: tl.constexpr,
+    LONG_MODE: tl.constexpr, LONG_PREFETCH: tl.constexpr, FILL_ROWS: tl.constexpr,
+    FILL_CHUNK: tl.constexpr, FILL_COL: tl.constexpr, FILL_SEARCH: tl.constexpr,
+    FILL_EVICT: tl.constexpr, DIAG: tl.constexpr, PROGRAMS: tl.constexpr,
 ):
     """Writes every row of ``out [V, D]`` exactly once, in one launch (see the module doc).
+
+    ``PROGRAMS``: 0 = run and fill programs in one grid; 1 = run programs only, 2 = fill
+    programs only (the two-stream schedule launches these two grids concurrently).
 
     ``order_ptr``: the int64 token positions viewed as int32 pairs; the low words are read.
 
@@ -332,6 +372,9 @@ def embedding_backward_kernel(
     that the latency-bound short runs share the machine with bandwidth-bound stores.
 
     The order of additions depends only on the run itself: bitwise batch-invariant.
+
+    ``DIAG`` (benchmarks only; the output is then WRONG): 1 skips the long runs, 2 the fill,
+    3 the run programs, to time the parts of this one launch.
     """
     pid = tl.program_id(0)
     col_blocks = tl.cdiv(dim, BLOCK_COL)
@@ -343,7 +386,15 @@ def embedding_backward_kernel(
     mixed = mixed_groups * group
     rest = pid - mixed
     left_runs = run_programs - mixed_groups * runs_per_fill
-    if pid < mixed:
+    if PROGRAMS == 1:
+        is_run = pid >= 0
+        run_pid = pid
+        fill_pid = pid
+    elif PROGRAMS == 2:
+        is_run = pid < 0
+        run_pid = pid
+        fill_pid = pid
+    elif pid < mixed:
         g = pid // group
         is_run = pid - g * group < runs_per_fill
         run_pid = pid - g
@@ -352,8 +403,9 @@ def embedding_backward_kernel(
         is_run = rest < left_runs
         run_pid = rest + mixed_groups * runs_per_fill
         fill_pid = rest - left_runs + mixed_groups
-    if is_run:
-        cols = (run_pid % col_blocks) * BLOCK_COL + tl.arange(0, BLOCK_COL)
+    if is_run & (DIAG != 3):
+        col_start = (run_pid % col_blocks) * BLOCK_COL
+        cols = col_start + tl.arange(0, BLOCK_COL)
         col_ok = cols < dim
         col_off = cols.to(tl.int64) * stride_g_col
         pos = (run_pid // col_blocks) * RUN_BLOCK + tl.arange(0, RUN_BLOCK)
@@ -392,19 +444,20 @@ def embedding_backward_kernel(
                  acc.to(out_ptr.dtype.element_ty), mask=written[:, None] & col_ok[None, :])
 
         long_start = tl.max(tl.where(is_long, pos, -1), axis=0)
-        if long_start >= 0:
+        if (long_start >= 0) & (DIAG != 1):
             long_row = tl.load(sorted_ids_ptr + long_start)
             long_acc = _long_run_sum(
-                sorted_ids_ptr, order_ptr, grad_ptr, long_start, long_row, n_tokens,
-                col_off, col_ok, stride_g_row, acc_dtype, BLOCK_COL, TILE, LONG_MODE,
+                sorted_ids_ptr, order_ptr, grad_ptr, long_start, long_row, n_tokens, dim,
+                col_start, col_off, col_ok, stride_g_row, stride_g_col, acc_dtype, BLOCK_COL,
+                TILE, LONG_MODE, LONG_PREFETCH,
             )
             tl.store(out_ptr + long_row.to(tl.int64) * dim + cols,
                      long_acc.to(out_ptr.dtype.element_ty), mask=col_ok)
-    else:
+    elif (is_run == 0) & (DIAG != 2):
         _fill_untouched_rows(
             sorted_ids_ptr, touched_ptr, out_ptr, fill_pid,
             n_tokens, num_embeddings, dim, search_top, search_steps,
-            FILL_ROWS, FILL_CHUNK, FILL_COL, FILL_SEARCH,
+            FILL_ROWS, FILL_CHUNK, FILL_COL, FILL_SEARCH, FILL_EVICT,
         )
 
 
@@ -475,19 +528,21 @@ def embedding_backward(
     *, impl: str = "runs", run_block: Optional[int] = None, unroll: Optional[int] = None,
     tile: Optional[int] = None,
     long_mode: str = "rows", block_col: int = 1024, fill_rows: Optional[int] = None,
-    fill_col: int = 1024, fill: str = "search", runs_per_fill: int = 16,
-    num_warps: Optional[int] = None, maxnreg: Optional[int] = 128,
-    out: Optional[torch.Tensor] = None,
+    fill_col: int = 1024, fill: str = "search", runs_per_fill: int = 0, prefetch: int = 0,
+    fill_evict: str = "", num_warps: Optional[int] = None, maxnreg: Optional[int] = 128,
+    streams: Optional[bool] = None, out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """grad ``[*ids.shape, D]`` -> grad_weight ``[V, D]`` in ``weight_dtype`` (see module doc).
 
     ``out`` (``[V, D]``, ``weight_dtype``) may be given as the destination; its prior contents
-    never matter. Device-side work only, no host sync (CUDA-graph capturable): a stable sort
-    of the ids (plus an int32 cast of int64 ids), then one kernel launch (``fill="map"`` adds
-    two small launches).
+    never matter. Device-side work only, no host sync (CUDA-graph capturable): an int32 cast
+    of int64 ids, a stable sort, then one kernel launch (``fill="map"`` adds two launches).
 
-    Tuning (``impl="runs"``, the default; the defaults are a best guess from the compiled code,
-    benchmarks/sweep_embedding_bw.py times the alternatives on a GPU):
+    Tuning (``impl="runs"``, the default). The defaults follow the first H100 sweep
+    (benchmarks/results/sweep_embedding_bw_h100_2026-11-21.log): 8 warps and 8-row fill
+    programs were each faster than that run's defaults (4 warps, 32 rows), measured one at a
+    time and before the fill's bracketed search; benchmarks/sweep_embedding_bw.py times the
+    alternatives:
 
     * ``run_block``: sorted positions per run program (power of two); ``unroll``: longest run
       summed by the 2-D short-run path (``>= run_block - 1``; default ``max(4, run_block -
@@ -498,14 +553,27 @@ def embedding_backward(
     * ``long_mode``: ``"rows"`` (``tile`` straight-line row loads per step) or ``"tile"`` (one
       2-D ``[tile, block_col]`` gather per step; fast only when ``block_col == 256 *
       num_warps`` for 16-bit grads, so that each thread holds whole tile columns).
-    * ``block_col``: columns per run program; ``fill_rows`` x ``fill_col``: rows per fill
-      program (default: ~256 KB of rows, 32 rows at D=4096 bf16) and columns per store;
-      ``fill="search"`` (binary search in the sorted ids) or ``"map"`` (a touched-row map
-      built by two extra launches); ``runs_per_fill``: run programs per interleaved fill
-      program at the start of the grid (0: all run programs first).
+    * ``prefetch`` (CUDA, ``long_mode="rows"``; ignored elsewhere): L2-prefetch a long run's
+      rows that many rows ahead of the step being summed (0: off). A hint, results unchanged.
+    * ``block_col``: columns per run program; ``num_warps`` (default 8 for 1024+ columns,
+      4 for 512, else 2).
+    * ``fill_rows`` x ``fill_col``: rows per fill program (default ~64 KB of rows: 8 rows at
+      D=4096 bf16) and columns per store; ``fill="search"`` (binary search in the sorted ids)
+      or ``"map"`` (a touched-row map built by two extra launches); ``fill_evict``: the
+      fill stores' eviction policy ("" = default, "evict_first", "evict_last");
+      ``runs_per_fill``: at the start of the grid, one fill program after every that many
+      run programs (0: all run programs first).
     * ``maxnreg`` (CUDA only; None: the compiler's default): a register cap for the kernel.
       Setting one also makes ptxas hoist all of a long-run step's loads above its adds (with
       no cap it interleaves them, keeping only ~3 rows in flight), at the cost of occupancy.
+
+    * ``streams`` (default: on for CUDA tensors): the two-stream schedule. The fill cannot
+      wait for the sort, so it uses the touched map (built from the unsorted ids, two small
+      launches) and runs on the current stream while a high-priority side stream sorts the
+      ids and then runs the run programs; the current stream then waits for the side stream.
+      The sort (~0.06 ms for 16K ids on an H100) leaves the critical path, and the latency-bound
+      hot-id chains are scheduled ahead of the remaining fill blocks. Each row is still
+      written by exactly one program; the result is bitwise that of ``streams=False``.
 
     ``impl="legacy"`` runs the previous kernel (one program per sorted position, searchsorted
     run ends, touched map, 2-D tiles with masked-sum extraction; ``unroll``, ``tile``,
@@ -534,19 +602,65 @@ def embedding_backward(
     config = backward_config(
         flat_grad, run_block=run_block, unroll=unroll, tile=tile, long_mode=long_mode,
         block_col=block_col, fill_rows=fill_rows, fill_col=fill_col,
-        runs_per_fill=runs_per_fill, num_warps=num_warps, maxnreg=maxnreg,
+        runs_per_fill=runs_per_fill, prefetch=prefetch, fill_evict=fill_evict,
+        num_warps=num_warps, maxnreg=maxnreg,
     )
+    if streams is None:
+        streams = grad.device.type == "cuda"
+    if streams and grad.device.type == "cuda":
+        _two_stream_backward(flat_ids, num_embeddings, flat_grad, out, padding_idx, config)
+        return out
     sorted_ids, order = _sort_ids(flat_ids, num_embeddings)
     touched = _touched_map(flat_ids, num_embeddings) if fill == "map" else None
     launch_backward_kernel(sorted_ids, order, touched, flat_grad, out, padding_idx, **config)
     return out
 
 
+_SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One high-priority stream per CUDA device, created on first use and kept."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        _, highest = torch.cuda.Stream.priority_range()
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index, priority=highest)
+    return stream
+
+
+def _two_stream_backward(flat_ids: torch.Tensor, num_embeddings: int, flat_grad: torch.Tensor,
+                         out: torch.Tensor, padding_idx: Optional[int], config: dict) -> None:
+    """The ``streams=True`` schedule (see ``embedding_backward``). Fork and join are stream
+    waits on events, so CUDA graph capture records both branches. Every tensor the side
+    stream touches is allocated on the current stream before the fork, or on the side stream
+    itself, and the current stream joins the side stream before returning: no block can be
+    freed and reused while the side stream still reads or writes it."""
+    main = torch.cuda.current_stream(flat_grad.device)
+    side = _side_stream(flat_grad.device)
+    keys = flat_ids
+    if keys.dtype != torch.int32 and num_embeddings <= 2**31 - 1:
+        keys = keys.to(torch.int32)
+    touched = _touched_map(keys, num_embeddings)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        sorted_ids, order = torch.sort(keys, stable=True)
+        launch_backward_kernel(sorted_ids, order, None, flat_grad, out, padding_idx,
+                               programs=1, **config)
+    launch_backward_kernel(keys, keys, touched, flat_grad, out, padding_idx, programs=2,
+                           **config)
+    main.wait_stream(side)
+    # The side stream's own allocations (sorted ids, positions) go back to its pool when
+    # these names are dropped; later side-stream work is ordered after this launch.
+    del sorted_ids, order
+
+
 def backward_config(
     flat_grad: torch.Tensor, *, run_block: Optional[int] = None, unroll: Optional[int] = None,
     tile: Optional[int] = None, long_mode: str = "rows", block_col: int = 1024,
-    fill_rows: Optional[int] = None, fill_col: int = 1024, runs_per_fill: int = 16,
-    num_warps: Optional[int] = None, maxnreg: Optional[int] = 128,
+    fill_rows: Optional[int] = None, fill_col: int = 1024, runs_per_fill: int = 0,
+    prefetch: int = 0, fill_evict: str = "", num_warps: Optional[int] = None,
+    maxnreg: Optional[int] = 128,
 ) -> dict:
     """Checked keyword arguments of ``launch_backward_kernel`` for a ``[n_tokens, D]`` grad,
     the ``None`` defaults resolved (see ``embedding_backward``)."""
@@ -568,38 +682,53 @@ def backward_config(
         raise ValueError(f"embedding_backward supports < 2**31 tokens, got {n_tokens}")
     if runs_per_fill < 0:
         raise ValueError(f"runs_per_fill must be >= 0, got {runs_per_fill}")
+    if prefetch < 0 or prefetch & (prefetch - 1):
+        raise ValueError(f"prefetch must be 0 or a power of two, got {prefetch}")
+    if fill_evict not in ("", "evict_first", "evict_last"):
+        raise ValueError(f"fill_evict must be '', 'evict_first' or 'evict_last', got {fill_evict!r}")
     return dict(run_block=run_block, unroll=unroll, tile=tile, long_mode=long_mode,
                 block_col=block_col, fill_rows=fill_rows, fill_col=fill_col,
-                runs_per_fill=runs_per_fill, num_warps=num_warps, maxnreg=maxnreg)
+                runs_per_fill=runs_per_fill, prefetch=prefetch, fill_evict=fill_evict,
+                num_warps=num_warps, maxnreg=maxnreg)
 
 
 def launch_backward_kernel(
     sorted_ids: torch.Tensor, order: torch.Tensor, touched: Optional[torch.Tensor],
     flat_grad: torch.Tensor, out: torch.Tensor, padding_idx: Optional[int], *,
     run_block: int, unroll: int, tile: int, long_mode: str, block_col: int,
-    fill_rows: Optional[int], fill_col: int, runs_per_fill: int, num_warps: Optional[int],
-    maxnreg: Optional[int],
+    fill_rows: Optional[int], fill_col: int, runs_per_fill: int, prefetch: int,
+    fill_evict: str, num_warps: Optional[int], maxnreg: Optional[int], diag: int = 0,
+    programs: int = 0,
 ) -> None:
     """The single kernel launch of ``embedding_backward`` (``impl="runs"``), given the
     prepared ``sorted_ids``/``order`` (``_sort_ids``) and, for ``fill="map"``, the touched
-    map (None: the fill programs binary-search the sorted ids). Exposed for benchmarks."""
+    map (None: the fill programs binary-search the sorted ids). Exposed for benchmarks;
+    ``diag`` != 0 skips part of the work (see the kernel) and leaves ``out`` WRONG.
+    ``programs``: 0 launches run and fill programs together, 1 only the run programs (the
+    untouched rows are left as they are), 2 only the fill programs (the touched rows are
+    left as they are)."""
     n_tokens, dim = flat_grad.shape
     num_embeddings = out.shape[0]
+    on_cuda = flat_grad.device.type == "cuda" and not torch.version.hip
     block_col = min(triton.next_power_of_2(dim), block_col)
     fill_col = min(triton.next_power_of_2(dim), fill_col)
-    if fill_rows is None:  # ~256 KB of rows per fill program: 32 rows at D=4096 bf16
+    if fill_rows is None:  # ~64 KB of rows per fill program: 8 rows at D=4096 bf16
         row_bytes = dim * out.element_size()
-        fill_rows = max(1, min(256, triton.next_power_of_2(triton.cdiv(1 << 18, row_bytes))))
-    # Rows per store: at most 64 elements per thread (4 warps), so no fill_rows spills.
+        fill_rows = max(1, min(256, triton.next_power_of_2(triton.cdiv(1 << 16, row_bytes))))
+    # Rows per store: at most 8192 elements (64 per thread with 4 warps): no register spills.
     fill_chunk = min(fill_rows, max(1, triton.next_power_of_2(8192 // fill_col)))
     col_blocks = triton.cdiv(dim, block_col)
     run_programs = triton.cdiv(n_tokens, run_block) * col_blocks
     fill_programs = triton.cdiv(num_embeddings, fill_rows)
     mixed_groups = min(fill_programs, run_programs // runs_per_fill) if runs_per_fill else 0
-    grid = (run_programs + fill_programs,)
+    if programs not in (0, 1, 2):
+        raise ValueError(f"programs must be 0, 1 or 2, got {programs}")
+    if programs:
+        mixed_groups = 0
+    grid = ((run_programs + fill_programs, run_programs, fill_programs)[programs],)
     search_steps = n_tokens.bit_length()
     options = _launch_options(flat_grad.device)
-    if maxnreg and flat_grad.device.type == "cuda" and not torch.version.hip:
+    if maxnreg and on_cuda:
         options["maxnreg"] = maxnreg
     embedding_backward_kernel[grid](
         # The kernel reads the low 32-bit word of each int64 token position (little-endian,
@@ -611,9 +740,11 @@ def launch_backward_kernel(
         flat_grad.stride(0), flat_grad.stride(1),
         HAS_PADDING=padding_idx is not None, ACC_FP64=flat_grad.dtype == torch.float64,
         BLOCK_COL=block_col, RUN_BLOCK=run_block, UNROLL=unroll, TILE=tile,
-        LONG_MODE=_LONG_MODES[long_mode], FILL_ROWS=fill_rows, FILL_CHUNK=fill_chunk,
-        FILL_COL=fill_col, FILL_SEARCH=touched is None,
-        num_warps=num_warps or (4 if block_col >= 512 else 2),
+        LONG_MODE=_LONG_MODES[long_mode],
+        LONG_PREFETCH=prefetch if on_cuda and long_mode == "rows" else 0,
+        FILL_ROWS=fill_rows, FILL_CHUNK=fill_chunk, FILL_COL=fill_col,
+        FILL_SEARCH=touched is None, FILL_EVICT=fill_evict, DIAG=diag, PROGRAMS=programs,
+        num_warps=num_warps or (8 if block_col >= 1024 else 4 if block_col >= 512 else 2),
         **options,
     )
 

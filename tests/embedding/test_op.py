@@ -313,9 +313,10 @@ BACKWARD_VARIANTS = [
     {"fill_rows": 4, "fill_col": 16},
     {"fill_rows": 1, "fill_col": 8, "fill": "map"},
     {"maxnreg": None, "num_warps": 2},
-    {"runs_per_fill": 0},
+    {"runs_per_fill": 16},
     {"runs_per_fill": 1, "fill_rows": 1, "fill_col": 16},
     {"runs_per_fill": 3, "fill_rows": 4, "run_block": 1, "unroll": 1},
+    {"fill_evict": "evict_first", "prefetch": 64},  # hints: prefetch is CUDA-only, a no-op here
 ]
 
 
@@ -419,6 +420,29 @@ def test_triton_backward_bad_tuning_arguments():
         ({"run_block": 3}, "run_block must be a power of two"),
         ({"block_col": 100}, "block_col must be a power of two"),
         ({"runs_per_fill": -1}, "runs_per_fill must be >= 0"),
+        ({"prefetch": 48}, "prefetch must be 0 or a power of two"),
+        ({"fill_evict": "evict_normal"}, "fill_evict must be"),
     ]:
         with pytest.raises(ValueError, match=message):
             kernels.embedding_backward(grad, ids, 67, None, torch.float32, **kwargs)
+
+
+def test_triton_backward_diag_launches_skip_their_part():
+    """The benchmark-only ``diag`` launches skip exactly their part of the work."""
+    from compileops.embedding import kernels
+
+    V, D = 67, 40
+    ids, grad = _backward_inputs(V=V, D=D)
+    want = reference.embedding_backward(grad, ids, V, None, torch.float32)
+    sorted_ids, order = kernels._sort_ids(ids.reshape(-1), V)
+    config = kernels.backward_config(grad.reshape(-1, D))
+    touched = torch.zeros(V, dtype=torch.bool)
+    touched[ids.reshape(-1)] = True
+    counts = torch.bincount(ids.reshape(-1), minlength=V)
+    long_rows = counts > config["unroll"]
+    for diag, written in [(1, ~long_rows), (2, touched), (3, ~touched)]:
+        out = torch.full((V, D), float("nan"))
+        kernels.launch_backward_kernel(sorted_ids, order, None, grad.reshape(-1, D), out, None,
+                                       diag=diag, **config)
+        assert not out[written].isnan().any() and out[~written].isnan().all(), diag
+        _assert_bitwise(out[written], want[written])
