@@ -12,6 +12,7 @@ the best config per case.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -42,15 +43,25 @@ SWIGLU_CONFIGS = [
     Config(128, 64, 64, 4, 4, flatten=True, programs_per_sm=2),
 ]
 WGRAD_CONFIGS = [
-    Config(128, 128, 128, 8, 3),
+    Config(64, 256, 128, 8, 4),
     Config(64, 256, 128, 8, 3),
+    Config(64, 128, 256, 8, 4),
+    Config(64, 128, 256, 8, 3),
+    Config(128, 128, 256, 8, 2),
     Config(64, 128, 128, 4, 3, programs_per_sm=2),
-    Config(64, 128, 64, 4, 4, programs_per_sm=2),
-    Config(128, 128, 64, 8, 4),
-    Config(64, 256, 64, 8, 4),
-    Config(128, 128, 64, 4, 3, programs_per_sm=2),
-    Config(128, 256, 64, 8, 2),
+    Config(64, 128, 128, 8, 4),
 ]
+# Timed once more without db (compute_db=False): what the column sums cost.
+WGRAD_NO_DB = [Config(64, 256, 128, 8, 4)]
+
+
+class _NoDbConfig(Config):
+    """A dW config timed with ``compute_db=False`` (labelled 'no db')."""
+    _no_db = True
+
+
+def _no_db(cfg: Config) -> Config:
+    return _NoDbConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -96,8 +107,10 @@ def main() -> int:
                            out_dtype=dy.dtype, config=cfg, b_kn=True),
                        lambda: torch._grouped_mm(dy, w, offs=offs), FWD_CONFIGS),
                 "dW": (lambda cfg: kernels.grouped_linear_wgrad(
-                           dy, x, offs, torch.bfloat16, torch.bfloat16, config=cfg)[0],
-                       lambda: torch._grouped_mm(dy.t(), x, offs=offs), WGRAD_CONFIGS),
+                           dy, x, offs, torch.bfloat16, torch.bfloat16, config=cfg,
+                           compute_db=not getattr(cfg, "_no_db", False))[0],
+                       lambda: torch._grouped_mm(dy.t(), x, offs=offs),
+                       WGRAD_CONFIGS + [_no_db(c) for c in WGRAD_NO_DB]),
             }
             for stage in args.passes:
                 ours, anchor, configs = cases[stage]
@@ -111,7 +124,8 @@ def main() -> int:
                     label = (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} "
                              f"s{cfg.num_stages}{' flat' if cfg.flatten else ''}"
                              f"{f' x{cfg.programs_per_sm}/SM' if cfg.programs_per_sm > 1 else ''}"
-                             f"{f' gm{cfg.group_m}' if cfg.group_m != 8 else ''}")
+                             f"{f' gm{cfg.group_m}' if cfg.group_m != 8 else ''}"
+                             f"{' no db' if getattr(cfg, '_no_db', False) else ''}")
                     try:
                         got = ours(cfg)
                         err = rel_err(got[: int(offs[-1])], want[: int(offs[-1])]) if stage != "dW" \

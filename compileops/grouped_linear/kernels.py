@@ -217,9 +217,19 @@ def kjagged_tile(
     stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc, x_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    WITH_DB: tl.constexpr,
 ):
     """fp32 ``dW`` tile ``[BLOCK_N, BLOCK_K] = dY[start:end, rn]^T @ X[start:end, rk]``,
     reduced over the rows in ``BLOCK_M`` chunks in row order. An empty range gives zeros.
+    Returns ``(acc, db_acc)``.
+
+    ``WITH_DB`` (16-bit inputs): the same loop also sums dY's columns on the tensor cores,
+    ``db_acc [BLOCK_N, 16] += dY_chunk^T @ ones [BLOCK_M, 16]``, from the dY chunk already
+    in shared memory: every product is ``dy * 1``, exact, summed in fp32 like the dW tile,
+    and every column of ``db_acc`` holds the same sums (take column 0). A second pass over
+    dY (``column_sums``) re-reads the whole group's column block with plain loads; on an
+    H100 that made dW+db up to 1.5x slower than dW alone. With ``WITH_DB`` false,
+    ``db_acc`` is a ``[BLOCK_N, 16]`` zero tile.
 
     ``USE_TMA``: whole ``BLOCK_M``-row chunks come through the ``dy_desc`` (over dY ``[M, N]``)
     and ``x_desc`` (over X ``[M, K]``) descriptors; the group's last partial chunk takes the
@@ -233,6 +243,9 @@ def kjagged_tile(
     rn64 = rn.to(tl.int64)
     rk64 = rk.to(tl.int64)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    ones_dtype = tl.float32 if DOT_UPCAST else dy_ptr.dtype.element_ty
+    ones = tl.full((BLOCK_M, 16), 1.0, dtype=ones_dtype)
     tail = start
     if USE_TMA:
         tail = start + ((end - start) // BLOCK_M) * BLOCK_M
@@ -243,6 +256,8 @@ def kjagged_tile(
                 dy = dy.to(tl.float32)
                 xb = xb.to(tl.float32)
             acc = tl.dot(dy.T, xb, acc, input_precision=INPUT_PRECISION)
+            if WITH_DB:
+                db_acc = tl.dot(dy.T, ones, db_acc, input_precision=INPUT_PRECISION)
     for m0 in range(tail, end, BLOCK_M):
         rm = m0 + tl.arange(0, BLOCK_M)
         m_ok = rm < end
@@ -252,11 +267,12 @@ def kjagged_tile(
         xb = tl.load(x_ptr + rm64[:, None] * stride_xm + rk64[None, :] * stride_xk,
                      mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if DOT_UPCAST:
-            acc = tl.dot(dyt.to(tl.float32), xb.to(tl.float32), acc,
-                         input_precision=INPUT_PRECISION)
-        else:
-            acc = tl.dot(dyt, xb, acc, input_precision=INPUT_PRECISION)
-    return acc
+            dyt = dyt.to(tl.float32)
+            xb = xb.to(tl.float32)
+        acc = tl.dot(dyt, xb, acc, input_precision=INPUT_PRECISION)
+        if WITH_DB:
+            db_acc = tl.dot(dyt, ones, db_acc, input_precision=INPUT_PRECISION)
+    return acc, db_acc
 
 
 @triton.jit
@@ -333,15 +349,18 @@ def kjagged_gemm_kernel(
     dy_ptr, x_ptr, offs_ptr, dw_ptr, db_ptr,
     M, N, K, G,
     stride_dym, stride_dyn, stride_xm, stride_xk,
-    HAS_DB: tl.constexpr, NUM_PROGS: tl.constexpr,
+    HAS_DB: tl.constexpr, DB_MMA: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Persistent K-jagged grouped GEMM: ``dw [G, N, K]``, ``db [G, N]`` (both contiguous).
 
     Tiles ``(g, tile_n, tile_k)``, K-tiles fastest so concurrent programs share dY's column
-    block. The tiles with ``tile_k == 0`` also sum dY's columns for ``db`` (one extra read
-    of that block, instead of every K-tile summing it)."""
+    block. One K-tile per ``(g, tile_n)`` also produces ``db[g, rn]``: with ``DB_MMA``
+    (16-bit inputs) inside its main loop (``kjagged_tile``'s ``WITH_DB``), else (fp32,
+    where tf32 would round dY) by an extra pass of exact fp32 column sums. Which K-tile owns
+    db rotates with ``(g, tile_n)``: with a fixed one, the owners all land on the few
+    programs whose stride hits that K-tile, and the slowest program sets the kernel time."""
     pid = tl.program_id(0)
     dy_desc = None
     x_desc = None
@@ -359,23 +378,35 @@ def kjagged_gemm_kernel(
         tile_n = rest // num_k
         tile_k = rest % num_k
         start, end = group_rows(offs_ptr, g, G, M)
-        acc = kjagged_tile(
-            dy_ptr, x_ptr, start, end, tile_n, tile_k, N, K,
-            stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc, x_desc,
-            BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, DOT_UPCAST, USE_TMA,
-        )
         rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
         n_ok = rn < N
-        base = tl.cast(g, tl.int64) * N * K
-        dst = dw_ptr + base + rn[:, None].to(tl.int64) * K + rk[None, :]
-        tl.store(dst, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & (rk < K)[None, :])
-        if HAS_DB:
-            if tile_k == 0:
+        owns_db = tile_k == (g * num_n + tile_n) % num_k
+        if HAS_DB & DB_MMA & owns_db:
+            acc, db_acc = kjagged_tile(
+                dy_ptr, x_ptr, start, end, tile_n, tile_k, N, K,
+                stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc, x_desc,
+                BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, DOT_UPCAST, USE_TMA, True,
+            )
+            # Column 0 of db_acc; adding -0.0 to the other lanes' values is exact.
+            first = tl.arange(0, 16)[None, :] == 0
+            db = tl.sum(tl.where(first, db_acc, -0.0), axis=1)
+            tl.store(db_ptr + tl.cast(g, tl.int64) * N + rn, db.to(db_ptr.dtype.element_ty),
+                     mask=n_ok)
+        else:
+            acc, _ = kjagged_tile(
+                dy_ptr, x_ptr, start, end, tile_n, tile_k, N, K,
+                stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc, x_desc,
+                BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, DOT_UPCAST, USE_TMA, False,
+            )
+            if HAS_DB & (DB_MMA == 0) & owns_db:
                 db = column_sums(dy_ptr, start, end, tile_n, N, stride_dym, stride_dyn,
                                  BLOCK_M, BLOCK_N)
                 tl.store(db_ptr + tl.cast(g, tl.int64) * N + rn, db.to(db_ptr.dtype.element_ty),
                          mask=n_ok)
+        base = tl.cast(g, tl.int64) * N * K
+        dst = dw_ptr + base + rn[:, None].to(tl.int64) * K + rk[None, :]
+        tl.store(dst, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & (rk < K)[None, :])
 
 
 # ---------------------------------------------------------------------------------------
@@ -447,15 +478,16 @@ def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
 def choose_wgrad_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
                         device: torch.device) -> Config:
     """K-jagged config: ``block_m`` is the row chunk each dW tile reduces over; the output
-    tile is ``block_n x block_k``. Long groups: 256 x 128 output tiles. Short groups (few
-    chunks per tile): 128 x 128 tiles, two programs per SM so one's prologue and epilogue
-    overlap the other's loop (H100 sweep, benchmarks/RESULTS.md)."""
+    tile is ``block_n x block_k``. Long groups: 128 x 256 output tiles (each warpgroup
+    issues 64 x 256 wgmma). Short groups (few chunks per tile): 128 x 128 tiles, two
+    programs per SM so one's prologue and epilogue overlap the other's loop (H100 sweeps,
+    benchmarks/RESULTS.md)."""
     if _interpreting(device):
         return Config(16, 32, 32, num_warps=1, num_stages=1)
     if dtype == torch.float32:
         return Config(32, 128, 64, num_warps=8, num_stages=3)
     if m_total / max(groups, 1) >= 1024:
-        return Config(64, 256, 128, num_warps=8, num_stages=3)
+        return Config(64, 128, 256, num_warps=8, num_stages=3)
     return Config(64, 128, 128, num_warps=4, num_stages=3, programs_per_sm=2)
 
 
@@ -614,8 +646,12 @@ def wgrad_tma_applies(grad: torch.Tensor, x: torch.Tensor, cfg: Config) -> bool:
 
 
 def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
-                         config: Optional[Config] = None, use_tma: Optional[bool] = None):
-    """``(dW [G, N, K] = dY_g^T X_g, db [G, N] = colsum(dY_g))``, deterministic."""
+                         config: Optional[Config] = None, use_tma: Optional[bool] = None,
+                         compute_db: bool = True):
+    """``(dW [G, N, K] = dY_g^T X_g, db [G, N] = colsum(dY_g))``, deterministic.
+
+    ``compute_db=False`` (benchmarks: the cost of db) skips the column sums and returns
+    ``(dW, None)``."""
     global _tma_failed
     m, n = grad.shape
     k = x.shape[1]
@@ -637,7 +673,7 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
         kjagged_gemm_kernel[(progs,)](
             grad, x, offsets, dw, db, m, n, k, groups,
             grad.stride(0), grad.stride(1), x.stride(0), x.stride(1),
-            HAS_DB=True, NUM_PROGS=progs,
+            HAS_DB=compute_db, DB_MMA=x.dtype != torch.float32, NUM_PROGS=progs,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             INPUT_PRECISION=input_precision(x.dtype), DOT_UPCAST=dot_upcast(x), USE_TMA=tma,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -646,13 +682,13 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
     if use_tma and x.device.type == "cuda":
         try:
             launch(True)
-            return dw, db
+            return dw, db if compute_db else None
         except Exception as exc:  # compile/launch error: fall back once, loudly
             _tma_failed = True
             warnings.warn(f"compileops.grouped_linear: TMA wgrad kernel failed "
                           f"({type(exc).__name__}: {exc}); using the pointer-based kernel")
     launch(bool(use_tma) and x.device.type != "cuda")
-    return dw, db
+    return dw, db if compute_db else None
 
 
 def _colsum_only(grad, offsets, db):

@@ -72,7 +72,8 @@ def kjagged_ttgir(ptr="*fp16", tma=False):
              ("db_ptr", ptr)] + [(n, "i32") for n in ("M", "N", "K", "G")]
             + [(n, "i64") for n in ("stride_dym", "stride_dyn", "stride_xm", "stride_xk")])
     k = compile_sm90(kernels.kjagged_gemm_kernel, args,
-                     dict(HAS_DB=True, NUM_PROGS=132, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
+                     dict(HAS_DB=True, DB_MMA=True, NUM_PROGS=132, BLOCK_M=64, BLOCK_N=128,
+                          BLOCK_K=128,
                           INPUT_PRECISION="tf32", DOT_UPCAST=False, USE_TMA=tma),
                      num_warps=8, num_stages=3)
     return k.asm["ttgir"]
@@ -95,7 +96,9 @@ def summarize(ttgir):
     return {"wgmma": "warp_group_dot" in ttgir,
             "pipelined": ("async_copy_global_to_local" in ttgir
                           or "async_tma_copy_global_to_local" in ttgir),
-            "tma": "async_tma_copy_global_to_local" in ttgir}
+            "tma": "async_tma_copy_global_to_local" in ttgir,
+            # dW's db: column sums as a [BLOCK_N, 16] wgmma against a ones tile
+            "db_mma": "x16xf32, #mma" in ttgir and "warp_group_dot" in ttgir}
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +118,8 @@ def test_kernel_compiles_for_sm90_pipelined(compiled, case):
     if case != "fp32-ieee":  # IEEE fp32 dots use FMA, not tensor cores
         assert compiled[case]["wgmma"], f"{case}: expected Hopper wgmma"
     assert compiled[case]["tma"] == case.endswith("-tma"), f"{case}: TMA loads iff requested"
+    if case.startswith("wgrad"):
+        assert compiled[case]["db_mma"], f"{case}: expected db summed by a 16-wide wgmma"
 
 
 if __name__ == "__main__":
