@@ -43,16 +43,13 @@ SWIGLU_CONFIGS = [
     Config(128, 64, 64, 4, 4, flatten=True, programs_per_sm=2),
 ]
 WGRAD_CONFIGS = [
-    Config(64, 256, 128, 8, 4),
-    Config(64, 256, 128, 8, 3),
-    Config(64, 128, 256, 8, 4),
     Config(64, 128, 256, 8, 3),
-    Config(128, 128, 256, 8, 2),
+    Config(64, 256, 128, 8, 4),
+    Config(64, 128, 256, 8, 4),
     Config(64, 128, 128, 4, 3, programs_per_sm=2),
-    Config(64, 128, 128, 8, 4),
 ]
 # Timed once more without db (compute_db=False): what the column sums cost.
-WGRAD_NO_DB = [Config(64, 256, 128, 8, 4)]
+WGRAD_NO_DB = [Config(64, 128, 256, 8, 3)]
 
 
 class _NoDbConfig(Config):
