@@ -46,6 +46,22 @@ CONFIGS: list[tuple[str, dict]] = [
     ("legacy (previous kernel)", {"impl": "legacy"}),
     ("streams off (one launch after the sort)", {"streams": False}),
     ("streams off, runs_per_fill 4", {"streams": False, "runs_per_fill": 4}),
+    # The separate, software-pipelined long-run kernel (rows in flight per chain: (stages - 1)
+    # x long_tile). long_min 63: only runs of 64+ entries go to it (24 in the Zipf case), in
+    # 64-position blocks, so ~16x fewer of its programs find nothing and exit; shorter runs
+    # stay on the main kernel's long path (at most 4 steps).
+    ("long kernel (long_tile 16, long_block_col 1024, 3 stages, 4 warps)", {"long_kernel": True}),
+    ("long kernel, long_min 63", {"long_kernel": True, "long_min": 63}),
+    ("long kernel, long_min 63, 4 stages", {"long_kernel": True, "long_min": 63, "long_stages": 4}),
+    ("long kernel, long_min 63, long_tile 32, long_block_col 256, 1 warp, 6 stages",
+     {"long_kernel": True, "long_min": 63, "long_tile": 32, "long_block_col": 256,
+      "long_warps": 1, "long_stages": 6}),
+    ("long kernel, long_min 63, long_tile 32, long_block_col 512, 2 warps, 4 stages",
+     {"long_kernel": True, "long_min": 63, "long_tile": 32, "long_block_col": 512,
+      "long_warps": 2, "long_stages": 4}),
+    ("long kernel, long_min 63, long_fork (own stream, beside the run programs)",
+     {"long_kernel": True, "long_min": 63, "long_fork": True}),
+    ("long kernel, streams off", {"long_kernel": True, "streams": False}),
     ("tile 32, block_col 256", {"tile": 32, "block_col": 256}),
     ("tile 64, block_col 256", {"tile": 64, "block_col": 256}),
     ("tile 32, block_col 512", {"tile": 32, "block_col": 512}),
@@ -219,7 +235,7 @@ def main() -> None:
 
     def kernel_alone(id_name, cfg, diag=0):
         sorted_ids, order = prepared[id_name]
-        kw = {k: v for k, v in cfg.items() if k not in ("impl", "fill")}
+        kw = {k: v for k, v in cfg.items() if k not in ("impl", "fill", "streams")}
         launch_kw = kernels.backward_config(grad, **kw)
         touched = kernels._touched_map(id_sets[id_name], V) if cfg.get("fill") == "map" else None
         return lambda: kernels.launch_backward_kernel(
@@ -239,6 +255,21 @@ def main() -> None:
                    kernel_alone("Zipf", {}, diag), kernel_alone("uniform", {}, diag))
         except Exception as exc:
             print(f"  diagnostic {diag} FAILED {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+
+    # The long-run kernel alone (no fill, no run programs): the hot-id chains' own time.
+    for label, cfg in (("long_min = unroll", {}), ("long_min 63", {"long_min": 63})):
+        try:
+            launch_kw = kernels.backward_config(grad, long_kernel=True, **cfg)
+
+            def long_alone(id_name, launch_kw=launch_kw):
+                sorted_ids, order = prepared[id_name]
+                return lambda: kernels.launch_long_runs_kernel(
+                    sorted_ids, order, grad, out_buf, None, **kernels._long_launch_args(launch_kw))
+
+            anchor(f"part: the long-run kernel alone, {label} (sort precomputed; output partial)",
+                   long_alone("Zipf"), long_alone("uniform"))
+        except Exception as exc:
+            print(f"  long-run kernel alone FAILED {type(exc).__name__}: {str(exc)[:400]}", flush=True)
 
     # ---------------------------------------------------------------- variants
     print("\nvariants (bitwise check vs default, then do_bench median):", flush=True)

@@ -27,6 +27,13 @@ token-position order. Then ONE kernel writes every row of ``grad_weight`` exactl
   them), so the long chains start at once and run while the bandwidth-bound fill proceeds.
   On an H100 the first sweep suggests a hot id's chain makes little progress while the fill
   saturates memory, so it can still end after the fill (see the sweep's diagnostics).
+* Optionally (``long_kernel=True``) the runs of more than ``long_min`` entries go to a
+  second launch, ``embedding_long_runs_kernel``, issued right after the sort and before the
+  run programs, which then skip them (``LONG_SPLIT``). It finds a run's end first, so its
+  loop over steps of ``long_tile`` rows has plain integer bounds and Triton
+  software-pipelines it: the gathers of the next ``long_stages - 1`` steps are in flight
+  in shared memory (cp.async), where the main kernel's long path waits one memory round
+  trip per register-resident step. Same additions, same order: bitwise the same rows.
 
 The long-run step keeps TILE rows in flight, so the kernel needs ~80 (8 warps) to ~128
 (4 warps) registers per thread; the launcher caps registers with ``maxnreg``: with a cap,
@@ -354,7 +361,8 @@ def embedding_backward_kernel(
     RUN_BLOCK: tl.constexpr, UNROLL: tl.constexpr, TILE: tl.constexpr,
     LONG_MODE: tl.constexpr, LONG_PREFETCH: tl.constexpr, FILL_ROWS: tl.constexpr,
     FILL_CHUNK: tl.constexpr, FILL_COL: tl.constexpr, FILL_SEARCH: tl.constexpr,
-    FILL_EVICT: tl.constexpr, DIAG: tl.constexpr, PROGRAMS: tl.constexpr,
+    FILL_EVICT: tl.constexpr, LONG_SPLIT: tl.constexpr, DIAG: tl.constexpr,
+    PROGRAMS: tl.constexpr,
 ):
     """Writes every row of ``out [V, D]`` exactly once, in one launch (see the module doc).
 
@@ -373,8 +381,14 @@ def embedding_backward_kernel(
 
     The order of additions depends only on the run itself: bitwise batch-invariant.
 
-    ``DIAG`` (benchmarks only; the output is then WRONG): 1 skips the long runs, 2 the fill,
-    3 the run programs, to time the parts of this one launch.
+    ``LONG_SPLIT`` (0: off, else >= ``UNROLL``): the run programs leave the rows of the runs
+    of more than ``LONG_SPLIT`` entries (padding row excluded) alone, for
+    ``embedding_long_runs_kernel`` (its ``LONG_MIN``) to write; ``LONG_SPLIT == UNROLL``
+    compiles the long path out.
+
+    ``DIAG`` (benchmarks only; the output is then WRONG): 2 skips the fill, 3 the run
+    programs, to time the parts of this one launch (the launcher's ``diag=1``, long runs
+    skipped, is ``LONG_SPLIT=UNROLL`` without the long-run kernel).
     """
     pid = tl.program_id(0)
     col_blocks = tl.cdiv(dim, BLOCK_COL)
@@ -443,16 +457,23 @@ def embedding_backward_kernel(
         tl.store(out_ptr + row.to(tl.int64)[:, None] * dim + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=written[:, None] & col_ok[None, :])
 
-        long_start = tl.max(tl.where(is_long, pos, -1), axis=0)
-        if (long_start >= 0) & (DIAG != 1):
-            long_row = tl.load(sorted_ids_ptr + long_start)
-            long_acc = _long_run_sum(
-                sorted_ids_ptr, order_ptr, grad_ptr, long_start, long_row, n_tokens, dim,
-                col_start, col_off, col_ok, stride_g_row, stride_g_col, acc_dtype, BLOCK_COL,
-                TILE, LONG_MODE, LONG_PREFETCH,
-            )
-            tl.store(out_ptr + long_row.to(tl.int64) * dim + cols,
-                     long_acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+        if LONG_SPLIT != UNROLL:  # else the long-run kernel owns every long run
+            long_start = tl.max(tl.where(is_long, pos, -1), axis=0)
+            if long_start >= 0:
+                long_row = tl.load(sorted_ids_ptr + long_start)
+                mine = True
+                if LONG_SPLIT > 0:  # runs of more than LONG_SPLIT entries: the other kernel's
+                    split = long_start + LONG_SPLIT
+                    mine = tl.load(sorted_ids_ptr + split, mask=split < n_tokens,
+                                   other=-1) != long_row
+                if mine:
+                    long_acc = _long_run_sum(
+                        sorted_ids_ptr, order_ptr, grad_ptr, long_start, long_row, n_tokens,
+                        dim, col_start, col_off, col_ok, stride_g_row, stride_g_col, acc_dtype,
+                        BLOCK_COL, TILE, LONG_MODE, LONG_PREFETCH,
+                    )
+                    tl.store(out_ptr + long_row.to(tl.int64) * dim + cols,
+                             long_acc.to(out_ptr.dtype.element_ty), mask=col_ok)
     elif (is_run == 0) & (DIAG != 2):
         _fill_untouched_rows(
             sorted_ids_ptr, touched_ptr, out_ptr, fill_pid,
@@ -460,6 +481,101 @@ def embedding_backward_kernel(
             FILL_ROWS, FILL_CHUNK, FILL_COL, FILL_SEARCH, FILL_EVICT,
         )
 
+
+@triton.jit
+def _run_end(sorted_ids_ptr, start, row, n_tokens, SEARCH: tl.constexpr):
+    """End (exclusive) of the run of ``row`` that starts at sorted position ``start``.
+
+    Sorted ids are monotone, so the run's positions among any samples form a prefix. Each
+    coarse step loads SEARCH samples SEARCH positions apart (one round trip covers SEARCH**2
+    positions, 4096 for SEARCH=64: any run of the 16K-token benchmark) and moves on only if
+    all of them are in the run; one fine load of SEARCH consecutive positions then finds the
+    end. ``base`` is always in the run, and so is sample ``c`` of the last coarse step
+    (c = 0: ``base`` itself) while sample ``c + 1`` is not: the end is in
+    ``(base + c * SEARCH, base + (c + 1) * SEARCH]``.
+    """
+    lanes = tl.arange(0, SEARCH)
+    base = start
+    matched = SEARCH
+    while matched == SEARCH:
+        cpos = base + (lanes + 1) * SEARCH
+        matched = tl.sum((tl.load(sorted_ids_ptr + cpos, mask=cpos < n_tokens, other=-1)
+                          == row).to(tl.int32), axis=0)
+        if matched == SEARCH:
+            base += SEARCH * SEARCH
+    fine = base + matched * SEARCH
+    fpos = fine + lanes
+    in_run = tl.load(sorted_ids_ptr + fpos, mask=fpos < n_tokens, other=-1) == row
+    return fine + tl.sum(in_run.to(tl.int32), axis=0)
+
+
+@triton.jit
+def embedding_long_runs_kernel(
+    sorted_ids_ptr, order_ptr, grad_ptr, out_ptr,
+    n_tokens, num_embeddings, dim, padding_idx, stride_g_row, stride_g_col,
+    HAS_PADDING: tl.constexpr, ACC_FP64: tl.constexpr, LONG_MIN: tl.constexpr,
+    LONG_BLOCK: tl.constexpr, LONG_TILE: tl.constexpr, LONG_BLOCK_COL: tl.constexpr,
+    LONG_STAGES: tl.constexpr, SEARCH: tl.constexpr,
+):
+    """The rows of the runs of more than ``LONG_MIN`` entries (padding row excluded) of the
+    backward; ``embedding_backward_kernel`` launched with ``LONG_SPLIT=LONG_MIN`` writes every
+    other row of ``out [V, D]``, so each row is written exactly once.
+
+    Program (b, c) (pid = b * col_blocks + c) looks at sorted positions ``[b * LONG_BLOCK,
+    +LONG_BLOCK)`` as the run programs do (a run starts where the sorted id changes; it is
+    long when the id at start + LONG_MIN is still its id) and exits unless a long run starts
+    there; since ``LONG_BLOCK <= LONG_MIN + 1``, at most one does. It then writes that run's
+    row for columns ``[c * LONG_BLOCK_COL, +LONG_BLOCK_COL)``.
+
+    The run's end is found first (``_run_end``, a few vector loads), so the sum is a
+    ``tl.range`` loop with plain integer bounds over steps of ``LONG_TILE`` sorted positions,
+    which Triton software-pipelines: the token positions and then the ``[LONG_TILE,
+    LONG_BLOCK_COL]`` grad gather of the next ``LONG_STAGES - 1`` steps are copied into
+    shared memory asynchronously (cp.async on sm_80+) while the current step is added. That
+    keeps ``(LONG_STAGES - 1) * LONG_TILE`` rows of the chain in flight in shared memory, not
+    registers; the main kernel's long path has one step (TILE rows) per memory round trip.
+
+    The adds are the reference's (fp32, fp64 for fp64 grads, one row at a time in position
+    order): row k of a tile is selected by a sum whose other terms are -0.0 (exact for every
+    value, folded away when each thread holds whole tile columns: ``LONG_BLOCK_COL == 256 *
+    num_warps`` for 16-bit grads, 128 / 64 for 32- / 64-bit ones). Positions past the run's
+    end load as +0.0; ``acc`` starts at +0.0 and so is never -0.0: adding them is exact.
+    """
+    pid = tl.program_id(0)
+    col_blocks = tl.cdiv(dim, LONG_BLOCK_COL)
+    acc_dtype: tl.constexpr = tl.float64 if ACC_FP64 else tl.float32
+    pos = (pid // col_blocks) * LONG_BLOCK + tl.arange(0, LONG_BLOCK)
+    in_n = pos < n_tokens
+    row = tl.load(sorted_ids_ptr + pos, mask=in_n, other=-1)
+    prev = tl.load(sorted_ids_ptr + pos - 1, mask=in_n & (pos > 0), other=-1)
+    in_table = (row >= 0) & (row < num_embeddings)
+    tl.device_assert(in_table, "compileops.embedding_backward: id out of range", mask=in_n)
+    after = pos + LONG_MIN
+    is_long = in_n & in_table & (row != prev) & (
+        tl.load(sorted_ids_ptr + after, mask=after < n_tokens, other=-1) == row)
+    if HAS_PADDING:
+        is_long = is_long & (row != padding_idx)  # the run programs write its zeros
+    long_start = tl.max(tl.where(is_long, pos, -1), axis=0)
+    if long_start >= 0:
+        long_row = tl.load(sorted_ids_ptr + long_start)
+        end = _run_end(sorted_ids_ptr, long_start, long_row, n_tokens, SEARCH)
+        cols = (pid % col_blocks) * LONG_BLOCK_COL + tl.arange(0, LONG_BLOCK_COL)
+        col_ok = cols < dim
+        col_off = cols.to(tl.int64) * stride_g_col
+        lanes = tl.arange(0, LONG_TILE)
+        acc = tl.zeros([LONG_BLOCK_COL], dtype=acc_dtype)
+        for s in tl.range(0, tl.cdiv(end - long_start, LONG_TILE), num_stages=LONG_STAGES):
+            q = long_start + s * LONG_TILE + lanes
+            in_run = q < end
+            # order_ptr: the int64 token positions viewed as int32 pairs, low words read.
+            toks = tl.load(order_ptr + q.to(tl.int64) * 2, mask=in_run, other=0)
+            tile = tl.load(
+                grad_ptr + toks.to(tl.int64)[:, None] * stride_g_row + col_off[None, :],
+                mask=in_run[:, None] & col_ok[None, :], other=0.0)
+            for k in tl.static_range(LONG_TILE):
+                acc += tl.sum(tl.where(lanes[:, None] == k, tile, -0.0), axis=0).to(acc_dtype)
+        tl.store(out_ptr + long_row.to(tl.int64) * dim + cols, acc.to(out_ptr.dtype.element_ty),
+                 mask=col_ok)
 
 def _forward_config(dim: int, elem_size: int) -> tuple[int, int, int]:
     """(BLOCK_TOK, BLOCK_COL, num_warps): 16-byte accesses, ~16 KB moved per program."""
@@ -527,35 +643,40 @@ def embedding_backward(
     weight_dtype: torch.dtype,
     *, impl: str = "runs", run_block: Optional[int] = None, unroll: Optional[int] = None,
     tile: Optional[int] = None,
-    long_mode: str = "rows", block_col: int = 1024, fill_rows: Optional[int] = None,
+    long_mode: str = "rows", block_col: int = 512, fill_rows: Optional[int] = None,
     fill_col: int = 1024, fill: str = "search", runs_per_fill: int = 0, prefetch: int = 0,
     fill_evict: str = "", num_warps: Optional[int] = None, maxnreg: Optional[int] = 128,
+    long_kernel: bool = False, long_tile: Optional[int] = None,
+    long_block_col: Optional[int] = None, long_stages: int = 3,
+    long_warps: Optional[int] = None, long_min: Optional[int] = None,
+    long_block: Optional[int] = None, long_fork: bool = False,
     streams: Optional[bool] = None, out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """grad ``[*ids.shape, D]`` -> grad_weight ``[V, D]`` in ``weight_dtype`` (see module doc).
 
     ``out`` (``[V, D]``, ``weight_dtype``) may be given as the destination; its prior contents
     never matter. Device-side work only, no host sync (CUDA-graph capturable): an int32 cast
-    of int64 ids, a stable sort, then one kernel launch (``fill="map"`` adds two launches).
+    of int64 ids, a stable sort, then one kernel launch (``fill="map"`` adds two launches,
+    ``long_kernel`` one).
 
-    Tuning (``impl="runs"``, the default). The defaults follow the first H100 sweep
-    (benchmarks/results/sweep_embedding_bw_h100_2026-11-21.log): 8 warps and 8-row fill
-    programs were each faster than that run's defaults (4 warps, 32 rows), measured one at a
-    time and before the fill's bracketed search; benchmarks/sweep_embedding_bw.py times the
+    Tuning (``impl="runs"``, the default). The defaults follow the H100 sweeps
+    (benchmarks/results/sweep_embedding_bw_h100_2026-11-21*.log): 8-row fill programs,
+    512 columns per run program (4 warps) and 32-row long-run steps for 16-bit grads were
+    the fastest on the benchmark's Zipf ids; benchmarks/sweep_embedding_bw.py times the
     alternatives:
 
     * ``run_block``: sorted positions per run program (power of two); ``unroll``: longest run
       summed by the 2-D short-run path (``>= run_block - 1``; default ``max(4, run_block -
       1)``), longer runs take the long path; ``tile``: rows per long-path step. The defaults
       scale with the grad's element size so that no variant spills registers on sm_90:
-      ``run_block`` 4/2/1 and ``tile`` 16/8/4 for 2/4/8-byte grads (1 and 4 when the grad's
+      ``run_block`` 4/2/1 and ``tile`` 32/8/4 for 2/4/8-byte grads (1 and 4 when the grad's
       columns are not contiguous).
     * ``long_mode``: ``"rows"`` (``tile`` straight-line row loads per step) or ``"tile"`` (one
       2-D ``[tile, block_col]`` gather per step; fast only when ``block_col == 256 *
       num_warps`` for 16-bit grads, so that each thread holds whole tile columns).
     * ``prefetch`` (CUDA, ``long_mode="rows"``; ignored elsewhere): L2-prefetch a long run's
       rows that many rows ahead of the step being summed (0: off). A hint, results unchanged.
-    * ``block_col``: columns per run program; ``num_warps`` (default 8 for 1024+ columns,
+    * ``block_col``: columns per run program (default 512); ``num_warps`` (default 8 for 1024+ columns,
       4 for 512, else 2).
     * ``fill_rows`` x ``fill_col``: rows per fill program (default ~64 KB of rows: 8 rows at
       D=4096 bf16) and columns per store; ``fill="search"`` (binary search in the sorted ids)
@@ -567,6 +688,21 @@ def embedding_backward(
       Setting one also makes ptxas hoist all of a long-run step's loads above its adds (with
       no cap it interleaves them, keeping only ~3 rows in flight), at the cost of occupancy.
 
+    * ``long_kernel`` (default off until timed on a GPU): the runs of more than ``long_min``
+      entries (default ``unroll``: every long run) are summed by a separate,
+      software-pipelined launch (``embedding_long_runs_kernel``, started right after the
+      sort, before the run programs) and skipped by the main kernel, whose long path keeps
+      the runs of ``unroll + 1 .. long_min`` entries. Its knobs: ``long_tile`` sorted
+      positions per pipelined step (default: ``tile``'s default); ``long_block_col``
+      columns per program (default ``2048 // element size``: 1024 for 16-bit grads, capped
+      at the dim); ``long_stages`` (``tl.range`` ``num_stages``: ``long_stages - 1`` steps
+      in flight, in ``(long_stages - 1) * long_tile * long_block_col * element size`` bytes
+      of shared memory); ``long_warps`` (default: one warp per 512 bytes of columns, so that
+      each thread holds whole tile columns, at most 8); ``long_block`` sorted positions
+      looked at per program (a power of two <= ``long_min + 1``, default the largest:
+      programs that find no long run exit at once, fewer of them launch faster);
+      ``long_fork`` (two-stream schedule only): the long-run kernel gets its own
+      high-priority stream, so that the run programs need not wait for the hot-id chains.
     * ``streams`` (default: on for CUDA tensors): the two-stream schedule. The fill cannot
       wait for the sort, so it uses the touched map (built from the unsorted ids, two small
       launches) and runs on the current stream while a high-priority side stream sorts the
@@ -603,7 +739,9 @@ def embedding_backward(
         flat_grad, run_block=run_block, unroll=unroll, tile=tile, long_mode=long_mode,
         block_col=block_col, fill_rows=fill_rows, fill_col=fill_col,
         runs_per_fill=runs_per_fill, prefetch=prefetch, fill_evict=fill_evict,
-        num_warps=num_warps, maxnreg=maxnreg,
+        num_warps=num_warps, maxnreg=maxnreg, long_kernel=long_kernel, long_tile=long_tile,
+        long_block_col=long_block_col, long_stages=long_stages, long_warps=long_warps,
+        long_min=long_min, long_block=long_block, long_fork=long_fork,
     )
     if streams is None:
         streams = grad.device.type == "cuda"
@@ -616,16 +754,17 @@ def embedding_backward(
     return out
 
 
-_SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+_SIDE_STREAMS: dict[tuple[int, int], "torch.cuda.Stream"] = {}
 
 
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """One high-priority stream per CUDA device, created on first use and kept."""
+def _side_stream(device: torch.device, slot: int = 0) -> "torch.cuda.Stream":
+    """High-priority streams per CUDA device (``slot`` 0: sort and run programs, 1: the
+    forked long-run kernel), created on first use and kept."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _SIDE_STREAMS.get(index)
+    stream = _SIDE_STREAMS.get((index, slot))
     if stream is None:
         _, highest = torch.cuda.Stream.priority_range()
-        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index, priority=highest)
+        stream = _SIDE_STREAMS[index, slot] = torch.cuda.Stream(device=index, priority=highest)
     return stream
 
 
@@ -643,10 +782,24 @@ def _two_stream_backward(flat_ids: torch.Tensor, num_embeddings: int, flat_grad:
         keys = keys.to(torch.int32)
     touched = _touched_map(keys, num_embeddings)
     side.wait_stream(main)
+    fork = config["long_kernel"] and config["long_fork"]
     with torch.cuda.stream(side):
         sorted_ids, order = torch.sort(keys, stable=True)
+        if fork:
+            # The long runs on a third stream, concurrent with the run programs (on one
+            # stream the run programs would wait for the longest hot-id chain to end).
+            hot = _side_stream(flat_grad.device, 1)
+            hot.wait_stream(side)
+            with torch.cuda.stream(hot):
+                launch_long_runs_kernel(sorted_ids, order, flat_grad, out, padding_idx,
+                                        **_long_launch_args(config))
+        # Without the fork this launches the long-run kernel first, then the run programs.
         launch_backward_kernel(sorted_ids, order, None, flat_grad, out, padding_idx,
-                               programs=1, **config)
+                               programs=1, launch_long=not fork, **config)
+        if fork:
+            # Joined into the side stream, whose pool owns sorted_ids and order: memory freed
+            # there below is reused only after the third stream's reads.
+            side.wait_stream(hot)
     launch_backward_kernel(keys, keys, touched, flat_grad, out, padding_idx, programs=2,
                            **config)
     main.wait_stream(side)
@@ -657,10 +810,12 @@ def _two_stream_backward(flat_ids: torch.Tensor, num_embeddings: int, flat_grad:
 
 def backward_config(
     flat_grad: torch.Tensor, *, run_block: Optional[int] = None, unroll: Optional[int] = None,
-    tile: Optional[int] = None, long_mode: str = "rows", block_col: int = 1024,
+    tile: Optional[int] = None, long_mode: str = "rows", block_col: int = 512,
     fill_rows: Optional[int] = None, fill_col: int = 1024, runs_per_fill: int = 0,
     prefetch: int = 0, fill_evict: str = "", num_warps: Optional[int] = None,
-    maxnreg: Optional[int] = 128,
+    maxnreg: Optional[int] = 128, long_kernel: bool = False, long_tile: Optional[int] = None,
+    long_block_col: Optional[int] = None, long_stages: int = 3, long_warps: Optional[int] = None,
+    long_min: Optional[int] = None, long_block: Optional[int] = None, long_fork: bool = False,
 ) -> dict:
     """Checked keyword arguments of ``launch_backward_kernel`` for a ``[n_tokens, D]`` grad,
     the ``None`` defaults resolved (see ``embedding_backward``)."""
@@ -670,15 +825,41 @@ def backward_config(
     elem = flat_grad.element_size()
     unit_cols = flat_grad.stride(1) == 1 or dim == 1
     run_block = run_block or (max(1, 8 // elem) if unit_cols else 1)
-    tile = tile or (max(1, 32 // elem) if unit_cols else 4)
+    # 32 rows per step for 16-bit grads (H100 sweeps: with 512 columns per program, the
+    # fastest on Zipf ids in two runs, 0.549-0.552 ms against 0.561-0.570 for 16 x 1024).
+    tile = tile or ((32 if elem == 2 else max(1, 32 // elem)) if unit_cols else 4)
     unroll = unroll or max(4, run_block - 1)
     if unroll < max(1, run_block - 1):
         raise ValueError(f"unroll ({unroll}) must be >= max(1, run_block - 1) ({run_block - 1})")
+    # The long-run kernel: the same tile default (the same bytes per step), 2 KB of columns
+    # per program, one warp per 512 bytes of them (16 bytes x 32 lanes: whole tile columns
+    # per thread, so the in-order row selection folds away).
+    long_tile = long_tile or tile
+    long_block_col = long_block_col or max(16, 2048 // elem)
+    long_min = long_min or unroll
+    if long_min < unroll:
+        raise ValueError(f"long_min ({long_min}) must be >= unroll ({unroll})")
+    long_block = long_block or _long_block_default(long_min)
+    if long_block > long_min + 1:  # else two long runs could start in one block
+        raise ValueError(f"long_block ({long_block}) must be <= long_min + 1 ({long_min + 1})")
+    long_cols = min(triton.next_power_of_2(dim), long_block_col)
+    long_warps = long_warps or max(1, min(8, long_cols * elem // 512))
     for name, value in (("run_block", run_block), ("tile", tile), ("fill_rows", fill_rows or 1),
-                        ("block_col", block_col), ("fill_col", fill_col)):
+                        ("block_col", block_col), ("fill_col", fill_col),
+                        ("long_tile", long_tile), ("long_block_col", long_block_col),
+                        ("long_block", long_block), ("long_warps", long_warps)):
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two, got {value}")
-    if n_tokens >= 2**31 - 2 * max(tile, unroll):
+    if long_stages < 1:
+        raise ValueError(f"long_stages must be >= 1, got {long_stages}")
+    # Triton's pipeliner allocates long_stages - 1 tile buffers (sm_90 compile: 65664 bytes
+    # for 3 stages of 16 x 1024 bf16).
+    smem = max(1, long_stages - 1) * long_tile * long_cols * elem
+    if long_kernel and smem > _LONG_SMEM_BYTES:
+        raise ValueError(
+            f"(long_stages - 1) * long_tile * long_block_col * element size = {smem} bytes of "
+            f"shared memory: more than {_LONG_SMEM_BYTES} (an H100 SM has 227 KB)")
+    if n_tokens >= 2**31 - 2 * max(tile, long_min, long_tile) - _RUN_END_SEARCH**2:
         raise ValueError(f"embedding_backward supports < 2**31 tokens, got {n_tokens}")
     if runs_per_fill < 0:
         raise ValueError(f"runs_per_fill must be >= 0, got {runs_per_fill}")
@@ -689,7 +870,10 @@ def backward_config(
     return dict(run_block=run_block, unroll=unroll, tile=tile, long_mode=long_mode,
                 block_col=block_col, fill_rows=fill_rows, fill_col=fill_col,
                 runs_per_fill=runs_per_fill, prefetch=prefetch, fill_evict=fill_evict,
-                num_warps=num_warps, maxnreg=maxnreg)
+                num_warps=num_warps, maxnreg=maxnreg, long_kernel=bool(long_kernel),
+                long_tile=long_tile, long_block_col=long_block_col, long_stages=long_stages,
+                long_warps=long_warps, long_min=long_min, long_block=long_block,
+                long_fork=bool(long_fork))
 
 
 def launch_backward_kernel(
@@ -697,8 +881,11 @@ def launch_backward_kernel(
     flat_grad: torch.Tensor, out: torch.Tensor, padding_idx: Optional[int], *,
     run_block: int, unroll: int, tile: int, long_mode: str, block_col: int,
     fill_rows: Optional[int], fill_col: int, runs_per_fill: int, prefetch: int,
-    fill_evict: str, num_warps: Optional[int], maxnreg: Optional[int], diag: int = 0,
-    programs: int = 0,
+    fill_evict: str, num_warps: Optional[int], maxnreg: Optional[int],
+    long_kernel: bool = False, long_tile: int = 16, long_block_col: int = 1024,
+    long_stages: int = 3, long_warps: Optional[int] = None, long_min: Optional[int] = None,
+    long_block: Optional[int] = None, long_fork: bool = False, diag: int = 0,
+    programs: int = 0, launch_long: bool = True,
 ) -> None:
     """The single kernel launch of ``embedding_backward`` (``impl="runs"``), given the
     prepared ``sorted_ids``/``order`` (``_sort_ids``) and, for ``fill="map"``, the touched
@@ -706,7 +893,10 @@ def launch_backward_kernel(
     ``diag`` != 0 skips part of the work (see the kernel) and leaves ``out`` WRONG.
     ``programs``: 0 launches run and fill programs together, 1 only the run programs (the
     untouched rows are left as they are), 2 only the fill programs (the touched rows are
-    left as they are)."""
+    left as they are). ``long_kernel``: the main kernel skips the runs of more than
+    ``long_min`` entries and, when it launches run programs (``programs`` 0 or 1) and
+    ``launch_long``, the long-run kernel is launched first, on the same stream, to sum them
+    (``long_fork`` is ``_two_stream_backward``'s). ``diag=1`` skips the long runs in both."""
     n_tokens, dim = flat_grad.shape
     num_embeddings = out.shape[0]
     on_cuda = flat_grad.device.type == "cuda" and not torch.version.hip
@@ -730,6 +920,13 @@ def launch_backward_kernel(
     options = _launch_options(flat_grad.device)
     if maxnreg and on_cuda:
         options["maxnreg"] = maxnreg
+    long_min = long_min or unroll
+    if long_kernel and launch_long and programs != 2 and diag not in (1, 3):
+        # Before the run programs: the hot-id chains are the critical path, start them first.
+        launch_long_runs_kernel(
+            sorted_ids, order, flat_grad, out, padding_idx, long_min=long_min,
+            long_tile=long_tile, long_block_col=long_block_col, long_stages=long_stages,
+            long_warps=long_warps, long_block=long_block)
     embedding_backward_kernel[grid](
         # The kernel reads the low 32-bit word of each int64 token position (little-endian,
         # positions < 2**31): half the registers per in-flight index.
@@ -743,9 +940,55 @@ def launch_backward_kernel(
         LONG_MODE=_LONG_MODES[long_mode],
         LONG_PREFETCH=prefetch if on_cuda and long_mode == "rows" else 0,
         FILL_ROWS=fill_rows, FILL_CHUNK=fill_chunk, FILL_COL=fill_col,
-        FILL_SEARCH=touched is None, FILL_EVICT=fill_evict, DIAG=diag, PROGRAMS=programs,
+        FILL_SEARCH=touched is None, FILL_EVICT=fill_evict,
+        LONG_SPLIT=unroll if diag == 1 else long_min if long_kernel else 0, DIAG=diag,
+        PROGRAMS=programs,
         num_warps=num_warps or (8 if block_col >= 1024 else 4 if block_col >= 512 else 2),
         **options,
+    )
+
+
+# Run-end search width of the long-run kernel: one coarse load covers 64 * 64 positions.
+_RUN_END_SEARCH = 64
+# Shared memory the long-run kernel's pipeline buffers may take (an H100 SM has 227 KB; the
+# token-position buffers and the reduction scratch need a little besides).
+_LONG_SMEM_BYTES = 200 * 1024
+
+
+def _long_block_default(long_min: int) -> int:
+    """The largest power of two <= long_min + 1: the most sorted positions a long-run program
+    may look at with at most one run of more than ``long_min`` entries starting among them."""
+    return 1 << ((long_min + 1).bit_length() - 1)
+
+
+def _long_launch_args(config: dict) -> dict:
+    """``launch_long_runs_kernel``'s keyword arguments out of a ``backward_config`` dict."""
+    return {k: config[k] for k in ("long_min", "long_tile", "long_block_col", "long_stages",
+                                   "long_warps", "long_block")}
+
+
+def launch_long_runs_kernel(
+    sorted_ids: torch.Tensor, order: torch.Tensor, flat_grad: torch.Tensor, out: torch.Tensor,
+    padding_idx: Optional[int], *, long_min: int, long_tile: int, long_block_col: int,
+    long_stages: int, long_warps: Optional[int], long_block: Optional[int],
+) -> None:
+    """Write the rows of the runs of more than ``long_min`` sorted entries (not the padding
+    row) of ``out [V, D]`` from ``flat_grad [n_tokens, D]``, given ``_sort_ids``' outputs;
+    the main kernel's ``LONG_SPLIT=long_min`` launch writes the other rows."""
+    n_tokens, dim = flat_grad.shape
+    long_block_col = min(triton.next_power_of_2(dim), long_block_col)
+    elem = flat_grad.element_size()
+    long_block = long_block or _long_block_default(long_min)
+    grid = (triton.cdiv(n_tokens, long_block) * triton.cdiv(dim, long_block_col),)
+    embedding_long_runs_kernel[grid](
+        sorted_ids, order.view(torch.int32), flat_grad, out,
+        n_tokens, out.shape[0], dim, -1 if padding_idx is None else padding_idx,
+        flat_grad.stride(0), flat_grad.stride(1),
+        HAS_PADDING=padding_idx is not None, ACC_FP64=flat_grad.dtype == torch.float64,
+        LONG_MIN=long_min, LONG_BLOCK=long_block, LONG_TILE=long_tile,
+        LONG_BLOCK_COL=long_block_col, LONG_STAGES=long_stages, SEARCH=_RUN_END_SEARCH,
+        num_warps=long_warps or max(1, min(8, long_block_col * elem // 512)),
+        **_launch_options(flat_grad.device),
     )
 
 

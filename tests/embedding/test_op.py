@@ -317,6 +317,13 @@ BACKWARD_VARIANTS = [
     {"runs_per_fill": 1, "fill_rows": 1, "fill_col": 16},
     {"runs_per_fill": 3, "fill_rows": 4, "run_block": 1, "unroll": 1},
     {"fill_evict": "evict_first", "prefetch": 64},  # hints: prefetch is CUDA-only, a no-op here
+    # The separate long-run kernel: every long run (default long_min = unroll), or only the
+    # runs of more than long_min entries (the others stay on the main kernel's long path).
+    {"long_kernel": True},
+    {"long_kernel": True, "run_block": 2, "unroll": 4, "long_tile": 4, "long_block_col": 16},
+    {"long_kernel": True, "long_min": 16, "long_tile": 8, "long_block_col": 32, "tile": 4},
+    {"long_kernel": True, "long_min": 9, "long_block": 8, "long_tile": 2, "long_stages": 1,
+     "long_warps": 2, "run_block": 8, "unroll": 8},
 ]
 
 
@@ -422,6 +429,13 @@ def test_triton_backward_bad_tuning_arguments():
         ({"runs_per_fill": -1}, "runs_per_fill must be >= 0"),
         ({"prefetch": 48}, "prefetch must be 0 or a power of two"),
         ({"fill_evict": "evict_normal"}, "fill_evict must be"),
+        ({"long_kernel": True, "long_tile": 6}, "long_tile must be a power of two"),
+        ({"long_kernel": True, "long_block_col": 48}, "long_block_col must be a power of two"),
+        ({"long_kernel": True, "long_stages": 0}, "long_stages must be >= 1"),
+        ({"long_kernel": True, "unroll": 8, "long_min": 5}, r"long_min \(5\) must be >= unroll"),
+        ({"long_kernel": True, "long_min": 6, "long_block": 8}, r"long_block \(8\) must be <= long_min"),
+        ({"long_kernel": True, "long_block": 3}, "long_block must be a power of two"),
+        ({"long_kernel": True, "long_tile": 256, "long_stages": 8}, "bytes of shared memory"),
     ]:
         with pytest.raises(ValueError, match=message):
             kernels.embedding_backward(grad, ids, 67, None, torch.float32, **kwargs)
@@ -446,3 +460,206 @@ def test_triton_backward_diag_launches_skip_their_part():
                                        diag=diag, **config)
         assert not out[written].isnan().any() and out[~written].isnan().all(), diag
         _assert_bitwise(out[written], want[written])
+
+
+# --------------------------------------------------------------------------- long-run kernel
+
+
+LONG_SMALL = {"run_block": 2, "unroll": 4, "long_tile": 4}  # long: runs of more than 4 entries
+
+
+@pytest.mark.parametrize("run_length", [5, 8, 9, 30])
+def test_long_kernel_run_lengths_bitwise(run_length):
+    """Long runs of 4-row pipelined steps: a single step (5), ending exactly on a step
+    boundary (8) or one row past it (9), several steps (30: 7.5); the same length again as
+    the last run of the sorted ids (row V-1), and the padding row with a long run of 7
+    (zeros, written by the main kernel)."""
+    from compileops.embedding import kernels
+
+    V, D = 11, 20
+    ids = torch.tensor([4] * run_length + [V - 1] * run_length + [6] * 7 + [2] * 3 + [0, 8])
+    gen = torch.Generator().manual_seed(run_length)
+    ids = ids[torch.randperm(ids.numel(), generator=gen)]
+    grad = torch.randn(ids.numel(), D, generator=gen)
+    grad.view(-1)[::5] = -0.0
+    for padding_idx in (None, 6):
+        poisoned = torch.full((V, D), float("nan"))
+        got = kernels.embedding_backward(grad, ids, V, padding_idx, torch.float32, out=poisoned,
+                                         long_kernel=True, **LONG_SMALL)
+        _assert_bitwise(got, reference.embedding_backward(grad, ids, V, padding_idx, torch.float32))
+
+
+@pytest.mark.parametrize("grad_dtype,id_dtype", [
+    (torch.float32, torch.int64), (torch.bfloat16, torch.int32), (torch.float16, torch.int64),
+    (torch.float64, torch.int32)], ids=["fp32", "bf16", "fp16", "fp64"])
+def test_long_kernel_grad_dtypes_bitwise(grad_dtype, id_dtype):
+    """Every grad dtype (fp32 sums, fp64 for fp64 grads; fp32/fp64 out so that no final
+    rounding is involved), int32 and int64 ids, D not a multiple of the column block, several
+    long runs (the hot row 0, the last row V-1, padding 11 on a long run) and short ones."""
+    from compileops.embedding import kernels
+
+    V = 67
+    ids, grad = _backward_inputs(grad_dtype, D=24)
+    out_dtype = torch.float64 if grad_dtype == torch.float64 else torch.float32
+    poisoned = torch.full((V, 24), float("nan"), dtype=out_dtype)
+    got = kernels.embedding_backward(grad, ids.to(id_dtype), V, 11, out_dtype, out=poisoned,
+                                     long_kernel=True, long_block_col=16, long_tile=8)
+    _assert_bitwise(got, reference.embedding_backward(grad, ids, V, 11, out_dtype))
+
+
+def test_long_kernel_non_contiguous_and_stride_zero_grads():
+    """Non-unit column stride (the default run block 1 and tile 4 then) and a stride-0
+    (expanded) grad, whose every row is the same memory, with long runs."""
+    from compileops.embedding import kernels
+
+    ids, _ = _backward_inputs()
+    strided = torch.randn(*ids.shape, 48)[..., ::2]
+    expanded = torch.randn(1, 1, 24).expand(*ids.shape, 24)
+    for g in (strided, expanded):
+        got = kernels.embedding_backward(g, ids, 67, 7, torch.float32, long_kernel=True)
+        _assert_bitwise(got, reference.embedding_backward(g, ids, 67, 7, torch.float32))
+
+
+def test_long_kernel_and_main_kernel_write_disjoint_rows():
+    """With ``long_kernel`` the main kernel writes exactly the rows that are not runs of more
+    than ``long_min`` entries, the long-run kernel exactly those: each row once."""
+    from compileops.embedding import kernels
+
+    V, D = 67, 40
+    ids, grad = _backward_inputs(V=V, D=D)
+    flat = grad.reshape(-1, D)
+    want = reference.embedding_backward(grad, ids, V, 11, torch.float32)
+    counts = torch.bincount(ids.reshape(-1), minlength=V)
+    sorted_ids, order = kernels._sort_ids(ids.reshape(-1), V)
+    for long_min in (None, 16):
+        config = kernels.backward_config(flat, long_kernel=True, long_min=long_min)
+        long_rows = counts > config["long_min"]
+        long_rows[11] = False  # padding: the main kernel writes its zeros
+        main_out = torch.full((V, D), float("nan"))
+        kernels.launch_backward_kernel(sorted_ids, order, None, flat, main_out, 11,
+                                       launch_long=False, **config)
+        assert main_out[long_rows].isnan().all() and not main_out[~long_rows].isnan().any()
+        _assert_bitwise(main_out[~long_rows], want[~long_rows])
+        long_out = torch.full((V, D), float("nan"))
+        kernels.launch_long_runs_kernel(sorted_ids, order, flat, long_out, 11,
+                                        **kernels._long_launch_args(config))
+        assert long_out[~long_rows].isnan().all() and not long_out[long_rows].isnan().any()
+        _assert_bitwise(long_out[long_rows], want[long_rows])
+
+
+def _run_end_probe():
+    """A kernel storing ``_run_end`` of each given start (defined on first use, as the
+    package defines its kernels, after the conftest's interpreter switch)."""
+    global _RUN_END_PROBE
+    if _RUN_END_PROBE is None:
+        import triton
+        import triton.language as tl
+
+        from compileops.embedding.kernels import _run_end
+
+        @triton.jit
+        def probe(sorted_ids_ptr, starts_ptr, ends_ptr, n_tokens, SEARCH: tl.constexpr):
+            i = tl.program_id(0)
+            start = tl.load(starts_ptr + i)
+            row = tl.load(sorted_ids_ptr + start)
+            tl.store(ends_ptr + i, _run_end(sorted_ids_ptr, start, row, n_tokens, SEARCH))
+
+        # The interpreter resolves names in the module's globals only, not in closures.
+        probe.fn.__globals__["_run_end"] = _run_end
+        _RUN_END_PROBE = probe
+    return _RUN_END_PROBE
+
+
+_RUN_END_PROBE = None
+
+
+def test_long_kernel_run_end_search_boundaries():
+    """``_run_end``: one coarse load covers 64 x 64 positions, the fine one 64. Runs ending
+    on either boundary, one short of it or one past it (4097, 8193: more coarse steps), the
+    last run of the sorted ids, searched from their starts (a tiny probe kernel: summing such
+    runs in the interpreter would be slow; the sums are tested above)."""
+    from compileops.embedding import kernels
+
+    probe = _run_end_probe()
+    lengths = [1, 63, 64, 65, 4095, 4096, 4097, 8193, 5, 129]
+    sorted_ids = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32),
+                                         torch.tensor(lengths))
+    ends = torch.cumsum(torch.tensor(lengths), 0).to(torch.int32)
+    starts = ends - torch.tensor(lengths, dtype=torch.int32)
+    got = torch.empty_like(ends)
+    probe[(len(lengths),)](sorted_ids, starts, got, sorted_ids.numel(), SEARCH=kernels._RUN_END_SEARCH)
+    assert got.tolist() == ends.tolist()
+
+
+def test_long_kernel_diag_skips_long_runs():
+    """``diag=1`` with the long kernel on: neither launch writes the long runs."""
+    from compileops.embedding import kernels
+
+    V, D = 67, 40
+    ids, grad = _backward_inputs(V=V, D=D)
+    sorted_ids, order = kernels._sort_ids(ids.reshape(-1), V)
+    config = kernels.backward_config(grad.reshape(-1, D), long_kernel=True, long_min=9)
+    long_rows = torch.bincount(ids.reshape(-1), minlength=V) > config["unroll"]
+    out = torch.full((V, D), float("nan"))
+    kernels.launch_backward_kernel(sorted_ids, order, None, grad.reshape(-1, D), out, None,
+                                   diag=1, **config)
+    assert out[long_rows].isnan().all() and not out[~long_rows].isnan().any()
+
+
+_SM90_LONG_KERNEL = r'''
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from compileops.embedding import kernels
+
+def compile_long(ptr, tile, cols, stages, warps):
+    # Real-launch specialisations: unit column stride, 16-divisible pointers and sizes.
+    names = ["sorted_ids_ptr", "order_ptr", "grad_ptr", "out_ptr", "n_tokens", "num_embeddings",
+             "dim", "padding_idx", "stride_g_row"]
+    types = ["*i32", "*i32", ptr, ptr, "i32", "i32", "i32", "i32", "i32"]
+    consts = dict(stride_g_col=1, HAS_PADDING=False, ACC_FP64=False, LONG_MIN=4, LONG_BLOCK=4,
+                  LONG_TILE=tile, LONG_BLOCK_COL=cols, LONG_STAGES=stages, SEARCH=64)
+    sig = dict(zip(names, types), **{k: "constexpr" for k in consts})
+    divisible = [i for i, n in enumerate(names) if n != "padding_idx"]
+    src = ASTSource(fn=kernels.embedding_long_runs_kernel, signature=sig, constexprs=consts,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, debug=True, sanitize_overflow=False))
+
+out = {}
+for name, args in {"bf16-16x1024-s3": ("*bf16", 16, 1024, 3, 4),
+                   "bf16-32x512-s4": ("*bf16", 32, 512, 4, 2)}.items():
+    k = compile_long(*args)
+    loop = k.asm["ttgir"].split("scf.for", 1)[1]
+    out[name] = {"async_in_loop": "ttg.async_copy_global_to_local" in loop and "ttg.async_wait" in loop,
+                 "shared": k.metadata.shared}
+print(json.dumps(out))
+'''
+
+
+def test_long_kernel_compiles_for_sm90_pipelined():
+    """Ahead-of-time sm_90 compile (no GPU needed): the long-run loop's gather is
+    software-pipelined (cp.async into shared memory, waited on inside the loop), with
+    ``LONG_STAGES - 1`` tile buffers of shared memory."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except Exception:
+        pytest.skip("triton's NVIDIA backend is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _SM90_LONG_KERNEL], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, (tile, cols, stages) in {"bf16-16x1024-s3": (16, 1024, 3),
+                                       "bf16-32x512-s4": (32, 512, 4)}.items():
+        assert got[name]["async_in_loop"], f"{name}: the gather loop is not pipelined"
+        buffers = (stages - 1) * tile * cols * 2
+        assert buffers <= got[name]["shared"] < buffers + 4096, (name, got[name]["shared"])
