@@ -352,6 +352,19 @@ def _fill_untouched_rows(
                      mask=untouched[:, None] & (cols < dim)[None, :], eviction_policy=FILL_EVICT)
 
 
+@triton.jit
+def _run_starts(sorted_ids_ptr, pos, n_tokens, num_embeddings):
+    """Sorted positions ``pos`` -> ``(row, is_start)``: the id at each position (-1 past
+    ``n_tokens``) and whether a run of an in-range id starts there. Out-of-range ids trip
+    the device-side assert (the kernels run with ``debug=True``)."""
+    in_n = pos < n_tokens
+    row = tl.load(sorted_ids_ptr + pos, mask=in_n, other=-1)
+    prev = tl.load(sorted_ids_ptr + pos - 1, mask=in_n & (pos > 0), other=-1)
+    in_table = (row >= 0) & (row < num_embeddings)
+    tl.device_assert(in_table, "compileops.embedding_backward: id out of range", mask=in_n)
+    return row, in_n & in_table & (row != prev)
+
+
 @triton.jit(do_not_specialize=["search_top", "search_steps", "runs_per_fill", "mixed_groups"])
 def embedding_backward_kernel(
     sorted_ids_ptr, order_ptr, touched_ptr, grad_ptr, out_ptr,
@@ -423,12 +436,7 @@ def embedding_backward_kernel(
         col_ok = cols < dim
         col_off = cols.to(tl.int64) * stride_g_col
         pos = (run_pid // col_blocks) * RUN_BLOCK + tl.arange(0, RUN_BLOCK)
-        in_n = pos < n_tokens
-        row = tl.load(sorted_ids_ptr + pos, mask=in_n, other=-1)
-        prev = tl.load(sorted_ids_ptr + pos - 1, mask=in_n & (pos > 0), other=-1)
-        in_table = (row >= 0) & (row < num_embeddings)
-        tl.device_assert(in_table, "compileops.embedding_backward: id out of range", mask=in_n)
-        is_start = in_n & in_table & (row != prev)
+        row, is_start = _run_starts(sorted_ids_ptr, pos, n_tokens, num_embeddings)
         # A run is long when it has more than UNROLL entries. Since UNROLL >= RUN_BLOCK - 1,
         # a long run covers the rest of the block: at most one per block, its last start.
         after = pos + UNROLL
@@ -545,13 +553,9 @@ def embedding_long_runs_kernel(
     col_blocks = tl.cdiv(dim, LONG_BLOCK_COL)
     acc_dtype: tl.constexpr = tl.float64 if ACC_FP64 else tl.float32
     pos = (pid // col_blocks) * LONG_BLOCK + tl.arange(0, LONG_BLOCK)
-    in_n = pos < n_tokens
-    row = tl.load(sorted_ids_ptr + pos, mask=in_n, other=-1)
-    prev = tl.load(sorted_ids_ptr + pos - 1, mask=in_n & (pos > 0), other=-1)
-    in_table = (row >= 0) & (row < num_embeddings)
-    tl.device_assert(in_table, "compileops.embedding_backward: id out of range", mask=in_n)
+    row, is_start = _run_starts(sorted_ids_ptr, pos, n_tokens, num_embeddings)
     after = pos + LONG_MIN
-    is_long = in_n & in_table & (row != prev) & (
+    is_long = is_start & (
         tl.load(sorted_ids_ptr + after, mask=after < n_tokens, other=-1) == row)
     if HAS_PADDING:
         is_long = is_long & (row != padding_idx)  # the run programs write its zeros
