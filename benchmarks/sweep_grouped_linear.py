@@ -17,6 +17,8 @@ import os
 import sys
 import time
 
+from typing import Optional
+
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,9 +46,19 @@ SWIGLU_CONFIGS = [
 ]
 WGRAD_CONFIGS = [
     Config(64, 128, 256, 8, 3),
-    Config(64, 256, 128, 8, 4),
     Config(64, 128, 256, 8, 4),
     Config(64, 128, 128, 4, 3, programs_per_sm=2),
+    # dW variants aimed at the per-tile overhead (see Config): the masked tail chunk through
+    # ragged TMA, the dW tile stored by TMA (whole or in halves), and both together.
+    # choose_wgrad_config's defaults are ragged + tma-store (long groups) and x2/SM ragged
+    # (short groups). s4 with ragged + whole-tile store needs 265216 B of shared memory,
+    # over sm_90's 232448, so it is not listed.
+    Config(64, 128, 256, 8, 3, ragged_tma=True),
+    Config(64, 128, 256, 8, 3, tma_store=True),
+    Config(64, 128, 256, 8, 3, tma_store=True, epilogue_subtile=True),
+    Config(64, 128, 256, 8, 3, ragged_tma=True, tma_store=True),
+    Config(64, 128, 256, 8, 3, ragged_tma=True, tma_store=True, epilogue_subtile=True),
+    Config(64, 128, 128, 4, 3, programs_per_sm=2, ragged_tma=True),
 ]
 # Timed once more without db (compute_db=False): what the column sums cost.
 WGRAD_NO_DB = [Config(64, 128, 256, 8, 3)]
@@ -59,6 +71,22 @@ class _NoDbConfig(Config):
 
 def _no_db(cfg: Config) -> Config:
     return _NoDbConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+
+
+def config_label(cfg: Config, default: Optional[Config] = None) -> str:
+    """Short config name for the sweep's lines, e.g. ``64x128x256 w8 s3 ragged tma-store``;
+    `` (default)`` when ``cfg`` is ``default`` (what the heuristic picks for the case)."""
+    is_default = (default is not None and not getattr(cfg, "_no_db", False)
+                  and dataclasses.astuple(cfg) == dataclasses.astuple(default))
+    return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} "
+            f"s{cfg.num_stages}{' flat' if cfg.flatten else ''}"
+            f"{f' x{cfg.programs_per_sm}/SM' if cfg.programs_per_sm > 1 else ''}"
+            f"{f' gm{cfg.group_m}' if cfg.group_m != 8 else ''}"
+            f"{' ragged' if cfg.ragged_tma else ''}"
+            f"{' tma-store' if cfg.tma_store else ''}"
+            f"{'/2' if cfg.tma_store and cfg.epilogue_subtile else ''}"
+            f"{' no db' if getattr(cfg, '_no_db', False) else ''}"
+            f"{' (default)' if is_default else ''}")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -90,6 +118,13 @@ def main() -> int:
                 gate, up = torch._grouped_mm(x, w_t, offs=offs).chunk(2, dim=-1)
                 return torch.nn.functional.silu(gate) * up
 
+            bf16 = torch.bfloat16
+            defaults = {  # what the heuristics pick for this case: labelled "(default)"
+                "swiglu": kernels.choose_config(m, groups, n // 2, k, bf16, dev, swiglu=True),
+                "fwd": kernels.choose_config(m, groups, n, k, bf16, dev),
+                "dX": kernels.choose_config(m, groups, k, n, bf16, dev),
+                "dW": kernels.choose_wgrad_config(m, groups, n, k, bf16, dev),
+            }
             cases = {
                 "swiglu": (lambda cfg: kernels.mjagged_gemm(
                                x, w, (w.stride(0), w.stride(2), w.stride(1)), offs, n // 2,
@@ -118,27 +153,23 @@ def main() -> int:
                       f"{flops / anchor_ms / 1e9:6.1f} TFLOP/s", flush=True)
                 results = []
                 for cfg in configs:
-                    label = (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} "
-                             f"s{cfg.num_stages}{' flat' if cfg.flatten else ''}"
-                             f"{f' x{cfg.programs_per_sm}/SM' if cfg.programs_per_sm > 1 else ''}"
-                             f"{f' gm{cfg.group_m}' if cfg.group_m != 8 else ''}"
-                             f"{' no db' if getattr(cfg, '_no_db', False) else ''}")
+                    label = config_label(cfg, defaults[stage])
                     try:
                         got = ours(cfg)
                         err = rel_err(got[: int(offs[-1])], want[: int(offs[-1])]) if stage != "dW" \
                             else rel_err(got, want)
                         ms = harness.bench_ms(lambda: ours(cfg), warmup=5, rep=30)
                     except Exception as exc:  # a config may not fit (smem, registers)
-                        print(f"{case:28s} {label:28s} FAILED {type(exc).__name__}: "
+                        print(f"{case:28s} {label:44s} FAILED {type(exc).__name__}: "
                               f"{str(exc)[:160]}", flush=True)
                         continue
                     ok = "ok" if err < 2e-2 else f"WRONG rel err {err:.2e}"
                     results.append((ms, label))
-                    print(f"{case:28s} {label:28s} {ms:8.4f} ms {flops / ms / 1e9:6.1f} TFLOP/s "
+                    print(f"{case:28s} {label:44s} {ms:8.4f} ms {flops / ms / 1e9:6.1f} TFLOP/s "
                           f"{anchor_ms / ms:5.2f}x  {ok}", flush=True)
                 if results:
                     ms, label = min(results)
-                    best.append(f"{case:28s} best {label:28s} {ms:8.4f} ms  {anchor_ms / ms:5.2f}x")
+                    best.append(f"{case:28s} best {label:44s} {ms:8.4f} ms  {anchor_ms / ms:5.2f}x")
                 del want
             del x, w, dy
             torch.cuda.empty_cache()

@@ -22,8 +22,13 @@ unspecified (see :mod:`compileops.grouped_linear.op` for the opt-in eager check)
 
 TMA: on sm90+ the eager M-jagged kernel (forward, SwiGLU, dX) loads A and W tiles through
 device-side tensor descriptors when strides/alignment allow (:func:`tma_applies`;
-``COMPILEOPS_GROUPED_TMA=0`` turns it off). The dW kernel and the Inductor template use
-masked pointer loads. Tile shapes are chosen on the host from ``M / G`` (the mean group
+``COMPILEOPS_GROUPED_TMA=0`` turns it off). The dW kernel loads whole row chunks by TMA
+too (:func:`wgrad_tma_applies`), with the ``Config`` variants ``ragged_tma``, ``tma_store``
+and ``epilogue_subtile`` (see :func:`choose_wgrad_config` for the defaults).
+``tl.range(warp_specialize=True)`` on the dW chunk loop compiled for sm_90 with Triton 3.6
+(only with 4 warps, no runtime branches in the tile body and no masked tail loop) but
+produced wrong dW on an H200, so it is not offered. The Inductor template uses masked
+pointer loads. Tile shapes are chosen on the host from ``M / G`` (the mean group
 size; no device read) by :func:`choose_config`.
 """
 from __future__ import annotations
@@ -211,13 +216,43 @@ def swiglu(gate, up):
     return gate * tl.sigmoid(gate) * up
 
 
+# Ragged row descriptors (the construction of triton.tools.ragged_tma, built on the device):
+# a 4-D view [RAGGED_MAX, RAGGED_MAX, RAGGED_ROWS, cols] of a row-major [rows, cols] matrix
+# with strides [2**34 - s, s, s, 1] (s: row stride). Coordinates (RAGGED_ROWS, end,
+# RAGGED_ROWS - end + r, c) address row r (the first two terms cancel modulo 2**64), and the
+# bound RAGGED_ROWS on the third makes the TMA unit zero-fill every row >= end: a group's
+# last partial chunk needs no masked pointer path and never reads the next group's rows.
+RAGGED_MAX = tl.constexpr(0x7FFF0000)
+RAGGED_ROWS = tl.constexpr(0x40000000)  # rows of the matrix must stay below this
+
+
+@triton.jit
+def ragged_rows_descriptor(ptr, cols, stride_row, BLOCK_ROWS: tl.constexpr,
+                           BLOCK_COLS: tl.constexpr):
+    """Descriptor for :func:`load_rows_below`: ``[BLOCK_ROWS, BLOCK_COLS]`` boxes of a
+    ``[rows, cols]`` matrix with unit column stride."""
+    stride = tl.cast(stride_row, tl.int64)  # an i32 argument when small: 2**34 needs i64
+    return tl.make_tensor_descriptor(
+        ptr, shape=[RAGGED_MAX, RAGGED_MAX, RAGGED_ROWS, cols],
+        strides=[2**34 - stride, stride, stride, 1],
+        block_shape=[1, 1, BLOCK_ROWS, BLOCK_COLS])
+
+
+@triton.jit
+def load_rows_below(desc, row, end, col, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """Rows ``[row, row + BLOCK_ROWS)`` x columns ``[col, col + BLOCK_COLS)`` through a
+    :func:`ragged_rows_descriptor`; rows ``>= end`` (and columns past the matrix) read 0."""
+    box = desc.load([RAGGED_ROWS, end, RAGGED_ROWS - end + row, col])
+    return box.reshape(BLOCK_ROWS, BLOCK_COLS)
+
+
 @triton.jit
 def kjagged_tile(
     dy_ptr, x_ptr, start, end, tile_n, tile_k, N, K,
     stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc, x_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-    WITH_DB: tl.constexpr,
+    WITH_DB: tl.constexpr, RAGGED: tl.constexpr = False,
 ):
     """fp32 ``dW`` tile ``[BLOCK_N, BLOCK_K] = dY[start:end, rn]^T @ X[start:end, rk]``,
     reduced over the rows in ``BLOCK_M`` chunks in row order. An empty range gives zeros.
@@ -235,6 +270,11 @@ def kjagged_tile(
     and ``x_desc`` (over X ``[M, K]``) descriptors; the group's last partial chunk takes the
     masked pointer path, so rows of the next group never enter the product (not even as
     0 * x). Columns past N / K are zero-filled by the TMA unit or masked.
+
+    ``RAGGED`` (with ``USE_TMA``): the descriptors are ragged
+    (:func:`ragged_rows_descriptor`) and every chunk, the partial last one included, comes
+    through them: one loop per tile instead of a TMA loop plus a masked pointer tail (its
+    own, unpipelined loads). The zero-filled rows give the same products as the masked ones.
     """
     rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -248,16 +288,25 @@ def kjagged_tile(
     ones = tl.full((BLOCK_M, 16), 1.0, dtype=ones_dtype)
     tail = start
     if USE_TMA:
-        tail = start + ((end - start) // BLOCK_M) * BLOCK_M
+        if RAGGED:
+            tail = end
+        else:
+            tail = start + ((end - start) // BLOCK_M) * BLOCK_M
         for m0 in range(start, tail, BLOCK_M):
-            dy = dy_desc.load([m0, tile_n * BLOCK_N])
-            xb = x_desc.load([m0, tile_k * BLOCK_K])
+            if RAGGED:
+                dy = load_rows_below(dy_desc, m0, end, tile_n * BLOCK_N, BLOCK_M, BLOCK_N)
+                xb = load_rows_below(x_desc, m0, end, tile_k * BLOCK_K, BLOCK_M, BLOCK_K)
+            else:
+                dy = dy_desc.load([m0, tile_n * BLOCK_N])
+                xb = x_desc.load([m0, tile_k * BLOCK_K])
             if DOT_UPCAST:  # interpreter only (see dot_upcast)
                 dy = dy.to(tl.float32)
                 xb = xb.to(tl.float32)
             acc = tl.dot(dy.T, xb, acc, input_precision=INPUT_PRECISION)
             if WITH_DB:
                 db_acc = tl.dot(dy.T, ones, db_acc, input_precision=INPUT_PRECISION)
+    if USE_TMA and RAGGED:
+        return acc, db_acc
     for m0 in range(tail, end, BLOCK_M):
         rm = m0 + tl.arange(0, BLOCK_M)
         m_ok = rm < end
@@ -347,13 +396,21 @@ def mjagged_gemm_kernel(
 @triton.jit
 def kjagged_output_tile(
     dy_ptr, x_ptr, offs_ptr, dw_ptr, db_ptr, g, tile_n, tile_k, num_n, num_k,
-    M, N, K, G, stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc, x_desc,
+    M, N, K, G, stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc, x_desc, dw_desc,
     HAS_DB: tl.constexpr, DB_MMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    RAGGED: tl.constexpr, TMA_STORE: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
 ):
     """Computes and stores dW tile ``(g, tile_n, tile_k)``, and ``db[g, rn]`` when this tile
-    owns it (see :func:`kjagged_gemm_kernel`)."""
+    owns it (see :func:`kjagged_gemm_kernel`).
+
+    ``TMA_STORE``: the bf16/fp16 tile leaves through ``dw_desc`` (dW viewed as ``[G * N, K]``)
+    as an async bulk copy, so the next tile's loads and MMAs run while it drains, instead of
+    ``BLOCK_N x BLOCK_K`` pointer stores from registers. Rows are ``g * N + rn``: the host
+    only sets it when ``N % BLOCK_N == 0``, so a tile never reaches into group ``g + 1``'s
+    rows; columns past K are dropped by the TMA unit. ``EPILOGUE_SUBTILE``: stored as two
+    ``[BLOCK_N, BLOCK_K / 2]`` halves (half the shared-memory staging buffer)."""
     start, end = group_rows(offs_ptr, g, G, M)
     rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -364,6 +421,7 @@ def kjagged_output_tile(
             dy_ptr, x_ptr, start, end, tile_n, tile_k, N, K,
             stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc, x_desc,
             BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, DOT_UPCAST, USE_TMA, True,
+            RAGGED,
         )
         # Column 0 of db_acc; adding -0.0 to the other lanes' values is exact.
         first = tl.arange(0, 16)[None, :] == 0
@@ -375,15 +433,28 @@ def kjagged_output_tile(
             dy_ptr, x_ptr, start, end, tile_n, tile_k, N, K,
             stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc, x_desc,
             BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, DOT_UPCAST, USE_TMA, False,
+            RAGGED,
         )
         if HAS_DB & (DB_MMA == 0) & owns_db:
             db = column_sums(dy_ptr, start, end, tile_n, N, stride_dym, stride_dyn,
                              BLOCK_M, BLOCK_N)
             tl.store(db_ptr + tl.cast(g, tl.int64) * N + rn, db.to(db_ptr.dtype.element_ty),
                      mask=n_ok)
-    base = tl.cast(g, tl.int64) * N * K
-    dst = dw_ptr + base + rn[:, None].to(tl.int64) * K + rk[None, :]
-    tl.store(dst, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & (rk < K)[None, :])
+    if TMA_STORE:
+        tile = acc.to(dw_ptr.dtype.element_ty)
+        row = g * N + tile_n * BLOCK_N
+        col = tile_k * BLOCK_K
+        if EPILOGUE_SUBTILE:
+            halves = tl.permute(tl.reshape(tile, (BLOCK_N, 2, BLOCK_K // 2)), (0, 2, 1))
+            left, right = tl.split(halves)
+            dw_desc.store([row, col], left)
+            dw_desc.store([row, col + BLOCK_K // 2], right)
+        else:
+            dw_desc.store([row, col], tile)
+    else:
+        base = tl.cast(g, tl.int64) * N * K
+        dst = dw_ptr + base + rn[:, None].to(tl.int64) * K + rk[None, :]
+        tl.store(dst, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & (rk < K)[None, :])
 
 
 @triton.jit
@@ -394,6 +465,8 @@ def kjagged_gemm_kernel(
     HAS_DB: tl.constexpr, DB_MMA: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    RAGGED: tl.constexpr = False, TMA_STORE: tl.constexpr = False,
+    EPILOGUE_SUBTILE: tl.constexpr = False,
 ):
     """Persistent K-jagged grouped GEMM: ``dw [G, N, K]``, ``db [G, N]`` (both contiguous).
 
@@ -410,11 +483,19 @@ def kjagged_gemm_kernel(
     pid = tl.program_id(0)
     dy_desc = None
     x_desc = None
-    if USE_TMA:
+    if USE_TMA and RAGGED:
+        dy_desc = ragged_rows_descriptor(dy_ptr, N, stride_dym, BLOCK_M, BLOCK_N)
+        x_desc = ragged_rows_descriptor(x_ptr, K, stride_xm, BLOCK_M, BLOCK_K)
+    elif USE_TMA:
         dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[M, N], strides=[stride_dym, 1],
                                             block_shape=[BLOCK_M, BLOCK_N])
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
+    dw_desc = None
+    if TMA_STORE:
+        dw_desc = tl.make_tensor_descriptor(
+            dw_ptr, shape=[G * N, K], strides=[K, 1],
+            block_shape=[BLOCK_N, BLOCK_K // 2 if EPILOGUE_SUBTILE else BLOCK_K])
     num_n = tl.cdiv(N, BLOCK_N)
     num_k = tl.cdiv(K, BLOCK_K)
     per_group = num_n * num_k
@@ -424,8 +505,8 @@ def kjagged_gemm_kernel(
         kjagged_output_tile(
             dy_ptr, x_ptr, offs_ptr, dw_ptr, db_ptr, t // per_group, rest // num_k,
             rest % num_k, num_n, num_k, M, N, K, G, stride_dym, stride_dyn, stride_xm,
-            stride_xk, dy_desc, x_desc, HAS_DB, DB_MMA, BLOCK_M, BLOCK_N, BLOCK_K,
-            INPUT_PRECISION, DOT_UPCAST, USE_TMA,
+            stride_xk, dy_desc, x_desc, dw_desc, HAS_DB, DB_MMA, BLOCK_M, BLOCK_N, BLOCK_K,
+            INPUT_PRECISION, DOT_UPCAST, USE_TMA, RAGGED, TMA_STORE, EPILOGUE_SUBTILE,
         )
 
 
@@ -443,6 +524,15 @@ class Config:
     flatten: bool = False  # pipeline across consecutive tiles (tl.range(flatten=True))
     programs_per_sm: int = 1  # >1: co-resident programs hide each other's prologue/epilogue
     group_m: int = 8  # M-tiles per L2 super-group (locate_tile)
+    # dW (K-jagged) variants; all only on the TMA path (sm90+, TMA-able strides) and
+    # ignored on the pointer path (they fall back per launch, see _wgrad_variant_flags).
+    # Same dW / db bits as without them. ragged_tma: partial last chunks through
+    # zero-filling ragged descriptors instead of a masked pointer tail loop. tma_store: dW
+    # tiles stored by TMA (async bulk copy) when N % block_n == 0; epilogue_subtile: in two
+    # [block_n, block_k / 2] halves.
+    ragged_tma: bool = False
+    tma_store: bool = False
+    epilogue_subtile: bool = False
 
 
 # Rows of tiles per L2 super-group in the M-jagged schedule (locate_tile).
@@ -495,20 +585,46 @@ def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
     return Config(128, 256, 64, num_warps=8, num_stages=3, flatten=True)
 
 
+# dW defaults, 16-bit inputs. Long groups (M / G >= 1024): 64 x 128 x 256, 8 warps, 3 stages,
+# with ragged_tma and tma_store. H200 sweep (torch 2.11, Triton 3.6, ratio = torch._grouped_mm
+# time / ours, balanced / skewed split; Mixtral, DeepSeek, Qwen3-up, Qwen3-down):
+#   plain      1.00/0.94  0.98/0.82  0.99/0.82  0.89/0.85
+#   ragged     1.02/0.96  1.07/0.83  1.13/0.78  0.91/0.92
+#   tma-store  1.02/1.00  1.06/0.83  1.18/0.79  0.92/0.92
+#   tma-store/2 (epilogue_subtile) 1.02/0.98  1.06/0.83  1.19/0.83  0.92/0.93
+# ragged and tma-store each beat plain on 7 of 8 cases (both lose on Qwen3-up skewed),
+# tma-store/2 on all 8; whole vs halved store differ by <= 0.04. ragged + tma_store as a pair
+# was NOT in that sweep: it is chosen untested as a pair (same dW bits as plain, checked under
+# the interpreter; to be timed in the next GPU run).
+# It uses 216064 B of shared memory on sm_90 (limit 232448; 3 x 48 KB operand stages, a
+# 64 KB dW staging tile), so the whole-tile store fits and no subtiling is needed.
+# Short groups: 64 x 128 x 128, 4 warps, 3 stages, two programs per SM, with ragged_tma
+# (100608 B each): plain 0.83/0.89 0.98/0.79 1.13/0.82 0.97/0.95, ragged 0.85/0.87 1.00/0.84
+# 1.20/0.90 0.96/1.01 (s2 x2/SM with tma-store/2 was much worse everywhere: 0.65-1.04).
+# Where a flag does not apply (no TMA: pre-sm90 GPUs, COMPILEOPS_GROUPED_TMA=0, unaligned
+# strides; for tma_store also N % block_n != 0, a non-16-bit or unaligned dW) the launch
+# drops it (_wgrad_variant_flags); fp32 and the interpreter get configs without flags.
+WGRAD_LONG_CONFIG = Config(64, 128, 256, num_warps=8, num_stages=3, ragged_tma=True,
+                           tma_store=True)
+WGRAD_SHORT_CONFIG = Config(64, 128, 128, num_warps=4, num_stages=3, programs_per_sm=2,
+                            ragged_tma=True)
+
+
 def choose_wgrad_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
                         device: torch.device) -> Config:
     """K-jagged config: ``block_m`` is the row chunk each dW tile reduces over; the output
-    tile is ``block_n x block_k``. Long groups: 128 x 256 output tiles (each warpgroup
-    issues 64 x 256 wgmma). Short groups (few chunks per tile): 128 x 128 tiles, two
-    programs per SM so one's prologue and epilogue overlap the other's loop (H100 sweeps,
-    benchmarks/RESULTS.md)."""
+    tile is ``block_n x block_k``. Long groups (mean ``M / G >= 1024``): 128 x 256 output
+    tiles (each warpgroup issues 64 x 256 wgmma). Short groups (few chunks per tile):
+    128 x 128 tiles, two programs per SM so one's prologue and epilogue overlap the other's
+    loop. Both with ragged TMA loads (no masked tail loop), the long one with TMA stores of
+    dW too (see the comment above for the measurements)."""
     if _interpreting(device):
         return Config(16, 32, 32, num_warps=1, num_stages=1)
     if dtype == torch.float32:
         return Config(32, 128, 64, num_warps=8, num_stages=3)
     if m_total / max(groups, 1) >= 1024:
-        return Config(64, 128, 256, num_warps=8, num_stages=3)
-    return Config(64, 128, 128, num_warps=4, num_stages=3, programs_per_sm=2)
+        return WGRAD_LONG_CONFIG
+    return WGRAD_SHORT_CONFIG
 
 
 def input_precision(dtype: torch.dtype) -> str:
@@ -542,6 +658,7 @@ def _grid_size(device: torch.device) -> int:
 
 
 _tma_failed = False
+_wgrad_variant_failed = False  # a dW ragged-TMA / TMA-store launch raised: plain TMA
 
 
 def _tma_env_enabled() -> bool:
@@ -671,8 +788,12 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
     """``(dW [G, N, K] = dY_g^T X_g, db [G, N] = colsum(dY_g))``, deterministic.
 
     ``compute_db=False`` (benchmarks: the cost of db) skips the column sums and returns
-    ``(dW, None)``."""
-    global _tma_failed
+    ``(dW, None)``. If a TMA launch raises: with the default config's variant flags
+    (``ragged_tma`` / ``tma_store``), a warning is printed once and the plain TMA kernel is
+    tried; a plain TMA failure falls back to the pointer kernel (as in :func:`mjagged_gemm`).
+    A variant asked for by an explicit ``config`` raises instead (a sweep must not time a
+    fallback)."""
+    global _tma_failed, _wgrad_variant_failed
     m, n = grad.shape
     k = x.shape[1]
     groups = offsets.shape[0]
@@ -683,11 +804,12 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
     if k == 0:
         return dw, db.zero_() if m == 0 else _colsum_only(grad, offsets, db)
     cfg = config or choose_wgrad_config(m, groups, n, k, x.dtype, x.device)
+    _check_wgrad_variant(cfg)
     progs = _grid_size(x.device) * cfg.programs_per_sm
     if use_tma is None:
         use_tma = wgrad_tma_applies(grad, x, cfg)
 
-    def launch(tma: bool) -> None:
+    def launch(tma: bool, variants: bool = True) -> None:
         if tma:
             _set_tma_allocator(x.device)
         kjagged_gemm_kernel[(progs,)](
@@ -697,11 +819,24 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             INPUT_PRECISION=input_precision(x.dtype), DOT_UPCAST=dot_upcast(x), USE_TMA=tma,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **_wgrad_variant_flags(cfg, tma and variants, m, n, k, dw),
         )
 
     if use_tma and x.device.type == "cuda":
+        variant = any(_wgrad_variant_flags(cfg, True, m, n, k, dw).values())
+        if variant and (config is not None or not _wgrad_variant_failed):
+            try:
+                launch(True)
+                return dw, db if compute_db else None
+            except Exception as exc:
+                if config is not None:  # asked for by name: fail, never time a fallback
+                    raise
+                _wgrad_variant_failed = True
+                warnings.warn(f"compileops.grouped_linear: dW kernel with ragged TMA / TMA "
+                              f"store failed ({type(exc).__name__}: {exc}); using the plain "
+                              f"TMA kernel from now on")
         try:
-            launch(True)
+            launch(True, variants=False)
             return dw, db if compute_db else None
         except Exception as exc:  # compile/launch error: fall back once, loudly
             _tma_failed = True
@@ -709,6 +844,33 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
                           f"({type(exc).__name__}: {exc}); using the pointer-based kernel")
     launch(bool(use_tma) and x.device.type != "cuda")
     return dw, db if compute_db else None
+
+
+def _is_wgrad_variant(cfg: Config) -> bool:
+    return cfg.ragged_tma or cfg.tma_store or cfg.epilogue_subtile
+
+
+def _check_wgrad_variant(cfg: Config) -> None:
+    """Reject variant combinations that mean nothing, before compiling."""
+    if cfg.epilogue_subtile and not cfg.tma_store:
+        raise ValueError("Config.epilogue_subtile only applies with tma_store")
+
+
+def _wgrad_variant_flags(cfg: Config, tma: bool, m: int, n: int, k: int,
+                         dw: torch.Tensor) -> dict:
+    """Constexprs of the dW variants (all False for a config without them: the kernel
+    compiles exactly as without them). All need the TMA path; where a flag does not apply
+    it is dropped for this launch (the kernel then takes the plain TMA / pointer code).
+
+    TMA store writes whole ``[block_n, block_k]`` boxes of dW viewed as ``[G * N, K]``: only
+    when ``N % block_n == 0`` (else a group's last N-tile would write into the next group's
+    rows), dW's row stride is 16-byte aligned and dW is 16-bit (an fp32 staging tile of
+    128 x 256 would not fit next to the operand buffers); otherwise pointer stores."""
+    ragged = tma and cfg.ragged_tma and m < RAGGED_ROWS.value
+    store = (tma and cfg.tma_store and n % cfg.block_n == 0 and dw.element_size() == 2
+             and (k * dw.element_size()) % 16 == 0 and dw.data_ptr() % 16 == 0
+             and dw.shape[0] * n < 2**31)  # the kernel's i32 row g * N + n0
+    return dict(RAGGED=ragged, TMA_STORE=store, EPILOGUE_SUBTILE=store and cfg.epilogue_subtile)
 
 
 def _colsum_only(grad, offsets, db):

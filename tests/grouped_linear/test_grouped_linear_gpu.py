@@ -133,3 +133,54 @@ def test_tma_path_used_on_sm90_and_matches_pointer_path():
     assert_close_to_reference(kernels.grouped_linear_dx(grad, w, offs, use_tma=True).float(),
                               kernels.grouped_linear_dx(grad, w, offs, use_tma=False).double(),
                               max_relative_error=1e-2)
+
+
+@pytest.mark.parametrize("variant", [
+    dict(ragged_tma=True), dict(tma_store=True), dict(tma_store=True, epilogue_subtile=True),
+    dict(ragged_tma=True, tma_store=True),
+    dict(ragged_tma=True, tma_store=True, epilogue_subtile=True),
+], ids=["ragged", "tma-store", "tma-store-halves", "ragged-tma-store", "ragged-tma-store-halves"])
+def test_wgrad_variants_bitwise_match_default_on_sm90(variant):
+    """The dW variants (Config flags) give the plain config's exact bits on the GPU too
+    (same chunk order and MMA shapes; zero-filled rows = masked rows)."""
+    import dataclasses
+
+    from compileops.grouped_linear import kernels
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA variants need sm90+")
+    x, _, offs, _ = make(16, 4096, 1024, 768, torch.bfloat16)
+    grad = torch.randn(x.shape[0], 768, device="cuda", dtype=torch.bfloat16)
+    base = kernels.Config(64, 128, 256, num_warps=8, num_stages=3)
+    want = kernels.grouped_linear_wgrad(grad, x, offs, torch.bfloat16, torch.bfloat16, config=base)
+    cfg = dataclasses.replace(base, **variant)
+    got = kernels.grouped_linear_wgrad(grad, x, offs, torch.bfloat16, torch.bfloat16, config=cfg)
+    for a, b in zip(got, want):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("groups,n", [(4, 768), (16, 768), (4, 704)],
+                         ids=["long", "short", "long-n%128!=0"])
+def test_wgrad_default_config_bitwise_matches_its_plain_form(groups, n):
+    """choose_wgrad_config's defaults (ragged TMA, + TMA store for long groups) run without
+    falling back and give the bits of the same tiles without the variant flags; N = 704
+    (not a multiple of 128) takes the pointer store."""
+    import dataclasses
+
+    from compileops.grouped_linear import kernels
+
+    x, _, offs, _ = make(groups, 8192, 1024, n, torch.bfloat16)
+    grad = torch.randn(x.shape[0], n, device="cuda", dtype=torch.bfloat16)
+    cfg = kernels.choose_wgrad_config(8192, groups, n, 1024, torch.bfloat16, x.device)
+    assert kernels._is_wgrad_variant(cfg) and cfg.tma_store == (groups == 4)
+    got = kernels.grouped_linear_wgrad(grad, x, offs, torch.bfloat16, torch.bfloat16)
+    assert not kernels._wgrad_variant_failed and not kernels._tma_failed
+    plain = dataclasses.replace(cfg, ragged_tma=False, tma_store=False, epilogue_subtile=False)
+    want = kernels.grouped_linear_wgrad(grad, x, offs, torch.bfloat16, torch.bfloat16,
+                                        config=plain)
+    for a, b in zip(got, want):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    ref = reference.grouped_linear_wgrad(grad.double(), x.double(), offs, torch.float64,
+                                         torch.float64)
+    for a, b in zip(got, ref):
+        assert_close_to_reference(a, b, max_relative_error=1e-2)

@@ -65,18 +65,52 @@ def mjagged_ttgir(dtype, swiglu, tma=False, b_kn=False, flatten=False):
     return k.asm["ttgir"]
 
 
-def kjagged_ttgir(ptr="*fp16", tma=False):
+def kjagged_compile(ptr="*fp16", tma=False, block_k=128, num_warps=8, num_stages=3,
+                    stride_type="i64", variant=None):
+    """``variant``: the dW variant flags set (``_wgrad_variant_flags``' constexprs). All three
+    are always passed, as the launcher does: an AOT compile leaves an unnamed defaulted
+    constexpr None, and ``ASTSource.hash`` keeps the constexprs' values but not their names,
+    so compiles naming different single flags would share a cache entry."""
     from compileops.grouped_linear import kernels
 
     args = ([("dy_ptr", ptr), ("x_ptr", ptr), ("offs_ptr", "*i32"), ("dw_ptr", ptr),
              ("db_ptr", ptr)] + [(n, "i32") for n in ("M", "N", "K", "G")]
-            + [(n, "i64") for n in ("stride_dym", "stride_dyn", "stride_xm", "stride_xk")])
-    k = compile_sm90(kernels.kjagged_gemm_kernel, args,
-                     dict(HAS_DB=True, DB_MMA=True, NUM_PROGS=132, BLOCK_M=64, BLOCK_N=128,
-                          BLOCK_K=128,
-                          INPUT_PRECISION="tf32", DOT_UPCAST=False, USE_TMA=tma),
-                     num_warps=8, num_stages=3)
-    return k.asm["ttgir"]
+            + [(n, stride_type) for n in ("stride_dym", "stride_dyn", "stride_xm", "stride_xk")])
+    constexprs = dict(HAS_DB=True, DB_MMA=True, NUM_PROGS=132, BLOCK_M=64, BLOCK_N=128,
+                      BLOCK_K=block_k, INPUT_PRECISION="tf32", DOT_UPCAST=False, USE_TMA=tma)
+    constexprs.update({name: False for name in VARIANT_FLAGS}, **(variant or {}))
+    return compile_sm90(kernels.kjagged_gemm_kernel, args, constexprs,
+                        num_warps=num_warps, num_stages=num_stages)
+
+
+def kjagged_ttgir(ptr="*fp16", tma=False):
+    return kjagged_compile(ptr, tma).asm["ttgir"]
+
+
+VARIANT_FLAGS = ("RAGGED", "TMA_STORE", "EPILOGUE_SUBTILE")
+# The sweep's dW variants (benchmarks/sweep_grouped_linear.py WGRAD_CONFIGS), as the launcher
+# passes them: (block_k, num_warps, num_stages, constexprs). All with TMA loads. The
+# "wgrad-default-*" entries are choose_wgrad_config's sm90 defaults (checked to match below).
+WGRAD_VARIANTS = {
+    "wgrad-ragged": (256, 8, 3, dict(RAGGED=True)),
+    "wgrad-tma-store": (256, 8, 3, dict(TMA_STORE=True)),
+    "wgrad-tma-store-subtile": (256, 8, 3, dict(TMA_STORE=True, EPILOGUE_SUBTILE=True)),
+    "wgrad-default-long": (256, 8, 3, dict(RAGGED=True, TMA_STORE=True)),
+    "wgrad-ragged-tma-store-subtile": (256, 8, 3, dict(RAGGED=True, TMA_STORE=True,
+                                                       EPILOGUE_SUBTILE=True)),
+    "wgrad-default-short": (128, 4, 3, dict(RAGGED=True)),
+}
+SMEM_LIMIT = 232448  # bytes of shared memory one H100 block may use
+SMEM_PER_SM = 233472  # bytes of shared memory per H100 SM (1 KB of it reserved per block)
+
+
+def summarize_variant(kernel):
+    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
+    return dict(summarize(ttgir), shared=kernel.metadata.shared, warps=kernel.metadata.num_warps,
+                # dY / X boxes through the 4-D ragged descriptors
+                ragged_loads="cp.async.bulk.tensor.4d.shared::cluster.global" in ptx,
+                tma_stores=ptx.count("cp.async.bulk.tensor.2d.global.shared"),
+                masked_tail="ld.global" in ptx and "cp.async.cg.shared.global" in ptx)
 
 
 CASES = {"bf16": ("bf16", False), "bf16-swiglu": ("bf16", True), "fp32-ieee": ("fp32", False),
@@ -89,6 +123,13 @@ def _main():  # runs in a subprocess without TRITON_INTERPRET (the compiler need
     out = {name: summarize(mjagged_ttgir(*args)) for name, args in CASES.items()}
     out["wgrad-fp16"] = summarize(kjagged_ttgir())
     out["wgrad-bf16-tma"] = summarize(kjagged_ttgir("*bf16", tma=True))
+    for name, (block_k, warps, stages, flags) in WGRAD_VARIANTS.items():
+        out[name] = summarize_variant(kjagged_compile("*bf16", True, block_k, warps, stages,
+                                                      variant=flags))
+    # Real launches pass small strides as i32 (the ragged descriptor's 2**34 needs i64).
+    out["wgrad-default-long-i32-strides"] = summarize_variant(
+        kjagged_compile("*bf16", True, 256, 8, 3, stride_type="i32",
+                        variant=WGRAD_VARIANTS["wgrad-default-long"][3]))
     print(json.dumps(out))
 
 
@@ -120,6 +161,40 @@ def test_kernel_compiles_for_sm90_pipelined(compiled, case):
     assert compiled[case]["tma"] == case.endswith("-tma"), f"{case}: TMA loads iff requested"
     if case.startswith("wgrad"):
         assert compiled[case]["db_mma"], f"{case}: expected db summed by a 16-wide wgmma"
+
+
+@pytest.mark.parametrize("case", list(WGRAD_VARIANTS) + ["wgrad-default-long-i32-strides"])
+def test_wgrad_variants_compile_for_sm90(compiled, case):
+    """The dW variants build for sm90 within the shared-memory limit (the short-group default
+    runs two programs per SM: twice its bytes must fit too) and do what they say: ragged 4-D
+    TMA loads without the masked tail, TMA (bulk tensor) stores of dW (two with halves)."""
+    got = compiled[case]
+    _, warps, _, flags = WGRAD_VARIANTS[case.replace("-i32-strides", "")]
+    assert got["shared"] <= SMEM_LIMIT, got
+    if case == "wgrad-default-short":
+        assert 2 * (got["shared"] + 1024) <= SMEM_PER_SM, got
+    assert got["wgmma"] and got["tma"] and got["db_mma"], got
+    assert got["warps"] == warps, got
+    assert got["ragged_loads"] == flags.get("RAGGED", False), got
+    if flags.get("RAGGED"):
+        assert not got["masked_tail"], got
+    stores = 0 if not flags.get("TMA_STORE") else 2 if flags.get("EPILOGUE_SUBTILE") else 1
+    assert got["tma_stores"] == stores, got
+
+
+@pytest.mark.parametrize("long", [True, False], ids=["long", "short"])
+def test_codegen_defaults_are_choose_wgrad_config(long):
+    """The "wgrad-default-*" compiles above are the configs choose_wgrad_config returns."""
+    from compileops.grouped_linear import kernels
+
+    cfg = kernels.choose_wgrad_config(65536, 64 if long else 128, 2048, 768, torch.bfloat16,
+                                      torch.device("cuda"))
+    block_k, warps, stages, flags = WGRAD_VARIANTS[f"wgrad-default-{'long' if long else 'short'}"]
+    assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == (
+        64, 128, block_k, warps, stages), cfg
+    dw = torch.empty(64, 1, 1, dtype=torch.bfloat16)  # the flags read dW's groups, dtype, address
+    assert kernels._wgrad_variant_flags(cfg, True, 65536, 2048, 768, dw) == dict(
+        dict.fromkeys(VARIANT_FLAGS, False), **flags)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,156 @@
+"""dW kernel variants (``Config.ragged_tma`` / ``tma_store`` / ``epilogue_subtile``, alone and
+together, as in choose_wgrad_config's defaults): same dW and db bits as the config without
+them, under the interpreter with emulated TMA descriptors; which flags reach the kernel and
+where they fall back; the combination refused up front; the launcher's fallbacks. Their
+sm90 builds are checked in test_grouped_linear_sm90_codegen.py, their speed by
+benchmarks/sweep_grouped_linear.py."""
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+
+from compileops.grouped_linear import kernels
+from compileops.grouped_linear.kernels import Config
+
+BASE = Config(16, 32, 32, num_warps=4, num_stages=1)
+VARIANTS = {
+    "ragged": dict(ragged_tma=True),
+    "tma-store": dict(tma_store=True),
+    "tma-store-halves": dict(tma_store=True, epilogue_subtile=True),
+    "ragged-tma-store": dict(ragged_tma=True, tma_store=True),
+    "ragged-tma-store-halves": dict(ragged_tma=True, tma_store=True, epilogue_subtile=True),
+}
+
+
+def bits(t):
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def make(n, dtype, sizes=(32, 0, 21, 7, 16), k=40, extra_rows=6):
+    gen = torch.Generator().manual_seed(0)
+    m = sum(sizes) + extra_rows
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    grad = torch.randn(m, n, generator=gen).to(dtype)
+    x[53] = float("inf")  # group 3's first row, right after group 2's partial last chunk
+    grad[-1] = float("inf")  # a tail row past offsets[-1]: must reach nothing
+    offs = torch.cumsum(torch.tensor(sizes), 0).to(torch.int32)
+    return grad, x, offs
+
+
+@pytest.mark.parametrize("n", [64, 48], ids=["n%block_n==0", "n%block_n!=0"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variant_is_bitwise_the_default(variant, dtype, n):
+    """Chunks 16 rows, groups of 32 / 0 / 21 / 7 / 16 rows: full, empty and partial last
+    chunks (the ragged loads' zero fill), N = 64 (TMA store of whole 32-row N-tiles) and 48
+    (its pointer-store fallback: a TMA box would cross into the next group's rows)."""
+    grad, x, offs = make(n, dtype)
+    cfg = dataclasses.replace(BASE, **VARIANTS[variant])
+    want_dw, want_db = kernels.grouped_linear_wgrad(grad, x, offs, dtype, dtype, config=BASE,
+                                                    use_tma=True)
+    dw, db = kernels.grouped_linear_wgrad(grad, x, offs, dtype, dtype, config=cfg, use_tma=True)
+    assert torch.equal(bits(dw), bits(want_dw)) and torch.equal(bits(db), bits(want_db))
+    for g in (0, 2, 4):  # the inf rows belong to group 3 and the tail only
+        assert torch.isfinite(dw[g]).all() and torch.isfinite(db[g]).all(), g
+    assert torch.equal(dw[1], torch.zeros_like(dw[1])) and torch.equal(db[1], torch.zeros_like(db[1]))
+
+
+def test_variant_without_db_is_bitwise_the_default():
+    grad, x, offs = make(64, torch.bfloat16)
+    cfg = dataclasses.replace(BASE, ragged_tma=True, tma_store=True)
+    want, _ = kernels.grouped_linear_wgrad(grad, x, offs, torch.bfloat16, torch.bfloat16,
+                                           config=BASE, use_tma=True, compute_db=False)
+    got, none = kernels.grouped_linear_wgrad(grad, x, offs, torch.bfloat16, torch.bfloat16,
+                                             config=cfg, use_tma=True, compute_db=False)
+    assert none is None and torch.equal(bits(got), bits(want))
+
+
+def test_flags_reach_the_kernel_only_where_they_apply():
+    dw = torch.empty(4, 64, 40, dtype=torch.bfloat16)
+    flags = kernels._wgrad_variant_flags
+    off = dict(RAGGED=False, TMA_STORE=False, EPILOGUE_SUBTILE=False)
+    assert flags(BASE, True, 100, 64, 40, dw) == off  # no variant flags: all off
+    both = dataclasses.replace(BASE, ragged_tma=True, tma_store=True)
+    on = dict(off, RAGGED=True, TMA_STORE=True)
+    assert flags(both, True, 100, 64, 40, dw) == on
+    halves = dataclasses.replace(both, epilogue_subtile=True)
+    assert flags(halves, True, 100, 64, 40, dw) == dict(on, EPILOGUE_SUBTILE=True)
+    assert flags(halves, False, 100, 64, 40, dw) == off  # pointer path: every variant falls back
+    # 48 % 32: a box would spill into the next group's rows; ragged loads still apply
+    assert flags(halves, True, 100, 48, 40, dw) == dict(off, RAGGED=True)
+    assert flags(both, True, 100, 64, 41, dw) == dict(off, RAGGED=True)  # dW rows not 16-B aligned
+    assert flags(both, True, 100, 64, 40, dw.float()) == dict(off, RAGGED=True)  # fp32 dW
+    assert flags(both, True, 2**30, 64, 40, dw) == dict(off, TMA_STORE=True)  # rows past ragged
+
+
+def test_meaningless_combination_is_refused():
+    grad, x, offs = make(64, torch.bfloat16)
+    with pytest.raises(ValueError):  # halves of what? (no TMA store)
+        kernels.grouped_linear_wgrad(
+            grad, x, offs, torch.bfloat16, torch.bfloat16,
+            config=dataclasses.replace(BASE, epilogue_subtile=True), use_tma=True)
+
+
+def test_default_configs():
+    """16-bit on a GPU: ragged TMA loads by default, plus TMA stores for long groups (mean
+    group size >= 1024); fp32 and the interpreter get configs without variant flags."""
+    cuda = torch.device("cuda")
+    long = kernels.choose_wgrad_config(65536, 64, 2048, 768, torch.bfloat16, cuda)
+    assert long == Config(64, 128, 256, 8, 3, ragged_tma=True, tma_store=True)
+    short = kernels.choose_wgrad_config(65536, 128, 2048, 768, torch.bfloat16, cuda)
+    assert short == Config(64, 128, 128, 4, 3, programs_per_sm=2, ragged_tma=True)
+    for cfg in (long, short):
+        kernels._check_wgrad_variant(cfg)
+    assert not kernels._is_wgrad_variant(
+        kernels.choose_wgrad_config(65536, 64, 2048, 768, torch.float32, cuda))
+    assert not kernels._is_wgrad_variant(
+        kernels.choose_wgrad_config(65536, 64, 2048, 768, torch.bfloat16, torch.device("cpu")))
+
+
+@pytest.mark.parametrize("n", [256, 192], ids=["n%block_n==0", "n%block_n!=0"])
+@pytest.mark.parametrize("long", [True, False], ids=["long", "short"])
+def test_default_gpu_configs_are_bitwise_their_plain_form(long, n):
+    """choose_wgrad_config's sm90 defaults at their real tile sizes (interpreter, emulated
+    TMA): same bits as without the variant flags, groups with partial last chunks."""
+    cuda = torch.device("cuda")
+    m, g = (65536, 64) if long else (65536, 128)
+    cfg = kernels.choose_wgrad_config(m, g, n, 256, torch.bfloat16, cuda)
+    plain = dataclasses.replace(cfg, ragged_tma=False, tma_store=False, epilogue_subtile=False)
+    grad, x, offs = make(n, torch.bfloat16, sizes=(70, 0, 64, 130), k=256)
+    x[53] = 1.0
+    x[70] = float("inf")  # group 2's first row, inside group 0's partial last 64-row chunk
+    want_dw, want_db = kernels.grouped_linear_wgrad(grad, x, offs, torch.bfloat16,
+                                                    torch.bfloat16, config=plain, use_tma=True)
+    dw, db = kernels.grouped_linear_wgrad(grad, x, offs, torch.bfloat16, torch.bfloat16,
+                                          config=cfg, use_tma=True)
+    assert torch.equal(bits(db), bits(want_db))
+    for grp in (0, 1, 3):  # group 2 holds the inf row
+        assert torch.isfinite(dw[grp]).all(), grp
+        assert torch.equal(bits(dw[grp]), bits(want_dw[grp])), grp
+
+
+def test_sweep_lists_the_variants_with_distinct_labels():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, root)
+    try:
+        from benchmarks import sweep_grouped_linear as sweep
+    finally:
+        sys.path.remove(root)
+    labels = [sweep.config_label(c) for c in sweep.WGRAD_CONFIGS]
+    assert len(set(labels)) == len(labels), labels
+    for flag, word in (("ragged_tma", " ragged"), ("tma_store", " tma-store"),
+                       ("epilogue_subtile", "tma-store/2")):
+        assert any(getattr(c, flag) for c in sweep.WGRAD_CONFIGS), flag
+        assert all((word in sweep.config_label(c)) == getattr(c, flag)
+                   for c in sweep.WGRAD_CONFIGS), flag
+    for cfg in sweep.WGRAD_CONFIGS:
+        kernels._check_wgrad_variant(cfg)
+    cuda = torch.device("cuda")
+    for m, g in ((65536, 64), (65536, 128)):  # long and short groups: the defaults are listed
+        default = kernels.choose_wgrad_config(m, g, 2048, 768, torch.bfloat16, cuda)
+        assert default in sweep.WGRAD_CONFIGS, default
+        assert sweep.config_label(default, default).endswith(" (default)")
+        assert [sweep.config_label(c, default) for c in sweep.WGRAD_CONFIGS].count(
+            sweep.config_label(default, default)) == 1
