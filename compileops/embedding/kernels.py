@@ -365,6 +365,15 @@ def _run_starts(sorted_ids_ptr, pos, n_tokens, num_embeddings):
     return row, in_n & in_table & (row != prev)
 
 
+@triton.jit
+def _longer_than(sorted_ids_ptr, pos, row, is_start, n_tokens, length):
+    """Run starts (``is_start`` at sorted positions ``pos``, ids ``row``) whose run has more
+    than ``length`` entries: sorted ids are monotone, so the id ``length`` positions on is
+    still the run's."""
+    after = pos + length
+    return is_start & (tl.load(sorted_ids_ptr + after, mask=after < n_tokens, other=-1) == row)
+
+
 @triton.jit(do_not_specialize=["search_top", "search_steps", "runs_per_fill", "mixed_groups"])
 def embedding_backward_kernel(
     sorted_ids_ptr, order_ptr, touched_ptr, grad_ptr, out_ptr,
@@ -439,9 +448,7 @@ def embedding_backward_kernel(
         row, is_start = _run_starts(sorted_ids_ptr, pos, n_tokens, num_embeddings)
         # A run is long when it has more than UNROLL entries. Since UNROLL >= RUN_BLOCK - 1,
         # a long run covers the rest of the block: at most one per block, its last start.
-        after = pos + UNROLL
-        is_long = is_start & (
-            tl.load(sorted_ids_ptr + after, mask=after < n_tokens, other=-1) == row)
+        is_long = _longer_than(sorted_ids_ptr, pos, row, is_start, n_tokens, UNROLL)
         if HAS_PADDING:
             is_long = is_long & (row != padding_idx)
             summed = is_start & (is_long == 0) & (row != padding_idx)
@@ -554,9 +561,7 @@ def embedding_long_runs_kernel(
     acc_dtype: tl.constexpr = tl.float64 if ACC_FP64 else tl.float32
     pos = (pid // col_blocks) * LONG_BLOCK + tl.arange(0, LONG_BLOCK)
     row, is_start = _run_starts(sorted_ids_ptr, pos, n_tokens, num_embeddings)
-    after = pos + LONG_MIN
-    is_long = is_start & (
-        tl.load(sorted_ids_ptr + after, mask=after < n_tokens, other=-1) == row)
+    is_long = _longer_than(sorted_ids_ptr, pos, row, is_start, n_tokens, LONG_MIN)
     if HAS_PADDING:
         is_long = is_long & (row != padding_idx)  # the run programs write its zeros
     long_start = tl.max(tl.where(is_long, pos, -1), axis=0)

@@ -593,9 +593,10 @@ def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
 #   tma-store  1.02/1.00  1.06/0.83  1.18/0.79  0.92/0.92
 #   tma-store/2 (epilogue_subtile) 1.02/0.98  1.06/0.83  1.19/0.83  0.92/0.93
 # ragged and tma-store each beat plain on 7 of 8 cases (both lose on Qwen3-up skewed),
-# tma-store/2 on all 8; whole vs halved store differ by <= 0.04. ragged + tma_store as a pair
-# was NOT in that sweep: it is chosen untested as a pair (same dW bits as plain, checked under
-# the interpreter; to be timed in the next GPU run).
+# tma-store/2 on all 8; whole vs halved store differ by <= 0.04. The pair, timed afterwards on
+# an H100 (benchmarks/results/sweep_grouped_linear_dw_h100_2026-11-21_e.log), beats either
+# alone, e.g. Mixtral skewed, DeepSeek skewed, Qwen3-up and Qwen3-down balanced on this long
+# tile: 0.94, 0.80, 0.97, 0.94 against at most 0.93, 0.77, 0.86, 0.88.
 # It uses 216064 B of shared memory on sm_90 (limit 232448; 3 x 48 KB operand stages, a
 # 64 KB dW staging tile), so the whole-tile store fits and no subtiling is needed.
 # Short groups: 64 x 128 x 128, 4 warps, 3 stages, two programs per SM, with ragged_tma
@@ -809,6 +810,10 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
     if use_tma is None:
         use_tma = wgrad_tma_applies(grad, x, cfg)
 
+    # The variant constexprs this launch can take (all False where none applies).
+    flags = _wgrad_variant_flags(cfg, bool(use_tma), m, n, k, dw)
+    plain = dict.fromkeys(flags, False)
+
     def launch(tma: bool, variants: bool = True) -> None:
         if tma:
             _set_tma_allocator(x.device)
@@ -819,12 +824,11 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             INPUT_PRECISION=input_precision(x.dtype), DOT_UPCAST=dot_upcast(x), USE_TMA=tma,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **_wgrad_variant_flags(cfg, tma and variants, m, n, k, dw),
+            **(flags if tma and variants else plain),
         )
 
     if use_tma and x.device.type == "cuda":
-        variant = any(_wgrad_variant_flags(cfg, True, m, n, k, dw).values())
-        if variant and (config is not None or not _wgrad_variant_failed):
+        if any(flags.values()) and (config is not None or not _wgrad_variant_failed):
             try:
                 launch(True)
                 return dw, db if compute_db else None
