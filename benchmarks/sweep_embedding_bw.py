@@ -41,9 +41,28 @@ V, D, N = 151936, 4096, 16384
 # (name, kwargs of kernels.embedding_backward). The first entry is the default; "legacy" is
 # the previous kernel with its measured defaults. One knob changed at a time (most telling
 # first, in case the time budget cuts the list), then a few combinations.
+_REG32 = {"long_body": "registers", "long_block_col": 32, "long_warps": 1, "long_tile": 64}
 CONFIGS: list[tuple[str, dict]] = [
     ("default", {}),
     ("legacy (previous kernel)", {"impl": "legacy"}),
+    # The long-run kernel's register body on narrow column blocks (the chain probe's fastest
+    # shape alone: 32 columns, 1 warp, 64 rows per step).
+    ("long kernel registers 32 cols tile 64, long_min 63",
+     {**_REG32, "long_kernel": True, "long_min": 63}),
+    ("long kernel registers 32 cols tile 64, long_min 63, long_fork",
+     {**_REG32, "long_kernel": True, "long_min": 63, "long_fork": True}),
+    # The fill's shape (the bulk of the bytes; the fill alone is ~5% slower than a memset).
+    ("fill_rows 8 (the previous default)", {"fill_rows": 8}),
+    ("fill_rows 4", {"fill_rows": 4}),
+    ("fill_rows 1", {"fill_rows": 1}),
+    ("fill_rows 4, fill_col 512", {"fill_rows": 4, "fill_col": 512}),
+    ("fill_rows 4, fill_col 2048", {"fill_rows": 4, "fill_col": 2048}),
+    ("fill_rows 2, fill_col 4096", {"fill_rows": 2, "fill_col": 4096}),
+    ("fill_rows 4, fill_evict evict_first", {"fill_rows": 4, "fill_evict": "evict_first"}),
+    ("fill_rows 16, fill_col 512", {"fill_rows": 16, "fill_col": 512}),
+    ("fill_rows 2, maxnreg None", {"fill_rows": 2, "maxnreg": None}),
+    ("fill_rows 2, tile 32, block_col 256", {"fill_rows": 2, "tile": 32, "block_col": 256}),
+    ("fill_rows 2, streams off", {"fill_rows": 2, "streams": False}),
     ("streams off (one launch after the sort)", {"streams": False}),
     ("streams off, runs_per_fill 4", {"streams": False, "runs_per_fill": 4}),
     # The separate, software-pipelined long-run kernel (rows in flight per chain: (stages - 1)
@@ -97,6 +116,23 @@ DIAGNOSTICS = [(1, "long runs skipped"), (2, "fill skipped"), (3, "run programs 
 UNIFORM_TOP = 6  # besides default and legacy, time uniform ids for the best Zipf configs
 
 
+def graph_ms(fn) -> float:
+    """do_bench median of a CUDA graph replay of one ``fn()`` call (its streams captured):
+    the GPU time alone, free of the host's launch cost."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    ms = bench_ms(graph.replay)
+    del graph
+    return ms
+
+
 def fmt_ms(ms) -> str:
     return f"{ms:8.4f}" if isinstance(ms, float) else f"{ms:>8}"
 
@@ -105,10 +141,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget-s", type=float, default=150.0,
                         help="skip optional configurations after this many seconds")
+    parser.add_argument("--only", default=None,
+                        help="regex: time only the configurations whose name matches (and the default)")
+    parser.add_argument("--skip-parts", action="store_true",
+                        help="skip the anchors and parts section")
+    parser.add_argument("--graphs", action="store_true",
+                        help="also time each configuration as a CUDA graph replay (GPU time only, "
+                             "no host launch cost)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny case on the CPU (Triton interpreter): checks the script only")
     args = parser.parse_args()
     t0 = time.time()
+    global CONFIGS
+    if args.only:
+        import re
+        CONFIGS = CONFIGS[:2] + [c for c in CONFIGS[2:] if re.search(args.only, c[0])]
     global V, D, N, bench_ms
     if args.smoke:
         V, D, N = 300, 32, 256
@@ -179,7 +226,20 @@ def main() -> None:
             del out
             ms = bench_ms(lambda: run(ids, cfg))
             results.setdefault(name, {})[id_name] = ms
-            print(f"  {name} [{id_name}]: {ms:.4f} ms  ({time.time() - t0:.0f} s)", flush=True)
+            # Host time per call: 20 back-to-back calls, no sync between them (the GPU queue
+            # absorbs them); if it nears the GPU time, do_bench measures the host.
+            sync()
+            start = time.perf_counter()
+            calls = 1 if args.smoke else 20
+            for _ in range(calls):
+                run(ids, cfg)
+            host_ms = (time.perf_counter() - start) / calls * 1e3
+            sync()
+            graph = ""
+            if args.graphs and dev == "cuda":
+                graph = f"; CUDA graph replay {graph_ms(lambda: run(ids, cfg)):.4f} ms"
+            print(f"  {name} [{id_name}]: {ms:.4f} ms  (host {host_ms:.3f} ms/call{graph}; "
+                  f"{time.time() - t0:.0f} s)", flush=True)
         except Exception as exc:  # compile or launch failure: report, keep going
             results.setdefault(name, {})[id_name] = "FAILED"
             print(f"  {name} [{id_name}]: FAILED {type(exc).__name__}: {str(exc)[:600]}", flush=True)
@@ -191,9 +251,13 @@ def main() -> None:
 
     # ---------------------------------------------------------------- anchors and parts
     print("\nanchors and parts:", flush=True)
+    if args.skip_parts:
+        print("  skipped (--skip-parts)", flush=True)
     anchors: list[tuple[str, object, object]] = []
 
-    def anchor(label, fn_zipf, fn_uniform=None):
+    def anchor(label, fn_zipf, fn_uniform=None, always=False):
+        if args.skip_parts and not always:
+            return
         row = [label]
         for fn in (fn_zipf, fn_uniform):
             if fn is None:
@@ -211,8 +275,8 @@ def main() -> None:
     anchor("eager aten.embedding_dense_backward",
            lambda: aten(grad, zipf, V, -1, False), lambda: aten(grad, uniform, V, -1, False))
     try:
-        if args.smoke:
-            raise RuntimeError("skipped in the smoke test")
+        if args.smoke or args.skip_parts:
+            raise RuntimeError("skipped (smoke test or --skip-parts)")
         inductor = torch.compile(lambda g, i: aten(g, i, V, -1, False))
         inductor(grad, zipf)
         inductor(grad, uniform)
@@ -257,7 +321,16 @@ def main() -> None:
             print(f"  diagnostic {diag} FAILED {type(exc).__name__}: {str(exc)[:400]}", flush=True)
 
     # The long-run kernel alone (no fill, no run programs): the hot-id chains' own time.
-    for label, cfg in (("long_min = unroll", {}), ("long_min 63", {"long_min": 63})):
+    reg = {"long_body": "registers", "long_warps": 1}
+    for label, cfg in (("long_min = unroll", {}), ("long_min 63", {"long_min": 63}),
+                       ("registers 32 cols tile 64, long_min 63",
+                        {**reg, "long_block_col": 32, "long_tile": 64, "long_min": 63}),
+                       ("registers 64 cols tile 32, long_min 63",
+                        {**reg, "long_block_col": 64, "long_tile": 32, "long_min": 63}),
+                       ("registers 64 cols tile 32, long_min 255",
+                        {**reg, "long_block_col": 64, "long_tile": 32, "long_min": 255}),
+                       ("registers 32 cols tile 64, long_min 1023",
+                        {**reg, "long_block_col": 32, "long_tile": 64, "long_min": 1023})):
         try:
             launch_kw = kernels.backward_config(grad, long_kernel=True, **cfg)
 
@@ -267,7 +340,7 @@ def main() -> None:
                     sorted_ids, order, grad, out_buf, None, **kernels._long_launch_args(launch_kw))
 
             anchor(f"part: the long-run kernel alone, {label} (sort precomputed; output partial)",
-                   long_alone("Zipf"), long_alone("uniform"))
+                   long_alone("Zipf"), long_alone("uniform"), always=True)
         except Exception as exc:
             print(f"  long-run kernel alone FAILED {type(exc).__name__}: {str(exc)[:400]}", flush=True)
 

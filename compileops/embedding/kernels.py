@@ -178,6 +178,10 @@ def legacy_embedding_backward_kernel(
 LONG_ROWS = 0  # TILE independent [BLOCK_COL] row loads per step, next step's indices prefetched
 LONG_TILE = 1  # one 2-D [TILE, BLOCK_COL] gather per step, rows selected exactly
 
+# Bodies of embedding_long_runs_kernel (its LONG_BODY).
+LONG_PIPELINED = 0  # tl.range software pipeline: LONG_STAGES - 1 tiles in flight in shared memory
+LONG_REGISTERS = 1  # _long_run_sum (LONG_ROWS): LONG_TILE rows per step in registers
+
 
 @triton.jit
 def _load_positions(order_ptr, p, n_tokens, TILE: tl.constexpr):
@@ -530,7 +534,8 @@ def embedding_long_runs_kernel(
     n_tokens, num_embeddings, dim, padding_idx, stride_g_row, stride_g_col,
     HAS_PADDING: tl.constexpr, ACC_FP64: tl.constexpr, LONG_MIN: tl.constexpr,
     LONG_BLOCK: tl.constexpr, LONG_TILE: tl.constexpr, LONG_BLOCK_COL: tl.constexpr,
-    LONG_STAGES: tl.constexpr, SEARCH: tl.constexpr,
+    LONG_STAGES: tl.constexpr, SEARCH: tl.constexpr, LONG_BODY: tl.constexpr,
+    LONG_PREFETCH: tl.constexpr,
 ):
     """The rows of the runs of more than ``LONG_MIN`` entries (padding row excluded) of the
     backward; ``embedding_backward_kernel`` launched with ``LONG_SPLIT=LONG_MIN`` writes every
@@ -555,6 +560,14 @@ def embedding_long_runs_kernel(
     value, folded away when each thread holds whole tile columns: ``LONG_BLOCK_COL == 256 *
     num_warps`` for 16-bit grads, 128 / 64 for 32- / 64-bit ones). Positions past the run's
     end load as +0.0; ``acc`` starts at +0.0 and so is never -0.0: adding them is exact.
+
+    ``LONG_BODY`` selects how the chain is summed: ``LONG_PIPELINED`` as above, or
+    ``LONG_REGISTERS``: the main kernel's register-resident ``_long_run_sum`` (``LONG_TILE``
+    straight-line row loads per step, next step's positions loaded meanwhile, the end found
+    on the way), here in narrow column blocks (e.g. 32 columns on one warp, 64 rows per step:
+    one element per thread and row) so that the many programs of one chain each stream few
+    bytes. ``LONG_PREFETCH`` (registers body, CUDA only): L2-prefetch the run's rows that far
+    ahead (the first ``LONG_PREFETCH`` rows at once), a hint that does not change results.
     """
     pid = tl.program_id(0)
     col_blocks = tl.cdiv(dim, LONG_BLOCK_COL)
@@ -565,26 +578,41 @@ def embedding_long_runs_kernel(
     if HAS_PADDING:
         is_long = is_long & (row != padding_idx)  # the run programs write its zeros
     long_start = tl.max(tl.where(is_long, pos, -1), axis=0)
-    if long_start >= 0:
-        long_row = tl.load(sorted_ids_ptr + long_start)
-        end = _run_end(sorted_ids_ptr, long_start, long_row, n_tokens, SEARCH)
-        cols = (pid % col_blocks) * LONG_BLOCK_COL + tl.arange(0, LONG_BLOCK_COL)
-        col_ok = cols < dim
-        col_off = cols.to(tl.int64) * stride_g_col
-        lanes = tl.arange(0, LONG_TILE)
-        acc = tl.zeros([LONG_BLOCK_COL], dtype=acc_dtype)
-        for s in tl.range(0, tl.cdiv(end - long_start, LONG_TILE), num_stages=LONG_STAGES):
-            q = long_start + s * LONG_TILE + lanes
-            in_run = q < end
-            # order_ptr: the int64 token positions viewed as int32 pairs, low words read.
-            toks = tl.load(order_ptr + q.to(tl.int64) * 2, mask=in_run, other=0)
-            tile = tl.load(
-                grad_ptr + toks.to(tl.int64)[:, None] * stride_g_row + col_off[None, :],
-                mask=in_run[:, None] & col_ok[None, :], other=0.0)
-            for k in tl.static_range(LONG_TILE):
-                acc += tl.sum(tl.where(lanes[:, None] == k, tile, -0.0), axis=0).to(acc_dtype)
-        tl.store(out_ptr + long_row.to(tl.int64) * dim + cols, acc.to(out_ptr.dtype.element_ty),
-                 mask=col_ok)
+    if LONG_BODY == 1:  # LONG_REGISTERS
+        if long_start >= 0:
+            long_row = tl.load(sorted_ids_ptr + long_start)
+            col_start = (pid % col_blocks) * LONG_BLOCK_COL
+            cols = col_start + tl.arange(0, LONG_BLOCK_COL)
+            col_ok = cols < dim
+            acc = _long_run_sum(
+                sorted_ids_ptr, order_ptr, grad_ptr, long_start, long_row, n_tokens, dim,
+                col_start, cols.to(tl.int64) * stride_g_col, col_ok, stride_g_row, stride_g_col,
+                acc_dtype, LONG_BLOCK_COL, LONG_TILE, 0, LONG_PREFETCH,  # 0: LONG_ROWS
+            )
+            tl.store(out_ptr + long_row.to(tl.int64) * dim + cols,
+                     acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+    else:  # LONG_PIPELINED
+        if long_start >= 0:
+            long_row = tl.load(sorted_ids_ptr + long_start)
+            end = _run_end(sorted_ids_ptr, long_start, long_row, n_tokens, SEARCH)
+            cols = (pid % col_blocks) * LONG_BLOCK_COL + tl.arange(0, LONG_BLOCK_COL)
+            col_ok = cols < dim
+            col_off = cols.to(tl.int64) * stride_g_col
+            lanes = tl.arange(0, LONG_TILE)
+            acc = tl.zeros([LONG_BLOCK_COL], dtype=acc_dtype)
+            for s in tl.range(0, tl.cdiv(end - long_start, LONG_TILE), num_stages=LONG_STAGES):
+                q = long_start + s * LONG_TILE + lanes
+                in_run = q < end
+                # order_ptr: the int64 token positions viewed as int32 pairs, low words read.
+                toks = tl.load(order_ptr + q.to(tl.int64) * 2, mask=in_run, other=0)
+                tile = tl.load(
+                    grad_ptr + toks.to(tl.int64)[:, None] * stride_g_row + col_off[None, :],
+                    mask=in_run[:, None] & col_ok[None, :], other=0.0)
+                for k in tl.static_range(LONG_TILE):
+                    acc += tl.sum(tl.where(lanes[:, None] == k, tile, -0.0), axis=0).to(acc_dtype)
+            tl.store(out_ptr + long_row.to(tl.int64) * dim + cols,
+                     acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
 
 def _forward_config(dim: int, elem_size: int) -> tuple[int, int, int]:
     """(BLOCK_TOK, BLOCK_COL, num_warps): 16-byte accesses, ~16 KB moved per program."""
@@ -626,6 +654,7 @@ def embedding_forward(
 
 
 _LONG_MODES = {"rows": LONG_ROWS, "tile": LONG_TILE}
+_LONG_BODIES = {"pipelined": LONG_PIPELINED, "registers": LONG_REGISTERS}
 
 
 def _sort_ids(flat_ids: torch.Tensor, num_embeddings: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -658,7 +687,8 @@ def embedding_backward(
     long_kernel: bool = False, long_tile: Optional[int] = None,
     long_block_col: Optional[int] = None, long_stages: int = 3,
     long_warps: Optional[int] = None, long_min: Optional[int] = None,
-    long_block: Optional[int] = None, long_fork: bool = False,
+    long_block: Optional[int] = None, long_fork: bool = False, long_body: str = "pipelined",
+    long_prefetch: int = 0,
     streams: Optional[bool] = None, out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """grad ``[*ids.shape, D]`` -> grad_weight ``[V, D]`` in ``weight_dtype`` (see module doc).
@@ -669,10 +699,11 @@ def embedding_backward(
     ``long_kernel`` one).
 
     Tuning (``impl="runs"``, the default). The defaults follow the H100 sweeps
-    (benchmarks/results/sweep_embedding_bw_h100_2026-11-21*.log): 8-row fill programs,
-    512 columns per run program (4 warps) and 32-row long-run steps for 16-bit grads were
-    the fastest on the benchmark's Zipf ids; benchmarks/sweep_embedding_bw.py times the
-    alternatives:
+    (benchmarks/results/sweep_embedding_bw_h100_2026-11-21*.log): 512 columns per run
+    program (4 warps) and 32-row long-run steps for 16-bit grads were the fastest on the
+    benchmark's Zipf ids, and 2-row (16 KB) fill programs beat 4, 8, 16 and 32 rows (sweep
+    g: 0.536 ms against 0.546-0.551, uniform ids 0.512 against 0.519-0.525);
+    benchmarks/sweep_embedding_bw.py times the alternatives:
 
     * ``run_block``: sorted positions per run program (power of two); ``unroll``: longest run
       summed by the 2-D short-run path (``>= run_block - 1``; default ``max(4, run_block -
@@ -687,7 +718,7 @@ def embedding_backward(
       rows that many rows ahead of the step being summed (0: off). A hint, results unchanged.
     * ``block_col``: columns per run program (default 512); ``num_warps`` (default 8 for 1024+ columns,
       4 for 512, else 2).
-    * ``fill_rows`` x ``fill_col``: rows per fill program (default ~64 KB of rows: 8 rows at
+    * ``fill_rows`` x ``fill_col``: rows per fill program (default ~16 KB of rows: 2 rows at
       D=4096 bf16) and columns per store; ``fill="search"`` (binary search in the sorted ids)
       or ``"map"`` (a touched-row map built by two extra launches); ``fill_evict``: the
       fill stores' eviction policy ("" = default, "evict_first", "evict_last");
@@ -712,6 +743,10 @@ def embedding_backward(
       programs that find no long run exit at once, fewer of them launch faster);
       ``long_fork`` (two-stream schedule only): the long-run kernel gets its own
       high-priority stream, so that the run programs need not wait for the hot-id chains.
+      ``long_body``: ``"pipelined"`` (the shared-memory software pipeline above) or
+      ``"registers"`` (the main kernel's register-resident long path, meant for narrow
+      ``long_block_col``, e.g. 32 columns on one warp with 64-row ``long_tile``);
+      ``long_prefetch`` (``"registers"`` on CUDA): L2-prefetch distance in rows.
     * ``streams`` (default: on for CUDA tensors): the two-stream schedule. The fill cannot
       wait for the sort, so it uses the touched map (built from the unsorted ids, two small
       launches) and runs on the current stream while a high-priority side stream sorts the
@@ -750,7 +785,8 @@ def embedding_backward(
         runs_per_fill=runs_per_fill, prefetch=prefetch, fill_evict=fill_evict,
         num_warps=num_warps, maxnreg=maxnreg, long_kernel=long_kernel, long_tile=long_tile,
         long_block_col=long_block_col, long_stages=long_stages, long_warps=long_warps,
-        long_min=long_min, long_block=long_block, long_fork=long_fork,
+        long_min=long_min, long_block=long_block, long_fork=long_fork, long_body=long_body,
+        long_prefetch=long_prefetch,
     )
     if streams is None:
         streams = grad.device.type == "cuda"
@@ -825,10 +861,15 @@ def backward_config(
     maxnreg: Optional[int] = 128, long_kernel: bool = False, long_tile: Optional[int] = None,
     long_block_col: Optional[int] = None, long_stages: int = 3, long_warps: Optional[int] = None,
     long_min: Optional[int] = None, long_block: Optional[int] = None, long_fork: bool = False,
+    long_body: str = "pipelined", long_prefetch: int = 0,
 ) -> dict:
     """Checked keyword arguments of ``launch_backward_kernel`` for a ``[n_tokens, D]`` grad,
     the ``None`` defaults resolved (see ``embedding_backward``)."""
     n_tokens, dim = flat_grad.shape
+    if long_body not in _LONG_BODIES:
+        raise ValueError(f"unknown long_body {long_body!r}: expected one of {sorted(_LONG_BODIES)}")
+    if long_prefetch < 0 or long_prefetch & (long_prefetch - 1):
+        raise ValueError(f"long_prefetch must be 0 or a power of two, got {long_prefetch}")
     if long_mode not in _LONG_MODES:
         raise ValueError(f"unknown long_mode {long_mode!r}: expected one of {sorted(_LONG_MODES)}")
     elem = flat_grad.element_size()
@@ -864,7 +905,7 @@ def backward_config(
     # Triton's pipeliner allocates long_stages - 1 tile buffers (sm_90 compile: 65664 bytes
     # for 3 stages of 16 x 1024 bf16).
     smem = max(1, long_stages - 1) * long_tile * long_cols * elem
-    if long_kernel and smem > _LONG_SMEM_BYTES:
+    if long_kernel and long_body == "pipelined" and smem > _LONG_SMEM_BYTES:
         raise ValueError(
             f"(long_stages - 1) * long_tile * long_block_col * element size = {smem} bytes of "
             f"shared memory: more than {_LONG_SMEM_BYTES} (an H100 SM has 227 KB)")
@@ -882,7 +923,7 @@ def backward_config(
                 num_warps=num_warps, maxnreg=maxnreg, long_kernel=bool(long_kernel),
                 long_tile=long_tile, long_block_col=long_block_col, long_stages=long_stages,
                 long_warps=long_warps, long_min=long_min, long_block=long_block,
-                long_fork=bool(long_fork))
+                long_fork=bool(long_fork), long_body=long_body, long_prefetch=long_prefetch)
 
 
 def launch_backward_kernel(
@@ -893,8 +934,8 @@ def launch_backward_kernel(
     fill_evict: str, num_warps: Optional[int], maxnreg: Optional[int],
     long_kernel: bool = False, long_tile: int = 16, long_block_col: int = 1024,
     long_stages: int = 3, long_warps: Optional[int] = None, long_min: Optional[int] = None,
-    long_block: Optional[int] = None, long_fork: bool = False, diag: int = 0,
-    programs: int = 0, launch_long: bool = True,
+    long_block: Optional[int] = None, long_fork: bool = False, long_body: str = "pipelined",
+    long_prefetch: int = 0, diag: int = 0, programs: int = 0, launch_long: bool = True,
 ) -> None:
     """The single kernel launch of ``embedding_backward`` (``impl="runs"``), given the
     prepared ``sorted_ids``/``order`` (``_sort_ids``) and, for ``fill="map"``, the touched
@@ -911,9 +952,9 @@ def launch_backward_kernel(
     on_cuda = flat_grad.device.type == "cuda" and not torch.version.hip
     block_col = min(triton.next_power_of_2(dim), block_col)
     fill_col = min(triton.next_power_of_2(dim), fill_col)
-    if fill_rows is None:  # ~64 KB of rows per fill program: 8 rows at D=4096 bf16
+    if fill_rows is None:  # ~16 KB of rows per fill program: 2 rows at D=4096 bf16
         row_bytes = dim * out.element_size()
-        fill_rows = max(1, min(256, triton.next_power_of_2(triton.cdiv(1 << 16, row_bytes))))
+        fill_rows = max(1, min(64, triton.next_power_of_2(triton.cdiv(1 << 14, row_bytes))))
     # Rows per store: at most 8192 elements (64 per thread with 4 warps): no register spills.
     fill_chunk = min(fill_rows, max(1, triton.next_power_of_2(8192 // fill_col)))
     col_blocks = triton.cdiv(dim, block_col)
@@ -935,7 +976,8 @@ def launch_backward_kernel(
         launch_long_runs_kernel(
             sorted_ids, order, flat_grad, out, padding_idx, long_min=long_min,
             long_tile=long_tile, long_block_col=long_block_col, long_stages=long_stages,
-            long_warps=long_warps, long_block=long_block)
+            long_warps=long_warps, long_block=long_block, long_body=long_body,
+            long_prefetch=long_prefetch)
     embedding_backward_kernel[grid](
         # The kernel reads the low 32-bit word of each int64 token position (little-endian,
         # positions < 2**31): half the registers per in-flight index.
@@ -973,13 +1015,14 @@ def _long_block_default(long_min: int) -> int:
 def _long_launch_args(config: dict) -> dict:
     """``launch_long_runs_kernel``'s keyword arguments out of a ``backward_config`` dict."""
     return {k: config[k] for k in ("long_min", "long_tile", "long_block_col", "long_stages",
-                                   "long_warps", "long_block")}
+                                   "long_warps", "long_block", "long_body", "long_prefetch")}
 
 
 def launch_long_runs_kernel(
     sorted_ids: torch.Tensor, order: torch.Tensor, flat_grad: torch.Tensor, out: torch.Tensor,
     padding_idx: Optional[int], *, long_min: int, long_tile: int, long_block_col: int,
     long_stages: int, long_warps: Optional[int], long_block: Optional[int],
+    long_body: str = "pipelined", long_prefetch: int = 0,
 ) -> None:
     """Write the rows of the runs of more than ``long_min`` sorted entries (not the padding
     row) of ``out [V, D]`` from ``flat_grad [n_tokens, D]``, given ``_sort_ids``' outputs;
@@ -989,6 +1032,14 @@ def launch_long_runs_kernel(
     elem = flat_grad.element_size()
     long_block = long_block or _long_block_default(long_min)
     grid = (triton.cdiv(n_tokens, long_block) * triton.cdiv(dim, long_block_col),)
+    on_cuda = flat_grad.device.type == "cuda" and not torch.version.hip
+    options = _launch_options(flat_grad.device)
+    registers = _LONG_BODIES[long_body] == LONG_REGISTERS
+    if registers and on_cuda:
+        # As for the main kernel's long path: a cap makes ptxas issue a step's row loads
+        # before its adds; past 32 rows per step the rows and the next step's positions need
+        # more than 128 registers.
+        options["maxnreg"] = 255 if long_tile > 32 else 128
     embedding_long_runs_kernel[grid](
         sorted_ids, order.view(torch.int32), flat_grad, out,
         n_tokens, out.shape[0], dim, -1 if padding_idx is None else padding_idx,
@@ -996,8 +1047,10 @@ def launch_long_runs_kernel(
         HAS_PADDING=padding_idx is not None, ACC_FP64=flat_grad.dtype == torch.float64,
         LONG_MIN=long_min, LONG_BLOCK=long_block, LONG_TILE=long_tile,
         LONG_BLOCK_COL=long_block_col, LONG_STAGES=long_stages, SEARCH=_RUN_END_SEARCH,
+        LONG_BODY=_LONG_BODIES[long_body],
+        LONG_PREFETCH=long_prefetch if registers and on_cuda else 0,
         num_warps=long_warps or max(1, min(8, long_block_col * elem // 512)),
-        **_launch_options(flat_grad.device),
+        **options,
     )
 
 

@@ -585,7 +585,7 @@ def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
     return Config(128, 256, 64, num_warps=8, num_stages=3, flatten=True)
 
 
-# dW defaults, 16-bit inputs. Long groups (M / G >= 1024): 64 x 128 x 256, 8 warps, 3 stages,
+# dW defaults, 16-bit inputs. Long groups (M / G >= 512): 64 x 128 x 256, 8 warps, 3 stages,
 # with ragged_tma and tma_store. H200 sweep (torch 2.11, Triton 3.6, ratio = torch._grouped_mm
 # time / ours, balanced / skewed split; Mixtral, DeepSeek, Qwen3-up, Qwen3-down):
 #   plain      1.00/0.94  0.98/0.82  0.99/0.82  0.89/0.85
@@ -596,7 +596,10 @@ def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
 # tma-store/2 on all 8; whole vs halved store differ by <= 0.04. The pair, timed afterwards on
 # an H100 (benchmarks/results/sweep_grouped_linear_dw_h100_2026-11-21_e.log), beats either
 # alone, e.g. Mixtral skewed, DeepSeek skewed, Qwen3-up and Qwen3-down balanced on this long
-# tile: 0.94, 0.80, 0.97, 0.94 against at most 0.93, 0.77, 0.86, 0.88.
+# tile: 0.94, 0.80, 0.97, 0.94 against at most 0.93, 0.77, 0.86, 0.88. The same sweep moved
+# the long/short boundary from 1024 to 512 rows per group: on the Qwen3 shapes (512 rows per
+# group) the pair on the long tile beat the short default in 3 of 4 cases (up 0.97 / 0.96
+# against 0.91 / 0.87, down balanced 0.94 against 0.91; down skewed 1.06 against 1.11).
 # It uses 216064 B of shared memory on sm_90 (limit 232448; 3 x 48 KB operand stages, a
 # 64 KB dW staging tile), so the whole-tile store fits and no subtiling is needed.
 # Short groups: 64 x 128 x 128, 4 warps, 3 stages, two programs per SM, with ragged_tma
@@ -614,7 +617,7 @@ WGRAD_SHORT_CONFIG = Config(64, 128, 128, num_warps=4, num_stages=3, programs_pe
 def choose_wgrad_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
                         device: torch.device) -> Config:
     """K-jagged config: ``block_m`` is the row chunk each dW tile reduces over; the output
-    tile is ``block_n x block_k``. Long groups (mean ``M / G >= 1024``): 128 x 256 output
+    tile is ``block_n x block_k``. Long groups (mean ``M / G >= 512``): 128 x 256 output
     tiles (each warpgroup issues 64 x 256 wgmma). Short groups (few chunks per tile):
     128 x 128 tiles, two programs per SM so one's prologue and epilogue overlap the other's
     loop. Both with ragged TMA loads (no masked tail loop), the long one with TMA stores of
@@ -623,7 +626,7 @@ def choose_wgrad_config(m_total: int, groups: int, n: int, k: int, dtype: torch.
         return Config(16, 32, 32, num_warps=1, num_stages=1)
     if dtype == torch.float32:
         return Config(32, 128, 64, num_warps=8, num_stages=3)
-    if m_total / max(groups, 1) >= 1024:
+    if m_total / max(groups, 1) >= 512:
         return WGRAD_LONG_CONFIG
     return WGRAD_SHORT_CONFIG
 

@@ -15,6 +15,10 @@ pytestmark = pytest.mark.gpu
 
 V, D = 151936, 4096
 
+# The long-run kernel with its register body in narrow column blocks (opt-in).
+LONG_REGISTERS = {"long_kernel": True, "long_min": 63, "long_body": "registers",
+                  "long_block_col": 32, "long_warps": 1, "long_tile": 64}
+
 
 @pytest.fixture(scope="module")
 def table():
@@ -146,8 +150,10 @@ def test_device_mismatch_is_a_clear_error_eagerly_and_compiled():
         compiled(ids, w)
 
 
+@pytest.mark.parametrize("schedule", [{}, LONG_REGISTERS, dict(LONG_REGISTERS, long_fork=True)],
+                         ids=["default", "long-registers", "long-registers-fork"])
 @pytest.mark.parametrize("padding_idx", [None, 17])
-def test_two_stream_schedule_is_bitwise_the_one_launch_schedule(padding_idx):
+def test_two_stream_schedule_is_bitwise_the_one_launch_schedule(padding_idx, schedule):
     """The default CUDA schedule (fill on the current stream, sort + run programs on a
     high-priority side stream) against the single-launch one, on Zipf-like ids with a
     hot id; the result is read on the current stream right after the call (the join)."""
@@ -159,7 +165,8 @@ def test_two_stream_schedule_is_bitwise_the_one_launch_schedule(padding_idx):
     grad = torch.randn(16384, 512, device="cuda", generator=gen, dtype=torch.bfloat16)
     one = kernels.embedding_backward(grad, ids, 50000, padding_idx, torch.bfloat16, streams=False)
     for _ in range(3):
-        two = kernels.embedding_backward(grad, ids, 50000, padding_idx, torch.bfloat16, streams=True)
+        two = kernels.embedding_backward(grad, ids, 50000, padding_idx, torch.bfloat16,
+                                         streams=True, **schedule)
         assert torch.equal(two, one)
     want = reference.embedding_backward(grad, ids, 50000, padding_idx, torch.bfloat16)
     assert torch.equal(one, want)

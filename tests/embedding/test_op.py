@@ -324,6 +324,10 @@ BACKWARD_VARIANTS = [
     {"long_kernel": True, "long_min": 16, "long_tile": 8, "long_block_col": 32, "tile": 4},
     {"long_kernel": True, "long_min": 9, "long_block": 8, "long_tile": 2, "long_stages": 1,
      "long_warps": 2, "run_block": 8, "unroll": 8},
+    # Its register-resident body, narrow column blocks (one partial, D=40), several steps.
+    {"long_kernel": True, "long_body": "registers", "long_block_col": 16, "long_tile": 8},
+    {"long_kernel": True, "long_body": "registers", "long_min": 16, "long_block_col": 32,
+     "long_tile": 4, "long_prefetch": 64},  # prefetch: CUDA-only hint, off here
 ]
 
 
@@ -612,19 +616,21 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from compileops.embedding import kernels
 
-def compile_long(ptr, tile, cols, stages, warps):
+def compile_long(ptr, tile, cols, stages, warps, body=0, maxnreg=None):
     # Real-launch specialisations: unit column stride, 16-divisible pointers and sizes.
     names = ["sorted_ids_ptr", "order_ptr", "grad_ptr", "out_ptr", "n_tokens", "num_embeddings",
              "dim", "padding_idx", "stride_g_row"]
     types = ["*i32", "*i32", ptr, ptr, "i32", "i32", "i32", "i32", "i32"]
     consts = dict(stride_g_col=1, HAS_PADDING=False, ACC_FP64=False, LONG_MIN=4, LONG_BLOCK=4,
-                  LONG_TILE=tile, LONG_BLOCK_COL=cols, LONG_STAGES=stages, SEARCH=64)
+                  LONG_TILE=tile, LONG_BLOCK_COL=cols, LONG_STAGES=stages, SEARCH=64,
+                  LONG_BODY=body, LONG_PREFETCH=0)
     sig = dict(zip(names, types), **{k: "constexpr" for k in consts})
     divisible = [i for i, n in enumerate(names) if n != "padding_idx"]
     src = ASTSource(fn=kernels.embedding_long_runs_kernel, signature=sig, constexprs=consts,
                     attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=warps, debug=True, sanitize_overflow=False))
+                          options=dict(num_warps=warps, debug=True, sanitize_overflow=False,
+                                       **({"maxnreg": maxnreg} if maxnreg else {})))
 
 out = {}
 for name, args in {"bf16-16x1024-s3": ("*bf16", 16, 1024, 3, 4),

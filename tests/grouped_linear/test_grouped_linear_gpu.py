@@ -159,7 +159,7 @@ def test_wgrad_variants_bitwise_match_default_on_sm90(variant):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-@pytest.mark.parametrize("groups,n", [(4, 768), (16, 768), (4, 704)],
+@pytest.mark.parametrize("groups,n", [(4, 768), (32, 768), (4, 704)],
                          ids=["long", "short", "long-n%128!=0"])
 def test_wgrad_default_config_bitwise_matches_its_plain_form(groups, n):
     """choose_wgrad_config's defaults (ragged TMA, + TMA store for long groups) run without

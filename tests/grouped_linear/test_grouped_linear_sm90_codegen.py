@@ -187,7 +187,7 @@ def test_codegen_defaults_are_choose_wgrad_config(long):
     """The "wgrad-default-*" compiles above are the configs choose_wgrad_config returns."""
     from compileops.grouped_linear import kernels
 
-    cfg = kernels.choose_wgrad_config(65536, 64 if long else 128, 2048, 768, torch.bfloat16,
+    cfg = kernels.choose_wgrad_config(65536, 64 if long else 256, 2048, 768, torch.bfloat16,
                                       torch.device("cuda"))
     block_k, warps, stages, flags = WGRAD_VARIANTS[f"wgrad-default-{'long' if long else 'short'}"]
     assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == (

@@ -95,11 +95,11 @@ def test_meaningless_combination_is_refused():
 
 def test_default_configs():
     """16-bit on a GPU: ragged TMA loads by default, plus TMA stores for long groups (mean
-    group size >= 1024); fp32 and the interpreter get configs without variant flags."""
+    group size >= 512); fp32 and the interpreter get configs without variant flags."""
     cuda = torch.device("cuda")
-    long = kernels.choose_wgrad_config(65536, 64, 2048, 768, torch.bfloat16, cuda)
+    long = kernels.choose_wgrad_config(65536, 128, 2048, 768, torch.bfloat16, cuda)
     assert long == Config(64, 128, 256, 8, 3, ragged_tma=True, tma_store=True)
-    short = kernels.choose_wgrad_config(65536, 128, 2048, 768, torch.bfloat16, cuda)
+    short = kernels.choose_wgrad_config(65536, 129, 2048, 768, torch.bfloat16, cuda)
     assert short == Config(64, 128, 128, 4, 3, programs_per_sm=2, ragged_tma=True)
     for cfg in (long, short):
         kernels._check_wgrad_variant(cfg)
@@ -115,7 +115,7 @@ def test_default_gpu_configs_are_bitwise_their_plain_form(long, n):
     """choose_wgrad_config's sm90 defaults at their real tile sizes (interpreter, emulated
     TMA): same bits as without the variant flags, groups with partial last chunks."""
     cuda = torch.device("cuda")
-    m, g = (65536, 64) if long else (65536, 128)
+    m, g = (65536, 64) if long else (65536, 256)
     cfg = kernels.choose_wgrad_config(m, g, n, 256, torch.bfloat16, cuda)
     plain = dataclasses.replace(cfg, ragged_tma=False, tma_store=False, epilogue_subtile=False)
     grad, x, offs = make(n, torch.bfloat16, sizes=(70, 0, 64, 130), k=256)
