@@ -632,7 +632,24 @@ def compile_long(ptr, tile, cols, stages, warps, body=0, maxnreg=None):
                           options=dict(num_warps=warps, debug=True, sanitize_overflow=False,
                                        **({"maxnreg": maxnreg} if maxnreg else {})))
 
+def resource_usage(kernel):
+    """ptxas' (REG, STACK, LOCAL) of a compiled kernel, via the cuobjdump Triton ships."""
+    import os, re, subprocess, tempfile
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                              text=True).stdout
+    m = re.search(r"REG:(\d+).*?STACK:(\d+).*?LOCAL:(\d+)", text)
+    return [int(g) for g in m.groups()] if m else None
+
 out = {}
+# The register body (launch_long_runs_kernel's maxnreg: 255 past 32 rows per step).
+out["registers-32x64"] = {"usage": resource_usage(compile_long("*bf16", 64, 32, 1, 1, body=1,
+                                                               maxnreg=255))}
 for name, args in {"bf16-16x1024-s3": ("*bf16", 16, 1024, 3, 4),
                    "bf16-32x512-s4": ("*bf16", 32, 512, 4, 2)}.items():
     k = compile_long(*args)
@@ -646,7 +663,8 @@ print(json.dumps(out))
 def test_long_kernel_compiles_for_sm90_pipelined():
     """Ahead-of-time sm_90 compile (no GPU needed): the long-run loop's gather is
     software-pipelined (cp.async into shared memory, waited on inside the loop), with
-    ``LONG_STAGES - 1`` tile buffers of shared memory."""
+    ``LONG_STAGES - 1`` tile buffers of shared memory. The register body (64 rows per step,
+    32 columns, one warp) compiles with no spills (no stack, no local memory)."""
     import json
     import os
     import subprocess
@@ -669,3 +687,8 @@ def test_long_kernel_compiles_for_sm90_pipelined():
         assert got[name]["async_in_loop"], f"{name}: the gather loop is not pipelined"
         buffers = (stages - 1) * tile * cols * 2
         assert buffers <= got[name]["shared"] < buffers + 4096, (name, got[name]["shared"])
+    usage = got["registers-32x64"]["usage"]
+    if usage is None:
+        pytest.skip("no cuobjdump in this Triton install: spill check not run")
+    regs, stack, local = usage
+    assert stack == 0 and local == 0, usage
