@@ -440,6 +440,9 @@ def test_triton_backward_bad_tuning_arguments():
         ({"long_kernel": True, "long_min": 6, "long_block": 8}, r"long_block \(8\) must be <= long_min"),
         ({"long_kernel": True, "long_block": 3}, "long_block must be a power of two"),
         ({"long_kernel": True, "long_tile": 256, "long_stages": 8}, "bytes of shared memory"),
+        ({"long_kernel": True, "long_body": "smem"}, "unknown long_body"),
+        ({"long_kernel": True, "long_body": "registers", "long_prefetch": 48},
+         "long_prefetch must be 0 or a power of two"),
     ]:
         with pytest.raises(ValueError, match=message):
             kernels.embedding_backward(grad, ids, 67, None, torch.float32, **kwargs)
