@@ -45,13 +45,38 @@ _REG32 = {"long_body": "registers", "long_block_col": 32, "long_warps": 1, "long
 CONFIGS: list[tuple[str, dict]] = [
     ("default", {}),
     ("legacy (previous kernel)", {"impl": "legacy"}),
+    # torch.sort (cub radix sort, ~57 us for 16K ids) instead of the two-launch Triton sort.
+    ("sort torch (the previous default)", {"sort": "torch"}),
+    ("sort torch, streams off", {"sort": "torch", "streams": False}),
+    # Only the hottest chains on the long-run kernel's narrow register body, on their own
+    # stream. The chains make almost no progress while the fill saturates memory (sweep k:
+    # fill + short runs 0.439 ms, plus the hottest chain alone in the main kernel's shape,
+    # 88 us, is the whole 0.529 ms), so the idea was a faster hottest chain. Sweep l: all
+    # slower (0.583-1.077 ms against 0.529).
+    ("hot chains only: registers 32 cols tile 64, long_min 1023, fork",
+     {**_REG32, "long_kernel": True, "long_min": 1023, "long_fork": True}),
+    ("hot chains only: registers 32 cols tile 64, long_min 511, fork",
+     {**_REG32, "long_kernel": True, "long_min": 511, "long_fork": True}),
+    ("hot chains only: registers 32 cols tile 64, long_min 255, fork",
+     {**_REG32, "long_kernel": True, "long_min": 255, "long_fork": True}),
+    ("hot chains only: registers 32 cols tile 128, long_min 1023, fork",
+     {**_REG32, "long_tile": 128, "long_kernel": True, "long_min": 1023, "long_fork": True}),
+    ("hot chains only: registers 16 cols tile 128, long_min 1023, fork",
+     {**_REG32, "long_block_col": 16, "long_tile": 128, "long_kernel": True, "long_min": 1023,
+      "long_fork": True}),
+    ("hot chains only: registers 64 cols 2 warps tile 64, long_min 1023, fork",
+     {**_REG32, "long_block_col": 64, "long_warps": 2, "long_kernel": True, "long_min": 1023,
+      "long_fork": True}),
+    ("hot chains only: registers 32 cols tile 64, long_min 1023, no fork",
+     {**_REG32, "long_kernel": True, "long_min": 1023}),
     # The long-run kernel's register body on narrow column blocks (the chain probe's fastest
     # shape alone: 32 columns, 1 warp, 64 rows per step).
     ("long kernel registers 32 cols tile 64, long_min 63",
      {**_REG32, "long_kernel": True, "long_min": 63}),
     ("long kernel registers 32 cols tile 64, long_min 63, long_fork",
      {**_REG32, "long_kernel": True, "long_min": 63, "long_fork": True}),
-    # The fill's shape (the bulk of the bytes; the fill alone is ~5% slower than a memset).
+    # The fill's shape (the bulk of the bytes; the fill-only launch, 0.373 ms, is as fast as
+    # a memset of the table, 0.380).
     ("fill_rows 8 (the previous default)", {"fill_rows": 8}),
     ("fill_rows 4", {"fill_rows": 4}),
     ("fill_rows 1", {"fill_rows": 1}),
@@ -288,6 +313,9 @@ def main() -> None:
     zipf32, uniform32 = zipf.to(torch.int32), uniform.to(torch.int32)
     anchor("part: stable torch.sort of int32 ids",
            lambda: torch.sort(zipf32, stable=True), lambda: torch.sort(uniform32, stable=True))
+    anchor("part: stable Triton sort (compileops/embedding/sort.py), int64 ids",
+           lambda: kernels.id_sort.stable_sort_ids(zipf),
+           lambda: kernels.id_sort.stable_sort_ids(uniform))
     anchor("part: zero-fill, torch.zeros(V, D) bf16", lambda: torch.zeros(V, D, device=dev, dtype=torch.bfloat16))
     anchor("part: touched map (zeros(V) int8 + index_fill_)",
            lambda: kernels._touched_map(zipf, V), lambda: kernels._touched_map(uniform, V))
@@ -296,7 +324,7 @@ def main() -> None:
 
     def kernel_alone(id_name, cfg, diag=0):
         sorted_ids, order = prepared[id_name]
-        kw = {k: v for k, v in cfg.items() if k not in ("impl", "fill", "streams")}
+        kw = {k: v for k, v in cfg.items() if k not in ("impl", "fill", "streams", "sort")}
         launch_kw = kernels.backward_config(grad, **kw)
         touched = kernels._touched_map(id_sets[id_name], V) if cfg.get("fill") == "map" else None
         return lambda: kernels.launch_backward_kernel(
@@ -316,6 +344,20 @@ def main() -> None:
                    kernel_alone("Zipf", {}, diag), kernel_alone("uniform", {}, diag))
         except Exception as exc:
             print(f"  diagnostic {diag} FAILED {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+
+    # The fill-only launch (touched map; what the two-stream schedule runs on the current
+    # stream), against the memset above.
+    try:
+        fill_kw = kernels.backward_config(grad)
+        fills = []
+        for id_name in ("Zipf", "uniform"):
+            touched = kernels._touched_map(id_sets[id_name], V)
+            stand_in = prepared[id_name][0]
+            fills.append(lambda touched=touched, stand_in=stand_in: kernels.launch_backward_kernel(
+                stand_in, stand_in, touched, grad, out_buf, None, programs=2, **fill_kw))
+        anchor("part: the fill-only launch (touched map)", *fills)
+    except Exception as exc:
+        print(f"  fill-only FAILED {type(exc).__name__}: {str(exc)[:400]}", flush=True)
 
     # The long-run kernel alone (no fill, no run programs): the hot-id chains' own time.
     reg = {"long_body": "registers", "long_warps": 1}

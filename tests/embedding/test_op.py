@@ -328,6 +328,9 @@ BACKWARD_VARIANTS = [
     {"long_kernel": True, "long_body": "registers", "long_block_col": 16, "long_tile": 8},
     {"long_kernel": True, "long_body": "registers", "long_min": 16, "long_block_col": 32,
      "long_tile": 4, "long_prefetch": 64},  # prefetch: CUDA-only hint, off here
+    # The two-launch Triton sort (the CUDA default for <= 65536 ids) instead of torch.sort.
+    {"sort": "triton"},
+    {"sort": "triton", "long_kernel": True, "long_min": 16},
 ]
 
 
@@ -441,6 +444,7 @@ def test_triton_backward_bad_tuning_arguments():
         ({"long_kernel": True, "long_block": 3}, "long_block must be a power of two"),
         ({"long_kernel": True, "long_tile": 256, "long_stages": 8}, "bytes of shared memory"),
         ({"long_kernel": True, "long_body": "smem"}, "unknown long_body"),
+        ({"sort": "radix"}, "unknown sort"),
         ({"long_kernel": True, "long_body": "registers", "long_prefetch": 48},
          "long_prefetch must be 0 or a power of two"),
     ]:
@@ -695,3 +699,38 @@ def test_long_kernel_compiles_for_sm90_pipelined():
         pytest.skip("no cuobjdump in this Triton install: spill check not run")
     regs, stack, local = usage
     assert stack == 0 and local == 0, usage
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("n,sort_block,high", [
+    (1, 16, 5), (2, 2, 1), (15, 16, 3), (16, 16, 100), (17, 16, 4), (300, 8, 7),
+    (1000, 16, 50), (1024, 16, 2**31 - 1),  # 64 blocks: the widest merge tile
+])
+def test_triton_id_sort_is_torch_stable_sort(n, sort_block, high, id_dtype):
+    """The two-launch Triton sort under the interpreter (small blocks, so that many sorted
+    blocks are merged): exactly torch.sort(stable=True)'s ids and token positions, heavy
+    repeats, a padded last block, ids up to 2**31 - 1."""
+    from compileops.embedding.sort import stable_sort_ids
+
+    gen = torch.Generator().manual_seed(n)
+    ids = torch.randint(0, high, (n,), generator=gen, dtype=torch.int64)
+    ids[: n // 4] = high - 1
+    ids = ids.to(id_dtype)
+    before = ids.clone()
+    got_ids, got_order = stable_sort_ids(ids, sort_block=sort_block)
+    want_ids, want_order = torch.sort(ids.to(torch.int32), stable=True)
+    assert got_ids.dtype == torch.int32 and got_order.dtype == torch.int64
+    assert torch.equal(got_ids, want_ids) and torch.equal(got_order, want_order)
+    assert torch.equal(ids, before)
+
+
+def test_triton_id_sort_bad_arguments():
+    from compileops.embedding.sort import stable_sort_ids
+
+    with pytest.raises(ValueError, match="sort_block must be a power of two"):
+        stable_sort_ids(torch.zeros(4, dtype=torch.int64), sort_block=12)
+    with pytest.raises(ValueError, match=r"sorts at most 1024 ids with sort_block 16, got 1025"):
+        stable_sort_ids(torch.zeros(1025, dtype=torch.int64), sort_block=16)
+    empty_ids, empty_order = stable_sort_ids(torch.zeros(0, dtype=torch.int32))
+    assert empty_ids.numel() == 0 and empty_order.numel() == 0
+
