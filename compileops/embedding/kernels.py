@@ -6,7 +6,8 @@ only the gathered rows.
 Backward: a deterministic, batch-invariant scatter-add with no floating-point atomics and no
 fp32 V x D buffer. The ids are stably sorted on the device (on CUDA up to 65536 ids: two
 Triton launches, ``sort.py``; else ``torch.sort``, int32 keys when the table allows), so each
-distinct id is a contiguous run of sorted positions in token-position order. Then ONE kernel writes every row of ``grad_weight`` exactly once:
+distinct id is a contiguous run of sorted positions in token-position order. Then ONE kernel
+writes every row of ``grad_weight`` exactly once:
 
 * Run programs, one per (block of ``RUN_BLOCK`` sorted positions, column block), each
   handle every run that *starts* in their block, finding the run's end themselves by

@@ -28,7 +28,7 @@ import triton.language as tl
 SORT_BLOCK = 1024  # keys per block sorted by one program
 MAX_BLOCKS = 64  # the merge tile's widest block count
 MAX_TOKENS = SORT_BLOCK * MAX_BLOCKS
-_KEY_PAD = 2**63 - 1  # sorts after every real key; never counted as smaller
+KEY_PAD = tl.constexpr(2**63 - 1)  # sorts after every real key; never counted as smaller
 
 
 @triton.jit
@@ -41,7 +41,7 @@ def sort_key_blocks_kernel(ids_ptr, block_keys_ptr, n_tokens, pos_bits,
     pos = block.to(tl.int64) * SORT_BLOCK + tl.arange(0, SORT_BLOCK)
     in_range = pos < n_tokens
     ids = tl.load(ids_ptr + pos, mask=in_range, other=0).to(tl.int64)
-    keys = tl.where(in_range, (ids << pos_bits) | pos, 9223372036854775807)
+    keys = tl.where(in_range, (ids << pos_bits) | pos, KEY_PAD)
     tl.store(block_keys_ptr + pos, tl.sort(keys))
 
 
@@ -64,12 +64,12 @@ def merge_rank_kernel(block_keys_ptr, sorted_ids_ptr, order_ptr, n_blocks, pos_b
     for step in tl.static_range(LOG_BLOCK):
         step_below = below + (SORT_BLOCK >> (step + 1))
         seen = tl.load(block_keys_ptr + other_base + (step_below - 1), mask=other_ok,
-                       other=9223372036854775807)
+                       other=KEY_PAD)
         below = tl.where(seen < probe_key, step_below, below)
-    seen = tl.load(block_keys_ptr + other_base + below, mask=other_ok, other=9223372036854775807)
+    seen = tl.load(block_keys_ptr + other_base + below, mask=other_ok, other=KEY_PAD)
     below = tl.where(seen < probe_key, below + 1, below)
     rank = tl.sum(below, axis=1).to(tl.int64)
-    real = keys != 9223372036854775807
+    real = keys != KEY_PAD
     tl.store(sorted_ids_ptr + rank, (keys >> pos_bits).to(tl.int32), mask=real)
     tl.store(order_ptr + rank, keys & ((1 << pos_bits) - 1), mask=real)
 
