@@ -178,17 +178,17 @@ def timeline(ids, grad, out, reps: int = 20, **config_kwargs) -> None:
                   for k in ("start", "sorted", "runs", "fill", "end")}
             torch.cuda.synchronize()
             ev["start"].record(main)
-            keys = ids.to(torch.int32)
-            touched = kernels._touched_map(keys, out.shape[0])
+            touched = kernels._touched_map(ids, out.shape[0])
+            stand_in = torch.empty(1, dtype=torch.int32, device=ids.device)
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                sorted_ids, order = torch.sort(keys, stable=True)
+                sorted_ids, order = kernels._sort_ids(ids, out.shape[0])
                 ev["sorted"].record(side)
                 kernels.launch_backward_kernel(sorted_ids, order, None, grad, out, None,
                                                programs=1, diag=diag, **config)
                 ev["runs"].record(side)
             if fill:
-                kernels.launch_backward_kernel(keys, keys, touched, grad, out, None,
+                kernels.launch_backward_kernel(stand_in, stand_in, touched, grad, out, None,
                                                programs=2, **config)
             ev["fill"].record(main)
             main.wait_stream(side)

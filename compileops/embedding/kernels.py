@@ -716,9 +716,10 @@ def embedding_backward(
     """grad ``[*ids.shape, D]`` -> grad_weight ``[V, D]`` in ``weight_dtype`` (see module doc).
 
     ``out`` (``[V, D]``, ``weight_dtype``) may be given as the destination; its prior contents
-    never matter. Device-side work only, no host sync (CUDA-graph capturable): an int32 cast
-    of int64 ids, a stable sort, then one kernel launch (``fill="map"`` adds two launches,
-    ``long_kernel`` one).
+    never matter. Device-side work only, no host sync (CUDA-graph capturable): a stable sort
+    (``sort``), then one kernel launch (``fill="map"`` adds two launches, ``long_kernel``
+    one); the two-stream schedule instead builds the touched map and launches the run and
+    fill programs separately.
 
     Tuning (``impl="runs"``, the default). The defaults follow the H100 sweeps
     (benchmarks/results/sweep_embedding_bw_h100_2026-11-21*.log): 512 columns per run
