@@ -54,6 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _launch
+from .._launch import cdiv, next_power_of_2
 from . import sort as id_sort
 
 
@@ -619,7 +621,7 @@ def embedding_long_runs_kernel(
 
 def _forward_config(dim: int, elem_size: int) -> tuple[int, int, int]:
     """(BLOCK_TOK, BLOCK_COL, num_warps): 16-byte accesses, ~16 KB moved per program."""
-    block_col = min(triton.next_power_of_2(dim), max(16, 4096 // elem_size))
+    block_col = min(next_power_of_2(dim), max(16, 4096 // elem_size))
     block_tok = max(1, min(16, (16384 // elem_size) // block_col))
     return block_tok, block_col, 4
 
@@ -646,12 +648,13 @@ def embedding_forward(
     out = torch.empty((n_tokens, dim), dtype=out_dtype, device=weight.device)
     if n_tokens and dim:
         block_tok, block_col, num_warps = config or _forward_config(dim, weight.element_size())
-        grid = (triton.cdiv(n_tokens, block_tok), triton.cdiv(dim, block_col))
-        embedding_forward_kernel[grid](
-            flat_ids, weight, out, n_tokens, num_embeddings, dim,
-            weight.stride(0), weight.stride(1),
-            BLOCK_TOK=block_tok, BLOCK_COL=block_col, num_warps=num_warps,
-            **_launch_options(weight.device),
+        grid = (cdiv(n_tokens, block_tok), cdiv(dim, block_col))
+        _launch.launch(
+            embedding_forward_kernel, grid,
+            (flat_ids, weight, out, n_tokens, num_embeddings, dim,
+             weight.stride(0), weight.stride(1)),
+            dict(BLOCK_TOK=block_tok, BLOCK_COL=block_col),
+            dict(num_warps=num_warps, **_launch_options(weight.device)),
         )
     return out.reshape(*ids.shape, dim)
 
@@ -922,7 +925,7 @@ def backward_config(
     long_block = long_block or _long_block_default(long_min)
     if long_block > long_min + 1:  # else two long runs could start in one block
         raise ValueError(f"long_block ({long_block}) must be <= long_min + 1 ({long_min + 1})")
-    long_cols = min(triton.next_power_of_2(dim), long_block_col)
+    long_cols = min(next_power_of_2(dim), long_block_col)
     long_warps = long_warps or max(1, min(8, long_cols * elem // 512))
     for name, value in (("run_block", run_block), ("tile", tile), ("fill_rows", fill_rows or 1),
                         ("block_col", block_col), ("fill_col", fill_col),
@@ -980,16 +983,16 @@ def launch_backward_kernel(
     n_tokens, dim = flat_grad.shape
     num_embeddings = out.shape[0]
     on_cuda = flat_grad.device.type == "cuda" and not torch.version.hip
-    block_col = min(triton.next_power_of_2(dim), block_col)
-    fill_col = min(triton.next_power_of_2(dim), fill_col)
+    block_col = min(next_power_of_2(dim), block_col)
+    fill_col = min(next_power_of_2(dim), fill_col)
     if fill_rows is None:  # ~16 KB of rows per fill program: 2 rows at D=4096 bf16
         row_bytes = dim * out.element_size()
-        fill_rows = max(1, min(64, triton.next_power_of_2(triton.cdiv(1 << 14, row_bytes))))
+        fill_rows = max(1, min(64, next_power_of_2(cdiv(1 << 14, row_bytes))))
     # Rows per store: at most 8192 elements (64 per thread with 4 warps): no register spills.
-    fill_chunk = min(fill_rows, max(1, triton.next_power_of_2(8192 // fill_col)))
-    col_blocks = triton.cdiv(dim, block_col)
-    run_programs = triton.cdiv(n_tokens, run_block) * col_blocks
-    fill_programs = triton.cdiv(num_embeddings, fill_rows)
+    fill_chunk = min(fill_rows, max(1, next_power_of_2(8192 // fill_col)))
+    col_blocks = cdiv(dim, block_col)
+    run_programs = cdiv(n_tokens, run_block) * col_blocks
+    fill_programs = cdiv(num_embeddings, fill_rows)
     mixed_groups = min(fill_programs, run_programs // runs_per_fill) if runs_per_fill else 0
     if programs not in (0, 1, 2):
         raise ValueError(f"programs must be 0, 1 or 2, got {programs}")
@@ -1008,7 +1011,7 @@ def launch_backward_kernel(
             long_tile=long_tile, long_block_col=long_block_col, long_stages=long_stages,
             long_warps=long_warps, long_block=long_block, long_body=long_body,
             long_prefetch=long_prefetch)
-    embedding_backward_kernel[grid](
+    _launch.launch(embedding_backward_kernel, grid, (
         # The kernel reads the low 32-bit word of each int64 token position (little-endian,
         # positions < 2**31): half the registers per in-flight index.
         sorted_ids, order.view(torch.int32), sorted_ids if touched is None else touched,
@@ -1016,6 +1019,7 @@ def launch_backward_kernel(
         n_tokens, num_embeddings, dim, -1 if padding_idx is None else padding_idx,
         1 << (search_steps - 1), search_steps, runs_per_fill, mixed_groups,
         flat_grad.stride(0), flat_grad.stride(1),
+    ), dict(
         HAS_PADDING=padding_idx is not None, ACC_FP64=flat_grad.dtype == torch.float64,
         BLOCK_COL=block_col, RUN_BLOCK=run_block, UNROLL=unroll, TILE=tile,
         LONG_MODE=_LONG_MODES[long_mode],
@@ -1024,9 +1028,10 @@ def launch_backward_kernel(
         FILL_SEARCH=touched is None, FILL_EVICT=fill_evict,
         LONG_SPLIT=unroll if diag == 1 else long_min if long_kernel else 0, DIAG=diag,
         PROGRAMS=programs,
+    ), dict(
         num_warps=num_warps or (8 if block_col >= 1024 else 4 if block_col >= 512 else 2),
         **options,
-    )
+    ))
 
 
 # Run-end search width of the long-run kernel: one coarse load covers 64 * 64 positions.
@@ -1058,10 +1063,10 @@ def launch_long_runs_kernel(
     row) of ``out [V, D]`` from ``flat_grad [n_tokens, D]``, given ``_sort_ids``' outputs;
     the main kernel's ``LONG_SPLIT=long_min`` launch writes the other rows."""
     n_tokens, dim = flat_grad.shape
-    long_block_col = min(triton.next_power_of_2(dim), long_block_col)
+    long_block_col = min(next_power_of_2(dim), long_block_col)
     elem = flat_grad.element_size()
     long_block = long_block or _long_block_default(long_min)
-    grid = (triton.cdiv(n_tokens, long_block) * triton.cdiv(dim, long_block_col),)
+    grid = (cdiv(n_tokens, long_block) * cdiv(dim, long_block_col),)
     on_cuda = flat_grad.device.type == "cuda" and not torch.version.hip
     options = _launch_options(flat_grad.device)
     registers = _LONG_BODIES[long_body] == LONG_REGISTERS
@@ -1094,9 +1099,9 @@ def _legacy_embedding_backward(
     sorted_ids, order = _sort_ids(flat_ids, num_embeddings)
     run_end = torch.searchsorted(sorted_ids, sorted_ids, right=True)
     touched = _touched_map(flat_ids, num_embeddings)
-    block_col = min(triton.next_power_of_2(dim), block_col)
-    col_blocks = triton.cdiv(dim, block_col)
-    grid = (n_tokens * col_blocks + triton.cdiv(num_embeddings, zero_rows) * col_blocks,)
+    block_col = min(next_power_of_2(dim), block_col)
+    col_blocks = cdiv(dim, block_col)
+    grid = (n_tokens * col_blocks + cdiv(num_embeddings, zero_rows) * col_blocks,)
     legacy_embedding_backward_kernel[grid](
         sorted_ids, order, run_end, touched, flat_grad, out,
         n_tokens, num_embeddings, dim, -1 if padding_idx is None else padding_idx,

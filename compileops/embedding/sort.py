@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._launch import cdiv, launch, next_power_of_2
+
 SORT_BLOCK = 1024  # keys per block sorted by one program
 MAX_BLOCKS = 64  # the merge tile's widest block count
 MAX_TOKENS = SORT_BLOCK * MAX_BLOCKS
@@ -91,15 +93,15 @@ def stable_sort_ids(flat_ids: torch.Tensor, sort_block: int = SORT_BLOCK
     order = torch.empty(n_tokens, dtype=torch.int64, device=device)
     if n_tokens == 0:
         return sorted_ids, order
-    n_blocks = triton.cdiv(n_tokens, sort_block)
+    n_blocks = cdiv(n_tokens, sort_block)
     pos_bits = max(1, (n_tokens - 1).bit_length())
     block_keys = torch.empty(n_blocks * sort_block, dtype=torch.int64, device=device)
-    sort_key_blocks_kernel[(n_blocks,)](flat_ids, block_keys, n_tokens, pos_bits,
-                                        SORT_BLOCK=sort_block, num_warps=4)
-    nb = triton.next_power_of_2(n_blocks)
+    launch(sort_key_blocks_kernel, (n_blocks,), (flat_ids, block_keys, n_tokens, pos_bits),
+           dict(SORT_BLOCK=sort_block), dict(num_warps=4))
+    nb = next_power_of_2(n_blocks)
     block_i = min(sort_block, 4096 // nb)  # ~4096 searches in flight per program
-    merge_rank_kernel[(n_blocks * sort_block // block_i,)](
-        block_keys, sorted_ids, order, n_blocks, pos_bits,
-        SORT_BLOCK=sort_block, LOG_BLOCK=sort_block.bit_length() - 1, BLOCK_I=block_i, NB=nb,
-        num_warps=4)
+    launch(merge_rank_kernel, (n_blocks * sort_block // block_i,),
+           (block_keys, sorted_ids, order, n_blocks, pos_bits),
+           dict(SORT_BLOCK=sort_block, LOG_BLOCK=sort_block.bit_length() - 1, BLOCK_I=block_i,
+                NB=nb), dict(num_warps=4))
     return sorted_ids, order

@@ -201,3 +201,56 @@ def test_backward_sorts_agree_bitwise(sort):
     got = kernels.embedding_backward(grad, ids, 50000, None, torch.bfloat16, sort=sort)
     want = reference.embedding_backward(grad, ids, 50000, None, torch.bfloat16)
     assert torch.equal(got, want)
+
+
+def test_cached_launches_follow_alignment_and_match_the_normal_path():
+    """compileops._launch reuses a compiled kernel only for arguments Triton would specialize
+    the same way: after aligned calls, 2-byte-misaligned views of the table and the grad
+    (so no 16-byte vector accesses) still give bitwise the reference, and every result is
+    bitwise the one from Triton's normal launch path."""
+    from compileops import _launch
+    from compileops.embedding import kernels
+
+    v, d, n = 5000, 512, 4096
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    flat = torch.randn(v * d + 1, device="cuda", generator=gen, dtype=torch.bfloat16)
+    aligned, misaligned = flat[:-1].view(v, d), flat[1:].view(v, d)
+    assert misaligned.data_ptr() % 16 == 2
+    ids = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    ids[:300] = 7
+    grads = torch.randn(n * d + 1, device="cuda", generator=gen, dtype=torch.bfloat16)
+    grad_aligned, grad_misaligned = grads[:-1].view(n, d), grads[1:].view(n, d)
+    results = {}
+    for enabled in (True, False):
+        _launch.enabled = enabled
+        try:
+            for name, weight, grad in (("aligned", aligned, grad_aligned),
+                                       ("misaligned", misaligned, grad_misaligned),
+                                       ("aligned again", aligned, grad_aligned)):
+                fwd = kernels.embedding_forward(ids, weight)
+                bwd = kernels.embedding_backward(grad, ids, v, None, torch.bfloat16)
+                assert torch.equal(fwd, weight[ids]), (enabled, name)
+                assert torch.equal(bwd, reference.embedding_backward(grad, ids, v, None,
+                                                                     torch.bfloat16)), (enabled, name)
+                results[enabled, name] = (fwd, bwd)
+        finally:
+            _launch.enabled = True
+    for name in ("aligned", "misaligned", "aligned again"):
+        for got, want in zip(results[True, name], results[False, name]):
+            assert torch.equal(got, want), name
+
+
+def test_cached_launch_skips_tritons_binding_on_a_repeat_call(monkeypatch):
+    """The second identical forward call launches the cached kernel without going through
+    JITFunction.run (which would rebind every argument)."""
+    from compileops.embedding import kernels
+
+    weight = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, 1000, (512,), device="cuda")
+    first = kernels.embedding_forward(ids, weight)
+
+    def bound_again(*args, **kwargs):
+        raise AssertionError("JITFunction.run was called: the launch cache missed")
+
+    monkeypatch.setattr(kernels.embedding_forward_kernel, "run", bound_again)
+    assert torch.equal(kernels.embedding_forward(ids, weight), first)
