@@ -13,8 +13,8 @@ and for tensors the dtype and 16-byte alignment, for ints whether they equal 1, 
 normal path, so the kernel stored is the one Triton itself chose for those arguments.
 Arguments of other types (tensor descriptors, ...) are not cached: normal path.
 
-Falls back to the normal path, uncached, under the Triton interpreter and while launch
-hooks (profilers) are installed.
+Falls back to the normal path, uncached, under the Triton interpreter, while launch hooks
+(profilers) are installed, and on Triton versions other than the one this was checked on.
 """
 from __future__ import annotations
 
@@ -24,6 +24,10 @@ import torch
 
 #: Set False to launch every kernel through Triton's normal path (benchmarks compare both).
 enabled = True
+
+# The launcher call below and the specialization rules above are Triton 3.6's; other
+# versions take the normal path until checked.
+_TRITON_CHECKED = ("3.6.",)
 
 _CACHE: dict[tuple, tuple[Any, tuple]] = {}
 _UNSUPPORTED = object()
@@ -41,6 +45,12 @@ def _arg_key(arg: Any) -> Any:
     if isinstance(arg, float):
         return float
     return _UNSUPPORTED  # e.g. a TMA descriptor: Triton specializes on more than its type
+
+
+def _version_checked() -> bool:
+    import triton
+
+    return triton.__version__.startswith(_TRITON_CHECKED)
 
 
 def _hooked(hook: Any) -> bool:
@@ -75,7 +85,8 @@ def launch(fn, grid: Sequence[int], args: Sequence[Any], constexprs: dict, optio
     from triton import knobs
 
     runtime = knobs.runtime
-    if (not enabled or getattr(fn, "device_caches", None) is None or runtime.interpret
+    if (not enabled or not _version_checked() or getattr(fn, "device_caches", None) is None
+            or runtime.interpret
             or _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)):
         fn[grid](*args, **constexprs, **options)
         return

@@ -107,10 +107,11 @@ def test_a_different_specialization_is_a_miss(cached_path, change):
     assert fn.compiled[0].calls == []
 
 
-def test_interpreter_hooks_and_switch_take_the_normal_path(cached_path, monkeypatch):
+def test_interpreter_hooks_switch_and_other_versions_take_the_normal_path(cached_path,
+                                                                          monkeypatch):
     fn = _FakeJit()
     x = torch.zeros(64)
-    for setting in ("interpret", "hook", "disabled"):
+    for setting in ("interpret", "hook", "disabled", "other triton"):
         with monkeypatch.context() as m:
             if setting == "interpret":
                 m.setattr(knobs.runtime, "interpret", True)
@@ -118,11 +119,13 @@ def test_interpreter_hooks_and_switch_take_the_normal_path(cached_path, monkeypa
                 chain = knobs.HookChain()
                 chain.add(lambda *a: None)
                 m.setattr(knobs.runtime, "launch_enter_hook", chain)
-            else:
+            elif setting == "disabled":
                 m.setattr(_launch, "enabled", False)
+            else:
+                m.setattr(_launch, "_TRITON_CHECKED", ("9.9.",))
             for _ in range(2):
                 _launch.launch(fn, (1,), (x, 32), {"BLOCK": 16}, {})
-    assert len(fn.normal_launches) == 6
+    assert len(fn.normal_launches) == 8
     assert all(not c.calls for c in fn.compiled)
 
 
