@@ -18,7 +18,7 @@ Falls back to the normal path, uncached, under the Triton interpreter, while lau
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -75,6 +75,26 @@ def _constexpr_tail(fn, n_args: int, constexprs: dict) -> tuple:
     return tuple(tail)
 
 
+def _cache_key(fn, args: Sequence[Any], constexprs: dict, options: dict) -> Optional[tuple]:
+    """The launch's cache key, or None where the launch must take Triton's normal path
+    (switched off, another Triton version, the interpreter, launch hooks, an argument type
+    whose specialization is not modelled here). Its second entry is the current device."""
+    from triton import knobs
+
+    runtime = knobs.runtime
+    if (not enabled or not _version_checked() or getattr(fn, "device_caches", None) is None
+            or runtime.interpret
+            or _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)):
+        return None
+    arg_keys = tuple(map(_arg_key, args))
+    if _UNSUPPORTED in arg_keys:
+        return None
+    from triton.runtime.driver import driver
+
+    device = driver.active.get_current_device()
+    return (fn, device, tuple(constexprs.items()), tuple(options.items()), arg_keys)
+
+
 def launch(fn, grid: Sequence[int], args: Sequence[Any], constexprs: dict, options: dict) -> None:
     """``fn[grid](*args, **constexprs, **options)``, with the compiled kernel cached.
 
@@ -82,34 +102,22 @@ def launch(fn, grid: Sequence[int], args: Sequence[Any], constexprs: dict, optio
     remaining parameters by name (defaults apply); ``options``: launch options
     (``num_warps``, ``maxnreg``, ``debug``, ...).
     """
-    from triton import knobs
-
-    runtime = knobs.runtime
-    if (not enabled or not _version_checked() or getattr(fn, "device_caches", None) is None
-            or runtime.interpret
-            or _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)):
-        fn[grid](*args, **constexprs, **options)
+    key = _cache_key(fn, args, constexprs, options)
+    entry = None if key is None else _CACHE.get(key)
+    if entry is None:  # Triton's normal path; its kernel is kept for the next launch
+        kernel = fn[grid](*args, **constexprs, **options)
+        if key is not None:
+            if hasattr(kernel, "result"):  # an asynchronous compile's future
+                kernel = kernel.result()
+            _CACHE[key] = (kernel, _constexpr_tail(fn, len(args), constexprs))
         return
     from triton.runtime.driver import driver
 
-    device = driver.active.get_current_device()
-    arg_keys = tuple(map(_arg_key, args))
-    if _UNSUPPORTED in arg_keys:
-        fn[grid](*args, **constexprs, **options)
-        return
-    key = (fn, device, tuple(constexprs.items()), tuple(options.items()), arg_keys)
-    entry = _CACHE.get(key)
-    if entry is None:
-        kernel = fn[grid](*args, **constexprs, **options)
-        if hasattr(kernel, "result"):  # an asynchronous compile's future
-            kernel = kernel.result()
-        _CACHE[key] = (kernel, _constexpr_tail(fn, len(args), constexprs))
-        return
     kernel, tail = entry
     grid_x = grid[0]
     grid_y = grid[1] if len(grid) > 1 else 1
     grid_z = grid[2] if len(grid) > 2 else 1
-    stream = driver.active.get_current_stream(device)
+    stream = driver.active.get_current_stream(key[1])
     kernel.run(grid_x, grid_y, grid_z, stream, kernel.function, kernel.packed_metadata, None,
                None, None, *args, *tail)
 
