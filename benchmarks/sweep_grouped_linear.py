@@ -36,6 +36,12 @@ FWD_CONFIGS = [
     Config(128, 128, 64, 4, 3, programs_per_sm=2),
     Config(128, 128, 64, 4, 3, flatten=True, programs_per_sm=2),
     Config(128, 128, 64, 4, 4, programs_per_sm=2),
+    # Output tiles stored by TMA (Config.tma_store; ragged descriptor, see store_rows_below).
+    # sm_90 shared memory: 128x256 s3 213528 B (48 KB operand stages + a 64 KB staging tile);
+    # the x2/SM one is s2 (98576 B each): with s3 (131352 B) two programs no longer fit on an
+    # SM (233472 B), so half the grid would wait for the other half.
+    Config(128, 256, 64, 8, 3, flatten=True, tma_store=True),
+    Config(128, 128, 64, 4, 2, flatten=True, programs_per_sm=2, tma_store=True),
 ]
 # SwiGLU tiles hold two accumulators (gate and up): half the N width of the plain ones.
 SWIGLU_CONFIGS = [
@@ -43,6 +49,9 @@ SWIGLU_CONFIGS = [
     Config(128, 128, 64, 8, 3),
     Config(128, 64, 64, 4, 3, programs_per_sm=2),
     Config(128, 64, 64, 4, 4, flatten=True, programs_per_sm=2),
+    # TMA stores of the SwiGLU output (about 180 KB of shared memory on sm_90, both).
+    Config(128, 128, 64, 8, 3, flatten=True, tma_store=True),
+    Config(128, 128, 64, 8, 3, tma_store=True),
 ]
 WGRAD_CONFIGS = [
     Config(64, 128, 256, 8, 3),

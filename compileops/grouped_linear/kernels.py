@@ -22,14 +22,17 @@ unspecified (see :mod:`compileops.grouped_linear.op` for the opt-in eager check)
 
 TMA: on sm90+ the eager M-jagged kernel (forward, SwiGLU, dX) loads A and W tiles through
 device-side tensor descriptors when strides/alignment allow (:func:`tma_applies`;
-``COMPILEOPS_GROUPED_TMA=0`` turns it off). The dW kernel loads whole row chunks by TMA
-too (:func:`wgrad_tma_applies`), with the ``Config`` variants ``ragged_tma``, ``tma_store``
-and ``epilogue_subtile`` (see :func:`choose_wgrad_config` for the defaults).
+``COMPILEOPS_GROUPED_TMA=0`` turns it off); with ``Config.tma_store`` it also stores the
+output tiles by TMA, through a ragged descriptor that drops the next group's rows
+(:func:`store_rows_below`; not in the default configs). The dW kernel loads whole row
+chunks by TMA too (:func:`wgrad_tma_applies`), with the ``Config`` variants ``ragged_tma``,
+``tma_store`` and ``epilogue_subtile`` (see :func:`choose_wgrad_config` for the defaults).
 ``tl.range(warp_specialize=True)`` on the dW chunk loop compiled for sm_90 with Triton 3.6
 (only with 4 warps, no runtime branches in the tile body and no masked tail loop) but
-produced wrong dW on an H200, so it is not offered. The Inductor template uses masked
-pointer loads. Tile shapes are chosen on the host from ``M / G`` (the mean group
-size; no device read) by :func:`choose_config`.
+produced wrong dW on an H200, so it is not offered. The Inductor template stores through
+masked pointers (its loads take TMA where ``lowerings/grouped_linear.py`` allows). Tile
+shapes are chosen on the host from ``M / G`` (the mean group size; no device read) by
+:func:`choose_config`.
 """
 from __future__ import annotations
 
@@ -247,6 +250,17 @@ def load_rows_below(desc, row, end, col, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: t
 
 
 @triton.jit
+def store_rows_below(desc, row, end, col, tile, BLOCK_ROWS: tl.constexpr,
+                     BLOCK_COLS: tl.constexpr):
+    """Writes ``tile [BLOCK_ROWS, BLOCK_COLS]`` to rows ``[row, row + BLOCK_ROWS)`` x columns
+    ``[col, col + BLOCK_COLS)`` through a :func:`ragged_rows_descriptor` (the mirror of
+    :func:`load_rows_below`): the TMA unit drops the elements of rows ``>= end`` and of
+    columns past the matrix, so another program's rows past ``end`` are never written."""
+    desc.store([RAGGED_ROWS, end, RAGGED_ROWS - end + row, col],
+               tile.reshape(1, 1, BLOCK_ROWS, BLOCK_COLS))
+
+
+@triton.jit
 def kjagged_tile(
     dy_ptr, x_ptr, start, end, tile_n, tile_k, N, K,
     stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc, x_desc,
@@ -355,12 +369,20 @@ def mjagged_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     USE_TMA: tl.constexpr, B_KN: tl.constexpr, G_BLOCK: tl.constexpr, FLATTEN: tl.constexpr,
+    TMA_STORE: tl.constexpr = False,
 ):
     """Persistent M-jagged grouped GEMM; ``N_OUT`` output columns (``N / 2`` with SWIGLU).
 
     One flat tile space over all groups (``group_tile_table`` / ``locate_tile``): every
     program strides through it by ``NUM_PROGS``, so load balance does not depend on how the
-    rows split into groups. ``FLATTEN`` lets Triton pipeline across consecutive tiles."""
+    rows split into groups. ``FLATTEN`` lets Triton pipeline across consecutive tiles.
+
+    ``TMA_STORE`` (with ``USE_TMA``; ``out [M, N_OUT]`` with unit column stride, 16-byte
+    aligned base and row stride, ``M < RAGGED_ROWS``): each output tile leaves as an async
+    bulk copy through a ragged descriptor (:func:`store_rows_below`), so the next tile's
+    loads and MMAs run while it drains, instead of masked pointer stores from registers. A
+    group's last partial tile covers rows of the next group (written by another program): the
+    ragged bound ``end`` drops them, as the pointer store's row mask does."""
     pid = tl.program_id(0)
     a_desc = None
     b_desc = None
@@ -372,6 +394,9 @@ def mjagged_gemm_kernel(
             b_n = N_OUT * 2 if SWIGLU else N_OUT
             a_desc, b_desc = make_descriptors(a_ptr, b_ptr, M, K, G, b_n, stride_am, stride_bg,
                                               stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, B_KN)
+    out_desc = None
+    if USE_TMA and TMA_STORE:
+        out_desc = ragged_rows_descriptor(out_ptr, N_OUT, stride_om, BLOCK_M, BLOCK_N)
     num_n = tl.cdiv(N_OUT, BLOCK_N)
     tile_end, total_m = group_tile_table(offs_ptr, G, M, BLOCK_M, G_BLOCK)
     for t in tl.range(pid, total_m * num_n, NUM_PROGS, flatten=FLATTEN):
@@ -385,12 +410,16 @@ def mjagged_gemm_kernel(
         )
         if SWIGLU:
             acc = swiglu(acc, up)
-        rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (rm < end - start)[:, None] & (rn < N_OUT)[None, :]
-        rows = (start + rm).to(tl.int64)
-        dst = out_ptr + rows[:, None] * stride_om + rn[None, :].to(tl.int64) * stride_on
-        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if USE_TMA and TMA_STORE:
+            store_rows_below(out_desc, start + tile_m * BLOCK_M, end, tile_n * BLOCK_N,
+                             acc.to(out_ptr.dtype.element_ty), BLOCK_M, BLOCK_N)
+        else:
+            rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = (rm < end - start)[:, None] & (rn < N_OUT)[None, :]
+            rows = (start + rm).to(tl.int64)
+            dst = out_ptr + rows[:, None] * stride_om + rn[None, :].to(tl.int64) * stride_on
+            tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -524,11 +553,14 @@ class Config:
     flatten: bool = False  # pipeline across consecutive tiles (tl.range(flatten=True))
     programs_per_sm: int = 1  # >1: co-resident programs hide each other's prologue/epilogue
     group_m: int = 8  # M-tiles per L2 super-group (locate_tile)
-    # dW (K-jagged) variants; all only on the TMA path (sm90+, TMA-able strides) and
-    # ignored on the pointer path (they fall back per launch, see _wgrad_variant_flags).
-    # Same dW / db bits as without them. ragged_tma: partial last chunks through
-    # zero-filling ragged descriptors instead of a masked pointer tail loop. tma_store: dW
-    # tiles stored by TMA (async bulk copy) when N % block_n == 0; epilogue_subtile: in two
+    # Variants; all only on the eager TMA path (sm90+, TMA-able strides) and ignored on the
+    # pointer path and by the Inductor template (they fall back per launch, see
+    # _wgrad_variant_flags / _mjagged_tma_store). Same bits as without them.
+    # tma_store (both kernels): output tiles stored by TMA (async bulk copy). dW: when
+    # N % block_n == 0; M-jagged (forward, dX, SwiGLU): through a ragged descriptor that
+    # drops the rows past the tile's group, when the output's rows are 16-byte aligned.
+    # dW only: ragged_tma: partial last chunks through zero-filling ragged descriptors
+    # instead of a masked pointer tail loop; epilogue_subtile: the TMA store in two
     # [block_n, block_k / 2] halves.
     ragged_tma: bool = False
     tma_store: bool = False
@@ -662,6 +694,7 @@ def _grid_size(device: torch.device) -> int:
 
 
 _tma_failed = False
+_mjagged_store_failed = False  # an M-jagged TMA-store launch raised: TMA loads, pointer stores
 _wgrad_variant_failed = False  # a dW ragged-TMA / TMA-store launch raised: plain TMA
 
 
@@ -691,6 +724,17 @@ def tma_applies(a: torch.Tensor, w: torch.Tensor, cfg: Config) -> bool:
             and cfg.block_k * es >= 16)
 
 
+def _mjagged_tma_store(out: torch.Tensor, cfg: Config, tma: bool) -> bool:
+    """``TMA_STORE`` for an M-jagged launch: ``cfg.tma_store`` on the TMA path, when ``out
+    [M, N_OUT]`` is TMA-storable (unit column stride, 16-byte aligned base and row stride,
+    a box row of at least 16 bytes) and its rows fit the ragged descriptor (``M <
+    RAGGED_ROWS``). Otherwise the launch keeps the masked pointer store."""
+    es = out.element_size()
+    return (tma and cfg.tma_store and out.stride(1) == 1 and out.data_ptr() % 16 == 0
+            and (out.stride(0) * es) % 16 == 0 and cfg.block_n * es >= 16
+            and out.shape[0] < RAGGED_ROWS.value)
+
+
 def _set_tma_allocator(device: torch.device) -> None:
     # Device-side descriptors need a small global scratch per launch; take it from torch's
     # caching allocator (stream-ordered, so CUDA graph capture works).
@@ -707,10 +751,13 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
 
     ``b`` is the weight ``[G, N, K]``; ``b_kn`` says B_g is ``W_g`` itself (dX) rather than
     ``W_g^T``. ``use_tma=None`` picks TMA when :func:`tma_applies` (never in batch-invariant
-    mode: one code path per row). If a TMA launch raises (e.g. an older driver), a warning
-    is printed once and the pointer path is used from then on.
+    mode: one code path per row). ``Config.tma_store`` adds TMA stores of the output tiles
+    where :func:`_mjagged_tma_store` allows. If a TMA launch raises (e.g. an older driver), a
+    warning is printed once and the pointer path is used from then on; a failing TMA store
+    from a default config falls back to TMA loads with pointer stores the same way, one
+    asked for by an explicit ``config`` raises (a sweep must not time a fallback).
     """
-    global _tma_failed
+    global _tma_failed, _mjagged_store_failed
     m, k = a.shape
     groups = offsets.shape[0]
     out = torch.empty((m, n_out), dtype=out_dtype, device=a.device)
@@ -721,8 +768,9 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
     progs = _grid_size(a.device) * cfg.programs_per_sm
     if use_tma is None:
         use_tma = not batch_invariant and tma_applies(a, b, cfg)
+    store = _mjagged_tma_store(out, cfg, bool(use_tma))
 
-    def launch(tma: bool) -> None:
+    def launch(tma: bool, tma_store: bool = False) -> None:
         if tma:
             _set_tma_allocator(a.device)
         mjagged_gemm_kernel[(progs,)](
@@ -735,10 +783,21 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             INPUT_PRECISION=input_precision(a.dtype), DOT_UPCAST=dot_upcast(a),
             USE_TMA=tma, B_KN=b_kn, G_BLOCK=group_block(groups), FLATTEN=cfg.flatten,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            TMA_STORE=tma and tma_store, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     if use_tma and a.device.type == "cuda":
+        if store and (config is not None or not _mjagged_store_failed):
+            try:
+                launch(True, tma_store=True)
+                return out
+            except Exception as exc:
+                if config is not None:  # asked for by name: fail, never time a fallback
+                    raise
+                _mjagged_store_failed = True
+                warnings.warn(f"compileops.grouped_linear: M-jagged kernel with TMA store "
+                              f"failed ({type(exc).__name__}: {exc}); using pointer stores "
+                              f"from now on")
         try:
             launch(True)
             return out
@@ -746,7 +805,8 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
             _tma_failed = True
             warnings.warn(f"compileops.grouped_linear: TMA kernel failed ({type(exc).__name__}: "
                           f"{exc}); using the pointer-based kernel from now on")
-    launch(bool(use_tma) and a.device.type != "cuda")
+    interpreted = bool(use_tma) and a.device.type != "cuda"
+    launch(interpreted, tma_store=interpreted and store)
     return out
 
 

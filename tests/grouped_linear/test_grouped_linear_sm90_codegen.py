@@ -49,20 +49,29 @@ def mjagged_args(ptr):
                                     "stride_biasg", "stride_biasn", "stride_om", "stride_on")])
 
 
-def mjagged_ttgir(dtype, swiglu, tma=False, b_kn=False, flatten=False):
+def mjagged_compile(dtype, swiglu, tma=False, b_kn=False, flatten=False, cfg=None,
+                    has_bias=True):
+    """``cfg=None``: choose_config's pick for a 16-bit / fp32 MoE shape. ``TMA_STORE`` is
+    always passed (``cfg.tma_store`` on the TMA path, as the launcher does; see
+    :func:`kjagged_compile` on unnamed defaulted constexprs)."""
     from compileops.grouped_linear import kernels
 
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    cfg = kernels.choose_config(65536, 128, 1536, 2048, torch_dtype, torch.device("cuda"))
-    k = compile_sm90(
+    if cfg is None:
+        cfg = kernels.choose_config(65536, 128, 1536, 2048, torch_dtype, torch.device("cuda"))
+    return compile_sm90(
         kernels.mjagged_gemm_kernel, mjagged_args(TYPES[dtype]),
-        dict(HAS_BIAS=True, SWIGLU=swiglu, NUM_PROGS=132, GROUP_M=kernels.GROUP_M,
-             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-             INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32", DOT_UPCAST=False,
-             USE_TMA=tma, B_KN=b_kn, G_BLOCK=kernels.group_block(128), FLATTEN=flatten),
+        dict(HAS_BIAS=has_bias, SWIGLU=swiglu, NUM_PROGS=132 * cfg.programs_per_sm,
+             GROUP_M=cfg.group_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+             BLOCK_K=cfg.block_k, INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32",
+             DOT_UPCAST=False, USE_TMA=tma, B_KN=b_kn, G_BLOCK=kernels.group_block(128),
+             FLATTEN=flatten, TMA_STORE=tma and cfg.tma_store),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return k.asm["ttgir"]
+
+
+def mjagged_ttgir(dtype, swiglu, tma=False, b_kn=False, flatten=False):
+    return mjagged_compile(dtype, swiglu, tma, b_kn, flatten).asm["ttgir"]
 
 
 def kjagged_compile(ptr="*fp16", tma=False, block_k=128, num_warps=8, num_stages=3,
@@ -100,6 +109,27 @@ WGRAD_VARIANTS = {
                                                        EPILOGUE_SUBTILE=True)),
     "wgrad-default-short": (128, 4, 3, dict(RAGGED=True)),
 }
+# The sweep's M-jagged TMA-store configs (benchmarks/sweep_grouped_linear.py FWD_CONFIGS, also
+# timed for dX, and SWIGLU_CONFIGS): (product, Config args, Config kwargs). bf16, TMA loads.
+MJAGGED_STORE_VARIANTS = {
+    "fwd-128x256-flat-tma-store": ("fwd", (128, 256, 64, 8, 3), dict(flatten=True)),
+    "dx-128x256-flat-tma-store": ("dx", (128, 256, 64, 8, 3), dict(flatten=True)),
+    "fwd-128x128-s2-flat-x2-tma-store": ("fwd", (128, 128, 64, 4, 2),
+                                         dict(flatten=True, programs_per_sm=2)),
+    "dx-128x128-s2-flat-x2-tma-store": ("dx", (128, 128, 64, 4, 2),
+                                        dict(flatten=True, programs_per_sm=2)),
+    "swiglu-128x128-flat-tma-store": ("swiglu", (128, 128, 64, 8, 3), dict(flatten=True)),
+    "swiglu-128x128-tma-store": ("swiglu", (128, 128, 64, 8, 3), {}),
+}
+
+
+def mjagged_store_config(case):
+    from compileops.grouped_linear import kernels
+
+    product, args, kwargs = MJAGGED_STORE_VARIANTS[case]
+    return product, kernels.Config(*args, tma_store=True, **kwargs)
+
+
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 block may use
 SMEM_PER_SM = 233472  # bytes of shared memory per H100 SM (1 KB of it reserved per block)
 
@@ -130,6 +160,15 @@ def _main():  # runs in a subprocess without TRITON_INTERPRET (the compiler need
     out["wgrad-default-long-i32-strides"] = summarize_variant(
         kjagged_compile("*bf16", True, 256, 8, 3, stride_type="i32",
                         variant=WGRAD_VARIANTS["wgrad-default-long"][3]))
+    for name in MJAGGED_STORE_VARIANTS:
+        product, cfg = mjagged_store_config(name)
+        kernel = mjagged_compile("bf16", product == "swiglu", True, product == "dx",
+                                 cfg.flatten, cfg, has_bias=product != "dx")
+        ptx = kernel.asm["ptx"]
+        out[name] = dict(summarize(kernel.asm["ttgir"]), shared=kernel.metadata.shared,
+                         # the output tile through the 4-D ragged descriptor, no pointer store
+                         ragged_stores=ptx.count("cp.async.bulk.tensor.4d.global.shared"),
+                         pointer_stores="st.global" in ptx)
     print(json.dumps(out))
 
 
@@ -180,6 +219,32 @@ def test_wgrad_variants_compile_for_sm90(compiled, case):
         assert not got["masked_tail"], got
     stores = 0 if not flags.get("TMA_STORE") else 2 if flags.get("EPILOGUE_SUBTILE") else 1
     assert got["tma_stores"] == stores, got
+
+
+@pytest.mark.parametrize("case", list(MJAGGED_STORE_VARIANTS))
+def test_mjagged_tma_store_compiles_for_sm90(compiled, case):
+    """The sweep's M-jagged TMA-store configs build for sm90 within the shared-memory limit
+    (operand stages plus the output staging tile; two programs per SM must both fit for the
+    x2/SM one) and store every output tile by TMA through the ragged 4-D descriptor."""
+    got = compiled[case]
+    _, cfg = mjagged_store_config(case)
+    assert got["shared"] <= SMEM_LIMIT, got
+    assert cfg.programs_per_sm * (got["shared"] + 1024) <= SMEM_PER_SM, got
+    assert got["wgmma"] and got["tma"], got
+    assert got["ragged_stores"] >= 1 and not got["pointer_stores"], got
+
+
+def test_mjagged_store_variants_are_the_sweeps():
+    """The compiles above are the TMA-store configs the sweep times (fwd and dX share
+    FWD_CONFIGS)."""
+    from tests.grouped_linear._helpers import import_sweep
+
+    sweep = import_sweep()
+    for product, configs in (("fwd", sweep.FWD_CONFIGS), ("dx", sweep.FWD_CONFIGS),
+                             ("swiglu", sweep.SWIGLU_CONFIGS)):
+        listed = {mjagged_store_config(name)[1] for name, (p, _, _) in
+                  MJAGGED_STORE_VARIANTS.items() if p == product}
+        assert listed == {c for c in configs if c.tma_store}, product
 
 
 @pytest.mark.parametrize("long", [True, False], ids=["long", "short"])

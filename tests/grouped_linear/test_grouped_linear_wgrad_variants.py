@@ -5,14 +5,13 @@ where they fall back; the combination refused up front; the launcher's fallbacks
 sm90 builds are checked in test_grouped_linear_sm90_codegen.py, their speed by
 benchmarks/sweep_grouped_linear.py."""
 import dataclasses
-import os
-import sys
 
 import pytest
 import torch
 
 from compileops.grouped_linear import kernels
 from compileops.grouped_linear.kernels import Config
+from tests.grouped_linear._helpers import import_sweep
 
 BASE = Config(16, 32, 32, num_warps=4, num_stages=1)
 VARIANTS = {
@@ -132,12 +131,7 @@ def test_default_gpu_configs_are_bitwise_their_plain_form(long, n):
 
 
 def test_sweep_lists_the_variants_with_distinct_labels():
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.path.insert(0, root)
-    try:
-        from benchmarks import sweep_grouped_linear as sweep
-    finally:
-        sys.path.remove(root)
+    sweep = import_sweep()
     labels = [sweep.config_label(c) for c in sweep.WGRAD_CONFIGS]
     assert len(set(labels)) == len(labels), labels
     for flag, word in (("ragged_tma", " ragged"), ("tma_store", " tma-store"),
