@@ -68,6 +68,14 @@ WGRAD_CONFIGS = [
     Config(64, 128, 256, 8, 3, ragged_tma=True, tma_store=True),
     Config(64, 128, 256, 8, 3, ragged_tma=True, tma_store=True, epilogue_subtile=True),
     Config(64, 128, 128, 4, 3, programs_per_sm=2, ragged_tma=True),
+    # dW tile order inside a group (Config.group_n): super-blocks of group_n N-tiles swept
+    # N-tile fastest, instead of K-tile fastest. For a large skewed group (DeepSeek: up to
+    # 3832 rows, X_g 55 MB > the 50 MB L2), K-fastest streams all of X_g once per wave of
+    # N-tiles; N-fastest re-reads the smaller dY_g instead. Same dW bits in any order.
+    Config(64, 128, 256, 8, 3, ragged_tma=True, tma_store=True, group_n=4),
+    Config(64, 128, 256, 8, 3, ragged_tma=True, tma_store=True, group_n=8),
+    Config(64, 128, 256, 8, 3, ragged_tma=True, tma_store=True, group_n=16),
+    Config(64, 128, 128, 4, 3, programs_per_sm=2, ragged_tma=True, group_n=8),
 ]
 # Timed once more without db (compute_db=False): what the column sums cost.
 WGRAD_NO_DB = [Config(64, 128, 256, 8, 3)]
@@ -91,6 +99,7 @@ def config_label(cfg: Config, default: Optional[Config] = None) -> str:
             f"s{cfg.num_stages}{' flat' if cfg.flatten else ''}"
             f"{f' x{cfg.programs_per_sm}/SM' if cfg.programs_per_sm > 1 else ''}"
             f"{f' gm{cfg.group_m}' if cfg.group_m != 8 else ''}"
+            f"{f' gn{cfg.group_n}' if cfg.group_n != 1 else ''}"
             f"{' ragged' if cfg.ragged_tma else ''}"
             f"{' tma-store' if cfg.tma_store else ''}"
             f"{'/2' if cfg.tma_store and cfg.epilogue_subtile else ''}"

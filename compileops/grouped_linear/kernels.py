@@ -487,6 +487,20 @@ def kjagged_output_tile(
 
 
 @triton.jit
+def kjagged_tile_coords(rest, num_n, num_k, GROUP_N: tl.constexpr):
+    """Index ``rest`` in ``[0, num_n * num_k)`` of a group's dW tiles -> ``(tile_n, tile_k)``:
+    K-tile fastest for ``GROUP_N == 1``; else super-blocks of ``GROUP_N`` N-tiles (the last
+    one may be narrower), N-tile fastest inside each. A bijection either way."""
+    if GROUP_N == 1:
+        return rest // num_k, rest % num_k
+    per_super = GROUP_N * num_k
+    first_n = (rest // per_super) * GROUP_N
+    n_here = tl.minimum(num_n - first_n, GROUP_N)
+    within = rest % per_super
+    return first_n + within % n_here, within // n_here
+
+
+@triton.jit
 def kjagged_gemm_kernel(
     dy_ptr, x_ptr, offs_ptr, dw_ptr, db_ptr,
     M, N, K, G,
@@ -495,12 +509,16 @@ def kjagged_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
     RAGGED: tl.constexpr = False, TMA_STORE: tl.constexpr = False,
-    EPILOGUE_SUBTILE: tl.constexpr = False,
+    EPILOGUE_SUBTILE: tl.constexpr = False, GROUP_N: tl.constexpr = 1,
 ):
     """Persistent K-jagged grouped GEMM: ``dw [G, N, K]``, ``db [G, N]`` (both contiguous).
 
-    Tiles ``(g, tile_n, tile_k)``, K-tiles fastest so concurrent programs share dY's column
-    block. One K-tile per ``(g, tile_n)`` also produces ``db[g, rn]``: with ``DB_MMA``
+    Tiles ``(g, tile_n, tile_k)``, group by group. ``GROUP_N == 1``: K-tiles fastest, so
+    concurrent programs share dY's column block and sweep all of ``X_g``'s column blocks;
+    ``GROUP_N > 1``: within a group, super-blocks of ``GROUP_N`` N-tiles are swept N-tile
+    fastest (``kjagged_tile_coords``), so concurrent programs share X's column blocks as
+    well. Which order keeps more of a large group's ``dY_g`` and ``X_g`` in L2 depends on N
+    and K; the order never changes any tile's value. One K-tile per ``(g, tile_n)`` also produces ``db[g, rn]``: with ``DB_MMA``
     (16-bit inputs) inside its main loop (``kjagged_tile``'s ``WITH_DB``), else (fp32,
     where tf32 would round dY) by an extra pass of exact fp32 column sums. Which K-tile owns
     db rotates with ``(g, tile_n)``: with a fixed one, the owners all land on the few
@@ -530,10 +548,10 @@ def kjagged_gemm_kernel(
     per_group = num_n * num_k
     total = G * per_group
     for t in range(pid, total, NUM_PROGS):
-        rest = t % per_group
+        tile_n, tile_k = kjagged_tile_coords(t % per_group, num_n, num_k, GROUP_N)
         kjagged_output_tile(
-            dy_ptr, x_ptr, offs_ptr, dw_ptr, db_ptr, t // per_group, rest // num_k,
-            rest % num_k, num_n, num_k, M, N, K, G, stride_dym, stride_dyn, stride_xm,
+            dy_ptr, x_ptr, offs_ptr, dw_ptr, db_ptr, t // per_group, tile_n,
+            tile_k, num_n, num_k, M, N, K, G, stride_dym, stride_dyn, stride_xm,
             stride_xk, dy_desc, x_desc, dw_desc, HAS_DB, DB_MMA, BLOCK_M, BLOCK_N, BLOCK_K,
             INPUT_PRECISION, DOT_UPCAST, USE_TMA, RAGGED, TMA_STORE, EPILOGUE_SUBTILE,
         )
@@ -553,6 +571,7 @@ class Config:
     flatten: bool = False  # pipeline across consecutive tiles (tl.range(flatten=True))
     programs_per_sm: int = 1  # >1: co-resident programs hide each other's prologue/epilogue
     group_m: int = 8  # M-tiles per L2 super-group (locate_tile)
+    group_n: int = 1  # dW: N-tiles per super-block, N-tile fastest (1: K-tile fastest)
     # Variants; all only on the eager TMA path (sm90+, TMA-able strides) and ignored on the
     # pointer path and by the Inductor template (they fall back per launch, see
     # _wgrad_variant_flags / _mjagged_tma_store). Same bits as without them.
@@ -640,8 +659,18 @@ def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
 # Where a flag does not apply (no TMA: pre-sm90 GPUs, COMPILEOPS_GROUPED_TMA=0, unaligned
 # strides; for tma_store also N % block_n != 0, a non-16-bit or unaligned dW) the launch
 # drops it (_wgrad_variant_flags); fp32 and the interpreter get configs without flags.
+# Tile order (group_n): the H100 dW sweep of 2026-11-22
+# (benchmarks/results/sweep_grouped_linear_dw_h100_2026-11-22_g_group_n.log) timed super-blocks
+# of 4 / 8 / 16 N-tiles swept N-tile fastest against the K-tile-fastest order, in one process.
+# Ratios to torch._grouped_mm, balanced / skewed, group_n 1 -> 8:
+#   Mixtral 1.00/0.89 -> 1.08/1.01, DeepSeek 0.95/0.84 -> 1.02/0.98,
+#   Qwen3-up 1.24/0.93 -> 1.25/0.96, Qwen3-down 0.97/1.03 -> 0.97/1.00.
+# A large group's X_g (DeepSeek skewed: up to 3832 x 7168 bf16, 55 MB) no longer fits the
+# 50 MB L2: K-fastest streams all of it once per wave of N-tiles, the super-blocks share
+# its column blocks across 8 N-tiles. 16 (all of DeepSeek's N-tiles) lost on Mixtral skewed
+# (0.77), 4 was between.
 WGRAD_LONG_CONFIG = Config(64, 128, 256, num_warps=8, num_stages=3, ragged_tma=True,
-                           tma_store=True)
+                           tma_store=True, group_n=8)
 WGRAD_SHORT_CONFIG = Config(64, 128, 128, num_warps=4, num_stages=3, programs_per_sm=2,
                             ragged_tma=True)
 
@@ -650,7 +679,7 @@ def choose_wgrad_config(m_total: int, groups: int, n: int, k: int, dtype: torch.
                         device: torch.device) -> Config:
     """K-jagged config: ``block_m`` is the row chunk each dW tile reduces over; the output
     tile is ``block_n x block_k``. Long groups (mean ``M / G >= 512``): 128 x 256 output
-    tiles (each warpgroup issues 64 x 256 wgmma). Short groups (few chunks per tile):
+    tiles (each warpgroup issues 64 x 256 wgmma), walked in super-blocks of 8 N-tiles. Short groups (few chunks per tile):
     128 x 128 tiles, two programs per SM so one's prologue and epilogue overlap the other's
     loop. Both with ragged TMA loads (no masked tail loop), the long one with TMA stores of
     dW too (see the comment above for the measurements)."""
@@ -886,7 +915,7 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
             HAS_DB=compute_db, DB_MMA=x.dtype != torch.float32, NUM_PROGS=progs,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             INPUT_PRECISION=input_precision(x.dtype), DOT_UPCAST=dot_upcast(x), USE_TMA=tma,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            GROUP_N=cfg.group_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **(flags if tma and variants else plain),
         )
 

@@ -87,7 +87,9 @@ def kjagged_compile(ptr="*fp16", tma=False, block_k=128, num_warps=8, num_stages
             + [(n, stride_type) for n in ("stride_dym", "stride_dyn", "stride_xm", "stride_xk")])
     constexprs = dict(HAS_DB=True, DB_MMA=True, NUM_PROGS=132, BLOCK_M=64, BLOCK_N=128,
                       BLOCK_K=block_k, INPUT_PRECISION="tf32", DOT_UPCAST=False, USE_TMA=tma)
-    constexprs.update({name: False for name in VARIANT_FLAGS}, **(variant or {}))
+    # GROUP_N (the tile order) too: an AOT compile does not apply the kernel's default.
+    constexprs.update({name: False for name in VARIANT_FLAGS}, GROUP_N=1)
+    constexprs.update(variant or {})
     return compile_sm90(kernels.kjagged_gemm_kernel, args, constexprs,
                         num_warps=num_warps, num_stages=num_stages)
 
@@ -104,7 +106,7 @@ WGRAD_VARIANTS = {
     "wgrad-ragged": (256, 8, 3, dict(RAGGED=True)),
     "wgrad-tma-store": (256, 8, 3, dict(TMA_STORE=True)),
     "wgrad-tma-store-subtile": (256, 8, 3, dict(TMA_STORE=True, EPILOGUE_SUBTILE=True)),
-    "wgrad-default-long": (256, 8, 3, dict(RAGGED=True, TMA_STORE=True)),
+    "wgrad-default-long": (256, 8, 3, dict(RAGGED=True, TMA_STORE=True, GROUP_N=8)),
     "wgrad-ragged-tma-store-subtile": (256, 8, 3, dict(RAGGED=True, TMA_STORE=True,
                                                        EPILOGUE_SUBTILE=True)),
     "wgrad-default-short": (128, 4, 3, dict(RAGGED=True)),
@@ -257,6 +259,8 @@ def test_codegen_defaults_are_choose_wgrad_config(long):
     block_k, warps, stages, flags = WGRAD_VARIANTS[f"wgrad-default-{'long' if long else 'short'}"]
     assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == (
         64, 128, block_k, warps, stages), cfg
+    flags = dict(flags)
+    assert cfg.group_n == flags.pop("GROUP_N", 1), cfg
     dw = torch.empty(64, 1, 1, dtype=torch.bfloat16)  # the flags read dW's groups, dtype, address
     assert kernels._wgrad_variant_flags(cfg, True, 65536, 2048, 768, dw) == dict(
         dict.fromkeys(VARIANT_FLAGS, False), **flags)

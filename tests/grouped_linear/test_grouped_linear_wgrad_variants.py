@@ -93,11 +93,12 @@ def test_meaningless_combination_is_refused():
 
 
 def test_default_configs():
-    """16-bit on a GPU: ragged TMA loads by default, plus TMA stores for long groups (mean
-    group size >= 512); fp32 and the interpreter get configs without variant flags."""
+    """16-bit on a GPU: ragged TMA loads by default, plus TMA stores and super-blocks of 8
+    N-tiles for long groups (mean group size >= 512); fp32 and the interpreter get configs
+    without variant flags."""
     cuda = torch.device("cuda")
     long = kernels.choose_wgrad_config(65536, 128, 2048, 768, torch.bfloat16, cuda)
-    assert long == Config(64, 128, 256, 8, 3, ragged_tma=True, tma_store=True)
+    assert long == Config(64, 128, 256, 8, 3, ragged_tma=True, tma_store=True, group_n=8)
     short = kernels.choose_wgrad_config(65536, 129, 2048, 768, torch.bfloat16, cuda)
     assert short == Config(64, 128, 128, 4, 3, programs_per_sm=2, ragged_tma=True)
     for cfg in (long, short):
@@ -148,3 +149,61 @@ def test_sweep_lists_the_variants_with_distinct_labels():
         assert sweep.config_label(default, default).endswith(" (default)")
         assert [sweep.config_label(c, default) for c in sweep.WGRAD_CONFIGS].count(
             sweep.config_label(default, default)) == 1
+
+
+# ------------------------------------------------------------------ dW tile order (group_n)
+
+
+def _tile_coords_probe():
+    """A kernel storing ``kjagged_tile_coords(rest)`` for every ``rest`` of one group (defined
+    on first use, after the conftest's interpreter switch)."""
+    import triton
+    import triton.language as tl
+
+    from compileops.grouped_linear.kernels import kjagged_tile_coords
+
+    @triton.jit
+    def probe(out_ptr, num_n, num_k, GROUP_N: tl.constexpr):
+        rest = tl.program_id(0)
+        tile_n, tile_k = kjagged_tile_coords(rest, num_n, num_k, GROUP_N)
+        tl.store(out_ptr + rest * 2, tile_n)
+        tl.store(out_ptr + rest * 2 + 1, tile_k)
+
+    # The interpreter resolves names in the function's module globals, not in closures.
+    probe.fn.__globals__["kjagged_tile_coords"] = kjagged_tile_coords
+    return probe
+
+
+@pytest.mark.parametrize("num_n,num_k", [(16, 28), (7, 3), (1, 5), (5, 1)])
+@pytest.mark.parametrize("group_n", [1, 3, 4, 16])
+def test_tile_order_is_a_bijection(group_n, num_n, num_k):
+    """Every (tile_n, tile_k) of a group exactly once, for super-blocks that divide num_n,
+    do not (a narrower last one), or exceed it; group_n 1 is the K-tile-fastest order."""
+    out = torch.empty(num_n * num_k * 2, dtype=torch.int32)
+    _tile_coords_probe()[(num_n * num_k,)](out, num_n, num_k, GROUP_N=group_n)
+    pairs = [tuple(p) for p in out.view(-1, 2).tolist()]
+    assert sorted(pairs) == [(n, k) for n in range(num_n) for k in range(num_k)]
+    if group_n == 1:
+        assert pairs == [(n, k) for n in range(num_n) for k in range(num_k)]
+    elif num_n > 1:
+        assert pairs[1] == (1, 0)  # N-tile fastest
+
+
+@pytest.mark.parametrize("group_n", [2, 3])
+def test_tile_order_is_bitwise_the_default(group_n):
+    """dW and db with super-blocks of N-tiles (num_n = 4: one that divides, one that leaves a
+    narrower last block), with the default's ragged loads and TMA stores: the same bits as
+    K-tile-fastest order, and close to the fp64 product per group."""
+    grad, x, offs = make(112, torch.float32)
+    base = dataclasses.replace(BASE, ragged_tma=True, tma_store=True)
+    want_dw, want_db = kernels.grouped_linear_wgrad(grad, x, offs, torch.float32, torch.float32,
+                                                    config=base, use_tma=True)
+    cfg = dataclasses.replace(base, group_n=group_n)
+    dw, db = kernels.grouped_linear_wgrad(grad, x, offs, torch.float32, torch.float32,
+                                          config=cfg, use_tma=True)
+    assert torch.equal(bits(dw), bits(want_dw)) and torch.equal(bits(db), bits(want_db))
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        ref = grad[start:end].double().T @ x[start:end].double()
+        torch.testing.assert_close(dw[g].double(), ref, rtol=1e-4, atol=1e-4)
+        start = end
