@@ -612,7 +612,8 @@ def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
     Small groups (decode-like MoE, many experts) get short M tiles so little work is
     masked. Larger groups in 16-bit get 128 x 256 tiles (the intensity Hopper's wgmma needs
     to stay off the L2-bandwidth limit) with the persistent loop flattened, so the next
-    tile's loads overlap this tile's epilogue; SwiGLU holds two accumulators, so its tiles
+    tile's loads overlap this tile's epilogue; with K <= 1024, 128 x 128 tiles and two
+    programs per SM instead; SwiGLU holds two accumulators, so its tiles
     are 128 x 128 and not flattened (flattening measured slower there). Measured on an H100:
     benchmarks/RESULTS.md (sweep_grouped_linear.py). ``batch_invariant`` returns the fixed
     config.
@@ -633,6 +634,13 @@ def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
         return Config(128, 128, 64, num_warps=8, num_stages=3)
     if n <= 128:
         return Config(128, 128, 64, num_warps=8, num_stages=3, flatten=True)
+    if k <= 1024:
+        # Short K loops (Qwen3-MoE down: K = 768, 12 steps): the per-tile prologue and
+        # epilogue weigh more, and two co-resident programs hide each other's. H100, three
+        # forward sweeps (benchmarks/results/sweep_grouped_linear_h100_2026-11-22_{f,h}*.log),
+        # ratio to torch._grouped_mm, balanced / skewed: 1.02 / 1.00, 1.03 / 1.10, 0.99 / 1.06
+        # against 0.93 / 1.05, 0.94 / 1.00, 0.91 / 1.06 for the 128 x 256 tile.
+        return Config(128, 128, 64, num_warps=4, num_stages=3, flatten=True, programs_per_sm=2)
     return Config(128, 256, 64, num_warps=8, num_stages=3, flatten=True)
 
 
