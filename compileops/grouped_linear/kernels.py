@@ -772,6 +772,21 @@ def _mjagged_tma_store(out: torch.Tensor, cfg: Config, tma: bool) -> bool:
             and out.shape[0] < RAGGED_ROWS.value)
 
 
+def _variant_launched(launch, explicit: bool, what: str, instead: str) -> bool:
+    """Runs a launch with TMA variant flags; False if it raised. A variant asked for by an
+    explicit ``config`` re-raises (a sweep must not time a fallback); a default one warns,
+    and the caller records the failure and launches without the variant from then on."""
+    try:
+        launch()
+        return True
+    except Exception as exc:
+        if explicit:
+            raise
+        warnings.warn(f"compileops.grouped_linear: {what} failed ({type(exc).__name__}: "
+                      f"{exc}); using {instead} from now on")
+        return False
+
+
 def _set_tma_allocator(device: torch.device) -> None:
     # Device-side descriptors need a small global scratch per launch; take it from torch's
     # caching allocator (stream-ordered, so CUDA graph capture works).
@@ -825,16 +840,10 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
 
     if use_tma and a.device.type == "cuda":
         if store and (config is not None or not _mjagged_store_failed):
-            try:
-                launch(True, tma_store=True)
+            if _variant_launched(lambda: launch(True, tma_store=True), config is not None,
+                                 "M-jagged kernel with TMA store", "pointer stores"):
                 return out
-            except Exception as exc:
-                if config is not None:  # asked for by name: fail, never time a fallback
-                    raise
-                _mjagged_store_failed = True
-                warnings.warn(f"compileops.grouped_linear: M-jagged kernel with TMA store "
-                              f"failed ({type(exc).__name__}: {exc}); using pointer stores "
-                              f"from now on")
+            _mjagged_store_failed = True
         try:
             launch(True)
             return out
@@ -929,16 +938,10 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
 
     if use_tma and x.device.type == "cuda":
         if any(flags.values()) and (config is not None or not _wgrad_variant_failed):
-            try:
-                launch(True)
+            if _variant_launched(lambda: launch(True), config is not None,
+                                 "dW kernel with ragged TMA / TMA store", "the plain TMA kernel"):
                 return dw, db if compute_db else None
-            except Exception as exc:
-                if config is not None:  # asked for by name: fail, never time a fallback
-                    raise
-                _wgrad_variant_failed = True
-                warnings.warn(f"compileops.grouped_linear: dW kernel with ragged TMA / TMA "
-                              f"store failed ({type(exc).__name__}: {exc}); using the plain "
-                              f"TMA kernel from now on")
+            _wgrad_variant_failed = True
         try:
             launch(True, variants=False)
             return dw, db if compute_db else None

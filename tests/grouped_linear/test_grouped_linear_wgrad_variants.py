@@ -207,3 +207,17 @@ def test_tile_order_is_bitwise_the_default(group_n):
         ref = grad[start:end].double().T @ x[start:end].double()
         torch.testing.assert_close(dw[g].double(), ref, rtol=1e-4, atol=1e-4)
         start = end
+
+
+def test_variant_launch_fallback_contract():
+    """``_variant_launched`` (both launchers' TMA-variant step): True when the launch runs; a
+    failing launch re-raises for an explicit config and warns, returning False, for a
+    default one (the launcher then records it and launches without the variant)."""
+    def broken():
+        raise RuntimeError("no TMA here")
+
+    assert kernels._variant_launched(lambda: None, True, "x", "y") is True
+    with pytest.raises(RuntimeError, match="no TMA here"):
+        kernels._variant_launched(broken, True, "dW kernel", "the plain TMA kernel")
+    with pytest.warns(UserWarning, match="dW kernel failed .*no TMA here.*the plain TMA kernel"):
+        assert kernels._variant_launched(broken, False, "dW kernel", "the plain TMA kernel") is False
