@@ -518,7 +518,8 @@ def kjagged_gemm_kernel(
     ``GROUP_N > 1``: within a group, super-blocks of ``GROUP_N`` N-tiles are swept N-tile
     fastest (``kjagged_tile_coords``), so concurrent programs share X's column blocks as
     well. Which order keeps more of a large group's ``dY_g`` and ``X_g`` in L2 depends on N
-    and K; the order never changes any tile's value. One K-tile per ``(g, tile_n)`` also produces ``db[g, rn]``: with ``DB_MMA``
+    and K; the order never changes any tile's value. One K-tile per ``(g, tile_n)`` also
+    produces ``db[g, rn]``: with ``DB_MMA``
     (16-bit inputs) inside its main loop (``kjagged_tile``'s ``WITH_DB``), else (fp32,
     where tf32 would round dY) by an extra pass of exact fp32 column sums. Which K-tile owns
     db rotates with ``(g, tile_n)``: with a fixed one, the owners all land on the few
@@ -687,7 +688,8 @@ def choose_wgrad_config(m_total: int, groups: int, n: int, k: int, dtype: torch.
                         device: torch.device) -> Config:
     """K-jagged config: ``block_m`` is the row chunk each dW tile reduces over; the output
     tile is ``block_n x block_k``. Long groups (mean ``M / G >= 512``): 128 x 256 output
-    tiles (each warpgroup issues 64 x 256 wgmma), walked in super-blocks of 8 N-tiles. Short groups (few chunks per tile):
+    tiles (each warpgroup issues 64 x 256 wgmma), walked in super-blocks of 8 N-tiles.
+    Short groups (few chunks per tile):
     128 x 128 tiles, two programs per SM so one's prologue and epilogue overlap the other's
     loop. Both with ragged TMA loads (no masked tail loop), the long one with TMA stores of
     dW too (see the comment above for the measurements)."""
@@ -749,16 +751,20 @@ def _tma_device_ok(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+def _tma_compatible(t: torch.Tensor) -> bool:
+    """A tensor a TMA descriptor can address: unit last stride, 16-byte aligned base and
+    outer strides (host metadata only)."""
+    es = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all((stride * es) % 16 == 0 for stride in t.stride()[:-1]))
+
+
 def tma_applies(a: torch.Tensor, w: torch.Tensor, cfg: Config) -> bool:
     """TMA descriptors need a unit inner stride, 16-byte aligned bases and outer strides, and
     a GPU with the TMA unit (sm90+). Host metadata only: no device read."""
     if not _tma_device_ok(a.device):
         return False
-    es = a.element_size()
-    return (a.stride(1) == 1 and w.stride(2) == 1 and a.data_ptr() % 16 == 0
-            and w.data_ptr() % 16 == 0 and (a.stride(0) * es) % 16 == 0
-            and (w.stride(0) * es) % 16 == 0 and (w.stride(1) * es) % 16 == 0
-            and cfg.block_k * es >= 16)
+    return _tma_compatible(a) and _tma_compatible(w) and cfg.block_k * a.element_size() >= 16
 
 
 def _mjagged_tma_store(out: torch.Tensor, cfg: Config, tma: bool) -> bool:
@@ -766,10 +772,8 @@ def _mjagged_tma_store(out: torch.Tensor, cfg: Config, tma: bool) -> bool:
     [M, N_OUT]`` is TMA-storable (unit column stride, 16-byte aligned base and row stride,
     a box row of at least 16 bytes) and its rows fit the ragged descriptor (``M <
     RAGGED_ROWS``). Otherwise the launch keeps the masked pointer store."""
-    es = out.element_size()
-    return (tma and cfg.tma_store and out.stride(1) == 1 and out.data_ptr() % 16 == 0
-            and (out.stride(0) * es) % 16 == 0 and cfg.block_n * es >= 16
-            and out.shape[0] < RAGGED_ROWS.value)
+    return (tma and cfg.tma_store and _tma_compatible(out)
+            and cfg.block_n * out.element_size() >= 16 and out.shape[0] < RAGGED_ROWS.value)
 
 
 def _variant_launched(launch, explicit: bool, what: str, instead: str) -> bool:
@@ -887,9 +891,8 @@ def wgrad_tma_applies(grad: torch.Tensor, x: torch.Tensor, cfg: Config) -> bool:
     if not _tma_device_ok(x.device):
         return False
     es = x.element_size()
-    return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0
-               and t.stride(0) > 0 for t in (grad, x)) and cfg.block_k * es >= 16 \
-        and cfg.block_n * es >= 16
+    return (all(_tma_compatible(t) and t.stride(0) > 0 for t in (grad, x))
+            and cfg.block_k * es >= 16 and cfg.block_n * es >= 16)
 
 
 def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,

@@ -128,3 +128,14 @@ def test_sweep_lists_tma_store_configs_with_distinct_labels():
         assert all((" tma-store" in sweep.config_label(c)) == c.tma_store for c in configs)
         for cfg in configs:  # the M-jagged kernel has no other variant
             assert not (cfg.ragged_tma or cfg.epilogue_subtile), cfg
+
+
+def test_tma_compatible_tensors():
+    """``_tma_compatible`` (shared by the forward, dX, dW and TMA-store checks): unit last
+    stride, 16-byte aligned base and outer strides, for 2-D and 3-D tensors."""
+    t = torch.zeros(64, 64, dtype=torch.bfloat16)
+    assert kernels._tma_compatible(t) and kernels._tma_compatible(torch.zeros(4, 8, 16))
+    assert not kernels._tma_compatible(t.T)  # last stride 64
+    assert not kernels._tma_compatible(t.view(-1)[1:4033].view(63, 64))  # base off by 2 bytes
+    assert not kernels._tma_compatible(t[:, :60].contiguous().as_strided((8, 60), (60, 1)))
+    assert not kernels._tma_compatible(torch.zeros(4, 3, 12, dtype=torch.bfloat16)[:, :, :4])  # 24-byte stride
