@@ -137,6 +137,14 @@ def extern_function_choice(fn: Callable, name: str) -> Any:
     return ExternKernelChoice(fn, name=name, has_out_variant=False)
 
 
+def require_contiguous(node):
+    """``node`` as a contiguous buffer (a copy only when its layout is not already one):
+    for template inputs indexed with unit strides (the grouped-linear offsets)."""
+    from torch._inductor.ir import ExternKernel
+
+    return ExternKernel.require_contiguous(node)
+
+
 def realize_inputs(*nodes):
     from torch._inductor.select_algorithm import realize_inputs as _realize
 

@@ -149,6 +149,8 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
         return _compat.fallback(op)(x, weight, offsets, *extra)
     from compileops.grouped_linear import kernels
 
+    # The template (as the eager kernel) reads offsets[g] at OFFS + g: make them dense.
+    offsets = _compat.require_contiguous(offsets)
     nodes = _compat.realize_inputs(x, weight, offsets, *([bias] if bias is not None else []))
     x, weight, offsets = nodes[:3]
     m, k = x.get_size()

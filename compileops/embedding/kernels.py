@@ -792,7 +792,9 @@ def embedding_backward(
     """
     dim = grad.shape[-1]
     flat_grad = grad.reshape(-1, dim)  # a view, also for stride-0 (expanded) grads
-    flat_ids = ids.reshape(-1)
+    # The sort and fill kernels index the ids as a dense vector; a strided 1-D view
+    # (``ids[::2]``) reshapes to itself, so make it dense (a no-op when it already is).
+    flat_ids = ids.reshape(-1).contiguous()
     n_tokens = flat_ids.numel()
     if out is None:
         out = torch.empty((num_embeddings, dim), dtype=weight_dtype, device=grad.device)

@@ -815,6 +815,7 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
     """
     global _tma_failed, _mjagged_store_failed
     m, k = a.shape
+    offsets = offsets.contiguous()  # the kernel reads offsets[g] at offs_ptr + g
     groups = offsets.shape[0]
     out = torch.empty((m, n_out), dtype=out_dtype, device=a.device)
     if m == 0 or n_out == 0:
@@ -909,6 +910,7 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
     global _tma_failed, _wgrad_variant_failed
     m, n = grad.shape
     k = x.shape[1]
+    offsets = offsets.contiguous()  # the kernel reads offsets[g] at offs_ptr + g
     groups = offsets.shape[0]
     dw = torch.empty((groups, n, k), dtype=weight_dtype, device=grad.device)
     db = torch.empty((groups, n), dtype=bias_dtype, device=grad.device)

@@ -452,6 +452,21 @@ def test_triton_backward_bad_tuning_arguments():
             kernels.embedding_backward(grad, ids, 67, None, torch.float32, **kwargs)
 
 
+@pytest.mark.parametrize("variant", [{}, {"sort": "triton"}, {"fill": "map"}, {"impl": "legacy"}],
+                         ids=["default", "triton-sort", "map", "legacy"])
+def test_triton_backward_strided_ids(variant):
+    """A strided 1-D view of ids (``reshape(-1)`` keeps it strided) gives the reference's
+    gradient with every sort and fill: the kernels index the ids as a dense vector."""
+    from compileops.embedding import kernels
+
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 50, (80,), generator=gen)[::2]
+    assert not ids.reshape(-1).is_contiguous()
+    grad = torch.randn(40, 8, generator=gen)
+    got = kernels.embedding_backward(grad, ids, 50, None, torch.float32, **variant)
+    _assert_bitwise(got, reference.embedding_backward(grad, ids, 50, None, torch.float32))
+
+
 def test_triton_backward_diag_launches_skip_their_part():
     """The benchmark-only ``diag`` launches skip exactly their part of the work."""
     from compileops.embedding import kernels

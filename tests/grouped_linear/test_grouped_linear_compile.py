@@ -101,6 +101,24 @@ def test_compiled_fw_bw_on_triton_templates_matches_fp64():
     _assert_fw_bw_match_fp64(out, grad, x, w, offs, b, p)
 
 
+def test_template_strided_offsets_fw_bw():
+    """Offsets sliced out of a larger tensor inside the compiled graph (stride 2): the template
+    reads offsets[g] at OFFS + g, so the lowering must hand it a dense copy."""
+    x, w, offs, b, p = make([5, 0, 11, 3])
+    interleaved = torch.stack([offs, torch.full_like(offs, 10**6)], 1).reshape(-1)
+    for t in (x, w, b):
+        t.requires_grad_()
+    grad = torch.randn(21, 12)
+
+    def strided_expert(x, w, interleaved, b, p):
+        return moe_expert(x, w, interleaved[::2], b, p)
+
+    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
+        out, sources = _compiled_fw_bw(strided_expert, (x, w, interleaved, b, p), grad)
+    assert "def triton_tem_fused_grouped_linear_swiglu" in "\n".join(sources)
+    _assert_fw_bw_match_fp64(out, grad, x, w, offs, b, p)
+
+
 def test_template_dynamic_token_counts_bf16():
     from torch._dynamo.testing import CompileCounterWithBackend
 
