@@ -170,6 +170,9 @@ def main() -> None:
     parser.add_argument("--graphs", action="store_true",
                         help="also time each configuration as a CUDA graph replay (GPU time only, "
                              "no host launch cost)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time the default and the --only configurations this many times, "
+                             "alternating (Zipf ids), to separate a small gain from drift")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny case on the CPU (Triton interpreter): checks the script only")
     args = parser.parse_args()
@@ -391,9 +394,14 @@ def main() -> None:
             print(f"  {name}: skipped (time budget)", flush=True)
             continue
         time_config(name, cfg, "Zipf")
+    for round_ in range(2, args.rounds + 1):
+        for name, cfg in [CONFIGS[0]] + CONFIGS[2:]:
+            time_config(f"{name} (round {round_})", cfg, "Zipf")
     for name, cfg in CONFIGS[:2]:
         time_config(name, cfg, "uniform")
-    ranked = sorted((r["Zipf"], n) for n, r in results.items() if isinstance(r.get("Zipf"), float))
+    named = dict(CONFIGS)
+    ranked = sorted((r["Zipf"], n) for n, r in results.items()
+                    if n in named and isinstance(r.get("Zipf"), float))
     for _, name in [x for x in ranked if x[1] not in ("default", "legacy (previous kernel)")][:UNIFORM_TOP]:
         if time.time() - t0 > args.budget_s + 15:
             break
