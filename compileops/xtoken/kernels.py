@@ -165,6 +165,8 @@ def csr_gather_sum(
     out = torch.empty((n_rows, n_out), dtype=torch.float32, device=values.device)
     if n_rows == 0 or n_out == 0:
         return out
+    # The kernel indexes the CSR buffers as ``ptr + k`` (unit stride): make strided views dense.
+    indptr, idx, w = indptr.contiguous(), idx.contiguous(), w.contiguous()
     if segments is None:
         # Every token reads the same entries: lay tokens out contiguously, so one gathered
         # vocab entry is a contiguous run of tokens (coalesced), and tile tokens widely.
@@ -201,6 +203,8 @@ def csr_match_sum(
     if n_rows == 0 or n_student == 0:
         return out
     grad, columns = grad.contiguous(), columns.contiguous()
+    # The kernel indexes the CSR buffers as ``ptr + k`` (unit stride): make strided views dense.
+    indptr, teacher_ids, w = indptr.contiguous(), teacher_ids.contiguous(), w.contiguous()
     block_s = 256
     grid = (n_rows, triton.cdiv(n_student, block_s))
     csr_match_sum_kernel[grid](
