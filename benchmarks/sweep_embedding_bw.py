@@ -48,6 +48,18 @@ CONFIGS: list[tuple[str, dict]] = [
     # torch.sort (cub radix sort, ~57 us for 16K ids) instead of the two-launch Triton sort.
     ("sort torch (the previous default)", {"sort": "torch"}),
     ("sort torch, streams off", {"sort": "torch", "streams": False}),
+    # Hot-first order: the run programs run in sorted order, and an in-kernel trace (H100,
+    # 2026-11-22) showed the run phase and the fill nearly serialised (run programs 0-230 us,
+    # fill 180-580 us), the run phase ending with chains whose ids sort late (the 673-entry
+    # chain, at 92% of the sorted order, started at 167 us). Sorting by decreasing count
+    # starts the longest chains first.
+    ("hot first", {"hot_first": True}),
+    ("hot first, run_block 8, unroll 8", {"hot_first": True, "run_block": 8, "unroll": 8}),
+    ("hot first, block_col 1024 (8 warps)", {"hot_first": True, "block_col": 1024}),
+    ("hot first, tile 16", {"hot_first": True, "tile": 16}),
+    ("hot first, long kernel registers 32 cols tile 64, long_min 255, fork",
+     {**_REG32, "hot_first": True, "long_kernel": True, "long_min": 255, "long_fork": True}),
+    ("hot first, fill_rows 4", {"hot_first": True, "fill_rows": 4}),
     # Only the hottest chains on the long-run kernel's narrow register body, on their own
     # stream. The chains make almost no progress while the fill saturates memory (sweep k:
     # fill + short runs 0.439 ms, plus the hottest chain alone in the main kernel's shape,
@@ -326,8 +338,10 @@ def main() -> None:
     out_buf = torch.empty(V, D, device=dev, dtype=torch.bfloat16)
 
     def kernel_alone(id_name, cfg, diag=0):
+        # The prepared sorts are in id order: the kernel alone always runs in id order.
         sorted_ids, order = prepared[id_name]
-        kw = {k: v for k, v in cfg.items() if k not in ("impl", "fill", "streams", "sort")}
+        kw = {k: v for k, v in cfg.items()
+              if k not in ("impl", "fill", "streams", "sort", "hot_first")}
         launch_kw = kernels.backward_config(grad, **kw)
         touched = kernels._touched_map(id_sets[id_name], V) if cfg.get("fill") == "map" else None
         return lambda: kernels.launch_backward_kernel(
@@ -411,7 +425,7 @@ def main() -> None:
     best = ranked[0] if ranked else None
     if best and best[1] not in ("default", "legacy (previous kernel)"):
         cfg = dict(CONFIGS)[best[1]]
-        if cfg.get("impl") != "legacy" and cfg.get("fill") != "map":
+        if cfg.get("impl") != "legacy" and cfg.get("fill") != "map" and not cfg.get("hot_first"):
             try:
                 anchor(f"part: the kernel alone, best config ({best[1]})",
                        kernel_alone("Zipf", cfg), kernel_alone("uniform", cfg))

@@ -6,7 +6,8 @@ only the gathered rows.
 Backward: a deterministic, batch-invariant scatter-add with no floating-point atomics and no
 fp32 V x D buffer. The ids are stably sorted on the device (on CUDA up to 65536 ids: two
 Triton launches, ``sort.py``; else ``torch.sort``, int32 keys when the table allows), so each
-distinct id is a contiguous run of sorted positions in token-position order. Then ONE kernel
+distinct id is a contiguous run of sorted positions in token-position order (on CUDA the
+runs are ordered by decreasing length, ``hot_first``; else by id). Then ONE kernel
 writes every row of ``grad_weight`` exactly once:
 
 * Run programs, one per (block of ``RUN_BLOCK`` sorted positions, column block), each
@@ -678,13 +679,16 @@ def _resolve_sort(sort: str, flat_ids: torch.Tensor, num_embeddings: int) -> str
     return sort
 
 
-def _sort_ids(flat_ids: torch.Tensor, num_embeddings: int, sort: str = "auto"
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def _sort_ids(flat_ids: torch.Tensor, num_embeddings: int, sort: str = "auto",
+              counts: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stable device sort: (sorted ids, token positions). ``sort="triton"``: two Triton
     launches (``compileops/embedding/sort.py``); ``"torch"``: ``torch.sort`` with int32 keys
-    when the table allows (half the radix passes of int64; int32 ids are not copied)."""
+    when the table allows (half the radix passes of int64; int32 ids are not copied).
+    ``counts`` (``_id_counts``; Triton sort only): hot-first order (``sort.py``)."""
     if _resolve_sort(sort, flat_ids, num_embeddings) == "triton":
-        return id_sort.stable_sort_ids(flat_ids)
+        return id_sort.stable_sort_ids(flat_ids, counts=counts)
+    if counts is not None:
+        raise ValueError("hot-first order needs the Triton sort")
     keys = flat_ids
     if keys.dtype != torch.int32 and num_embeddings <= 2**31 - 1:
         keys = keys.to(torch.int32)
@@ -696,6 +700,33 @@ def _touched_map(flat_ids: torch.Tensor, num_embeddings: int) -> torch.Tensor:
     touched = torch.zeros(num_embeddings, dtype=torch.int8, device=flat_ids.device)
     touched.index_fill_(0, flat_ids.long(), 1)
     return touched
+
+
+@triton.jit
+def id_counts_kernel(ids_ptr, counts_ptr, n_tokens, num_embeddings, BLOCK: tl.constexpr):
+    """``counts[id] += 1`` for each in-range id of this block (integer atomics: the final
+    counts do not depend on their order). Out-of-range ids are skipped: the run programs
+    assert on them."""
+    pos = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_n = pos < n_tokens
+    ids = tl.load(ids_ptr + pos, mask=in_n, other=-1).to(tl.int64)
+    ok = in_n & (ids >= 0) & (ids < num_embeddings)
+    tl.atomic_add(counts_ptr + ids, tl.full([BLOCK], 1, tl.int32), mask=ok, sem="relaxed")
+
+
+_COUNTS_BLOCK = 1024  # ids per id_counts_kernel program
+
+
+def _id_counts(flat_ids: torch.Tensor, num_embeddings: int) -> torch.Tensor:
+    """int32 [V]: the number of tokens of each id. Two launches (zeros, counts); it serves as
+    the touched map (nonzero = touched) and orders the hot-first sort."""
+    counts = torch.zeros(num_embeddings, dtype=torch.int32, device=flat_ids.device)
+    n_tokens = flat_ids.numel()
+    if n_tokens:
+        _launch.launch(id_counts_kernel, (cdiv(n_tokens, _COUNTS_BLOCK),),
+                       (flat_ids, counts, n_tokens, num_embeddings),
+                       dict(BLOCK=_COUNTS_BLOCK), dict(num_warps=4))
+    return counts
 
 
 def embedding_backward(
@@ -714,7 +745,8 @@ def embedding_backward(
     long_warps: Optional[int] = None, long_min: Optional[int] = None,
     long_block: Optional[int] = None, long_fork: bool = False, long_body: str = "pipelined",
     long_prefetch: int = 0,
-    streams: Optional[bool] = None, sort: str = "auto", out: Optional[torch.Tensor] = None,
+    streams: Optional[bool] = None, sort: str = "auto", hot_first: Optional[bool] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """grad ``[*ids.shape, D]`` -> grad_weight ``[V, D]`` in ``weight_dtype`` (see module doc).
 
@@ -780,6 +812,19 @@ def embedding_backward(
       The sort leaves the critical path, and the latency-bound hot-id chains are scheduled
       ahead of the remaining fill blocks. Each row is still written by exactly one program;
       the result is bitwise that of ``streams=False``.
+    * ``hot_first`` (default: on in the two-stream schedule with the Triton sort): sort the
+      ids by decreasing count (then id, then position; ``sort.py``), so that the run
+      programs, launched in sorted order, start the longest chains first. The touched map is
+      then the id counts (``_id_counts``: zeros + one Triton launch, like the int8 map's
+      zeros + ``index_fill_``), which also feed the sort. Needs a touched map: with
+      ``streams=False`` only together with ``fill="map"`` (the binary-search fill needs id
+      order). An in-kernel trace (H100, benchmarks/results/trace_embedding_bw_h100_*) showed
+      why: the high-priority run programs take the SMs first, so the run phase (~180 us)
+      and the fill (~390 us) run nearly one after the other, and in id order the run phase
+      ended with chains whose ids sort late (a 673-entry chain at 92% of the order started
+      at 167 us and ended at 228 us). Hot first, the run phase ends at ~178 us, when the
+      last short-run program is dispatched. Sweep s: Zipf 0.5133-0.5142 ms against
+      0.5305-0.5319 in id order; uniform ids 0.5094 against 0.5056.
     * ``sort``: ``"auto"`` (default: the two-launch Triton sort of ``sort.py`` on CUDA up to
       65536 ids, else ``torch.sort``), ``"triton"`` or ``"torch"``; the same sorted order
       either way. H100, Zipf ids (sweep i/j): 0.529 ms against 0.534 with ``torch.sort``,
@@ -823,12 +868,22 @@ def embedding_backward(
     sort = _resolve_sort(sort, flat_ids, num_embeddings)
     if streams is None:
         streams = grad.device.type == "cuda"
-    if streams and grad.device.type == "cuda":
+    streams = streams and grad.device.type == "cuda"
+    fits = sort == "triton" and id_sort.hot_first_fits(n_tokens, num_embeddings)
+    if hot_first is None:  # the two-stream schedule's default, where the keys fit
+        hot_first = streams and fits
+    if hot_first and not (fits and (streams or fill == "map")):
+        raise ValueError("hot_first needs the Triton sort (sort='triton', or 'auto' on CUDA), "
+                         "keys that fit (sort.hot_first_fits) and a touched map (the two-stream "
+                         "schedule or fill='map'): the fill's binary search needs id order")
+    if streams:
         _two_stream_backward(flat_ids, num_embeddings, flat_grad, out, padding_idx, config,
-                             sort)
+                             sort, hot_first)
         return out
-    sorted_ids, order = _sort_ids(flat_ids, num_embeddings, sort)
-    touched = _touched_map(flat_ids, num_embeddings) if fill == "map" else None
+    counts = _id_counts(flat_ids, num_embeddings) if hot_first else None
+    sorted_ids, order = _sort_ids(flat_ids, num_embeddings, sort, counts)
+    touched = counts if hot_first else _touched_map(flat_ids, num_embeddings) \
+        if fill == "map" else None
     launch_backward_kernel(sorted_ids, order, touched, flat_grad, out, padding_idx, **config)
     return out
 
@@ -849,7 +904,7 @@ def _side_stream(device: torch.device, slot: int = 0) -> "torch.cuda.Stream":
 
 def _two_stream_backward(flat_ids: torch.Tensor, num_embeddings: int, flat_grad: torch.Tensor,
                          out: torch.Tensor, padding_idx: Optional[int], config: dict,
-                         sort: str) -> None:
+                         sort: str, hot_first: bool = False) -> None:
     """The ``streams=True`` schedule (see ``embedding_backward``). Fork and join are stream
     waits on events, so CUDA graph capture records both branches. Every tensor the side
     stream touches is allocated on the current stream before the fork, or on the side stream
@@ -857,14 +912,17 @@ def _two_stream_backward(flat_ids: torch.Tensor, num_embeddings: int, flat_grad:
     freed and reused while the side stream still reads or writes it."""
     main = torch.cuda.current_stream(flat_grad.device)
     side = _side_stream(flat_grad.device)
-    touched = _touched_map(flat_ids, num_embeddings)
+    # The touched map; hot_first: the id counts, which also order the sort.
+    touched = _id_counts(flat_ids, num_embeddings) if hot_first else \
+        _touched_map(flat_ids, num_embeddings)
     # The fill launch reads no sorted ids (it has the touched map), but takes an int32
     # pointer there: a one-element stand-in keeps one compiled variant for any ids dtype.
     no_ids = torch.empty(1, dtype=torch.int32, device=flat_ids.device)
     side.wait_stream(main)
     fork = config["long_kernel"] and config["long_fork"]
     with torch.cuda.stream(side):
-        sorted_ids, order = _sort_ids(flat_ids, num_embeddings, sort)
+        sorted_ids, order = _sort_ids(flat_ids, num_embeddings, sort,
+                                      touched if hot_first else None)
         if fork:
             # The long runs on a third stream, concurrent with the run programs (on one
             # stream the run programs would wait for the longest hot-id chain to end).

@@ -150,8 +150,9 @@ def test_device_mismatch_is_a_clear_error_eagerly_and_compiled():
         compiled(ids, w)
 
 
-@pytest.mark.parametrize("schedule", [{}, LONG_REGISTERS, dict(LONG_REGISTERS, long_fork=True)],
-                         ids=["default", "long-registers", "long-registers-fork"])
+@pytest.mark.parametrize("schedule", [{}, {"hot_first": False}, LONG_REGISTERS,
+                                      dict(LONG_REGISTERS, long_fork=True)],
+                         ids=["default", "id-order", "long-registers", "long-registers-fork"])
 @pytest.mark.parametrize("padding_idx", [None, 17])
 def test_two_stream_schedule_is_bitwise_the_one_launch_schedule(padding_idx, schedule):
     """The default CUDA schedule (fill on the current stream, sort + run programs on a

@@ -331,6 +331,11 @@ BACKWARD_VARIANTS = [
     # The two-launch Triton sort (the CUDA default for <= 65536 ids) instead of torch.sort.
     {"sort": "triton"},
     {"sort": "triton", "long_kernel": True, "long_min": 16},
+    # Hot-first order (most frequent ids first; runs not in id order) with the count map.
+    {"sort": "triton", "fill": "map", "hot_first": True},
+    {"sort": "triton", "fill": "map", "hot_first": True, "long_kernel": True, "long_min": 16},
+    {"sort": "triton", "fill": "map", "hot_first": True, "long_mode": "tile", "run_block": 2,
+     "unroll": 4, "tile": 8},
 ]
 
 
@@ -737,6 +742,44 @@ def test_triton_id_sort_is_torch_stable_sort(n, sort_block, high, id_dtype):
     assert got_ids.dtype == torch.int32 and got_order.dtype == torch.int64
     assert torch.equal(got_ids, want_ids) and torch.equal(got_order, want_order)
     assert torch.equal(ids, before)
+
+
+@pytest.mark.parametrize("n,sort_block,vocab", [(1, 16, 5), (17, 16, 4), (300, 8, 37),
+                                                (1000, 16, 50), (1024, 16, 2**20)])
+def test_triton_id_sort_hot_first(n, sort_block, vocab):
+    """Hot-first keys: ids by decreasing count, ties by id, each id's tokens contiguous and in
+    position order; the sorted ids are the tokens' own ids (also for an out-of-range id)."""
+    from compileops.embedding import kernels
+    from compileops.embedding.sort import stable_sort_ids
+
+    gen = torch.Generator().manual_seed(n)
+    ids = (torch.rand(n, generator=gen) ** 3 * vocab).long()
+    ids[: n // 5] = vocab - 1
+    counts = kernels._id_counts(ids, vocab)
+    assert torch.equal(counts, torch.bincount(ids, minlength=vocab).int())
+    got_ids, got_order = stable_sort_ids(ids, sort_block=sort_block, counts=counts)
+    key = (n - counts.long()[ids]) * vocab + ids  # count descending, then id
+    want_order = torch.sort(key, stable=True).indices
+    assert torch.equal(got_order, want_order) and torch.equal(got_ids, ids[want_order].int())
+    if n >= 17:  # an out-of-range id keeps its value in the sorted ids (the kernels assert)
+        bad = ids.clone()
+        bad[3] = vocab + 5
+        bad_ids, bad_order = stable_sort_ids(bad, sort_block=sort_block, counts=counts)
+        assert torch.equal(bad_ids, bad[bad_order].int()) and (bad_ids == vocab + 5).sum() == 1
+
+
+def test_hot_first_needs_a_map_and_the_triton_sort():
+    from compileops.embedding import kernels
+    from compileops.embedding.sort import hot_first_fits
+
+    ids, grad = torch.tensor([1, 2, 2]), torch.randn(3, 4)
+    with pytest.raises(ValueError, match="hot_first needs"):
+        kernels.embedding_backward(grad, ids, 5, None, torch.float32, hot_first=True,
+                                   sort="triton")  # fill="search" on the one-launch schedule
+    with pytest.raises(ValueError, match="hot_first needs"):
+        kernels.embedding_backward(grad, ids, 5, None, torch.float32, hot_first=True,
+                                   sort="torch", fill="map")
+    assert hot_first_fits(65536, 2**30) and not hot_first_fits(65536, 2**31)
 
 
 def test_triton_id_sort_bad_arguments():
