@@ -42,6 +42,9 @@ FWD_CONFIGS = [
     # SM (233472 B), so half the grid would wait for the other half.
     Config(128, 256, 64, 8, 3, flatten=True, tma_store=True),
     Config(128, 128, 64, 4, 2, flatten=True, programs_per_sm=2, tma_store=True),
+    # A fourth operand stage for the 128 x 256 tile (4 x 48 KB of shared memory).
+    Config(128, 256, 64, 8, 4, flatten=True),
+    Config(128, 256, 64, 8, 4, flatten=True, group_m=4),
 ]
 # SwiGLU tiles hold two accumulators (gate and up): half the N width of the plain ones.
 SWIGLU_CONFIGS = [

@@ -613,11 +613,10 @@ def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
     Small groups (decode-like MoE, many experts) get short M tiles so little work is
     masked. Larger groups in 16-bit get 128 x 256 tiles (the intensity Hopper's wgmma needs
     to stay off the L2-bandwidth limit) with the persistent loop flattened, so the next
-    tile's loads overlap this tile's epilogue; with K <= 1024, 128 x 128 tiles and two
-    programs per SM instead; SwiGLU holds two accumulators, so its tiles
-    are 128 x 128 and not flattened (flattening measured slower there). Measured on an H100:
-    benchmarks/RESULTS.md (sweep_grouped_linear.py). ``batch_invariant`` returns the fixed
-    config.
+    tile's loads overlap this tile's epilogue, and four operand stages (192 KB of shared
+    memory); SwiGLU holds two accumulators, so its tiles are 128 x 128 and not flattened
+    (flattening measured slower there). Measured on an H100: benchmarks/RESULTS.md
+    (sweep_grouped_linear.py). ``batch_invariant`` returns the fixed config.
     """
     if batch_invariant:
         return BATCH_INVARIANT_CONFIG if not _interpreting(device) else _INTERPRET_CONFIG
@@ -635,14 +634,15 @@ def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
         return Config(128, 128, 64, num_warps=8, num_stages=3)
     if n <= 128:
         return Config(128, 128, 64, num_warps=8, num_stages=3, flatten=True)
-    if k <= 1024:
-        # Short K loops (Qwen3-MoE down: K = 768, 12 steps): the per-tile prologue and
-        # epilogue weigh more, and two co-resident programs hide each other's. H100, three
-        # forward sweeps (benchmarks/results/sweep_grouped_linear_h100_2026-11-22_{f,h}*.log),
-        # ratio to torch._grouped_mm, balanced / skewed: 1.02 / 1.00, 1.03 / 1.10, 0.99 / 1.06
-        # against 0.93 / 1.05, 0.94 / 1.00, 0.91 / 1.06 for the 128 x 256 tile.
-        return Config(128, 128, 64, num_warps=4, num_stages=3, flatten=True, programs_per_sm=2)
-    return Config(128, 256, 64, num_warps=8, num_stages=3, flatten=True)
+    # Four stages rather than three: H100 sweeps of forward and dX on the four MoE shapes
+    # (benchmarks/results/sweep_grouped_linear_h100_2026-11-22_{i,j}_s4.log), ratio to
+    # torch._grouped_mm, s4 against s3, balanced / skewed: Qwen3-up fwd 1.04 / 0.99 against
+    # 0.93 / 0.97, dX 1.08 / 1.18 against 1.02 / 1.15; Qwen3-down dX 1.08 / 1.14 against
+    # 0.97 / 1.00, and fwd 1.17 / 1.13 against 1.12 / 1.09 for the 128 x 128, two programs
+    # per SM tile it replaces (K <= 1024); DeepSeek dX skewed 1.16 against 1.08, the other
+    # DeepSeek cases within 0.01; Mixtral within noise (fwd 1.10 / 0.97 against 1.09 / 1.00,
+    # dX 0.98 / 1.04 against 1.00 / 0.95).
+    return Config(128, 256, 64, num_warps=8, num_stages=4, flatten=True)
 
 
 # dW defaults, 16-bit inputs. Long groups (M / G >= 512): 64 x 128 x 256, 8 warps, 3 stages,
