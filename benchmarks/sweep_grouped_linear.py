@@ -79,6 +79,10 @@ WGRAD_CONFIGS = [
     Config(64, 128, 256, 8, 3, ragged_tma=True, tma_store=True, group_n=8),
     Config(64, 128, 256, 8, 3, ragged_tma=True, tma_store=True, group_n=16),
     Config(64, 128, 128, 4, 3, programs_per_sm=2, ragged_tma=True, group_n=8),
+    # Tried in sweep k (results/sweep_grouped_linear_dw_h100_2026-11-22_k_long_steps.log) and
+    # dropped: 128-row reduction steps (128x128x128 s3: 0.70-0.82x; with a TMA store it needs
+    # 234496 B of shared memory; 128x128x256 s2: 0.69-0.82x) and a 256-row dY tile
+    # (64x256x128 s3 gn4 tma-store: 0.91-1.01x, below the default in 7 of 8 cases).
 ]
 # Timed once more without db (compute_db=False): what the column sums cost.
 WGRAD_NO_DB = [Config(64, 128, 256, 8, 3)]
