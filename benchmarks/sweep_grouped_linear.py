@@ -85,7 +85,9 @@ WGRAD_CONFIGS = [
     # (64x256x128 s3 gn4 tma-store: 0.91-1.01x, below the default in 7 of 8 cases).
 ]
 # Timed once more without db (compute_db=False): what the column sums cost.
-WGRAD_NO_DB = [Config(64, 128, 256, 8, 3)]
+WGRAD_NO_DB = [Config(64, 128, 256, 8, 3),
+               Config(64, 128, 256, 8, 3, ragged_tma=True, tma_store=True, group_n=8),
+               Config(64, 128, 128, 4, 3, programs_per_sm=2, ragged_tma=True, group_n=8)]
 
 
 class _NoDbConfig(Config):
