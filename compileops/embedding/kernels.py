@@ -232,7 +232,8 @@ def _long_run_sum(
     sorted position ``start``, TILE rows per step.
 
     The run's end is found on the way: one sorted id (position p + TILE - 1, loaded during the
-    previous step) says whether a whole step lies inside the run (sorted ids are monotone).
+    previous step) says whether a whole step lies inside the run (each id's entries are
+    contiguous in the sorted order, in id or hot-first order alike).
     Such a full step loads its TILE rows with no per-row predicate, so (with a register cap,
     see ``maxnreg``) the compiler issues them all before the first add; the last, partial
     step checks every row. ``LONG_ROWS`` also loads the next step's token positions during
@@ -378,8 +379,8 @@ def _run_starts(sorted_ids_ptr, pos, n_tokens, num_embeddings):
 @triton.jit
 def _longer_than(sorted_ids_ptr, pos, row, is_start, n_tokens, length):
     """Run starts (``is_start`` at sorted positions ``pos``, ids ``row``) whose run has more
-    than ``length`` entries: sorted ids are monotone, so the id ``length`` positions on is
-    still the run's."""
+    than ``length`` entries: each id's entries are contiguous, so the id ``length``
+    positions on is still the run's."""
     after = pos + length
     return is_start & (tl.load(sorted_ids_ptr + after, mask=after < n_tokens, other=-1) == row)
 
@@ -511,7 +512,8 @@ def embedding_backward_kernel(
 def _run_end(sorted_ids_ptr, start, row, n_tokens, SEARCH: tl.constexpr):
     """End (exclusive) of the run of ``row`` that starts at sorted position ``start``.
 
-    Sorted ids are monotone, so the run's positions among any samples form a prefix. Each
+    Each id's entries are contiguous in the sorted order (id or hot-first order), so the
+    run's positions among any samples form a prefix. Each
     coarse step loads SEARCH samples SEARCH positions apart (one round trip covers SEARCH**2
     positions, 4096 for SEARCH=64: any run of the 16K-token benchmark) and moves on only if
     all of them are in the run; one fine load of SEARCH consecutive positions then finds the
@@ -882,8 +884,10 @@ def embedding_backward(
         return out
     counts = _id_counts(flat_ids, num_embeddings) if hot_first else None
     sorted_ids, order = _sort_ids(flat_ids, num_embeddings, sort, counts)
-    touched = counts if hot_first else _touched_map(flat_ids, num_embeddings) \
-        if fill == "map" else None
+    if hot_first:
+        touched = counts  # nonzero on touched rows: the fill reads it as its map
+    else:
+        touched = _touched_map(flat_ids, num_embeddings) if fill == "map" else None
     launch_backward_kernel(sorted_ids, order, touched, flat_grad, out, padding_idx, **config)
     return out
 

@@ -21,8 +21,8 @@ longest (latency-bound) chains then start first instead of wherever their id fal
 
 The second launch does ``n_tokens * n_blocks`` searches, so the backward takes this path
 only up to ``MAX_TOKENS`` tokens (64 blocks) and uses ``torch.sort`` above it.
-The output is exactly ``torch.sort(ids, stable=True)``'s (as int32 ids, int64 positions):
-the keys are unique, so there are no ties to order.
+Without ``counts`` the output is exactly ``torch.sort(ids, stable=True)``'s (as int32 ids,
+int64 positions): the keys are unique, so there are no ties to order.
 """
 from __future__ import annotations
 

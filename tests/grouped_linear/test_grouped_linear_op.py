@@ -36,20 +36,27 @@ def grads_fp64(x, w, offs, b, grad):
     return y, leaves[0].grad, leaves[1].grad, (bb.grad if bb is not None else None)
 
 
-@pytest.mark.parametrize("sizes", [[5, 0, 17, 3], [0, 0, 33, 0], [1, 2, 3, 40], [0, 0, 0, 0]],
-                         ids=["mixed", "one-group", "skewed", "all-empty"])
-def test_forward_backward_match_fp64(sizes):
-    x, w, offs, b = make(sizes, k=24, n=20, extra_rows=3)
+def fw_bw_checked_fp64(x, w, offs, b, ref=None):
+    """grouped_linear forward and backward (a random incoming grad) on ``x, w, offs, b``, its
+    output and the grads of x, w, b checked against fp64 autograd on ``ref`` (the same
+    values; default: these tensors). Returns the output."""
     for t in (x, w, b):
         t.requires_grad_()
     y = compileops.grouped_linear(x, w, offs, b)
     grad = torch.randn_like(y)
     y.backward(grad)
-    y_ref, dx_ref, dw_ref, db_ref = grads_fp64(x, w, offs, b, grad)
-    assert_close_to_reference(y, y_ref, max_relative_error=1e-5, what="y")
-    assert_close_to_reference(x.grad, dx_ref, max_relative_error=1e-5, what="dX")
-    assert_close_to_reference(w.grad, dw_ref, max_relative_error=1e-5, what="dW")
-    assert_close_to_reference(b.grad, db_ref, max_relative_error=1e-5, what="db")
+    y_ref, dx_ref, dw_ref, db_ref = grads_fp64(*(ref or (x, w, offs, b)), grad)
+    for got, want, what in ((y, y_ref, "y"), (x.grad, dx_ref, "dX"), (w.grad, dw_ref, "dW"),
+                            (b.grad, db_ref, "db")):
+        assert_close_to_reference(got, want, max_relative_error=1e-5, what=what)
+    return y
+
+
+@pytest.mark.parametrize("sizes", [[5, 0, 17, 3], [0, 0, 33, 0], [1, 2, 3, 40], [0, 0, 0, 0]],
+                         ids=["mixed", "one-group", "skewed", "all-empty"])
+def test_forward_backward_match_fp64(sizes):
+    x, w, offs, b = make(sizes, k=24, n=20, extra_rows=3)
+    y = fw_bw_checked_fp64(x, w, offs, b)
     tail = offs[-1].item()
     assert torch.equal(y[tail:], torch.zeros_like(y[tail:])), "rows past offsets[-1] must be 0"
     assert torch.equal(x.grad[tail:], torch.zeros_like(x.grad[tail:]))
@@ -120,16 +127,7 @@ def test_strided_offsets_and_operands_fw_bw():
     b_view = torch.stack([b, b + 100], 2)[..., 0]
     assert not (offs_view.is_contiguous() or x_view.is_contiguous()
                 or w_view.is_contiguous() or b_view.is_contiguous())
-    for t in (x_view, w_view, b_view):
-        t.requires_grad_()
-    y = compileops.grouped_linear(x_view, w_view, offs_view, b_view)
-    grad = torch.randn_like(y)
-    y.backward(grad)
-    y_ref, dx_ref, dw_ref, db_ref = grads_fp64(x, w, offs, b, grad)
-    assert_close_to_reference(y, y_ref, max_relative_error=1e-5, what="y")
-    assert_close_to_reference(x_view.grad, dx_ref, max_relative_error=1e-5, what="dX")
-    assert_close_to_reference(w_view.grad, dw_ref, max_relative_error=1e-5, what="dW")
-    assert_close_to_reference(b_view.grad, db_ref, max_relative_error=1e-5, what="db")
+    fw_bw_checked_fp64(x_view, w_view, offs_view, b_view, ref=(x, w, offs, b))
 
 
 def test_swiglu_matches_reference_fw_bw():
