@@ -79,6 +79,11 @@ WGRAD_CONFIGS = [
     Config(64, 128, 256, 8, 3, ragged_tma=True, tma_store=True, group_n=8),
     Config(64, 128, 256, 8, 3, ragged_tma=True, tma_store=True, group_n=16),
     Config(64, 128, 128, 4, 3, programs_per_sm=2, ragged_tma=True, group_n=8),
+    # A fourth operand stage for the long-group tile (it helped the M-jagged 128 x 256 tile):
+    # without the TMA store (192 KB), and with it in halves (224 KB + a 32 KB staging tile).
+    Config(64, 128, 256, 8, 4, ragged_tma=True, group_n=8),
+    Config(64, 128, 256, 8, 4, ragged_tma=True, tma_store=True, epilogue_subtile=True,
+           group_n=8),
     # Tried in sweep k (results/sweep_grouped_linear_dw_h100_2026-11-22_k_long_steps.log) and
     # dropped: 128-row reduction steps (128x128x128 s3: 0.70-0.82x; with a TMA store it needs
     # 234496 B of shared memory; 128x128x256 s2: 0.69-0.82x) and a 256-row dY tile
