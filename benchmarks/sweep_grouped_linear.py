@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 import time
 
@@ -84,6 +85,12 @@ WGRAD_CONFIGS = [
     Config(64, 128, 256, 8, 4, ragged_tma=True, group_n=8),
     Config(64, 128, 256, 8, 4, ragged_tma=True, tma_store=True, epilogue_subtile=True,
            group_n=8),
+    # Tiles claimed from an atomic ticket counter (Config.dynamic_tiles) instead of the fixed
+    # stride: with skewed groups the programs' fixed shares of the work differ by 3-14%.
+    Config(64, 128, 256, 8, 3, ragged_tma=True, tma_store=True, group_n=8, dynamic_tiles=True),
+    Config(64, 128, 256, 8, 4, ragged_tma=True, tma_store=True, epilogue_subtile=True,
+           group_n=8, dynamic_tiles=True),
+    Config(64, 128, 128, 4, 3, programs_per_sm=2, ragged_tma=True, dynamic_tiles=True),
     # Tried in sweep k (results/sweep_grouped_linear_dw_h100_2026-11-22_k_long_steps.log) and
     # dropped: 128-row reduction steps (128x128x128 s3: 0.70-0.82x; with a TMA store it needs
     # 234496 B of shared memory; 128x128x256 s2: 0.69-0.82x) and a 256-row dY tile
@@ -117,6 +124,7 @@ def config_label(cfg: Config, default: Optional[Config] = None) -> str:
             f"{' ragged' if cfg.ragged_tma else ''}"
             f"{' tma-store' if cfg.tma_store else ''}"
             f"{'/2' if cfg.tma_store and cfg.epilogue_subtile else ''}"
+            f"{' dyn' if cfg.dynamic_tiles else ''}"
             f"{' no db' if getattr(cfg, '_no_db', False) else ''}"
             f"{' (default)' if is_default else ''}")
 
@@ -131,6 +139,8 @@ def main() -> int:
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
     parser.add_argument("--splits", nargs="*", default=["balanced", "skewed"])
     parser.add_argument("--passes", nargs="*", default=["fwd", "dX", "dW", "swiglu"])
+    parser.add_argument("--configs", default="",
+                        help="time only the configs whose label matches this regex")
     args = parser.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -186,6 +196,8 @@ def main() -> int:
                 results = []
                 for cfg in configs:
                     label = config_label(cfg, defaults[stage])
+                    if args.configs and not re.search(args.configs, label):
+                        continue
                     try:
                         got = ours(cfg)
                         err = rel_err(got[: int(offs[-1])], want[: int(offs[-1])]) if stage != "dW" \

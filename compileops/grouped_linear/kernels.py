@@ -8,8 +8,11 @@ the tiles), all reading the group offsets on the device (no host sync, CUDA-grap
   forward (gate and up halves of N in one tile). The rows past ``offsets[-1]`` form a
   virtual group ``G`` whose tiles are written as exact zeros.
 * **K-jagged** ``dW_g = dY_g^T @ X_g`` with ``db_g = colsum(dY_g)`` in the same pass: a
-  static tile space ``G x N-tiles x K-tiles``, each tile reducing over its group's rows in
-  row order. No split-K, no atomics: bitwise deterministic. Empty groups give exact zeros.
+  tile space ``G x N-tiles x K-tiles``, each tile reducing over its group's rows in row
+  order. No split-K, no floating-point atomics: bitwise deterministic. (Tiles go to
+  programs by a fixed stride, or with ``Config.dynamic_tiles`` by an integer ticket
+  counter; either way each tile is computed once, with the same code.) Empty groups give
+  exact zeros.
 
 The ``@triton.jit`` bodies (:func:`group_rows`, :func:`mjagged_tile` (single tile, or the
 gate/up tile pair sharing one A load), :func:`swiglu`,
@@ -261,6 +264,21 @@ def store_rows_below(desc, row, end, col, tile, BLOCK_ROWS: tl.constexpr,
 
 
 @triton.jit
+def kjagged_chunk(dy, xb, acc, db_acc, ones, WITH_DB: tl.constexpr,
+                  INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """One reduction step of a dW tile: ``acc [BLOCK_N, BLOCK_K] += dy^T @ xb`` for a row
+    chunk ``dy [BLOCK_M, BLOCK_N]``, ``xb [BLOCK_M, BLOCK_K]``; with ``WITH_DB`` also the
+    column sums ``db_acc [BLOCK_N, 16] += dy^T @ ones [BLOCK_M, 16]`` (see :func:`kjagged_tile`)."""
+    if DOT_UPCAST:  # interpreter only (see dot_upcast)
+        dy = dy.to(tl.float32)
+        xb = xb.to(tl.float32)
+    acc = tl.dot(dy.T, xb, acc, input_precision=INPUT_PRECISION)
+    if WITH_DB:
+        db_acc = tl.dot(dy.T, ones, db_acc, input_precision=INPUT_PRECISION)
+    return acc, db_acc
+
+
+@triton.jit
 def kjagged_tile(
     dy_ptr, x_ptr, start, end, tile_n, tile_k, N, K,
     stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc, x_desc,
@@ -313,12 +331,8 @@ def kjagged_tile(
             else:
                 dy = dy_desc.load([m0, tile_n * BLOCK_N])
                 xb = x_desc.load([m0, tile_k * BLOCK_K])
-            if DOT_UPCAST:  # interpreter only (see dot_upcast)
-                dy = dy.to(tl.float32)
-                xb = xb.to(tl.float32)
-            acc = tl.dot(dy.T, xb, acc, input_precision=INPUT_PRECISION)
-            if WITH_DB:
-                db_acc = tl.dot(dy.T, ones, db_acc, input_precision=INPUT_PRECISION)
+            acc, db_acc = kjagged_chunk(dy, xb, acc, db_acc, ones, WITH_DB, INPUT_PRECISION,
+                                        DOT_UPCAST)
     if USE_TMA and RAGGED:
         return acc, db_acc
     for m0 in range(tail, end, BLOCK_M):
@@ -353,6 +367,47 @@ def column_sums(dy_ptr, start, end, tile_n, N, stride_dym, stride_dyn,
                      mask=(rm < end)[:, None] & n_ok[None, :], other=0.0)
         db += tl.sum(dy.to(tl.float32), axis=0)
     return db
+
+
+# ---------------------------------------------------------------------------------------
+# Dynamic tile schedule (dW): an int32 ticket counter, zeroed per launch
+
+
+@triton.jit
+def claim_ticket(ticket_ptr, DYNAMIC: tl.constexpr, ASM_TICKET: tl.constexpr,
+                 LANES: tl.constexpr):
+    """Issues ``atomicAdd(ticket_ptr, 1)`` for this program's next tile; read the ticket with
+    :func:`ticket_value`. A relaxed integer atomic: it only hands out tile numbers, and
+    which program computes a tile never changes the tile's bits.
+
+    ``ASM_TICKET`` (NVIDIA GPUs): one thread issues the atomic through inline PTX into a
+    ``[LANES]`` tensor (one lane per thread, ``LANES = 32 * num_warps``; the other lanes
+    hold 0), and the value is only gathered (``tl.max``) where it is needed, so its round
+    trip to L2 overlaps the work in between (the dW epilogue). ``tl.atomic_add`` on a
+    scalar would broadcast the result through shared memory behind a barrier right away,
+    stalling every warp for the round trip once per tile. The interpreter (no inline asm)
+    takes ``tl.atomic_add``. ``DYNAMIC`` false: no atomic, returns 0."""
+    ticket = 0
+    if DYNAMIC:
+        if ASM_TICKET:
+            lane = tl.arange(0, LANES)
+            ticket = tl.inline_asm_elementwise(
+                "{ .reg .pred leader; setp.eq.s32 leader, $2, 0; mov.u32 $0, 0; "
+                "@leader atom.relaxed.gpu.global.add.u32 $0, [$1], 1; }",
+                "=r,l,r", [ticket_ptr + lane * 0, lane], dtype=tl.int32, is_pure=False,
+                pack=1)
+        else:
+            ticket = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
+    return ticket
+
+
+@triton.jit
+def ticket_value(ticket, ASM_TICKET: tl.constexpr):
+    """The counter value a :func:`claim_ticket` handle received (a scalar)."""
+    value = ticket
+    if ASM_TICKET:
+        value = tl.max(ticket, axis=0)
+    return value
 
 
 # ---------------------------------------------------------------------------------------
@@ -424,12 +479,13 @@ def mjagged_gemm_kernel(
 
 @triton.jit
 def kjagged_output_tile(
-    dy_ptr, x_ptr, offs_ptr, dw_ptr, db_ptr, g, tile_n, tile_k, num_n, num_k,
+    dy_ptr, x_ptr, offs_ptr, dw_ptr, db_ptr, ticket_ptr, g, tile_n, tile_k, num_n, num_k,
     M, N, K, G, stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc, x_desc, dw_desc,
     HAS_DB: tl.constexpr, DB_MMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
     RAGGED: tl.constexpr, TMA_STORE: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
+    DYNAMIC: tl.constexpr, ASM_TICKET: tl.constexpr, LANES: tl.constexpr,
 ):
     """Computes and stores dW tile ``(g, tile_n, tile_k)``, and ``db[g, rn]`` when this tile
     owns it (see :func:`kjagged_gemm_kernel`).
@@ -439,10 +495,13 @@ def kjagged_output_tile(
     ``BLOCK_N x BLOCK_K`` pointer stores from registers. Rows are ``g * N + rn``: the host
     only sets it when ``N % BLOCK_N == 0``, so a tile never reaches into group ``g + 1``'s
     rows; columns past K are dropped by the TMA unit. ``EPILOGUE_SUBTILE``: stored as two
-    ``[BLOCK_N, BLOCK_K / 2]`` halves (half the shared-memory staging buffer)."""
+    ``[BLOCK_N, BLOCK_K / 2]`` halves (half the shared-memory staging buffer).
+
+    ``DYNAMIC``: claims the program's next tile (:func:`claim_ticket`) once the reduction
+    is done and returns the handle, so the claim's round trip overlaps the epilogue (and
+    a program asks for more work only when its current tile is nearly finished)."""
     start, end = group_rows(offs_ptr, g, G, M)
     rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
     n_ok = rn < N
     owns_db = tile_k == (g * num_n + tile_n) % num_k
     if HAS_DB & DB_MMA & owns_db:
@@ -452,11 +511,7 @@ def kjagged_output_tile(
             BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, DOT_UPCAST, USE_TMA, True,
             RAGGED,
         )
-        # Column 0 of db_acc; adding -0.0 to the other lanes' values is exact.
-        first = tl.arange(0, 16)[None, :] == 0
-        db = tl.sum(tl.where(first, db_acc, -0.0), axis=1)
-        tl.store(db_ptr + tl.cast(g, tl.int64) * N + rn, db.to(db_ptr.dtype.element_ty),
-                 mask=n_ok)
+        store_db_column(db_ptr, db_acc, g, rn, N)
     else:
         acc, _ = kjagged_tile(
             dy_ptr, x_ptr, start, end, tile_n, tile_k, N, K,
@@ -469,6 +524,28 @@ def kjagged_output_tile(
                              BLOCK_M, BLOCK_N)
             tl.store(db_ptr + tl.cast(g, tl.int64) * N + rn, db.to(db_ptr.dtype.element_ty),
                      mask=n_ok)
+    ticket = claim_ticket(ticket_ptr, DYNAMIC, ASM_TICKET, LANES)
+    store_dw_tile(dw_ptr, dw_desc, acc, g, tile_n, tile_k, N, K, BLOCK_N, BLOCK_K, TMA_STORE,
+                  EPILOGUE_SUBTILE)
+    return ticket
+
+
+@triton.jit
+def store_db_column(db_ptr, db_acc, g, rn, N):
+    """``db[g, rn]`` = column 0 of ``db_acc [BLOCK_N, 16]`` (:func:`kjagged_tile`'s sums)."""
+    # Adding -0.0 to the other lanes' values is exact.
+    first = tl.arange(0, 16)[None, :] == 0
+    db = tl.sum(tl.where(first, db_acc, -0.0), axis=1)
+    tl.store(db_ptr + tl.cast(g, tl.int64) * N + rn, db.to(db_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def store_dw_tile(dw_ptr, dw_desc, acc, g, tile_n, tile_k, N, K,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA_STORE: tl.constexpr,
+                  EPILOGUE_SUBTILE: tl.constexpr):
+    """Writes the fp32 tile ``acc [BLOCK_N, BLOCK_K]`` as dW tile ``(g, tile_n, tile_k)``, in
+    dW's dtype: by TMA (whole, or in two halves) or by masked pointer stores (see
+    :func:`kjagged_output_tile`)."""
     if TMA_STORE:
         tile = acc.to(dw_ptr.dtype.element_ty)
         row = g * N + tile_n * BLOCK_N
@@ -481,9 +558,11 @@ def kjagged_output_tile(
         else:
             dw_desc.store([row, col], tile)
     else:
-        base = tl.cast(g, tl.int64) * N * K
-        dst = dw_ptr + base + rn[:, None].to(tl.int64) * K + rk[None, :]
-        tl.store(dst, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & (rk < K)[None, :])
+        rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        dst = dw_ptr + tl.cast(g, tl.int64) * N * K + rn[:, None].to(tl.int64) * K + rk[None, :]
+        tl.store(dst, acc.to(dw_ptr.dtype.element_ty),
+                 mask=(rn < N)[:, None] & (rk < K)[None, :])
 
 
 @triton.jit
@@ -501,8 +580,30 @@ def kjagged_tile_coords(rest, num_n, num_k, GROUP_N: tl.constexpr):
 
 
 @triton.jit
+def kjagged_claimed_tile(
+    t, per_group, dy_ptr, x_ptr, offs_ptr, dw_ptr, db_ptr, ticket_ptr, num_n, num_k,
+    M, N, K, G, stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc, x_desc, dw_desc,
+    HAS_DB: tl.constexpr, DB_MMA: tl.constexpr, NUM_PROGS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    RAGGED: tl.constexpr, TMA_STORE: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
+    GROUP_N: tl.constexpr, ASM_TICKET: tl.constexpr, LANES: tl.constexpr,
+):
+    """Dynamic schedule step: computes and stores flat dW tile ``t`` (group order) and
+    returns the next tile this program claimed, ``NUM_PROGS + ticket``."""
+    tile_n, tile_k = kjagged_tile_coords(t % per_group, num_n, num_k, GROUP_N)
+    ticket = kjagged_output_tile(
+        dy_ptr, x_ptr, offs_ptr, dw_ptr, db_ptr, ticket_ptr, t // per_group, tile_n, tile_k,
+        num_n, num_k, M, N, K, G, stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc,
+        x_desc, dw_desc, HAS_DB, DB_MMA, BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION,
+        DOT_UPCAST, USE_TMA, RAGGED, TMA_STORE, EPILOGUE_SUBTILE, True, ASM_TICKET, LANES,
+    )
+    return NUM_PROGS + ticket_value(ticket, ASM_TICKET)
+
+
+@triton.jit
 def kjagged_gemm_kernel(
-    dy_ptr, x_ptr, offs_ptr, dw_ptr, db_ptr,
+    dy_ptr, x_ptr, offs_ptr, dw_ptr, db_ptr, ticket_ptr,
     M, N, K, G,
     stride_dym, stride_dyn, stride_xm, stride_xk,
     HAS_DB: tl.constexpr, DB_MMA: tl.constexpr, NUM_PROGS: tl.constexpr,
@@ -510,6 +611,7 @@ def kjagged_gemm_kernel(
     INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
     RAGGED: tl.constexpr = False, TMA_STORE: tl.constexpr = False,
     EPILOGUE_SUBTILE: tl.constexpr = False, GROUP_N: tl.constexpr = 1,
+    DYNAMIC: tl.constexpr = False, ASM_TICKET: tl.constexpr = False, LANES: tl.constexpr = 128,
 ):
     """Persistent K-jagged grouped GEMM: ``dw [G, N, K]``, ``db [G, N]`` (both contiguous).
 
@@ -525,9 +627,14 @@ def kjagged_gemm_kernel(
     db rotates with ``(g, tile_n)``: with a fixed one, the owners all land on the few
     programs whose stride hits that K-tile, and the slowest program sets the kernel time.
 
-    Program p takes tiles ``p, p + NUM_PROGS, ...`` in group order. (Handing tiles out by an
-    atomic counter, largest groups first, measured no faster on an H100 for the skewed
-    benchmark splits, so the schedule stays static.)"""
+    Static schedule: program p takes tiles ``p, p + NUM_PROGS, ...`` in group order. A tile
+    costs a fixed prologue/epilogue plus one step per ``BLOCK_M`` rows of its group, so with
+    skewed groups the programs' fixed shares differ (the Dirichlet(1) benchmark splits: the
+    busiest program has 3-14% more than the mean, by a cost model of the schedule).
+    ``DYNAMIC``: program p starts on tile p, then takes ``NUM_PROGS + ticket`` from an int32
+    counter (``ticket_ptr``, zero at launch) each time it finishes one, still in group order,
+    so programs that drew small groups take more tiles. Either way each tile is computed by
+    exactly one program with the same code: the same dW and db bits."""
     pid = tl.program_id(0)
     dy_desc = None
     x_desc = None
@@ -548,14 +655,41 @@ def kjagged_gemm_kernel(
     num_k = tl.cdiv(K, BLOCK_K)
     per_group = num_n * num_k
     total = G * per_group
-    for t in range(pid, total, NUM_PROGS):
-        tile_n, tile_k = kjagged_tile_coords(t % per_group, num_n, num_k, GROUP_N)
-        kjagged_output_tile(
-            dy_ptr, x_ptr, offs_ptr, dw_ptr, db_ptr, t // per_group, tile_n,
-            tile_k, num_n, num_k, M, N, K, G, stride_dym, stride_dyn, stride_xm,
-            stride_xk, dy_desc, x_desc, dw_desc, HAS_DB, DB_MMA, BLOCK_M, BLOCK_N, BLOCK_K,
-            INPUT_PRECISION, DOT_UPCAST, USE_TMA, RAGGED, TMA_STORE, EPILOGUE_SUBTILE,
-        )
+    if DYNAMIC:
+        # A for loop, not a while: Triton pipelines TMA stores across the iterations of an
+        # scf.for only (its staging buffer is hoisted and the wait moves before the next
+        # store); in an scf.while every dW tile store would be waited for at once. A
+        # program's share stays near total / NUM_PROGS (every program draws tiles of every
+        # group), so a quarter more rounds covers it; a rare remainder runs in the while.
+        t = pid
+        rounds = tl.cdiv(total, NUM_PROGS) + tl.cdiv(total, 4 * NUM_PROGS) + 4
+        for _ in range(0, rounds):
+            if t < total:
+                t = kjagged_claimed_tile(
+                    t, per_group, dy_ptr, x_ptr, offs_ptr, dw_ptr, db_ptr, ticket_ptr, num_n,
+                    num_k, M, N, K, G, stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc,
+                    x_desc, dw_desc, HAS_DB, DB_MMA, NUM_PROGS, BLOCK_M, BLOCK_N, BLOCK_K,
+                    INPUT_PRECISION, DOT_UPCAST, USE_TMA, RAGGED, TMA_STORE, EPILOGUE_SUBTILE,
+                    GROUP_N, ASM_TICKET, LANES,
+                )
+        while t < total:
+            t = kjagged_claimed_tile(
+                t, per_group, dy_ptr, x_ptr, offs_ptr, dw_ptr, db_ptr, ticket_ptr, num_n,
+                num_k, M, N, K, G, stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc,
+                x_desc, dw_desc, HAS_DB, DB_MMA, NUM_PROGS, BLOCK_M, BLOCK_N, BLOCK_K,
+                INPUT_PRECISION, DOT_UPCAST, USE_TMA, RAGGED, TMA_STORE, EPILOGUE_SUBTILE,
+                GROUP_N, ASM_TICKET, LANES,
+            )
+    else:
+        for t in range(pid, total, NUM_PROGS):
+            tile_n, tile_k = kjagged_tile_coords(t % per_group, num_n, num_k, GROUP_N)
+            kjagged_output_tile(
+                dy_ptr, x_ptr, offs_ptr, dw_ptr, db_ptr, ticket_ptr, t // per_group, tile_n,
+                tile_k, num_n, num_k, M, N, K, G, stride_dym, stride_dyn, stride_xm,
+                stride_xk, dy_desc, x_desc, dw_desc, HAS_DB, DB_MMA, BLOCK_M, BLOCK_N,
+                BLOCK_K, INPUT_PRECISION, DOT_UPCAST, USE_TMA, RAGGED, TMA_STORE,
+                EPILOGUE_SUBTILE, False, ASM_TICKET, LANES,
+            )
 
 
 # ---------------------------------------------------------------------------------------
@@ -569,7 +703,7 @@ class Config:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
-    flatten: bool = False  # pipeline across consecutive tiles (tl.range(flatten=True))
+    flatten: bool = False  # M-jagged: pipeline across consecutive tiles (tl.range(flatten=True))
     programs_per_sm: int = 1  # >1: co-resident programs hide each other's prologue/epilogue
     group_m: int = 8  # M-tiles per L2 super-group (locate_tile)
     group_n: int = 1  # dW: N-tiles per super-block, N-tile fastest (1: K-tile fastest)
@@ -585,6 +719,9 @@ class Config:
     ragged_tma: bool = False
     tma_store: bool = False
     epilogue_subtile: bool = False
+    # dW only, any path: tiles handed out by an atomic ticket counter (kjagged_gemm_kernel's
+    # DYNAMIC) instead of the fixed stride. Same bits either way.
+    dynamic_tiles: bool = False
 
 
 # Rows of tiles per L2 super-group in the M-jagged schedule (locate_tile).
@@ -680,6 +817,18 @@ def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
 # (0.77), 4 was between.
 WGRAD_LONG_CONFIG = Config(64, 128, 256, num_warps=8, num_stages=3, ragged_tma=True,
                            tma_store=True, group_n=8)
+# Mid groups (512 <= M / G < 1024; the Qwen3 shapes): the long tile with a fourth operand
+# stage, its dW tile stored in two halves (32 KB staging; 231712 B in all). Five H100 dW sweeps
+# of 2026-11-22 (benchmarks/results/sweep_grouped_linear_dw_h100_2026-11-22_{o1,o2,o3,o4a,o4b}
+# logs), ratio to torch._grouped_mm, this config against WGRAD_LONG_CONFIG:
+#   Qwen3-up balanced    1.02 1.02 1.08 1.01 1.00  against 1.01 1.01 1.04 0.99 0.99
+#   Qwen3-up skewed      0.98 0.99 0.98 0.95 0.99  against 0.98 0.98 0.99 0.95 0.98
+#   Qwen3-down balanced  1.05 1.03 0.99 0.98 0.98  against 1.02 1.00 0.99 0.97 0.98
+#   Qwen3-down skewed    1.04 1.05 1.04 1.04 1.01  against 1.00 1.00 0.99 0.99 0.98
+# On Mixtral and DeepSeek (M / G >= 1024) it was slower (Mixtral balanced 1.02 / 1.00 / 1.04
+# against 1.07 / 1.08 / 1.10 in o1-o3), so the long config keeps three stages there.
+WGRAD_MID_CONFIG = Config(64, 128, 256, num_warps=8, num_stages=4, ragged_tma=True,
+                          tma_store=True, epilogue_subtile=True, group_n=8)
 WGRAD_SHORT_CONFIG = Config(64, 128, 128, num_warps=4, num_stages=3, programs_per_sm=2,
                             ragged_tma=True)
 
@@ -688,7 +837,8 @@ def choose_wgrad_config(m_total: int, groups: int, n: int, k: int, dtype: torch.
                         device: torch.device) -> Config:
     """K-jagged config: ``block_m`` is the row chunk each dW tile reduces over; the output
     tile is ``block_n x block_k``. Long groups (mean ``M / G >= 512``): 128 x 256 output
-    tiles (each warpgroup issues 64 x 256 wgmma), walked in super-blocks of 8 N-tiles.
+    tiles (each warpgroup issues 64 x 256 wgmma), walked in super-blocks of 8 N-tiles; below
+    1024 rows per group with four operand stages and the dW store in halves.
     Short groups (few chunks per tile):
     128 x 128 tiles, two programs per SM so one's prologue and epilogue overlap the other's
     loop. Both with ragged TMA loads (no masked tail loop), the long one with TMA stores of
@@ -697,8 +847,11 @@ def choose_wgrad_config(m_total: int, groups: int, n: int, k: int, dtype: torch.
         return Config(16, 32, 32, num_warps=1, num_stages=1)
     if dtype == torch.float32:
         return Config(32, 128, 64, num_warps=8, num_stages=3)
-    if m_total / max(groups, 1) >= 512:
+    mean = m_total / max(groups, 1)
+    if mean >= 1024:
         return WGRAD_LONG_CONFIG
+    if mean >= 512:
+        return WGRAD_MID_CONFIG
     return WGRAD_SHORT_CONFIG
 
 
@@ -931,13 +1084,19 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
     def launch(tma: bool, variants: bool = True) -> None:
         if tma:
             _set_tma_allocator(x.device)
+        # The dynamic schedule's ticket counter starts at 0 in every launch (stream-ordered;
+        # a memset node under CUDA graph capture). The static one never reads it.
+        ticket = (torch.zeros(1, dtype=torch.int32, device=x.device) if cfg.dynamic_tiles
+                  else offsets)
         kjagged_gemm_kernel[(progs,)](
-            grad, x, offsets, dw, db, m, n, k, groups,
+            grad, x, offsets, dw, db, ticket, m, n, k, groups,
             grad.stride(0), grad.stride(1), x.stride(0), x.stride(1),
             HAS_DB=compute_db, DB_MMA=x.dtype != torch.float32, NUM_PROGS=progs,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             INPUT_PRECISION=input_precision(x.dtype), DOT_UPCAST=dot_upcast(x), USE_TMA=tma,
-            GROUP_N=cfg.group_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            GROUP_N=cfg.group_n, DYNAMIC=cfg.dynamic_tiles,
+            ASM_TICKET=x.device.type == "cuda" and not torch.version.hip,
+            LANES=32 * cfg.num_warps, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **(flags if tma and variants else plain),
         )
 

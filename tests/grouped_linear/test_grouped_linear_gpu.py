@@ -172,10 +172,15 @@ def test_mjagged_tma_store_bitwise_matches_pointer_store_on_sm90(product):
     dict(ragged_tma=True), dict(tma_store=True), dict(tma_store=True, epilogue_subtile=True),
     dict(ragged_tma=True, tma_store=True),
     dict(ragged_tma=True, tma_store=True, epilogue_subtile=True),
-], ids=["ragged", "tma-store", "tma-store-halves", "ragged-tma-store", "ragged-tma-store-halves"])
+    dict(dynamic_tiles=True), dict(ragged_tma=True, tma_store=True, group_n=8, dynamic_tiles=True),
+    dict(ragged_tma=True, tma_store=True, epilogue_subtile=True, group_n=8, dynamic_tiles=True),
+], ids=["ragged", "tma-store", "tma-store-halves", "ragged-tma-store", "ragged-tma-store-halves",
+        "dynamic", "ragged-tma-store-gn8-dynamic", "ragged-tma-store-halves-gn8-dynamic"])
 def test_wgrad_variants_bitwise_match_default_on_sm90(variant):
     """The dW variants (Config flags) give the plain config's exact bits on the GPU too
-    (same chunk order and MMA shapes; zero-filled rows = masked rows)."""
+    (same chunk order and MMA shapes; zero-filled rows = masked rows; the dynamic schedule
+    computes each tile once, with the same code, whichever program claims it). Launched
+    three times: the ticket counter must start at 0 in every launch."""
     import dataclasses
 
     from compileops.grouped_linear import kernels
@@ -187,13 +192,15 @@ def test_wgrad_variants_bitwise_match_default_on_sm90(variant):
     base = kernels.Config(64, 128, 256, num_warps=8, num_stages=3)
     want = kernels.grouped_linear_wgrad(grad, x, offs, torch.bfloat16, torch.bfloat16, config=base)
     cfg = dataclasses.replace(base, **variant)
-    got = kernels.grouped_linear_wgrad(grad, x, offs, torch.bfloat16, torch.bfloat16, config=cfg)
-    for a, b in zip(got, want):
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    for _ in range(3):
+        got = kernels.grouped_linear_wgrad(grad, x, offs, torch.bfloat16, torch.bfloat16,
+                                           config=cfg)
+        for a, b in zip(got, want):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-@pytest.mark.parametrize("groups,n", [(4, 768), (32, 768), (4, 704)],
-                         ids=["long", "short", "long-n%128!=0"])
+@pytest.mark.parametrize("groups,n", [(4, 768), (12, 768), (32, 768), (4, 704)],
+                         ids=["long", "mid", "short", "long-n%128!=0"])
 def test_wgrad_default_config_bitwise_matches_its_plain_form(groups, n):
     """choose_wgrad_config's defaults (ragged TMA, + TMA store for long groups) run without
     falling back and give the bits of the same tiles without the variant flags; N = 704
@@ -205,7 +212,7 @@ def test_wgrad_default_config_bitwise_matches_its_plain_form(groups, n):
     x, _, offs, _ = make(groups, 8192, 1024, n, torch.bfloat16)
     grad = torch.randn(x.shape[0], n, device="cuda", dtype=torch.bfloat16)
     cfg = kernels.choose_wgrad_config(8192, groups, n, 1024, torch.bfloat16, x.device)
-    assert kernels._is_wgrad_variant(cfg) and cfg.tma_store == (groups == 4)
+    assert kernels._is_wgrad_variant(cfg) and cfg.tma_store == (groups < 32)
     got = kernels.grouped_linear_wgrad(grad, x, offs, torch.bfloat16, torch.bfloat16)
     assert not kernels._wgrad_variant_failed and not kernels._tma_failed
     plain = dataclasses.replace(cfg, ragged_tma=False, tma_store=False, epilogue_subtile=False)

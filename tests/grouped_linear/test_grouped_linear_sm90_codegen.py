@@ -83,12 +83,13 @@ def kjagged_compile(ptr="*fp16", tma=False, block_k=128, num_warps=8, num_stages
     from compileops.grouped_linear import kernels
 
     args = ([("dy_ptr", ptr), ("x_ptr", ptr), ("offs_ptr", "*i32"), ("dw_ptr", ptr),
-             ("db_ptr", ptr)] + [(n, "i32") for n in ("M", "N", "K", "G")]
+             ("db_ptr", ptr), ("ticket_ptr", "*i32")] + [(n, "i32") for n in ("M", "N", "K", "G")]
             + [(n, stride_type) for n in ("stride_dym", "stride_dyn", "stride_xm", "stride_xk")])
     constexprs = dict(HAS_DB=True, DB_MMA=True, NUM_PROGS=132, BLOCK_M=64, BLOCK_N=128,
                       BLOCK_K=block_k, INPUT_PRECISION="tf32", DOT_UPCAST=False, USE_TMA=tma)
     # GROUP_N (the tile order) too: an AOT compile does not apply the kernel's default.
-    constexprs.update({name: False for name in VARIANT_FLAGS}, GROUP_N=1)
+    constexprs.update({name: False for name in VARIANT_FLAGS}, GROUP_N=1, DYNAMIC=False,
+                      ASM_TICKET=True, LANES=32 * num_warps)
     constexprs.update(variant or {})
     return compile_sm90(kernels.kjagged_gemm_kernel, args, constexprs,
                         num_warps=num_warps, num_stages=num_stages)
@@ -109,7 +110,11 @@ WGRAD_VARIANTS = {
     "wgrad-default-long": (256, 8, 3, dict(RAGGED=True, TMA_STORE=True, GROUP_N=8)),
     "wgrad-ragged-tma-store-subtile": (256, 8, 3, dict(RAGGED=True, TMA_STORE=True,
                                                        EPILOGUE_SUBTILE=True)),
+    "wgrad-default-mid": (256, 8, 4, dict(RAGGED=True, TMA_STORE=True, EPILOGUE_SUBTILE=True,
+                                           GROUP_N=8)),
     "wgrad-default-short": (128, 4, 3, dict(RAGGED=True)),
+    # The dynamic tile schedule (Config.dynamic_tiles) on the long default.
+    "wgrad-dynamic-long": (256, 8, 3, dict(RAGGED=True, TMA_STORE=True, GROUP_N=8, DYNAMIC=True)),
 }
 # The sweep's M-jagged TMA-store configs (benchmarks/sweep_grouped_linear.py FWD_CONFIGS, also
 # timed for dX, and SWIGLU_CONFIGS): (product, Config args, Config kwargs). bf16, TMA loads.
@@ -142,7 +147,9 @@ def summarize_variant(kernel):
                 # dY / X boxes through the 4-D ragged descriptors
                 ragged_loads="cp.async.bulk.tensor.4d.shared::cluster.global" in ptx,
                 tma_stores=ptx.count("cp.async.bulk.tensor.2d.global.shared"),
-                masked_tail="ld.global" in ptx and "cp.async.cg.shared.global" in ptx)
+                masked_tail="ld.global" in ptx and "cp.async.cg.shared.global" in ptx,
+                # dynamic schedule: ticket claims (inline PTX), in the for loop and the while
+                tickets=ptx.count("atom.relaxed.gpu.global.add.u32"))
 
 
 CASES = {"bf16": ("bf16", False), "bf16-swiglu": ("bf16", True), "fp32-ieee": ("fp32", False),
@@ -220,7 +227,13 @@ def test_wgrad_variants_compile_for_sm90(compiled, case):
     if flags.get("RAGGED"):
         assert not got["masked_tail"], got
     stores = 0 if not flags.get("TMA_STORE") else 2 if flags.get("EPILOGUE_SUBTILE") else 1
-    assert got["tma_stores"] == stores, got
+    if flags.get("DYNAMIC"):  # the tile body twice: the for loop's rounds and the remainder
+        assert got["tickets"] == 2 and got["tma_stores"] == 2 * stores, got
+        # The for loop keeps the dW staging tile across tiles (its stores overlap the next
+        # tile): the static kernel's shared memory, not less (a while loop reuses it).
+        assert got["shared"] == compiled["wgrad-default-long"]["shared"], got
+    else:
+        assert got["tickets"] == 0 and got["tma_stores"] == stores, got
 
 
 @pytest.mark.parametrize("case", list(MJAGGED_STORE_VARIANTS))
@@ -249,14 +262,14 @@ def test_mjagged_store_variants_are_the_sweeps():
         assert listed == {c for c in configs if c.tma_store}, product
 
 
-@pytest.mark.parametrize("long", [True, False], ids=["long", "short"])
-def test_codegen_defaults_are_choose_wgrad_config(long):
+@pytest.mark.parametrize("groups,kind", [(64, "long"), (128, "mid"), (256, "short")])
+def test_codegen_defaults_are_choose_wgrad_config(groups, kind):
     """The "wgrad-default-*" compiles above are the configs choose_wgrad_config returns."""
     from compileops.grouped_linear import kernels
 
-    cfg = kernels.choose_wgrad_config(65536, 64 if long else 256, 2048, 768, torch.bfloat16,
+    cfg = kernels.choose_wgrad_config(65536, groups, 2048, 768, torch.bfloat16,
                                       torch.device("cuda"))
-    block_k, warps, stages, flags = WGRAD_VARIANTS[f"wgrad-default-{'long' if long else 'short'}"]
+    block_k, warps, stages, flags = WGRAD_VARIANTS[f"wgrad-default-{kind}"]
     assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == (
         64, 128, block_k, warps, stages), cfg
     flags = dict(flags)

@@ -94,14 +94,18 @@ def test_meaningless_combination_is_refused():
 
 def test_default_configs():
     """16-bit on a GPU: ragged TMA loads by default, plus TMA stores and super-blocks of 8
-    N-tiles for long groups (mean group size >= 512); fp32 and the interpreter get configs
-    without variant flags."""
+    N-tiles for long groups (mean group size >= 512; below 1024 with four stages and the
+    store in halves); fp32 and the interpreter get configs without variant flags."""
     cuda = torch.device("cuda")
-    long = kernels.choose_wgrad_config(65536, 128, 2048, 768, torch.bfloat16, cuda)
+    long = kernels.choose_wgrad_config(65536, 64, 2048, 768, torch.bfloat16, cuda)
     assert long == Config(64, 128, 256, 8, 3, ragged_tma=True, tma_store=True, group_n=8)
+    mid = kernels.choose_wgrad_config(65536, 65, 2048, 768, torch.bfloat16, cuda)
+    assert mid == kernels.choose_wgrad_config(65536, 128, 2048, 768, torch.bfloat16, cuda)
+    assert mid == Config(64, 128, 256, 8, 4, ragged_tma=True, tma_store=True,
+                         epilogue_subtile=True, group_n=8)
     short = kernels.choose_wgrad_config(65536, 129, 2048, 768, torch.bfloat16, cuda)
     assert short == Config(64, 128, 128, 4, 3, programs_per_sm=2, ragged_tma=True)
-    for cfg in (long, short):
+    for cfg in (long, mid, short):
         kernels._check_wgrad_variant(cfg)
     assert not kernels._is_wgrad_variant(
         kernels.choose_wgrad_config(65536, 64, 2048, 768, torch.float32, cuda))
@@ -110,12 +114,12 @@ def test_default_configs():
 
 
 @pytest.mark.parametrize("n", [256, 192], ids=["n%block_n==0", "n%block_n!=0"])
-@pytest.mark.parametrize("long", [True, False], ids=["long", "short"])
-def test_default_gpu_configs_are_bitwise_their_plain_form(long, n):
+@pytest.mark.parametrize("g", [64, 128, 256], ids=["long", "mid", "short"])
+def test_default_gpu_configs_are_bitwise_their_plain_form(g, n):
     """choose_wgrad_config's sm90 defaults at their real tile sizes (interpreter, emulated
     TMA): same bits as without the variant flags, groups with partial last chunks."""
     cuda = torch.device("cuda")
-    m, g = (65536, 64) if long else (65536, 256)
+    m = 65536
     cfg = kernels.choose_wgrad_config(m, g, n, 256, torch.bfloat16, cuda)
     plain = dataclasses.replace(cfg, ragged_tma=False, tma_store=False, epilogue_subtile=False)
     grad, x, offs = make(n, torch.bfloat16, sizes=(70, 0, 64, 130), k=256)
@@ -207,6 +211,33 @@ def test_tile_order_is_bitwise_the_default(group_n):
         ref = grad[start:end].double().T @ x[start:end].double()
         torch.testing.assert_close(dw[g].double(), ref, rtol=1e-4, atol=1e-4)
         start = end
+
+
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_dynamic_schedule_is_bitwise_the_static(dtype, tma):
+    """``dynamic_tiles`` (tiles claimed from an atomic ticket counter) computes every tile
+    exactly once with the same code: the static schedule's bits, on the TMA path with the
+    long-group default's flags and on the pointer path. 20 tiles on 4 interpreted programs,
+    run one after another: program 0 claims every ticket, past its for loop's rounds into
+    the while remainder. Launched twice, so the counter must start at 0 in each launch."""
+    grad, x, offs = make(64, dtype)
+    flags = dict(ragged_tma=True, tma_store=True, group_n=2) if tma else {}
+    static = dataclasses.replace(BASE, **flags)
+    want_dw, want_db = kernels.grouped_linear_wgrad(grad, x, offs, dtype, dtype, config=static,
+                                                    use_tma=tma)
+    cfg = dataclasses.replace(static, dynamic_tiles=True)
+    for _ in range(2):
+        dw, db = kernels.grouped_linear_wgrad(grad, x, offs, dtype, dtype, config=cfg,
+                                              use_tma=tma)
+        assert torch.equal(bits(dw), bits(want_dw)) and torch.equal(bits(db), bits(want_db))
+
+
+def test_dynamic_schedule_rounds_then_remainder():
+    """The launch above really runs both loops: 5 groups x 2 x 2 tiles, 4 programs."""
+    total, progs = 5 * 2 * 2, kernels.num_programs(None, "cpu")
+    rounds = -(-total // progs) + -(-total // (4 * progs)) + 4
+    assert 1 + (total - progs) > rounds  # program 0's tiles: its own, then every ticket
 
 
 def test_variant_launch_fallback_contract():
