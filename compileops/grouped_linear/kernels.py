@@ -264,21 +264,6 @@ def store_rows_below(desc, row, end, col, tile, BLOCK_ROWS: tl.constexpr,
 
 
 @triton.jit
-def kjagged_chunk(dy, xb, acc, db_acc, ones, WITH_DB: tl.constexpr,
-                  INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """One reduction step of a dW tile: ``acc [BLOCK_N, BLOCK_K] += dy^T @ xb`` for a row
-    chunk ``dy [BLOCK_M, BLOCK_N]``, ``xb [BLOCK_M, BLOCK_K]``; with ``WITH_DB`` also the
-    column sums ``db_acc [BLOCK_N, 16] += dy^T @ ones [BLOCK_M, 16]`` (see :func:`kjagged_tile`)."""
-    if DOT_UPCAST:  # interpreter only (see dot_upcast)
-        dy = dy.to(tl.float32)
-        xb = xb.to(tl.float32)
-    acc = tl.dot(dy.T, xb, acc, input_precision=INPUT_PRECISION)
-    if WITH_DB:
-        db_acc = tl.dot(dy.T, ones, db_acc, input_precision=INPUT_PRECISION)
-    return acc, db_acc
-
-
-@triton.jit
 def kjagged_tile(
     dy_ptr, x_ptr, start, end, tile_n, tile_k, N, K,
     stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc, x_desc,
@@ -331,8 +316,12 @@ def kjagged_tile(
             else:
                 dy = dy_desc.load([m0, tile_n * BLOCK_N])
                 xb = x_desc.load([m0, tile_k * BLOCK_K])
-            acc, db_acc = kjagged_chunk(dy, xb, acc, db_acc, ones, WITH_DB, INPUT_PRECISION,
-                                        DOT_UPCAST)
+            if DOT_UPCAST:  # interpreter only (see dot_upcast)
+                dy = dy.to(tl.float32)
+                xb = xb.to(tl.float32)
+            acc = tl.dot(dy.T, xb, acc, input_precision=INPUT_PRECISION)
+            if WITH_DB:
+                db_acc = tl.dot(dy.T, ones, db_acc, input_precision=INPUT_PRECISION)
     if USE_TMA and RAGGED:
         return acc, db_acc
     for m0 in range(tail, end, BLOCK_M):
@@ -502,6 +491,7 @@ def kjagged_output_tile(
     a program asks for more work only when its current tile is nearly finished)."""
     start, end = group_rows(offs_ptr, g, G, M)
     rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
     n_ok = rn < N
     owns_db = tile_k == (g * num_n + tile_n) % num_k
     if HAS_DB & DB_MMA & owns_db:
@@ -511,7 +501,11 @@ def kjagged_output_tile(
             BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, DOT_UPCAST, USE_TMA, True,
             RAGGED,
         )
-        store_db_column(db_ptr, db_acc, g, rn, N)
+        # Column 0 of db_acc; adding -0.0 to the other lanes' values is exact.
+        first = tl.arange(0, 16)[None, :] == 0
+        db = tl.sum(tl.where(first, db_acc, -0.0), axis=1)
+        tl.store(db_ptr + tl.cast(g, tl.int64) * N + rn, db.to(db_ptr.dtype.element_ty),
+                 mask=n_ok)
     else:
         acc, _ = kjagged_tile(
             dy_ptr, x_ptr, start, end, tile_n, tile_k, N, K,
@@ -525,27 +519,6 @@ def kjagged_output_tile(
             tl.store(db_ptr + tl.cast(g, tl.int64) * N + rn, db.to(db_ptr.dtype.element_ty),
                      mask=n_ok)
     ticket = claim_ticket(ticket_ptr, DYNAMIC, ASM_TICKET, LANES)
-    store_dw_tile(dw_ptr, dw_desc, acc, g, tile_n, tile_k, N, K, BLOCK_N, BLOCK_K, TMA_STORE,
-                  EPILOGUE_SUBTILE)
-    return ticket
-
-
-@triton.jit
-def store_db_column(db_ptr, db_acc, g, rn, N):
-    """``db[g, rn]`` = column 0 of ``db_acc [BLOCK_N, 16]`` (:func:`kjagged_tile`'s sums)."""
-    # Adding -0.0 to the other lanes' values is exact.
-    first = tl.arange(0, 16)[None, :] == 0
-    db = tl.sum(tl.where(first, db_acc, -0.0), axis=1)
-    tl.store(db_ptr + tl.cast(g, tl.int64) * N + rn, db.to(db_ptr.dtype.element_ty), mask=rn < N)
-
-
-@triton.jit
-def store_dw_tile(dw_ptr, dw_desc, acc, g, tile_n, tile_k, N, K,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA_STORE: tl.constexpr,
-                  EPILOGUE_SUBTILE: tl.constexpr):
-    """Writes the fp32 tile ``acc [BLOCK_N, BLOCK_K]`` as dW tile ``(g, tile_n, tile_k)``, in
-    dW's dtype: by TMA (whole, or in two halves) or by masked pointer stores (see
-    :func:`kjagged_output_tile`)."""
     if TMA_STORE:
         tile = acc.to(dw_ptr.dtype.element_ty)
         row = g * N + tile_n * BLOCK_N
@@ -558,11 +531,10 @@ def store_dw_tile(dw_ptr, dw_desc, acc, g, tile_n, tile_k, N, K,
         else:
             dw_desc.store([row, col], tile)
     else:
-        rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
-        dst = dw_ptr + tl.cast(g, tl.int64) * N * K + rn[:, None].to(tl.int64) * K + rk[None, :]
-        tl.store(dst, acc.to(dw_ptr.dtype.element_ty),
-                 mask=(rn < N)[:, None] & (rk < K)[None, :])
+        base = tl.cast(g, tl.int64) * N * K
+        dst = dw_ptr + base + rn[:, None].to(tl.int64) * K + rk[None, :]
+        tl.store(dst, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & (rk < K)[None, :])
+    return ticket
 
 
 @triton.jit
