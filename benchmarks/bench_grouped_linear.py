@@ -7,11 +7,14 @@ Mixtral, DeepSeek-V3 EP shard, Qwen3-MoE up and down (REFERENCE.md §2). Per sha
   (per-group sizes read once on the host *outside* the timed region), a dense mm of the same
   FLOPs, and optionally torch.compile(F.grouped_mm, mode="max-autotune") (``--compile-anchor``,
   slow to compile);
-* dX and dW: compileops.grouped_linear_dx / grouped_linear_wgrad vs torch._grouped_mm;
+* dX and dW: compileops.grouped_linear_dx / grouped_linear_wgrad vs torch._grouped_mm; dW
+  twice, without db (``with_db=False``: a layer with no trainable bias, the anchor's work)
+  and with it (``+db``: the column sums in the same kernel);
 * fused: torch.compile(compileops grouped linear + bias + SwiGLU) vs _grouped_mm + eager
   bias and SwiGLU.
 
-TFLOP/s and speed-up vs ``torch._grouped_mm`` are reported (harness.report), CSV to
+The implementations of one pass are timed in ``--rounds`` alternating rounds (median of
+each). TFLOP/s and speed-up vs ``torch._grouped_mm`` are reported (harness.report), CSV to
 harness.out_dir(). Default run targets ~4 minutes on an H100; ``--shapes`` and ``--splits``
 limit it. ``--smoke`` runs tiny sizes on CPU (Triton interpreter) to exercise every path.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -66,6 +70,17 @@ def timer(fn, smoke: bool) -> float:
     return harness.bench_ms(fn, warmup=5, rep=30)
 
 
+def time_alternating(fns: dict, rounds: int, smoke: bool) -> dict:
+    """Median ms of each ``fns`` entry over ``rounds`` rounds, the entries taking turns in
+    every round: the H100's clock drifts with its power draw over a run (the same kernel
+    was seen 5-9% apart in two sweeps), and turns keep that drift out of the ratios."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(timer(fn, smoke))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 _FUSED: dict = {}
 
 
@@ -82,16 +97,27 @@ def run_case(name, shape, split, args, device, rows):
     have_gmm = device.type == "cuda" and hasattr(torch, "_grouped_mm")
     w_t = w.transpose(-2, -1)
 
+    staged: dict = {}  # (stage, impl) -> (fn, note), timed together by flush()
+
     def add(stage, impl, fn, note=""):
         if impl.startswith("compileops"):
-            ms = timer(fn, args.smoke)  # a broken compileops kernel must fail the run
+            fn()  # a broken compileops kernel must fail the run
         else:
             try:
-                ms = timer(fn, args.smoke)
+                fn()
             except Exception as e:  # an anchor may not support a config: report, keep going
                 print(f"  skip {stage}/{impl}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                 return
-        rows.append(harness.Row(case=f"{case} {stage}", impl=impl, ms=ms, flops=flops, note=note))
+        staged[(stage, impl)] = (fn, note)
+
+    def flush():
+        """Times the staged implementations of one pass in alternating rounds."""
+        ms = time_alternating({key: fn for key, (fn, _) in staged.items()}, args.rounds,
+                              args.smoke)
+        for (stage, impl), (_, note) in staged.items():
+            rows.append(harness.Row(case=f"{case} {stage}", impl=impl, ms=ms[(stage, impl)],
+                                    flops=flops, note=note))
+        staged.clear()
 
     # Forward
     add("fwd", "compileops", lambda: compileops.grouped_linear(x, w, offs))
@@ -112,16 +138,23 @@ def run_case(name, shape, split, args, device, rows):
         gmm = torch.compile(lambda a, bt, o: F.grouped_mm(a, bt, offs=o), mode="max-autotune",
                             fullgraph=True)
         add("fwd", "compile(F.grouped_mm) max-autotune", lambda: gmm(x, w_t, offs))
+    flush()
 
     # dX: dY_g @ W_g
     add("dX", "compileops", lambda: torch.ops.compileops.grouped_linear_dx(dy, w, offs))
     if have_gmm:
         add("dX", "torch._grouped_mm", lambda: torch._grouped_mm(dy, w, offs=offs))
-    # dW: dY_g^T X_g (K-jagged), our op also produces db
+    flush()
+    # dW: dY_g^T X_g (K-jagged). Our op without db (with_db=False: what a layer without a
+    # trainable bias runs, as the MoE experts of these models are; the anchor's work) and
+    # with db (a trainable bias: the column sums in the same kernel).
+    add("dW", "compileops", lambda: torch.ops.compileops.grouped_linear_wgrad(
+        dy, x, offs, dtype, dtype, False))
     add("dW", "compileops (+db)", lambda: torch.ops.compileops.grouped_linear_wgrad(
         dy, x, offs, dtype, dtype))
     if have_gmm:
         add("dW", "torch._grouped_mm", lambda: torch._grouped_mm(dy.t(), x, offs=offs))
+    flush()
 
     # Fused grouped linear + bias + SwiGLU (compiled) vs _grouped_mm + eager epilogue.
     def ours(x, w, offs, b):
@@ -142,6 +175,7 @@ def run_case(name, shape, split, args, device, rows):
             return F.silu(g_) * u_
 
         add("gl+bias+swiglu", "torch._grouped_mm", eager_epilogue, note="+ eager bias, SwiGLU")
+    flush()
 
 
 def main(argv=None) -> int:
@@ -154,6 +188,8 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-fused", action="store_true",
                         help="skip the compiled grouped linear + bias + SwiGLU comparison")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating timing rounds per pass (median of each kind)")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
     if not args.smoke and not torch.cuda.is_available():

@@ -1026,8 +1026,8 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
                          compute_db: bool = True):
     """``(dW [G, N, K] = dY_g^T X_g, db [G, N] = colsum(dY_g))``, deterministic.
 
-    ``compute_db=False`` (benchmarks: the cost of db) skips the column sums and returns
-    ``(dW, None)``. If a TMA launch raises: with the default config's variant flags
+    ``compute_db=False`` (the op's ``with_db=False``: no trainable bias) skips the column
+    sums and returns ``(dW, None)``. If a TMA launch raises: with the default config's variant flags
     (``ragged_tma`` / ``tma_store``), a warning is printed once and the plain TMA kernel is
     tried; a plain TMA failure falls back to the pointer kernel (as in :func:`mjagged_gemm`).
     A variant asked for by an explicit ``config`` raises instead (a sweep must not time a
@@ -1040,8 +1040,10 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
     dw = torch.empty((groups, n, k), dtype=weight_dtype, device=grad.device)
     db = torch.empty((groups, n), dtype=bias_dtype, device=grad.device)
     if groups == 0 or n == 0:
-        return dw, db
+        return dw, db if compute_db else None
     if k == 0:
+        if not compute_db:
+            return dw, None
         return dw, db.zero_() if m == 0 else _colsum_only(grad, offsets, db)
     cfg = config or choose_wgrad_config(m, groups, n, k, x.dtype, x.device)
     _check_wgrad_variant(cfg)

@@ -5,8 +5,10 @@
 * ``compileops::grouped_linear_swiglu(x, weight [G, 2H, K], offsets, bias [G, 2H]?) -> [M, H]``:
   ``silu(gate) * up`` over the two halves of a fused gate/up projection, in one kernel.
 * ``compileops::grouped_linear_dx(grad [M, N], weight, offsets) -> [M, K]``
-* ``compileops::grouped_linear_wgrad(grad [M, N], x [M, K], offsets, weight_dtype, bias_dtype)
-  -> (dW [G, N, K], db [G, N])``: K-jagged, deterministic (no split-K, no atomics).
+* ``compileops::grouped_linear_wgrad(grad [M, N], x [M, K], offsets, weight_dtype, bias_dtype,
+  with_db=True) -> (dW [G, N, K], db [G, N])``: K-jagged, deterministic (no split-K, no
+  atomics). ``with_db=False`` (a layer without a trainable bias) skips the column sums and
+  returns an empty ``db [G, 0]``.
 
 All functional; the backward of the forward ops is made of the last two, so the compiled
 backward graph holds compileops ops too.
@@ -187,11 +189,12 @@ def _grouped_linear_backward(ctx, grad):
     dx = dw = db = None
     if ctx.needs_input_grad[0]:
         dx = grouped_linear_dx_op(grad, weight, offsets)
-    if ctx.needs_input_grad[1] or (ctx.has_bias and ctx.needs_input_grad[3]):
+    with_db = ctx.has_bias and ctx.needs_input_grad[3]
+    if ctx.needs_input_grad[1] or with_db:
         dw, db = grouped_linear_wgrad_op(
-            grad, x, offsets, weight.dtype, bias.dtype if ctx.has_bias else grad.dtype
+            grad, x, offsets, weight.dtype, bias.dtype if ctx.has_bias else grad.dtype, with_db
         )
-        if not ctx.has_bias:
+        if not with_db:
             db = None
     return dx, dw, None, db
 
@@ -277,23 +280,34 @@ def check_wgrad_args(grad, x, offsets) -> None:
 @custom_op("grouped_linear_wgrad")
 def grouped_linear_wgrad_op(
     grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
-    weight_dtype: torch.dtype, bias_dtype: torch.dtype,
+    weight_dtype: torch.dtype, bias_dtype: torch.dtype, with_db: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dW [G, N, K] = grad_g^T x_g, db [G, N] = colsum grad_g)``; empty groups give zeros."""
+    """``(dW [G, N, K] = grad_g^T x_g, db [G, N] = colsum grad_g)``; empty groups give zeros.
+    ``with_db=False``: ``db`` is an empty ``[G, 0]`` tensor and no column sums are computed
+    (on the GPU they cost 2-5% of the dW kernel's time; see benchmarks/RESULTS.md)."""
     check_wgrad_args(grad, x, offsets)
     if _use_triton("grouped_linear_wgrad", grad.device):
         from compileops.grouped_linear import kernels
 
-        return kernels.grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype)
-    return reference.grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype)
+        dw, db = kernels.grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype,
+                                              compute_db=with_db)
+    else:
+        dw, db = reference.grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype,
+                                                with_db)
+    return dw, db if with_db else _no_db(grad, offsets, bias_dtype)
+
+
+def _no_db(grad, offsets, bias_dtype) -> torch.Tensor:
+    return grad.new_empty((offsets.shape[0], 0), dtype=bias_dtype)
 
 
 @grouped_linear_wgrad_op.register_fake
-def _grouped_linear_wgrad_fake(grad, x, offsets, weight_dtype, bias_dtype):
+def _grouped_linear_wgrad_fake(grad, x, offsets, weight_dtype, bias_dtype, with_db=True):
     check_wgrad_args(grad, x, offsets)
     groups, n, k = offsets.shape[0], grad.shape[1], x.shape[1]
-    return (grad.new_empty((groups, n, k), dtype=weight_dtype),
-            grad.new_empty((groups, n), dtype=bias_dtype))
+    db = (grad.new_empty((groups, n), dtype=bias_dtype) if with_db
+          else _no_db(grad, offsets, bias_dtype))
+    return grad.new_empty((groups, n, k), dtype=weight_dtype), db
 
 
 # ---------------------------------------------------------------------------------------

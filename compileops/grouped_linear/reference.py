@@ -96,9 +96,9 @@ def grouped_linear_dx(grad: torch.Tensor, weight: torch.Tensor, offsets: torch.T
                           weight.shape[0], weight.shape[2], cdt, grad.device).to(grad.dtype)
 
 
-def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype):
+def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, with_db=True):
     """``(dW [G, N, K], db [G, N])``: ``dW_g = grad_g^T x_g``, ``db_g = sum of grad_g rows``.
-    An empty group gives exact zeros."""
+    An empty group gives exact zeros. ``with_db=False``: ``(dW, None)``."""
     m, n, k = grad.shape[0], grad.shape[1], x.shape[1]
     groups = offsets.shape[0]
     cdt = _compute_dtype(grad.dtype)
@@ -110,8 +110,10 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype):
         gg = torch.where(in_g, gc, torch.zeros((), dtype=cdt, device=grad.device))
         xg = torch.where(in_g, xc, torch.zeros((), dtype=cdt, device=grad.device))
         dws.append(gg.t() @ xg)
-        dbs.append(gg.sum(0))
+        if with_db:
+            dbs.append(gg.sum(0))
     if groups == 0:
         return (torch.zeros((0, n, k), dtype=weight_dtype, device=grad.device),
-                torch.zeros((0, n), dtype=bias_dtype, device=grad.device))
-    return torch.stack(dws).to(weight_dtype), torch.stack(dbs).to(bias_dtype)
+                torch.zeros((0, n), dtype=bias_dtype, device=grad.device) if with_db else None)
+    dw = torch.stack(dws).to(weight_dtype)
+    return dw, torch.stack(dbs).to(bias_dtype) if with_db else None

@@ -173,6 +173,21 @@ class GraphModule(torch.nn.Module):
         return (grouped_linear_dx, getitem, None, getitem_1)""")
 
     @needs_213
+    def test_aot_backward_without_bias_skips_db(self):
+        # No bias: the wgrad op is called with with_db=False (no column sums) and its empty
+        # db output is dropped.
+        x, w, offs, _, _ = make([3, 4])
+        w.requires_grad_(), x.requires_grad_()
+        _, bw = aot_graph_text(compileops.grouped_linear, x, w, offs)
+        self.assertExpectedInline(bw, """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[9, 16]", primals_2: "f32[2, 24, 16]", primals_3: "i32[2]", tangents_1: "f32[9, 24]"):
+        grouped_linear_dx: "f32[9, 16]" = torch.ops.compileops.grouped_linear_dx.default(tangents_1, primals_2, primals_3);  primals_2 = None
+        grouped_linear_wgrad = torch.ops.compileops.grouped_linear_wgrad.default(tangents_1, primals_1, primals_3, torch.float32, torch.float32, False);  tangents_1 = primals_1 = primals_3 = None
+        getitem: "f32[2, 24, 16]" = grouped_linear_wgrad[0];  grouped_linear_wgrad = None
+        return (grouped_linear_dx, getitem, None)""")
+
+    @needs_213
     def test_swiglu_template_kernels(self):
         x, w, offs, b, p = make([5, 0, 11, 3])
         kernels = inductor_kernels(moe_expert, x, w, offs, b, p, triton=True)

@@ -155,6 +155,40 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.compileops.grouped_linear_dx.default, (grad, w.detach(), offs))
     torch.library.opcheck(torch.ops.compileops.grouped_linear_wgrad.default,
                           (grad, x.detach(), offs, torch.float32, torch.float32))
+    torch.library.opcheck(torch.ops.compileops.grouped_linear_wgrad.default,
+                          (grad, x.detach(), offs, torch.float32, torch.float32, False))
+
+
+@pytest.mark.parametrize("bias", ["none", "frozen", "trainable"])
+def test_backward_computes_db_only_for_a_trainable_bias(bias, monkeypatch):
+    """dW is the same either way; the column sums run only when the bias needs a gradient
+    (``with_db``), and ``with_db=False`` returns an empty ``db [G, 0]``."""
+    from compileops.grouped_linear import op
+
+    x, w, offs, b = make([3, 0, 6], k=8, n=8, extra_rows=1)
+    w.requires_grad_()
+    if bias == "none":
+        b = None
+    elif bias == "trainable":
+        b.requires_grad_()
+    calls = []
+    real = op.grouped_linear_wgrad_op
+
+    def spy(*args):
+        calls.append(args[5] if len(args) > 5 else True)
+        return real(*args)
+
+    monkeypatch.setattr(op, "grouped_linear_wgrad_op", spy)
+    grad = torch.randn(10, 8)
+    compileops.grouped_linear(x, w, offs, b).backward(grad)
+    assert calls == [bias == "trainable"]
+    want_dw, want_db = real(grad, x, offs, torch.float32, torch.float32)
+    assert torch.equal(w.grad, want_dw)
+    if bias == "trainable":
+        assert torch.equal(b.grad, want_db)
+    dw, db = torch.ops.compileops.grouped_linear_wgrad(grad, x, offs, torch.float32,
+                                                       torch.float32, False)
+    assert torch.equal(dw, want_dw) and db.shape == (3, 0)
 
 
 BAD = {
