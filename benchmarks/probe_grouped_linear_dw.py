@@ -12,8 +12,8 @@ and DeepSeek while the anchor loses 0-4%. This script separates the suspects:
 * ``single``: one group alone at several sizes (Mixtral / DeepSeek dims, the group's rows
   only): the per-size throughput of both kernels.
 
-Ours and the anchor are timed alternately, ``--rounds`` times each, and the medians
-reported (the H100's clocks drift with power draw: see RESULTS.md).
+Ours and the anchor are timed in ``--rounds`` alternating rounds, medians reported
+(``bench_grouped_linear.time_alternating``).
 
     python3 benchmarks/probe_grouped_linear_dw.py [--shapes deepseek_v3 ...] [--profile]
 
@@ -25,15 +25,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_grouped_linear import SHAPES, make_offsets  # noqa: E402
-from benchmarks.harness import bench_ms  # noqa: E402
+from benchmarks.bench_grouped_linear import SHAPES, make_offsets, time_alternating  # noqa: E402
 from compileops.grouped_linear import kernels  # noqa: E402
 
 
@@ -45,14 +43,6 @@ def round_to_64(sizes: torch.Tensor) -> torch.Tensor:
     rounded = (sizes + 32) // 64 * 64
     rounded[torch.argmax(rounded)] += int(sizes.sum() - rounded.sum())  # keep the total
     return rounded
-
-
-def alternate(fns: dict, rounds: int) -> dict:
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(bench_ms(fn, warmup=5, rep=20))
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main() -> int:
@@ -128,7 +118,7 @@ def main() -> int:
                 torch.cuda.cudart().cudaProfilerStop()
                 print(f"{name} {label}: profiled", flush=True)
                 continue
-            ms = alternate(fns, args.rounds)
+            ms = time_alternating(fns, args.rounds, smoke=False)
             line = "  ".join(f"{impl} {t:7.4f} ms {flops / t / 1e9:6.1f} TF/s"
                              for impl, t in ms.items())
             ratios = "  ".join(f"{impl} {ms['anchor'] / t:.3f}" for impl, t in ms.items()
