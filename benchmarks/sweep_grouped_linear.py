@@ -95,10 +95,22 @@ WGRAD_CONFIGS = [
     # dropped: 128-row reduction steps (128x128x128 s3: 0.70-0.82x; with a TMA store it needs
     # 234496 B of shared memory; 128x128x256 s2: 0.69-0.82x) and a 256-row dY tile
     # (64x256x128 s3 gn4 tma-store: 0.91-1.01x, below the default in 7 of 8 cases).
+    # One loop over each program's row chunks (Config.flatten; kjagged_flat_loop): the
+    # defaults since 2026-11-22. It applies without db only, so with db these time the
+    # tile loop; WGRAD_NO_DB below times the loop itself.
+    Config(64, 128, 256, 8, 3, flatten=True, ragged_tma=True, tma_store=True, group_n=8),
+    Config(64, 128, 256, 8, 4, flatten=True, ragged_tma=True, tma_store=True,
+           epilogue_subtile=True, group_n=8),
 ]
 # Timed once more without db (compute_db=False): what the column sums cost.
 WGRAD_NO_DB = [Config(64, 128, 256, 8, 3),
                Config(64, 128, 256, 8, 3, ragged_tma=True, tma_store=True, group_n=8),
+               Config(64, 128, 256, 8, 3, flatten=True, ragged_tma=True, tma_store=True,
+                      group_n=8),
+               Config(64, 128, 256, 8, 4, ragged_tma=True, tma_store=True,
+                      epilogue_subtile=True, group_n=8),
+               Config(64, 128, 256, 8, 4, flatten=True, ragged_tma=True, tma_store=True,
+                      epilogue_subtile=True, group_n=8),
                Config(64, 128, 128, 4, 3, programs_per_sm=2, ragged_tma=True, group_n=8)]
 
 

@@ -491,7 +491,6 @@ def kjagged_output_tile(
     a program asks for more work only when its current tile is nearly finished)."""
     start, end = group_rows(offs_ptr, g, G, M)
     rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
     n_ok = rn < N
     owns_db = tile_k == (g * num_n + tile_n) % num_k
     if HAS_DB & DB_MMA & owns_db:
@@ -519,6 +518,18 @@ def kjagged_output_tile(
             tl.store(db_ptr + tl.cast(g, tl.int64) * N + rn, db.to(db_ptr.dtype.element_ty),
                      mask=n_ok)
     ticket = claim_ticket(ticket_ptr, DYNAMIC, ASM_TICKET, LANES)
+    store_dw_tile(dw_ptr, dw_desc, acc, g, tile_n, tile_k, N, K, BLOCK_N, BLOCK_K, TMA_STORE,
+                  EPILOGUE_SUBTILE)
+    return ticket
+
+
+@triton.jit
+def store_dw_tile(dw_ptr, dw_desc, acc, g, tile_n, tile_k, N, K,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA_STORE: tl.constexpr,
+                  EPILOGUE_SUBTILE: tl.constexpr):
+    """Writes the fp32 tile ``acc [BLOCK_N, BLOCK_K]`` as dW tile ``(g, tile_n, tile_k)`` in
+    dW's dtype: by TMA, whole or in two halves (see :func:`kjagged_output_tile`), or by
+    masked pointer stores."""
     if TMA_STORE:
         tile = acc.to(dw_ptr.dtype.element_ty)
         row = g * N + tile_n * BLOCK_N
@@ -531,10 +542,10 @@ def kjagged_output_tile(
         else:
             dw_desc.store([row, col], tile)
     else:
-        base = tl.cast(g, tl.int64) * N * K
-        dst = dw_ptr + base + rn[:, None].to(tl.int64) * K + rk[None, :]
-        tl.store(dst, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & (rk < K)[None, :])
-    return ticket
+        rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        dst = dw_ptr + tl.cast(g, tl.int64) * N * K + rn[:, None].to(tl.int64) * K + rk[None, :]
+        tl.store(dst, acc.to(dw_ptr.dtype.element_ty), mask=(rn < N)[:, None] & (rk < K)[None, :])
 
 
 @triton.jit
@@ -549,6 +560,90 @@ def kjagged_tile_coords(rest, num_n, num_k, GROUP_N: tl.constexpr):
     n_here = tl.minimum(num_n - first_n, GROUP_N)
     within = rest % per_super
     return first_n + within % n_here, within // n_here
+
+
+@triton.jit
+def kjagged_program_chunks(offs_ptr, pid, per_group, G, M, NUM_PROGS: tl.constexpr,
+                           BLOCK_M: tl.constexpr, G_BLOCK: tl.constexpr):
+    """Row chunks program ``pid`` reduces under the static schedule (tiles ``pid, pid +
+    NUM_PROGS, ...``; a tile of an empty group counts one chunk): one vector pass over the
+    G groups, no loop over the tiles."""
+    lanes = tl.arange(0, G_BLOCK)
+    prev = tl.load(offs_ptr + lanes - 1, mask=(lanes > 0) & (lanes < G), other=0)
+    start = tl.minimum(tl.maximum(prev, 0), M)
+    raw = tl.load(offs_ptr + lanes, mask=lanes < G, other=0)
+    end = tl.minimum(tl.maximum(raw, start), M)
+    first_tile = lanes * per_group
+    # The program's first tile in group g: the least t >= first_tile with t % NUM_PROGS == pid.
+    mine = first_tile + (pid - first_tile % NUM_PROGS + NUM_PROGS) % NUM_PROGS
+    tiles = tl.maximum(tl.cdiv(first_tile + per_group - mine, NUM_PROGS), 0)
+    chunks = tl.maximum(tl.cdiv(end - start, BLOCK_M), 1)
+    return tl.sum(tl.where(lanes < G, tiles * chunks, 0), axis=0)
+
+
+@triton.jit
+def kjagged_tile_state(t, per_group, num_n, num_k, offs_ptr, G, M, GROUP_N: tl.constexpr):
+    """Static-schedule tile ``t`` -> ``(g, tile_n, tile_k, start, end)``; past the last tile
+    the group index is clamped (its state is never used)."""
+    g = tl.minimum(t // per_group, G - 1)
+    tile_n, tile_k = kjagged_tile_coords(t % per_group, num_n, num_k, GROUP_N)
+    start, end = group_rows(offs_ptr, g, G, M)
+    return g, tile_n, tile_k, start, end
+
+
+@triton.jit
+def kjagged_flat_loop(
+    dy_desc, x_desc, dw_desc, offs_ptr, dw_ptr, per_group, total, num_n, num_k, M, N, K, G,
+    NUM_PROGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    TMA_STORE: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr, GROUP_N: tl.constexpr,
+    G_BLOCK: tl.constexpr,
+):
+    """The static schedule's dW tiles (no db) as ONE loop over all the program's row chunks
+    (ragged TMA loads), so the software pipeliner issues the next tile's first loads before
+    this tile's last MMAs and its epilogue, where the tile loop drains and refills the
+    pipeline at every tile. Triton's ``flatten`` cannot build this loop: it fuses only inner
+    loops whose trip count is the same in every outer iteration.
+
+    Per chunk the loop only selects between the current tile's state and the next tile's,
+    which is worked out once per tile, in a branch ahead of the MMA (the integer divisions
+    and the offsets loads, done in every chunk, left an earlier version of this loop
+    instruction-bound at 0.8x of the tile loop). The epilogue runs in a second branch after
+    the MMA, in the chunk that ends a tile. Every tile reduces the same chunks in the same
+    order as :func:`kjagged_tile`: the same bits."""
+    pid = tl.program_id(0)
+    n_chunks = kjagged_program_chunks(offs_ptr, pid, per_group, G, M, NUM_PROGS, BLOCK_M,
+                                      G_BLOCK)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    t = pid
+    g, tile_n, tile_k, m0, end = kjagged_tile_state(t, per_group, num_n, num_k, offs_ptr, G,
+                                                    M, GROUP_N)
+    next_g, next_n, next_k, next_start, next_end = kjagged_tile_state(
+        t + NUM_PROGS, per_group, num_n, num_k, offs_ptr, G, M, GROUP_N)
+    for _ in range(0, n_chunks):
+        dy = load_rows_below(dy_desc, m0, end, tile_n * BLOCK_N, BLOCK_M, BLOCK_N)
+        xb = load_rows_below(x_desc, m0, end, tile_k * BLOCK_K, BLOCK_M, BLOCK_K)
+        last = m0 + BLOCK_M >= end
+        tile_g = g  # this chunk's tile, for the epilogue
+        tile_n_here = tile_n
+        tile_k_here = tile_k
+        g = tl.where(last, next_g, g)
+        tile_n = tl.where(last, next_n, tile_n)
+        tile_k = tl.where(last, next_k, tile_k)
+        end = tl.where(last, next_end, end)
+        m0 = tl.where(last, next_start, m0 + BLOCK_M)
+        if last:
+            t += NUM_PROGS
+            next_g, next_n, next_k, next_start, next_end = kjagged_tile_state(
+                t + NUM_PROGS, per_group, num_n, num_k, offs_ptr, G, M, GROUP_N)
+        if DOT_UPCAST:  # interpreter only (see dot_upcast)
+            dy = dy.to(tl.float32)
+            xb = xb.to(tl.float32)
+        acc = tl.dot(dy.T, xb, acc, input_precision=INPUT_PRECISION)
+        if last:
+            store_dw_tile(dw_ptr, dw_desc, acc, tile_g, tile_n_here, tile_k_here, N, K,
+                          BLOCK_N, BLOCK_K, TMA_STORE, EPILOGUE_SUBTILE)
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
 
 
 @triton.jit
@@ -584,6 +679,7 @@ def kjagged_gemm_kernel(
     RAGGED: tl.constexpr = False, TMA_STORE: tl.constexpr = False,
     EPILOGUE_SUBTILE: tl.constexpr = False, GROUP_N: tl.constexpr = 1,
     DYNAMIC: tl.constexpr = False, ASM_TICKET: tl.constexpr = False, LANES: tl.constexpr = 128,
+    FLAT: tl.constexpr = False, G_BLOCK: tl.constexpr = 2,
 ):
     """Persistent K-jagged grouped GEMM: ``dw [G, N, K]``, ``db [G, N]`` (both contiguous).
 
@@ -627,7 +723,13 @@ def kjagged_gemm_kernel(
     num_k = tl.cdiv(K, BLOCK_K)
     per_group = num_n * num_k
     total = G * per_group
-    if DYNAMIC:
+    if FLAT:  # (the launcher sets it only with RAGGED, without db)
+        kjagged_flat_loop(
+            dy_desc, x_desc, dw_desc, offs_ptr, dw_ptr, per_group, total, num_n, num_k, M, N,
+            K, G, NUM_PROGS, BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, DOT_UPCAST,
+            TMA_STORE, EPILOGUE_SUBTILE, GROUP_N, G_BLOCK,
+        )
+    elif DYNAMIC:
         # A for loop, not a while: Triton pipelines TMA stores across the iterations of an
         # scf.for only (its staging buffer is hoisted and the wait moves before the next
         # store); in an scf.while every dW tile store would be waited for at once. A
@@ -675,7 +777,9 @@ class Config:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
-    flatten: bool = False  # M-jagged: pipeline across consecutive tiles (tl.range(flatten=True))
+    # Pipeline across consecutive tiles. M-jagged: tl.range(flatten=True). dW (with
+    # ragged_tma, static schedule, no db): one loop over the program's row chunks.
+    flatten: bool = False
     programs_per_sm: int = 1  # >1: co-resident programs hide each other's prologue/epilogue
     group_m: int = 8  # M-tiles per L2 super-group (locate_tile)
     group_n: int = 1  # dW: N-tiles per super-block, N-tile fastest (1: K-tile fastest)
@@ -787,8 +891,14 @@ def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
 # 50 MB L2: K-fastest streams all of it once per wave of N-tiles, the super-blocks share
 # its column blocks across 8 N-tiles. 16 (all of DeepSeek's N-tiles) lost on Mixtral skewed
 # (0.77), 4 was between.
-WGRAD_LONG_CONFIG = Config(64, 128, 256, num_warps=8, num_stages=3, ragged_tma=True,
-                           tma_store=True, group_n=8)
+# Without db (a layer with no trainable bias, as in the Mixtral / DeepSeek-V3 / Qwen3 MoE
+# experts) both long configs run the flattened chunk loop (flatten, kjagged_flat_loop); with db
+# the tile loop. H100 probe of 2026-11-22, no db, ratio to torch._grouped_mm, tile loop ->
+# flattened, balanced / skewed: Mixtral 1.08 / 0.98 -> 1.05 / 1.05, DeepSeek 0.94 / 0.96 ->
+# 1.01 / 1.04, Qwen3-up 0.99 / 1.01 -> 1.17 / 1.16, Qwen3-down 1.00 / 1.05 -> 1.18 / 1.16
+# (benchmarks/results/probe_grouped_linear_dw_h100_2026-11-22_h_flat.log).
+WGRAD_LONG_CONFIG = Config(64, 128, 256, num_warps=8, num_stages=3, flatten=True,
+                           ragged_tma=True, tma_store=True, group_n=8)
 # Mid groups (512 <= M / G < 1024; the Qwen3 shapes): the long tile with a fourth operand
 # stage, its dW tile stored in two halves (32 KB staging; 231712 B in all). Five H100 dW sweeps
 # of 2026-11-22 (benchmarks/results/sweep_grouped_linear_dw_h100_2026-11-22_{o1,o2,o3,o4a,o4b}
@@ -799,8 +909,8 @@ WGRAD_LONG_CONFIG = Config(64, 128, 256, num_warps=8, num_stages=3, ragged_tma=T
 #   Qwen3-down skewed    1.04 1.05 1.04 1.04 1.01  against 1.00 1.00 0.99 0.99 0.98
 # On Mixtral and DeepSeek (M / G >= 1024) it was slower (Mixtral balanced 1.02 / 1.00 / 1.04
 # against 1.07 / 1.08 / 1.10 in o1-o3), so the long config keeps three stages there.
-WGRAD_MID_CONFIG = Config(64, 128, 256, num_warps=8, num_stages=4, ragged_tma=True,
-                          tma_store=True, epilogue_subtile=True, group_n=8)
+WGRAD_MID_CONFIG = Config(64, 128, 256, num_warps=8, num_stages=4, flatten=True,
+                          ragged_tma=True, tma_store=True, epilogue_subtile=True, group_n=8)
 WGRAD_SHORT_CONFIG = Config(64, 128, 128, num_warps=4, num_stages=3, programs_per_sm=2,
                             ragged_tma=True)
 
@@ -1052,7 +1162,7 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
         use_tma = wgrad_tma_applies(grad, x, cfg)
 
     # The variant constexprs this launch can take (all False where none applies).
-    flags = _wgrad_variant_flags(cfg, bool(use_tma), m, n, k, dw)
+    flags = _wgrad_variant_flags(cfg, bool(use_tma), m, n, k, dw, compute_db)
     plain = dict.fromkeys(flags, False)
 
     def launch(tma: bool, variants: bool = True) -> None:
@@ -1071,6 +1181,7 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
             GROUP_N=cfg.group_n, DYNAMIC=cfg.dynamic_tiles,
             ASM_TICKET=x.device.type == "cuda" and not torch.version.hip,
             LANES=32 * cfg.num_warps, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            G_BLOCK=group_block(groups),
             **(flags if tma and variants else plain),
         )
 
@@ -1102,7 +1213,7 @@ def _check_wgrad_variant(cfg: Config) -> None:
 
 
 def _wgrad_variant_flags(cfg: Config, tma: bool, m: int, n: int, k: int,
-                         dw: torch.Tensor) -> dict:
+                         dw: torch.Tensor, compute_db: bool = True) -> dict:
     """Constexprs of the dW variants (all False for a config without them: the kernel
     compiles exactly as without them). All need the TMA path; where a flag does not apply
     it is dropped for this launch (the kernel then takes the plain TMA / pointer code).
@@ -1110,12 +1221,16 @@ def _wgrad_variant_flags(cfg: Config, tma: bool, m: int, n: int, k: int,
     TMA store writes whole ``[block_n, block_k]`` boxes of dW viewed as ``[G * N, K]``: only
     when ``N % block_n == 0`` (else a group's last N-tile would write into the next group's
     rows), dW's row stride is 16-byte aligned and dW is 16-bit (an fp32 staging tile of
-    128 x 256 would not fit next to the operand buffers); otherwise pointer stores."""
+    128 x 256 would not fit next to the operand buffers); otherwise pointer stores.
+    ``flatten`` (one loop over the program's chunks, :func:`kjagged_flat_loop`) needs the
+    ragged loads, the static schedule and no db; otherwise the tile loop runs."""
     ragged = tma and cfg.ragged_tma and m < RAGGED_ROWS.value
     store = (tma and cfg.tma_store and n % cfg.block_n == 0 and dw.element_size() == 2
              and (k * dw.element_size()) % 16 == 0 and dw.data_ptr() % 16 == 0
              and dw.shape[0] * n < 2**31)  # the kernel's i32 row g * N + n0
-    return dict(RAGGED=ragged, TMA_STORE=store, EPILOGUE_SUBTILE=store and cfg.epilogue_subtile)
+    flat = ragged and cfg.flatten and not cfg.dynamic_tiles and not compute_db
+    return dict(RAGGED=ragged, TMA_STORE=store, EPILOGUE_SUBTILE=store and cfg.epilogue_subtile,
+                FLAT=flat)
 
 
 def _colsum_only(grad, offsets, db):

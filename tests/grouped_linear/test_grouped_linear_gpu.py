@@ -11,6 +11,11 @@ pytestmark = pytest.mark.gpu
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
+def nan_filled(t):
+    """A new floating tensor filled with NaN (other dtypes, e.g. TMA scratch, as they come)."""
+    return t.fill_(float("nan")) if t.is_floating_point() else t
+
+
 def make(groups, m, k, n, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     offs = dirichlet_offsets(groups, m - 7, generator=gen)  # 7 tail rows past the last group
@@ -197,6 +202,35 @@ def test_wgrad_variants_bitwise_match_default_on_sm90(variant):
                                            config=cfg)
         for a, b in zip(got, want):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("groups,n", [(4, 768), (12, 768), (4, 704), (200, 768)],
+                         ids=["long", "mid", "long-n%128!=0", "many-empty-groups"])
+def test_wgrad_flat_loop_without_db_bitwise_matches_tile_loop(groups, n, monkeypatch):
+    """Without db the long and mid defaults run the flattened chunk loop (Config.flatten):
+    on sm90 it gives the tile loop's dW bits (skewed groups, empty ones among 200 with 8192
+    rows; N = 704 takes the pointer store), every element written (dW starts as NaN)."""
+    import dataclasses
+
+    from compileops.grouped_linear import kernels
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the flattened loop needs the ragged TMA loads (sm90+)")
+    x, _, offs, _ = make(groups, 8192, 1024, n, torch.bfloat16)
+    grad = torch.randn(x.shape[0], n, device="cuda", dtype=torch.bfloat16)
+    cfg = kernels.choose_wgrad_config(8192, min(groups, 12), n, 1024, torch.bfloat16, x.device)
+    dw = torch.empty(groups, n, 1024, dtype=torch.bfloat16, device="cuda")
+    assert kernels._wgrad_variant_flags(cfg, True, x.shape[0], n, 1024, dw, False)["FLAT"]
+    want, _ = kernels.grouped_linear_wgrad(grad, x, offs, torch.bfloat16, torch.bfloat16,
+                                           config=dataclasses.replace(cfg, flatten=False),
+                                           compute_db=False)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: nan_filled(empty(*a, **kw)))
+    got, db = kernels.grouped_linear_wgrad(grad, x, offs, torch.bfloat16, torch.bfloat16,
+                                           config=cfg, compute_db=False)
+    monkeypatch.undo()
+    assert db is None and not kernels._wgrad_variant_failed
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 @pytest.mark.parametrize("groups,n", [(4, 768), (12, 768), (32, 768), (4, 704)],

@@ -89,7 +89,7 @@ def kjagged_compile(ptr="*fp16", tma=False, block_k=128, num_warps=8, num_stages
                       BLOCK_K=block_k, INPUT_PRECISION="tf32", DOT_UPCAST=False, USE_TMA=tma)
     # GROUP_N (the tile order) too: an AOT compile does not apply the kernel's default.
     constexprs.update({name: False for name in VARIANT_FLAGS}, GROUP_N=1, DYNAMIC=False,
-                      ASM_TICKET=True, LANES=32 * num_warps)
+                      ASM_TICKET=True, LANES=32 * num_warps, G_BLOCK=kernels.group_block(64))
     constexprs.update(variant or {})
     return compile_sm90(kernels.kjagged_gemm_kernel, args, constexprs,
                         num_warps=num_warps, num_stages=num_stages)
@@ -99,7 +99,7 @@ def kjagged_ttgir(ptr="*fp16", tma=False):
     return kjagged_compile(ptr, tma).asm["ttgir"]
 
 
-VARIANT_FLAGS = ("RAGGED", "TMA_STORE", "EPILOGUE_SUBTILE")
+VARIANT_FLAGS = ("RAGGED", "TMA_STORE", "EPILOGUE_SUBTILE", "FLAT")
 # The sweep's dW variants (benchmarks/sweep_grouped_linear.py WGRAD_CONFIGS), as the launcher
 # passes them: (block_k, num_warps, num_stages, constexprs). All with TMA loads. The
 # "wgrad-default-*" entries are choose_wgrad_config's sm90 defaults (checked to match below).
@@ -113,6 +113,12 @@ WGRAD_VARIANTS = {
     "wgrad-default-mid": (256, 8, 4, dict(RAGGED=True, TMA_STORE=True, EPILOGUE_SUBTILE=True,
                                            GROUP_N=8)),
     "wgrad-default-short": (128, 4, 3, dict(RAGGED=True)),
+    # The long and mid defaults without db: one loop over the program's chunks (FLAT).
+    "wgrad-default-long-flat": (256, 8, 3, dict(RAGGED=True, TMA_STORE=True, GROUP_N=8,
+                                                FLAT=True, HAS_DB=False)),
+    "wgrad-default-mid-flat": (256, 8, 4, dict(RAGGED=True, TMA_STORE=True,
+                                               EPILOGUE_SUBTILE=True, GROUP_N=8, FLAT=True,
+                                               HAS_DB=False)),
     # The dynamic tile schedule (Config.dynamic_tiles) on the long default.
     "wgrad-dynamic-long": (256, 8, 3, dict(RAGGED=True, TMA_STORE=True, GROUP_N=8, DYNAMIC=True)),
 }
@@ -221,7 +227,8 @@ def test_wgrad_variants_compile_for_sm90(compiled, case):
     assert got["shared"] <= SMEM_LIMIT, got
     if case == "wgrad-default-short":
         assert 2 * (got["shared"] + 1024) <= SMEM_PER_SM, got
-    assert got["wgmma"] and got["tma"] and got["db_mma"], got
+    assert got["wgmma"] and got["tma"] and got["pipelined"], got
+    assert got["db_mma"] == flags.get("HAS_DB", True), got
     assert got["warps"] == warps, got
     assert got["ragged_loads"] == flags.get("RAGGED", False), got
     if flags.get("RAGGED"):
@@ -277,6 +284,11 @@ def test_codegen_defaults_are_choose_wgrad_config(groups, kind):
     dw = torch.empty(64, 1, 1, dtype=torch.bfloat16)  # the flags read dW's groups, dtype, address
     assert kernels._wgrad_variant_flags(cfg, True, 65536, 2048, 768, dw) == dict(
         dict.fromkeys(VARIANT_FLAGS, False), **flags)
+    # Without db the long and mid defaults take the flattened chunk loop, the short one not.
+    flat = WGRAD_VARIANTS.get(f"wgrad-default-{kind}-flat", (0, 0, 0, dict(flags)))[3]
+    flat = {k: v for k, v in flat.items() if k not in ("GROUP_N", "HAS_DB")}
+    assert kernels._wgrad_variant_flags(cfg, True, 65536, 2048, 768, dw, False) == dict(
+        dict.fromkeys(VARIANT_FLAGS, False), **flat)
 
 
 if __name__ == "__main__":

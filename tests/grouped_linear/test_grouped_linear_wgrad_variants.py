@@ -23,6 +23,11 @@ VARIANTS = {
 }
 
 
+def nan_filled(t):
+    """A new floating tensor filled with NaN (other dtypes, e.g. TMA scratch, as they come)."""
+    return t.fill_(float("nan")) if t.is_floating_point() else t
+
+
 def bits(t):
     return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
@@ -69,7 +74,7 @@ def test_variant_without_db_is_bitwise_the_default():
 def test_flags_reach_the_kernel_only_where_they_apply():
     dw = torch.empty(4, 64, 40, dtype=torch.bfloat16)
     flags = kernels._wgrad_variant_flags
-    off = dict(RAGGED=False, TMA_STORE=False, EPILOGUE_SUBTILE=False)
+    off = dict(RAGGED=False, TMA_STORE=False, EPILOGUE_SUBTILE=False, FLAT=False)
     assert flags(BASE, True, 100, 64, 40, dw) == off  # no variant flags: all off
     both = dataclasses.replace(BASE, ragged_tma=True, tma_store=True)
     on = dict(off, RAGGED=True, TMA_STORE=True)
@@ -98,10 +103,11 @@ def test_default_configs():
     store in halves); fp32 and the interpreter get configs without variant flags."""
     cuda = torch.device("cuda")
     long = kernels.choose_wgrad_config(65536, 64, 2048, 768, torch.bfloat16, cuda)
-    assert long == Config(64, 128, 256, 8, 3, ragged_tma=True, tma_store=True, group_n=8)
+    assert long == Config(64, 128, 256, 8, 3, flatten=True, ragged_tma=True, tma_store=True,
+                          group_n=8)
     mid = kernels.choose_wgrad_config(65536, 65, 2048, 768, torch.bfloat16, cuda)
     assert mid == kernels.choose_wgrad_config(65536, 128, 2048, 768, torch.bfloat16, cuda)
-    assert mid == Config(64, 128, 256, 8, 4, ragged_tma=True, tma_store=True,
+    assert mid == Config(64, 128, 256, 8, 4, flatten=True, ragged_tma=True, tma_store=True,
                          epilogue_subtile=True, group_n=8)
     short = kernels.choose_wgrad_config(65536, 129, 2048, 768, torch.bfloat16, cuda)
     assert short == Config(64, 128, 128, 4, 3, programs_per_sm=2, ragged_tma=True)
@@ -231,6 +237,74 @@ def test_dynamic_schedule_is_bitwise_the_static(dtype, tma):
         dw, db = kernels.grouped_linear_wgrad(grad, x, offs, dtype, dtype, config=cfg,
                                               use_tma=tma)
         assert torch.equal(bits(dw), bits(want_dw)) and torch.equal(bits(db), bits(want_db))
+
+
+# ------------------------------------------------------------ dW flattened chunk loop (flatten)
+
+
+@pytest.mark.parametrize("extra", [{}, dict(group_n=2), dict(tma_store=False),
+                                   dict(epilogue_subtile=True)],
+                         ids=["tma-store", "group_n2", "pointer-store", "store-halves"])
+@pytest.mark.parametrize("n", [64, 48], ids=["n%block_n==0", "n%block_n!=0"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_flat_loop_is_bitwise_the_tile_loop(dtype, n, extra):
+    """``flatten`` without db: each program's tiles as one loop over their row chunks
+    (kjagged_flat_loop), the next tile's state worked out in a branch once per tile. Same
+    dW bits as the tile loop; groups of 32 / 0 / 21 / 7 / 16 rows (an empty group's tiles
+    are one zero-filled chunk each, partial last chunks), inf rows that must reach nothing."""
+    grad, x, offs = make(n, dtype)
+    tiles = dataclasses.replace(BASE, **dict(dict(ragged_tma=True, tma_store=True), **extra))
+    want, _ = kernels.grouped_linear_wgrad(grad, x, offs, dtype, dtype, config=tiles,
+                                           use_tma=True, compute_db=False)
+    cfg = dataclasses.replace(tiles, flatten=True)
+    assert kernels._wgrad_variant_flags(cfg, True, *grad.shape, x.shape[1], want, False)["FLAT"]
+    dw, db = kernels.grouped_linear_wgrad(grad, x, offs, dtype, dtype, config=cfg, use_tma=True,
+                                          compute_db=False)
+    assert db is None and torch.equal(bits(dw), bits(want))
+    assert torch.equal(dw[1], torch.zeros_like(dw[1]))
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        if g != 3:  # group 3 holds the inf row
+            ref = grad[start:end].double().T @ x[start:end].double()
+            torch.testing.assert_close(dw[g].double(), ref, rtol=2e-2, atol=2e-2)
+        start = end
+
+
+@pytest.mark.parametrize("sizes", [(5,), (0, 0, 3), (40, 1, 0, 17, 64, 2, 33)],
+                         ids=["fewer-tiles-than-programs", "mostly-empty", "many-tiles"])
+def test_flat_loop_chunk_count(sizes, monkeypatch):
+    """The loop's trip count (kjagged_program_chunks: per group, the program's tiles times
+    the group's chunks, counted without a loop over tiles) for programs with no tile, with
+    tiles of empty groups only, and with several tiles in several groups: a wrong count
+    would leave tiles unwritten (NaN here) or run past the last one."""
+    gen = torch.Generator().manual_seed(1)
+    m = sum(sizes) + 3
+    grad, x = torch.randn(m, 64, generator=gen), torch.randn(m, 72, generator=gen)
+    offs = torch.cumsum(torch.tensor(sizes), 0).to(torch.int32)
+    tiles = dataclasses.replace(BASE, ragged_tma=True, tma_store=True)
+    want, _ = kernels.grouped_linear_wgrad(grad, x, offs, torch.float32, torch.float32,
+                                           config=tiles, use_tma=True, compute_db=False)
+    cfg = dataclasses.replace(tiles, flatten=True)
+    empty = torch.empty  # dW starts as NaN: every element must be written
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: nan_filled(empty(*a, **kw)))
+    dw, _ = kernels.grouped_linear_wgrad(grad, x, offs, torch.float32, torch.float32,
+                                         config=cfg, use_tma=True, compute_db=False)
+    monkeypatch.undo()
+    assert torch.equal(bits(dw), bits(want))
+
+
+def test_flat_loop_only_without_db_and_static():
+    """With db (its MMA would run in every chunk), the dynamic schedule or without the ragged
+    loads, ``flatten`` leaves the dW launch on the tile loop."""
+    dw = torch.empty(5, 64, 40, dtype=torch.bfloat16)
+    cfg = dataclasses.replace(BASE, ragged_tma=True, tma_store=True, flatten=True)
+    assert kernels._wgrad_variant_flags(cfg, True, 82, 64, 40, dw, False)["FLAT"]
+    assert not kernels._wgrad_variant_flags(cfg, True, 82, 64, 40, dw, True)["FLAT"]
+    assert not kernels._wgrad_variant_flags(cfg, False, 82, 64, 40, dw, False)["FLAT"]
+    assert not kernels._wgrad_variant_flags(
+        dataclasses.replace(cfg, dynamic_tiles=True), True, 82, 64, 40, dw, False)["FLAT"]
+    assert not kernels._wgrad_variant_flags(
+        dataclasses.replace(cfg, ragged_tma=False), True, 82, 64, 40, dw, False)["FLAT"]
 
 
 def test_dynamic_schedule_rounds_then_remainder():
