@@ -65,6 +65,18 @@ def group_rows(offs_ptr, g, G, M):
 
 
 @triton.jit
+def group_bounds(offs_ptr, G, M, G_BLOCK: tl.constexpr):
+    """:func:`group_rows` for every lane at once: ``(lanes, start, end)``, each ``[G_BLOCK]``;
+    lane ``G`` is the tail ``[offs[G-1], M)``; lanes past it hold no group (callers mask them)."""
+    lanes = tl.arange(0, G_BLOCK)
+    prev = tl.load(offs_ptr + lanes - 1, mask=(lanes > 0) & (lanes <= G), other=0)
+    start = tl.minimum(tl.maximum(prev, 0), M)
+    raw = tl.load(offs_ptr + lanes, mask=lanes < G, other=M)
+    end = tl.minimum(tl.maximum(raw, start), M)
+    return lanes, start, end
+
+
+@triton.jit
 def group_tile_table(offs_ptr, G, M, BLOCK_M: tl.constexpr, G_BLOCK: tl.constexpr):
     """Per-group M-tile prefix sums, read once per program from the device offsets.
 
@@ -73,11 +85,7 @@ def group_tile_table(offs_ptr, G, M, BLOCK_M: tl.constexpr, G_BLOCK: tl.constexp
     the number of M-tiles in groups ``0..g`` (inclusive prefix sum), ``total_m`` the total.
     ``G_BLOCK`` is a power of two > G.
     """
-    lanes = tl.arange(0, G_BLOCK)
-    prev = tl.load(offs_ptr + lanes - 1, mask=(lanes > 0) & (lanes <= G), other=0)
-    start = tl.minimum(tl.maximum(prev, 0), M)
-    raw = tl.load(offs_ptr + lanes, mask=lanes < G, other=M)
-    end = tl.minimum(tl.maximum(raw, start), M)
+    lanes, start, end = group_bounds(offs_ptr, G, M, G_BLOCK)
     m_tiles = tl.where(lanes <= G, tl.cdiv(end - start, BLOCK_M), 0)
     tile_end = tl.cumsum(m_tiles, axis=0)
     return tile_end, tl.sum(m_tiles, axis=0)
@@ -568,11 +576,7 @@ def kjagged_program_chunks(offs_ptr, pid, per_group, G, M, NUM_PROGS: tl.constex
     """Row chunks program ``pid`` reduces under the static schedule (tiles ``pid, pid +
     NUM_PROGS, ...``; a tile of an empty group counts one chunk): one vector pass over the
     G groups, no loop over the tiles."""
-    lanes = tl.arange(0, G_BLOCK)
-    prev = tl.load(offs_ptr + lanes - 1, mask=(lanes > 0) & (lanes < G), other=0)
-    start = tl.minimum(tl.maximum(prev, 0), M)
-    raw = tl.load(offs_ptr + lanes, mask=lanes < G, other=0)
-    end = tl.minimum(tl.maximum(raw, start), M)
+    lanes, start, end = group_bounds(offs_ptr, G, M, G_BLOCK)
     first_tile = lanes * per_group
     # The program's first tile in group g: the least t >= first_tile with t % NUM_PROGS == pid.
     mine = first_tile + (pid - first_tile % NUM_PROGS + NUM_PROGS) % NUM_PROGS
