@@ -597,7 +597,7 @@ def kjagged_tile_state(t, per_group, num_n, num_k, offs_ptr, G, M, GROUP_N: tl.c
 
 @triton.jit
 def kjagged_flat_loop(
-    dy_desc, x_desc, dw_desc, offs_ptr, dw_ptr, per_group, total, num_n, num_k, M, N, K, G,
+    dy_desc, x_desc, dw_desc, offs_ptr, dw_ptr, per_group, num_n, num_k, M, N, K, G,
     NUM_PROGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     TMA_STORE: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr, GROUP_N: tl.constexpr,
@@ -729,8 +729,8 @@ def kjagged_gemm_kernel(
     total = G * per_group
     if FLAT:  # (the launcher sets it only with RAGGED, without db)
         kjagged_flat_loop(
-            dy_desc, x_desc, dw_desc, offs_ptr, dw_ptr, per_group, total, num_n, num_k, M, N,
-            K, G, NUM_PROGS, BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, DOT_UPCAST,
+            dy_desc, x_desc, dw_desc, offs_ptr, dw_ptr, per_group, num_n, num_k, M, N, K, G,
+            NUM_PROGS, BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, DOT_UPCAST,
             TMA_STORE, EPILOGUE_SUBTILE, GROUP_N, G_BLOCK,
         )
     elif DYNAMIC:
