@@ -8,7 +8,7 @@
   Acceptance: >= 2x ``torch.sparse.mm``.
 
 Prints a markdown table (``harness.report``) and writes CSV under ``harness.out_dir()``.
-About a minute on an H100. ``--smoke`` runs every piece on CPU at tiny shapes (Triton under
+About a minute on one GPU. ``--smoke`` runs every piece on CPU at tiny shapes (Triton under
 its interpreter; times meaningless) to check the script itself.
 
     python benchmarks/bench_xtoken.py            # GPU
@@ -136,14 +136,17 @@ def main(argv=None) -> int:
     if not diff <= 1e-4:
         failures.append(f"project differs from torch.sparse.mm by {diff:.3e}")
     g = torch.randn(T_proj, V_proj, device=device, generator=gen)
-    from compileops.xtoken.op import project_backward_op
+    # The projection backward alone, through its registered op (see compileops.xtoken).
+    project_backward = torch.ops.compileops.xtoken_project_backward
 
-    t_bwd = bench(lambda: project_backward_op(g, proj.row_indptr, proj.row_teacher_ids,
-                                              proj.row_weights, V_proj, None))
+    t_bwd = bench(lambda: project_backward(g, proj.row_indptr, proj.row_teacher_ids,
+                                           proj.row_weights, V_proj, None))
     rows.append(harness.Row(case_p, "compileops project backward", t_bwd, proj_bytes,
                             2.0 * T_proj * nnz, floor(proj_bytes)))
 
-    title = "xtoken: chunk averaging and fp32 sparse projection" + (" (SMOKE: CPU, tiny, untimed)" if args.smoke else "")
+    title = "xtoken: chunk averaging and fp32 sparse projection"
+    if args.smoke:
+        title += " (SMOKE: CPU, tiny, untimed)"
     harness.report(title, rows, csv_path=os.path.join(harness.out_dir(), "bench_xtoken.csv"))
 
     ratio_avg = t_bmm / t_avg

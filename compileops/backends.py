@@ -4,7 +4,7 @@ Two backends exist:
 
 * ``reference``: the plain-PyTorch ground truth of each family (``<family>/reference.py``).
   Always available.
-* ``triton``: the family's Triton kernels (``<family>/kernels.py``). Available on CUDA/ROCm
+* ``triton``: the family's Triton kernels (the ``<family>/kernels/`` package). Available on CUDA/ROCm
   devices when Triton is installed, and on CPU tensors when ``TRITON_INTERPRET=1`` (Triton's
   interpreter; this is how CI runs the kernels without a GPU).
 

@@ -1,7 +1,7 @@
 """Data-parallel helper for the distillation loss normaliser."""
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Union
 
 import torch
 

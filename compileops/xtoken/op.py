@@ -8,7 +8,8 @@
   row sums and sizes, and the gather of the sums' gradient back to the tokens.
 
 All four are functional, with fake functions that check every precondition, and shapes that
-never depend on tensor data.
+never depend on tensor data. The checks and the index preprocessing both backends share live
+in :mod:`compileops.xtoken.checks`; :mod:`compileops.xtoken.reference` is the math only.
 """
 from __future__ import annotations
 
@@ -17,99 +18,16 @@ from typing import Optional
 import torch
 
 from compileops import backends
-from compileops._library import (
-    check_dim,
-    check_floating,
-    check_index_dtype,
-    check_same_device,
-    custom_op,
-)
+from compileops._library import custom_op
 from compileops.xtoken import reference
-
-
-def _check_csr(indptr, ids, weights, what: str) -> None:
-    check_dim(indptr, 1, f"{what} indptr", "[n_segments + 1]")
-    check_index_dtype(indptr, f"{what} indptr")
-    check_dim(ids, 1, f"{what} ids", "[nnz]")
-    check_index_dtype(ids, f"{what} ids")
-    check_dim(weights, 1, f"{what} weights", "[nnz]")
-    torch._check_type(
-        weights.dtype == torch.float32,
-        lambda: f"{what} weights must be float32, got {weights.dtype}",
-    )
-    torch._check_value(indptr.shape[0] >= 1, lambda: f"{what} indptr must have >= 1 entry")
-    torch._check_value(
-        ids.shape[0] == weights.shape[0],
-        lambda: f"{what} ids and weights must have the same length, got "
-        f"{ids.shape[0]} and {weights.shape[0]}",
-    )
-
-
-def _check_columns(columns, lead, what_lead: str) -> None:
-    check_index_dtype(columns, "columns")
-    torch._check_value(
-        columns.dim() >= 1 and tuple(columns.shape[:-1]) == tuple(lead),
-        lambda: f"columns must be [*{what_lead}.shape[:-1], K] = [{', '.join(map(str, lead))}, K], "
-        f"got {tuple(columns.shape)}",
-    )
-
-
-def check_project_args(p, col_indptr, col_student_ids, col_weights,
-                       row_indptr, row_teacher_ids, row_weights, columns) -> None:
-    check_floating(p, "p")
-    torch._check_value(p.dim() >= 1, lambda: "p must be [*, V_s], got a 0-d tensor")
-    _check_csr(col_indptr, col_student_ids, col_weights, "column CSR")
-    _check_csr(row_indptr, row_teacher_ids, row_weights, "row CSR")
-    torch._check_value(
-        p.shape[-1] == row_indptr.shape[0] - 1,
-        lambda: f"p's last dim ({p.shape[-1]}) must equal the projection's student vocab "
-        f"({row_indptr.shape[0] - 1})",
-    )
-    torch._check_value(
-        col_student_ids.shape[0] == row_teacher_ids.shape[0],
-        lambda: "the column CSR and the row CSR must hold the same number of entries",
-    )
-    tensors = [("p", p), ("col_indptr", col_indptr), ("col_student_ids", col_student_ids),
-               ("col_weights", col_weights), ("row_indptr", row_indptr),
-               ("row_teacher_ids", row_teacher_ids), ("row_weights", row_weights)]
-    if columns is not None:
-        _check_columns(columns, p.shape[:-1], "p")
-        tensors.append(("columns", columns))
-    check_same_device(tensors)
-
-
-def check_project_backward_args(grad, row_indptr, row_teacher_ids, row_weights,
-                                num_teacher, columns) -> None:
-    check_floating(grad, "grad")
-    torch._check_value(grad.dim() >= 1, lambda: "grad must be [*, V_t] or [*, K]")
-    _check_csr(row_indptr, row_teacher_ids, row_weights, "row CSR")
-    torch._check_value(num_teacher >= 0, lambda: "num_teacher must be >= 0")
-    tensors = [("grad", grad), ("row_indptr", row_indptr),
-               ("row_teacher_ids", row_teacher_ids), ("row_weights", row_weights)]
-    if columns is None:
-        torch._check_value(
-            grad.shape[-1] == num_teacher,
-            lambda: f"grad's last dim ({grad.shape[-1]}) must equal num_teacher ({num_teacher})",
-        )
-    else:
-        _check_columns(columns, grad.shape[:-1], "grad")
-        torch._check_value(
-            columns.shape[-1] == grad.shape[-1],
-            lambda: f"columns [*, K] and grad [*, K] disagree on K: "
-            f"{columns.shape[-1]} vs {grad.shape[-1]}",
-        )
-        tensors.append(("columns", columns))
-    check_same_device(tensors)
-
-
-def _check_column_values(columns: Optional[torch.Tensor], num_teacher: int) -> None:
-    """Eager value check of ``columns``: on CPU tensors only (free there), never while
-    compiling. On CUDA nothing is read on the host: the kernels mask out-of-range columns
-    (0 output, no gradient) so they never access memory out of bounds."""
-    if columns is None or torch.compiler.is_compiling():
-        return
-    if columns.device.type == "cpu":
-        reference.check_columns_in_range(columns, num_teacher)
+from compileops.xtoken.checks import (
+    check_chunk_args,
+    check_chunk_backward_args,
+    check_column_values,
+    check_project_args,
+    check_project_backward_args,
+    chunk_segments,
+)
 
 
 # ---------------------------------------------------------------------------------------
@@ -134,7 +52,7 @@ def project_op(
     """
     check_project_args(p, col_indptr, col_student_ids, col_weights,
                        row_indptr, row_teacher_ids, row_weights, columns)
-    _check_column_values(columns, col_indptr.shape[0] - 1)
+    check_column_values(columns, col_indptr.shape[0] - 1)
     if backends.select("xtoken_project", p.device) == "triton":
         from compileops.xtoken import kernels
 
@@ -189,7 +107,7 @@ def project_backward_op(
     """
     check_project_backward_args(grad, row_indptr, row_teacher_ids, row_weights,
                                 num_teacher, columns)
-    _check_column_values(columns, num_teacher)
+    check_column_values(columns, num_teacher)
     if backends.select("xtoken_project_backward", grad.device) == "triton":
         from compileops.xtoken import kernels
 
@@ -223,24 +141,6 @@ for _op in (project_op, project_backward_op):
 # Chunk sums
 
 
-def _check_chunk_id(chunk_id) -> None:
-    check_dim(chunk_id, 2, "chunk_id", "[B, T]")
-    check_index_dtype(chunk_id, "chunk_id")
-
-
-def check_chunk_args(log_probs, chunk_id, max_chunks) -> None:
-    check_dim(log_probs, 3, "log_probs", "[B, T, V]")
-    check_floating(log_probs, "log_probs")
-    _check_chunk_id(chunk_id)
-    torch._check_value(
-        tuple(chunk_id.shape) == tuple(log_probs.shape[:2]),
-        lambda: f"chunk_id must be [B, T] = {tuple(log_probs.shape[:2])}, "
-        f"got {tuple(chunk_id.shape)}",
-    )
-    torch._check_value(max_chunks >= 0, lambda: f"max_chunks must be >= 0, got {max_chunks}")
-    check_same_device([("log_probs", log_probs), ("chunk_id", chunk_id)])
-
-
 @custom_op("xtoken_chunk_sums")
 def chunk_sums_op(
     log_probs: torch.Tensor, chunk_id: torch.Tensor, max_chunks: int
@@ -253,7 +153,7 @@ def chunk_sums_op(
     if backends.select("xtoken_chunk_sums", log_probs.device) == "triton":
         from compileops.xtoken import kernels
 
-        order, starts, ends = reference.chunk_segments(chunk_id, max_chunks)
+        order, starts, ends = chunk_segments(chunk_id, max_chunks)
         sums = kernels.chunk_sums(log_probs, order, starts, ends)
         return sums, (ends - starts).float()
     return reference.chunk_sums(log_probs, chunk_id, max_chunks)
@@ -280,20 +180,6 @@ def _chunk_sums_autograd(ctx, grad_sums, _grad_sizes):
 
 
 chunk_sums_op.register_autograd(_chunk_sums_autograd, setup_context=_chunk_sums_setup_context)
-
-
-def check_chunk_backward_args(grad_sums, chunk_id, dtype) -> None:
-    check_dim(grad_sums, 3, "grad_sums", "[B, C, V]")
-    check_floating(grad_sums, "grad_sums")
-    _check_chunk_id(chunk_id)
-    torch._check_value(
-        chunk_id.shape[0] == grad_sums.shape[0],
-        lambda: f"chunk_id [B, T] and grad_sums [B, C, V] disagree on B: "
-        f"{chunk_id.shape[0]} vs {grad_sums.shape[0]}",
-    )
-    torch._check_type(dtype.is_floating_point,
-                      lambda: f"dtype must be a floating-point dtype, got {dtype}")
-    check_same_device([("grad_sums", grad_sums), ("chunk_id", chunk_id)])
 
 
 @custom_op("xtoken_chunk_sums_backward")

@@ -4,6 +4,10 @@ What the Triton kernels are tested against and what the ``reference`` backend ru
 reduction here is written as an explicit sequential sum in a fixed order (fp32), so the
 reference itself is deterministic and bitwise batch-invariant. Keep it obvious.
 
+Only the math lives here. Input checks, and the chunk index preprocessing both backends
+share (:func:`compileops.xtoken.checks.chunk_segments`), are in
+:mod:`compileops.xtoken.checks` and are tested on their own.
+
 Projection buffers (see :mod:`compileops.xtoken.projection`):
 
 * by teacher column (forward): ``col_indptr [V_t + 1]``, ``col_student_ids [nnz]``,
@@ -16,6 +20,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from compileops.xtoken.checks import chunk_segments
 
 
 def _segment_gather_sum(
@@ -49,20 +55,6 @@ def _segment_gather_sum(
     return out
 
 
-def check_columns_in_range(columns: torch.Tensor, num_teacher: int) -> None:
-    """Raise ``IndexError`` naming the first teacher column outside ``[0, num_teacher)``.
-    Reads ``columns`` on the host (a sync on GPU: the ops call it for CPU tensors only)."""
-    if columns.numel() == 0:
-        return
-    bad = (columns < 0) | (columns >= num_teacher)
-    if bool(bad.any()):
-        first = int(columns.reshape(-1)[bad.reshape(-1)][0])
-        raise IndexError(
-            f"columns holds teacher id {first}, out of range for a projection with "
-            f"{num_teacher} teacher columns (valid ids are 0..{num_teacher - 1})"
-        )
-
-
 def project_forward(
     p: torch.Tensor,
     col_indptr: torch.Tensor,
@@ -74,7 +66,8 @@ def project_forward(
     teacher columns: ``out[*, j] = (p @ M)[*, columns[*, j]]`` ``[*, K]``.
 
     An out-of-range column (``< 0`` or ``>= V_t``) gives 0, as in the Triton kernel (the op
-    raises ``IndexError`` for them on CPU before getting here)."""
+    raises ``IndexError`` for them on CPU before getting here, see
+    :func:`compileops.xtoken.checks.check_column_values`)."""
     lead = p.shape[:-1]
     flat = p.reshape(-1, p.shape[-1]).float()
     n_cols = col_indptr.numel() - 1
@@ -117,24 +110,6 @@ def project_backward(
     segments = torch.arange(n_rows, device=grad.device).expand(flat.shape[0], n_rows)
     out = _segment_gather_sum(flat, segments, row_indptr, row_teacher_ids, row_weights)
     return out.reshape(*lead, n_rows)
-
-
-def chunk_segments(chunk_id: torch.Tensor, max_chunks: int):
-    """Each chunk's tokens as a contiguous run, without a host sync.
-
-    ``chunk_id [B, T]`` -> ``order [B, T]`` (token positions stably sorted by chunk id, ids
-    outside ``[0, C)`` last), ``starts [B, C]``, ``ends [B, C]`` (int64, into ``order``).
-    The stable sort keeps token order inside each chunk, so ids need not be contiguous.
-    """
-    ids = chunk_id.long()
-    valid = (ids >= 0) & (ids < max_chunks)
-    key = torch.where(valid, ids, torch.full_like(ids, max_chunks))
-    sorted_key, order = torch.sort(key, dim=1, stable=True)
-    wanted = torch.arange(max_chunks, device=ids.device).expand(ids.shape[0], max_chunks)
-    wanted = wanted.contiguous()
-    starts = torch.searchsorted(sorted_key, wanted)
-    ends = torch.searchsorted(sorted_key, wanted, right=True)
-    return order, starts, ends
 
 
 def chunk_sums(

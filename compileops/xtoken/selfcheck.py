@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from compileops._selfcheck import Demo
+from compileops._demo import Demo
 from compileops.xtoken.chunks import chunk_average
 from compileops.xtoken.module import SparseProjection
 from compileops.xtoken.projection import ProjectionCOO

@@ -22,3 +22,13 @@ def random_coo(num_student=37, num_teacher=29, k=3, seed=0) -> ProjectionCOO:
 
 def random_projection(**kwargs) -> SparseProjection:
     return SparseProjection.from_coo(random_coo(**kwargs))
+
+
+def chunk_runs(B, T, C, seed=0, gaps=True) -> torch.Tensor:
+    """``chunk_id [B, T]`` int64: non-decreasing contiguous runs with -1 gaps (the aligner's
+    output)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.sort(torch.randint(0, C, (B, T), generator=gen), dim=1).values
+    if gaps:
+        ids[torch.rand(B, T, generator=gen) < 0.2] = -1
+    return ids

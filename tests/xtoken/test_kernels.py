@@ -1,12 +1,15 @@
-"""Every xtoken op on the triton backend, with non-contiguous views of each tensor input.
+"""The Triton kernels (the ``triton`` backend) against the reference backend and with
+non-contiguous inputs.
 
-A kernel that indexes a tensor as ``ptr + i`` silently reads the wrong elements of a strided
-view (``big[::2]``, a transposed matrix, ...). Each case runs an op once with dense inputs
-and once with the same values laid out non-contiguously, forward and backward, and requires
-bitwise-equal results (the same kernel adds in the same order either way).
-
-The views' gaps hold valid duplicates for index tensors (a stride-blind kernel reads wrong
-but in-bounds ids, so the test fails instead of crashing) and NaN for float tensors.
+* Against the reference: bitwise for the chunk kernels (same fp32 token-order sums), to fp32
+  rounding for the projection; out-of-range columns are masked as on CUDA.
+* Strided inputs: a kernel that indexes a tensor as ``ptr + i`` silently reads the wrong
+  elements of a strided view (``big[::2]``, a transposed matrix, ...). Each case runs an op
+  once with dense inputs and once with the same values laid out non-contiguously, forward
+  and backward, and requires bitwise-equal results (the same kernel adds in the same order
+  either way). The views' gaps hold valid duplicates for index tensors (a stride-blind
+  kernel reads wrong but in-bounds ids, so the test fails instead of crashing) and NaN for
+  float tensors.
 """
 from __future__ import annotations
 
@@ -16,10 +19,97 @@ import pytest
 import torch
 
 import compileops
-from compileops.xtoken import ProjectionCSR, project
+from compileops.testing import assert_close_to_reference
+from compileops.xtoken import ProjectionCSR, chunk_sums, project
 from compileops.xtoken.op import chunk_sums_backward_op, chunk_sums_op, project_backward_op
 
-from tests.xtoken._helpers import random_projection
+from tests.xtoken._helpers import BACKENDS, chunk_runs, random_projection
+
+# ---------------------------------------------------------------------------------------
+# Against the reference backend
+
+
+def test_chunk_kernels_equal_reference_bitwise_on_cpu():
+    """Same fp32 token-order sums, so the interpreter and the reference agree exactly."""
+    lp = torch.randn(2, 50, 70)
+    ids = chunk_runs(2, 50, 9)
+    out = {}
+    for backend in BACKENDS:
+        with compileops.use_backend(backend):
+            out[backend] = chunk_sums(lp, ids, 9) + (
+                chunk_sums_backward_op(torch.randn(2, 9, 70, generator=torch.Generator()
+                                                   .manual_seed(0)), ids, torch.float32),)
+    for a, b in zip(out["triton"], out["reference"]):
+        assert torch.equal(a, b)
+
+
+def test_projection_kernels_match_reference():
+    proj = random_projection(num_student=70, num_teacher=130, k=4)
+    p = torch.rand(3, 33, 70)
+    cols = torch.randint(0, 130, (3, 33, 8))
+    g_full = torch.randn(3, 33, 130)
+    g_cols = torch.randn(3, 33, 8)
+    out = {}
+    for backend in BACKENDS:
+        with compileops.use_backend(backend):
+            out[backend] = (
+                project(p, proj), project(p, proj, cols),
+                project_backward_op(g_full, proj.row_indptr, proj.row_teacher_ids,
+                                    proj.row_weights, 130, None),
+                project_backward_op(g_cols, proj.row_indptr, proj.row_teacher_ids,
+                                    proj.row_weights, 130, cols),
+            )
+    for a, b in zip(out["triton"], out["reference"]):
+        assert_close_to_reference(a, b, max_relative_error=1e-6)
+
+
+def _bad_columns(num_teacher):
+    cols = torch.randint(0, num_teacher, (2, 3, 4), generator=torch.Generator().manual_seed(3))
+    bad = torch.zeros_like(cols, dtype=torch.bool)
+    for (i, j, k), v in {(0, 0, 1): -1, (0, 2, 3): num_teacher, (1, 1, 0): -(2**40),
+                         (1, 2, 2): num_teacher + 1000, (1, 2, 3): 2**40}.items():
+        cols[i, j, k] = v
+        bad[i, j, k] = True
+    return cols, bad
+
+
+def test_kernels_mask_out_of_range_columns():
+    """What CUDA does (no host check there): a bad column reads nothing out of bounds, gives
+    0 in the forward and no gradient; the reference backend has the same semantics."""
+    from compileops.xtoken import kernels, reference
+
+    proj = random_projection()
+    cols, bad = _bad_columns(proj.num_teacher)
+    p = torch.rand(2, 3, proj.num_student)
+    g = torch.randn(2, 3, 4)
+    g[bad] = float("nan")  # must not leak into grad_p
+    safe = torch.where(bad, torch.zeros_like(cols), cols)
+    g_safe = torch.where(bad, torch.zeros_like(g), g)
+
+    flat_p, flat_cols = p.reshape(6, -1), cols.reshape(6, 4)
+    out = kernels.csr_gather_sum(flat_p, proj.col_indptr, proj.col_student_ids,
+                                 proj.col_weights, flat_cols).reshape(2, 3, 4)
+    ref = reference.project_forward(p, proj.col_indptr, proj.col_student_ids,
+                                    proj.col_weights, cols)
+    expected = torch.where(bad, torch.zeros_like(out), project(p, proj, safe))
+    assert torch.equal(out, expected) and torch.equal(ref, expected)
+    assert out[bad].eq(0).all() and out[~bad].ne(0).any()
+
+    grad_p = kernels.csr_match_sum(g.reshape(6, 4), flat_cols, proj.row_indptr,
+                                   proj.row_teacher_ids, proj.row_weights,
+                                   proj.num_teacher).reshape(2, 3, -1)
+    ref_grad = reference.project_backward(g, proj.row_indptr, proj.row_teacher_ids,
+                                          proj.row_weights, proj.num_teacher, cols)
+    expected_grad = project_backward_op(g_safe, proj.row_indptr, proj.row_teacher_ids,
+                                        proj.row_weights, proj.num_teacher, safe)
+    assert torch.isfinite(grad_p).all()
+    torch.testing.assert_close(grad_p, expected_grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ref_grad, expected_grad, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------
+# Non-contiguous inputs
+
 
 CSR_FIELDS = tuple(f.name for f in dataclasses.fields(ProjectionCSR))  # all 1-D
 LAYOUTS_ND = ("gaps_last", "gaps_all", "colmajor")

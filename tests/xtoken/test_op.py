@@ -1,4 +1,6 @@
-"""compileops.xtoken.project / SparseProjection: math, fp32 contract, compile, invariance."""
+"""The xtoken ops' semantics on both backends: chunk sums/averages against the one-hot bmm
+anchor, the projection against a dense fp64 ``p @ M``, the fp32 contract under autocast, error
+messages, and the :class:`~compileops.xtoken.SparseProjection` module."""
 from __future__ import annotations
 
 import pytest
@@ -10,10 +12,122 @@ from compileops.testing import (
     assert_close_to_reference,
     assert_deterministic,
 )
-from compileops.xtoken import ProjectionCSR, SparseProjection, build_csr, project
-from compileops.xtoken.op import project_backward_op, project_op
+from compileops.xtoken import (
+    ProjectionCSR,
+    SparseProjection,
+    build_csr,
+    chunk_average,
+    chunk_sums,
+    project,
+    valid_chunk_mask,
+)
+from compileops.xtoken.op import chunk_sums_backward_op, project_backward_op
+from compileops.xtoken.reference import chunk_average_one_hot_bmm
 
-from tests.xtoken._helpers import BACKENDS, random_coo, random_projection
+from tests.xtoken._helpers import BACKENDS, chunk_runs, random_coo, random_projection
+
+# ---------------------------------------------------------------------------------------
+# chunk_sums / chunk_average / valid_chunk_mask
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hand_computed_means(backend):
+    lp = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [100.0, 100.0], [5.0, 7.0], [8.0, 9.0]]])
+    ids = torch.tensor([[0, 0, -1, 2, 2]])  # chunk 1 empty, chunk 3 empty, -1 ignored
+    with compileops.use_backend(backend):
+        mean, sizes = chunk_average(lp, ids, 4)
+        sums, sizes2 = chunk_sums(lp, ids, 4)
+    want = torch.tensor([[[2.0, 3.0], [0.0, 0.0], [6.5, 8.0], [0.0, 0.0]]])
+    assert torch.equal(mean, want)
+    assert torch.equal(sizes, torch.tensor([[2.0, 0.0, 2.0, 0.0]]))
+    assert torch.equal(sums[0, 2], torch.tensor([13.0, 16.0]))
+    assert torch.equal(sizes, sizes2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("contiguous", [True, False], ids=["runs", "scattered"])
+def test_matches_one_hot_bmm(backend, contiguous):
+    B, T, C, V = 3, 40, 12, 33
+    ids = chunk_runs(B, T, C)
+    if not contiguous:
+        ids = ids[:, torch.randperm(T, generator=torch.Generator().manual_seed(1))]
+    ids[0, :3] = C + 2  # out of range: ignored like -1
+    lp = torch.randn(B, T, V, dtype=torch.float64).float().requires_grad_()
+    with compileops.use_backend(backend):
+        mean, sizes = chunk_average(lp, ids, C)
+    want_mean, want_sizes = chunk_average_one_hot_bmm(lp.detach().double(), ids, C)
+    assert_close_to_reference(mean, want_mean, max_relative_error=1e-6)
+    assert torch.equal(sizes, want_sizes.float())
+    # Backward: grad / size gathered back to each token; -1 tokens get 0.
+    g = torch.randn(B, C, V)
+    with compileops.use_backend(backend):
+        (grad,) = torch.autograd.grad(mean, lp, g)
+    lp64 = lp.detach().double().requires_grad_()
+    (want_grad,) = torch.autograd.grad(chunk_average_one_hot_bmm(lp64, ids, C)[0], lp64,
+                                       g.double())
+    assert_close_to_reference(grad, want_grad, max_relative_error=1e-6, what="grad")
+    assert torch.equal(grad[ids < 0], torch.zeros_like(grad[ids < 0]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_log_probs(backend):
+    lp = torch.randn(2, 16, 8).bfloat16().requires_grad_()
+    ids = chunk_runs(2, 16, 5)
+    with compileops.use_backend(backend):
+        sums, sizes = chunk_sums(lp, ids, 5)
+    assert sums.dtype == torch.float32 and sizes.dtype == torch.float32
+    want, _ = chunk_average_one_hot_bmm(lp.detach().double(), ids, 5)
+    assert_close_to_reference(sums / sizes.clamp(min=1)[..., None], want,
+                              max_relative_error=1e-6)
+    (grad,) = torch.autograd.grad(sums.sum(), lp)
+    assert grad.dtype == torch.bfloat16
+    assert torch.equal(grad.float(), (ids >= 0).float()[..., None].expand(-1, -1, 8))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunk_batch_invariant_and_deterministic(backend):
+    lp = torch.randn(4, 24, 10, requires_grad=True)
+    ids = chunk_runs(4, 24, 7)
+    with compileops.use_backend(backend):
+        assert_batch_invariant(lambda x, i: chunk_sums(x, i, 7), [lp.detach(), ids])
+        assert_batch_invariant(lambda g, i: chunk_sums_backward_op(g, i, torch.float32),
+                               [torch.randn(4, 7, 10), ids])
+        assert_deterministic(lambda x: chunk_average(x, ids, 7)[0], [lp], runs=3)
+
+
+def test_edge_shapes_and_errors():
+    sums, sizes = chunk_sums(torch.randn(2, 3, 4), torch.full((2, 3), -1), 0)
+    assert sums.shape == (2, 0, 4) and sizes.shape == (2, 0)
+    sums, sizes = chunk_sums(torch.randn(2, 0, 4), torch.zeros(2, 0, dtype=torch.long), 3)
+    assert torch.equal(sums, torch.zeros(2, 3, 4)) and torch.equal(sizes, torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"chunk_id must be \[B, T\]"):
+        chunk_sums(torch.randn(2, 3, 4), torch.zeros(2, 4, dtype=torch.long), 3)
+    with pytest.raises(RuntimeError, match="chunk_id must be int32 or int64"):
+        chunk_sums(torch.randn(2, 3, 4), torch.zeros(2, 3), 3)
+    with pytest.raises(RuntimeError, match="log_probs must be 3-D"):
+        chunk_sums(torch.randn(3, 4), torch.zeros(3, dtype=torch.long), 3)
+    with pytest.raises(ValueError, match="max_chunks must be >= 0"):
+        chunk_sums(torch.randn(2, 3, 4), torch.zeros(2, 3, dtype=torch.long), -1)
+
+
+def test_inputs_not_modified():
+    lp = torch.randn(2, 10, 6)
+    ids = chunk_runs(2, 10, 4)
+    lp0, ids0 = lp.clone(), ids.clone()
+    chunk_average(lp, ids, 4)
+    assert torch.equal(lp, lp0) and torch.equal(ids, ids0)
+
+
+def test_valid_chunk_mask():
+    student = torch.tensor([[2.0, 0.0, 1.0, 3.0]])
+    teacher = torch.tensor([[1.0, 4.0, 0.0, 2.0]])
+    pair = torch.tensor([[True, True, True, False]])
+    assert torch.equal(valid_chunk_mask(student, teacher, pair),
+                       torch.tensor([[True, False, False, False]]))
+
+
+# ---------------------------------------------------------------------------------------
+# project / SparseProjection
 
 
 def _dense(proj: SparseProjection) -> torch.Tensor:
@@ -69,26 +183,6 @@ def test_project_column_subset(backend):
     dense_g = torch.zeros(3, 4, proj.num_teacher, dtype=torch.float64).scatter_add_(
         -1, cols, g.double())
     assert_close_to_reference(grad_p, dense_g @ M.T, max_relative_error=1e-6, what="grad_p")
-
-
-def test_triton_matches_reference():
-    proj = random_projection(num_student=70, num_teacher=130, k=4)
-    p = torch.rand(3, 33, 70)
-    cols = torch.randint(0, 130, (3, 33, 8))
-    g_full = torch.randn(3, 33, 130)
-    g_cols = torch.randn(3, 33, 8)
-    out = {}
-    for backend in BACKENDS:
-        with compileops.use_backend(backend):
-            out[backend] = (
-                project(p, proj), project(p, proj, cols),
-                project_backward_op(g_full, proj.row_indptr, proj.row_teacher_ids,
-                                    proj.row_weights, 130, None),
-                project_backward_op(g_cols, proj.row_indptr, proj.row_teacher_ids,
-                                    proj.row_weights, 130, cols),
-            )
-    for a, b in zip(out["triton"], out["reference"]):
-        assert_close_to_reference(a, b, max_relative_error=1e-6)
 
 
 def test_bf16_input_fp32_output_and_grad_in_input_dtype():
@@ -159,31 +253,7 @@ def test_autocast_rule_hands_the_kernels_fp32(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_compiled_fullgraph_matches_eager_without_recompiles(backend):
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    proj = random_projection()
-
-    def fn(p, cols):
-        return proj(p).logsumexp(-1) + proj(p, cols).sum(-1)
-
-    counter = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
-    with compileops.use_backend(backend):
-        for n in (3, 5, 8):
-            p = torch.rand(2, n, proj.num_student, requires_grad=True)
-            cols = torch.randint(0, proj.num_teacher, (2, n, 4))
-            got = compiled(p, cols)
-            (g_got,) = torch.autograd.grad(got.sum(), p)
-            want = fn(p, cols)
-            (g_want,) = torch.autograd.grad(want.sum(), p)
-            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-            torch.testing.assert_close(g_got, g_want, rtol=1e-6, atol=1e-6)
-    assert counter.frame_count == 1
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_batch_invariant_and_deterministic(backend):
+def test_project_batch_invariant_and_deterministic(backend):
     proj = random_projection()
     p = torch.rand(4, 3, proj.num_student, requires_grad=True)
     cols = torch.randint(0, proj.num_teacher, (4, 3, 4))
@@ -200,24 +270,6 @@ def test_batch_invariant_and_deterministic(backend):
             [torch.randn(4, 3, 4), cols])
         assert_deterministic(lambda p: proj(p), [p], runs=3)
         assert_deterministic(lambda p: proj(p, cols), [p], runs=3)
-
-
-def _op_args(proj, p, cols):
-    return (p, proj.col_indptr, proj.col_student_ids, proj.col_weights,
-            proj.row_indptr, proj.row_teacher_ids, proj.row_weights, cols)
-
-
-@pytest.mark.parametrize("with_columns", [False, True])
-def test_opcheck(with_columns):
-    proj = random_projection(num_student=11, num_teacher=9, k=2)
-    p = torch.rand(2, 3, 11, requires_grad=True)
-    cols = torch.randint(0, 9, (2, 3, 4)) if with_columns else None
-    torch.library.opcheck(project_op, _op_args(proj, p, cols))
-    grad = torch.randn(2, 3, 4 if with_columns else 9)
-    torch.library.opcheck(
-        project_backward_op,
-        (grad, proj.row_indptr, proj.row_teacher_ids, proj.row_weights, 9, cols),
-    )
 
 
 def test_no_gradient_to_projection_and_inputs_unchanged():
@@ -246,16 +298,6 @@ def test_bad_inputs_raise_clear_errors():
         compiled(torch.rand(2, proj.num_student + 1))
 
 
-def _bad_columns(num_teacher):
-    cols = torch.randint(0, num_teacher, (2, 3, 4), generator=torch.Generator().manual_seed(3))
-    bad = torch.zeros_like(cols, dtype=torch.bool)
-    for (i, j, k), v in {(0, 0, 1): -1, (0, 2, 3): num_teacher, (1, 1, 0): -(2**40),
-                         (1, 2, 2): num_teacher + 1000, (1, 2, 3): 2**40}.items():
-        cols[i, j, k] = v
-        bad[i, j, k] = True
-    return cols, bad
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("bad", ["negative", "too-large"])
 def test_out_of_range_columns_raise_index_error_on_cpu(backend, bad):
@@ -272,40 +314,6 @@ def test_out_of_range_columns_raise_index_error_on_cpu(backend, bad):
             project_backward_op(torch.randn(2, 3, 4), proj.row_indptr, proj.row_teacher_ids,
                                 proj.row_weights, proj.num_teacher, cols)
     assert torch.equal(cols, cols_copy)
-
-
-def test_kernels_mask_out_of_range_columns():
-    """What CUDA does (no host check there): a bad column reads nothing out of bounds, gives
-    0 in the forward and no gradient; the reference backend has the same semantics."""
-    from compileops.xtoken import kernels, reference
-
-    proj = random_projection()
-    cols, bad = _bad_columns(proj.num_teacher)
-    p = torch.rand(2, 3, proj.num_student)
-    g = torch.randn(2, 3, 4)
-    g[bad] = float("nan")  # must not leak into grad_p
-    safe = torch.where(bad, torch.zeros_like(cols), cols)
-    g_safe = torch.where(bad, torch.zeros_like(g), g)
-
-    flat_p, flat_cols = p.reshape(6, -1), cols.reshape(6, 4)
-    out = kernels.csr_gather_sum(flat_p, proj.col_indptr, proj.col_student_ids,
-                                 proj.col_weights, flat_cols).reshape(2, 3, 4)
-    ref = reference.project_forward(p, proj.col_indptr, proj.col_student_ids,
-                                    proj.col_weights, cols)
-    expected = torch.where(bad, torch.zeros_like(out), project(p, proj, safe))
-    assert torch.equal(out, expected) and torch.equal(ref, expected)
-    assert out[bad].eq(0).all() and out[~bad].ne(0).any()
-
-    grad_p = kernels.csr_match_sum(g.reshape(6, 4), flat_cols, proj.row_indptr,
-                                   proj.row_teacher_ids, proj.row_weights,
-                                   proj.num_teacher).reshape(2, 3, -1)
-    ref_grad = reference.project_backward(g, proj.row_indptr, proj.row_teacher_ids,
-                                          proj.row_weights, proj.num_teacher, cols)
-    expected_grad = project_backward_op(g_safe, proj.row_indptr, proj.row_teacher_ids,
-                                        proj.row_weights, proj.num_teacher, safe)
-    assert torch.isfinite(grad_p).all()
-    torch.testing.assert_close(grad_p, expected_grad, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ref_grad, expected_grad, rtol=1e-6, atol=1e-6)
 
 
 def test_module_state_dict_and_csr_roundtrip():

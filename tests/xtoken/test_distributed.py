@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import datetime
-import os
 import socket
 
 import torch
