@@ -1,6 +1,6 @@
 """Shared benchmark harness: timing, floors, and the markdown/CSV report.
 
-Method (shared DESIGN.md): ``triton.testing.do_bench`` medians after warm-up, fresh random
+Method (benchmarks/README.md, "Method"): ``triton.testing.do_bench`` medians after warm-up, fresh random
 inputs larger than L2, anchors timed in the same process, and every row reported against its
 floor: bytes over the measured copy bandwidth, FLOPs over the measured bf16 matmul rate.
 """

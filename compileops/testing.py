@@ -1,6 +1,6 @@
 """The numerical contract and graph-snapshot helpers (public: use them in your own tests).
 
-Numerical contract (shared DESIGN.md):
+Numerical contract (docs/architecture.md, "The numerical contract"):
 
 * :func:`assert_close_to_reference`: the low-precision result against an fp32/fp64 ground
   truth, reporting the relative error ``||out - ref|| / ||ref||`` and the worst element.
@@ -274,7 +274,7 @@ def inductor_kernels(
     dropped so snapshots survive renumbering. Extern calls (``torch.ops.compileops.*``,
     ``extern_kernels.*``) are listed too. With ``backward=True`` a backward through the sum
     of the outputs is compiled and its kernels follow a ``# backward`` line. ``triton=True``
-    makes Inductor emit Triton for CPU tensors (works without a GPU; see INDUCTOR.md).
+    makes Inductor emit Triton for CPU tensors (works without a GPU; see docs/inductor-notes.md).
     """
     import contextlib
 

@@ -2,7 +2,7 @@
 
 Every import of ``torch._inductor`` in compileops goes through here, lazily (inside
 functions), so importing this module is cheap and the differences between the supported
-torch versions (2.11 on GPU machines, 2.13 on CPU machines; see shared INDUCTOR.md) are
+torch versions (2.11 on GPU machines, 2.13 on CPU machines; see docs/inductor-notes.md) are
 absorbed in one place.
 """
 from __future__ import annotations
@@ -97,7 +97,7 @@ def triton_codegen_on_cpu() -> Iterator[None]:
     """Make Inductor emit Triton (not C++) for CPU tensors, as on a GPU.
 
     The hash patch avoids probing a GPU toolchain for the cache key, which fails on a
-    CPU-only machine (INDUCTOR.md, verified on 2.13).
+    CPU-only machine (docs/inductor-notes.md, verified on 2.13).
     """
     with inductor_config_patch(cpu_backend="triton"), mock.patch(
         "torch.utils._triton.triton_hash_with_backend", lambda *a, **k: "0" * 64
