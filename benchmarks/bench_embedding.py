@@ -6,6 +6,10 @@ own lowering), a device-to-device copy of the same bytes (the floor); for the ba
 under ``torch.use_deterministic_algorithms(True)``.
 
     python benchmarks/bench_embedding.py [--tokens 16384] [--sweep]
+
+``--sweep`` also times a few other launch options of the kernels (``ForwardConfig`` tiles,
+``BackwardConfig`` schedules); ``benchmarks/tuning/sweep_embedding_bw.py`` has the full
+backward sweep.
 """
 from __future__ import annotations
 
@@ -43,7 +47,8 @@ def zipf_ids(n: int, vocab: int, exponent: float = 1.1, seed: int = 0) -> torch.
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--sweep", action="store_true", help="also time alternative kernel configs")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time other launch options (ForwardConfig, BackwardConfig)")
     args = parser.parse_args()
     dev = "cuda"
     n = args.tokens
@@ -73,9 +78,10 @@ def main() -> None:
     ours_fw = torch.compile(lambda i, w: compileops.embedding(i, w), fullgraph=True)
     rows.append(Row(case, "compileops compiled (lowering)", bench_ms(lambda: ours_fw(ids, weight)), fw_bytes, floor_ms=floor))
     if args.sweep:
-        for cfg in [(2, 1024, 4), (4, 1024, 8), (16, 256, 4)]:
+        for cfg in [kernels.ForwardConfig(2, 1024, 4), kernels.ForwardConfig(4, 1024, 8),
+                    kernels.ForwardConfig(16, 256, 4)]:
             ms = bench_ms(lambda: kernels.embedding_forward(ids, weight, config=cfg))
-            rows.append(Row(case, "compileops Triton", ms, fw_bytes, floor_ms=floor, note=f"cfg {cfg}"))
+            rows.append(Row(case, "compileops Triton", ms, fw_bytes, floor_ms=floor, note=f"{cfg}"))
 
     # Uniform ids: almost no repeated rows, so no L2 reuse; the honest bandwidth figure.
     case = f"forward bf16, uniform ids [{n} x {D}]"
@@ -153,16 +159,17 @@ def main() -> None:
         torch.cuda.synchronize()
     zeros_only = bench_ms(lambda: torch.zeros(V, D, device=dev, dtype=torch.bfloat16))
     rows.append(Row(case, "(part: zero-filled V x D bf16 table)", zeros_only, V * D * elem, floor_ms=floor))
-    sort_only = bench_ms(lambda: kernels._sort_ids(ids.reshape(-1), V))
+    sort_only = bench_ms(lambda: kernels.sort_ids(ids.reshape(-1), V))
     rows.append(Row(case, "(part: the op's stable sort of ids)", sort_only, floor_ms=floor))
     if args.sweep:
-        # A few backward variants; benchmarks/sweep_embedding_bw.py has the full sweep.
-        for cfg in ({"impl": "legacy"}, {}, {"long_mode": "tile"}, {"runs_per_fill": 0}):
+        # A few backward schedules; benchmarks/tuning/sweep_embedding_bw.py has the full sweep.
+        for cfg in (kernels.BackwardConfig(), kernels.BackwardConfig(hot_first=False),
+                    kernels.BackwardConfig(sort="torch"), kernels.BackwardConfig(streams=False)):
             for name, sweep_ids in (("Zipf", ids), ("uniform", uniform)):
                 ms = bench_ms(lambda: kernels.embedding_backward(
-                    grad, sweep_ids, V, None, torch.bfloat16, **cfg))
+                    grad, sweep_ids, V, None, torch.bfloat16, cfg))
                 rows.append(Row(case, "compileops", ms, bw_bytes, floor_ms=floor,
-                                note=f"{name} ids; {cfg or 'defaults'}"))
+                                note=f"{name} ids; {cfg}"))
 
     report("Embedding (Qwen3-8B table, Zipf ids)", rows, csv_path=os.path.join(out_dir(), "embedding.csv"))
     by = {(r.case, r.impl): r.ms for r in rows}

@@ -6,14 +6,18 @@ add) fuse into the same kernel: one C++ loop on CPU, one Triton kernel on GPU. B
 checked in the kernel (``TORCH_CHECK`` / ``tl.device_assert``); negative ids are rejected,
 not wrapped.
 
-With C++ code generation (CPU) the in-kernel check would be a ``TORCH_CHECK`` inside an OpenMP parallel region, where a
-throw aborts the whole process. There the lowering instead asserts one scalar "all ids valid"
+With C++ code generation (CPU) the in-kernel check would be a ``TORCH_CHECK`` inside an
+OpenMP parallel region, where a throw aborts the whole process. There the lowering instead asserts one scalar "all ids valid"
 outside any loop (a Python ``RuntimeError``), and the gather clamps ids so it can never read
 out of bounds even if it runs before the assert.
 
 The backward op (``compileops::embedding_backward``) is deliberately not lowered: it stays an
 extern call to our deterministic sort + ordered-sum kernel, so Inductor never substitutes its
 own atomic scatter-add.
+
+The Inductor behaviour this relies on (indirect indexing, its bounds checks, CPU code
+generation) is in ``docs/inductor-notes.md``; how lowerings are installed, in
+``docs/architecture.md``.
 """
 from __future__ import annotations
 

@@ -11,53 +11,12 @@ from typing import Optional
 import torch
 
 from compileops import backends
-from compileops._library import (
-    check_dim,
-    check_floating,
-    check_index_dtype,
-    check_same_device,
-    custom_op,
-)
-from compileops.embedding import reference
+from compileops._library import custom_op
+from compileops.embedding import checks, reference
+from compileops.embedding.checks import check_backward_args, check_forward_args
+from compileops.modes import STRICT_INDEX_CHECKS, set_strict_index_checks, strict_index_checks
 
-
-def _check_padding_idx(padding_idx: Optional[int], num_embeddings) -> None:
-    if padding_idx is not None:
-        torch._check_value(
-            0 <= padding_idx < num_embeddings,
-            lambda: f"padding_idx must be in [0, {num_embeddings}) once normalised, "
-            f"got {padding_idx}",
-        )
-
-
-def check_forward_args(ids, weight, out_dtype, padding_idx) -> None:
-    check_index_dtype(ids, "ids")
-    check_dim(weight, 2, "weight", "[num_embeddings, embedding_dim]")
-    check_floating(weight, "weight")
-    check_same_device([("weight", weight), ("ids", ids)])
-    if out_dtype is not None:
-        torch._check_type(
-            out_dtype.is_floating_point,
-            lambda: f"out_dtype must be a floating-point dtype, got {out_dtype}",
-        )
-    _check_padding_idx(padding_idx, weight.shape[0])
-
-
-def check_backward_args(grad, ids, num_embeddings, padding_idx, weight_dtype) -> None:
-    check_index_dtype(ids, "ids")
-    check_floating(grad, "grad")
-    check_same_device([("grad", grad), ("ids", ids)])
-    torch._check_value(
-        grad.dim() == ids.dim() + 1 and tuple(grad.shape[:-1]) == tuple(ids.shape),
-        lambda: f"grad must be [*ids.shape, D] = [{', '.join(map(str, ids.shape))}, D], "
-        f"got {tuple(grad.shape)}",
-    )
-    torch._check_value(num_embeddings >= 0, lambda: "num_embeddings must be >= 0")
-    torch._check_type(
-        weight_dtype.is_floating_point,
-        lambda: f"weight_dtype must be a floating-point dtype, got {weight_dtype}",
-    )
-    _check_padding_idx(padding_idx, num_embeddings)
+__all__ = ["embedding", "set_strict_index_checks", "strict_index_checks"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -79,10 +38,11 @@ def embedding_op(
     if backends.select("embedding", weight.device) == "triton":
         if ids.device.type == "cpu":
             # Triton's interpreter has no device asserts: keep the CPU IndexError contract.
-            reference.check_ids_in_range(ids, weight.shape[0])
+            checks.check_ids_in_range(ids, weight.shape[0])
         from compileops.embedding import kernels
 
         return kernels.embedding_forward(ids, weight, out_dtype)
+    checks.check_ids_in_range(ids, weight.shape[0])
     return reference.embedding_forward(ids, weight, out_dtype)
 
 
@@ -145,18 +105,6 @@ def _embedding_backward_fake(grad, ids, num_embeddings, padding_idx, weight_dtyp
 # ---------------------------------------------------------------------------------------
 # Public function
 
-_strict_checks = False
-
-
-def set_strict_index_checks(enabled: bool) -> None:
-    """Opt-in: check ids on the host before every eager embedding call (one device sync).
-
-    On GPUs the kernels already assert on the device; strict mode turns a bad id into a
-    Python ``IndexError`` naming it, before any kernel runs. Ignored while compiling.
-    """
-    global _strict_checks
-    _strict_checks = bool(enabled)
-
 
 def embedding(
     ids: torch.Tensor,
@@ -172,13 +120,16 @@ def embedding(
     * ``padding_idx`` (negative counts from the end, as in ``torch.nn.Embedding``) receives
       no gradient.
     * Bad ids raise ``IndexError`` naming the id on CPU; on GPU a device-side assert fires,
-      or, with :func:`set_strict_index_checks`, an ``IndexError`` before the launch.
+      or, under strict index checks (``compileops.strict_index_checks()``, or the process
+      default :func:`set_strict_index_checks`), an ``IndexError`` before the launch (one
+      device sync; ignored while compiling).
 
     Dtype contract: bitwise equal to ``weight[ids].to(out_dtype)``. The backward is
     deterministic and bitwise batch-invariant.
     """
-    if padding_idx is not None and padding_idx < 0:
-        padding_idx = weight.shape[0] + padding_idx
-    if _strict_checks and not torch.compiler.is_compiling():
-        reference.check_ids_in_range(ids, weight.shape[0])
+    if padding_idx is not None:  # (weight is not touched before ids: graph input order)
+        padding_idx = checks.normalize_padding_idx(padding_idx, weight.shape[0])
+    # is_compiling() first: Dynamo cannot trace a ContextVar read.
+    if not torch.compiler.is_compiling() and STRICT_INDEX_CHECKS.enabled():
+        checks.check_ids_in_range(ids, weight.shape[0])
     return embedding_op(ids, weight, out_dtype, padding_idx)

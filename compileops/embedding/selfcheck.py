@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from compileops._selfcheck import Demo
+from compileops._demo import Demo
 from compileops.embedding.module import Embedding
 
 

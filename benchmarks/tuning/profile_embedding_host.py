@@ -1,6 +1,6 @@
 """Host-side cost of one embedding backward call (GPU): cProfile over back-to-back calls.
 
-    python3 benchmarks/profile_embedding_host.py [--calls 20]
+    python3 benchmarks/tuning/profile_embedding_host.py [--calls 20]
 
 Prints host ms per call for the op (torch.ops.compileops.embedding_backward) and for the
 kernel launcher it calls, with the cached launches of ``compileops._launch`` on and off,
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import compileops  # noqa: E402,F401
 from benchmarks.bench_embedding import zipf_ids  # noqa: E402
 from compileops import _launch  # noqa: E402
@@ -59,12 +59,14 @@ def main() -> None:
     _launch.enabled = True
     # The launcher's host steps one at a time (cached launches on).
     flat_ids = ids.reshape(-1)
-    config = kernels.backward_config(grad)
-    sorted_ids, order = kernels._sort_ids(flat_ids, V)
-    touched = kernels._touched_map(flat_ids, V)
+    config = kernels.BackwardConfig()
+    tiles = config.resolve(grad, torch.bfloat16)
+    sorted_ids, order = kernels.sort_ids(flat_ids, V)
+    touched = kernels.touched_map(flat_ids, V)
     out = torch.empty(V, D, device="cuda", dtype=torch.bfloat16)
     main_stream = torch.cuda.current_stream()
-    side = kernels._side_stream(grad.device)
+    # A high-priority stream, as the two-stream schedule's side stream.
+    side = torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1])
 
     def fork_join():
         side.wait_stream(main_stream)
@@ -73,13 +75,14 @@ def main() -> None:
         main_stream.wait_stream(side)
 
     steps = {
-        "backward_config": lambda: kernels.backward_config(grad),
-        "touched map (zeros + index_fill_)": lambda: kernels._touched_map(flat_ids, V),
-        "Triton sort (3 empties, 2 launches)": lambda: kernels._sort_ids(flat_ids, V),
+        "BackwardConfig.resolve": lambda: config.resolve(grad, torch.bfloat16),
+        "touched map (zeros + index_fill_)": lambda: kernels.touched_map(flat_ids, V),
+        "id counts (zeros + 1 launch)": lambda: kernels.id_counts(flat_ids, V),
+        "Triton sort (3 empties, 2 launches)": lambda: kernels.sort_ids(flat_ids, V),
         "run programs launch": lambda: kernels.launch_backward_kernel(
-            sorted_ids, order, None, grad, out, None, programs=1, **config),
+            sorted_ids, order, None, grad, out, None, tiles, kernels.RUN_PROGRAMS),
         "fill launch": lambda: kernels.launch_backward_kernel(
-            sorted_ids, sorted_ids, touched, grad, out, None, programs=2, **config),
+            sorted_ids, sorted_ids, touched, grad, out, None, tiles, kernels.FILL_PROGRAMS),
         "stream fork + join": fork_join,
         "torch.empty(V, D)": lambda: torch.empty(V, D, device="cuda", dtype=torch.bfloat16),
     }

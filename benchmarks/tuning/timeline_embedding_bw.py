@@ -1,13 +1,13 @@
 """GPU timeline of the embedding backward: when each of its kernels starts and ends, per stream.
 
-    python3 benchmarks/timeline_embedding_bw.py [--calls 5] [--config '{"fill": "flags"}']
+    python3 benchmarks/tuning/timeline_embedding_bw.py [--calls 5] [--config '{"streams": false}']
 
 The benchmark's Zipf case (table 151936 x 4096 bf16, 16384 tokens). Each call follows a
 device sync and an L2 flush (a 256 MB in-place add, which also marks where the call
 begins). torch.profiler records the kernels (CUPTI); the script prints every kernel of each
 call with its start and end in microseconds after the flush ended, its stream and its
-name, then the medians over the calls. ``--config`` passes keyword arguments to
-``kernels.embedding_backward`` (default: the op's defaults).
+name, then the medians over the calls. ``--config`` gives ``BackwardConfig`` fields as JSON
+(default: the op, with the shipped defaults).
 
 Why: do_bench gives one number per call; this shows which stream's work ends last (the
 critical path) and how long each part takes beside the others, e.g. whether the hot-id
@@ -24,7 +24,7 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import compileops  # noqa: E402,F401  (registers the ops)
 from benchmarks.bench_embedding import zipf_ids  # noqa: E402
@@ -72,21 +72,21 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--config", default="",
-                        help="JSON keyword arguments of kernels.embedding_backward (empty: "
-                             "the op with its defaults)")
+                        help="JSON object of BackwardConfig fields (empty: the op with its "
+                             "defaults)")
     parser.add_argument("--trace", default="", help="also keep the chrome trace at this path")
     args = parser.parse_args()
     torch.manual_seed(0)
     ids = zipf_ids(N, V).cuda()
     grad = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
     flush = torch.zeros(FLUSH_ELEMS, dtype=torch.int32, device="cuda")
-    config = json.loads(args.config) if args.config else None
+    config = kernels.BackwardConfig(**json.loads(args.config)) if args.config else None
     if config is None:
         def call():
             return torch.ops.compileops.embedding_backward(grad, ids, V, None, torch.bfloat16)
     else:
         def call():
-            return kernels.embedding_backward(grad, ids, V, None, torch.bfloat16, **config)
+            return kernels.embedding_backward(grad, ids, V, None, torch.bfloat16, config)
     for _ in range(args.warmup):
         call()
     torch.cuda.synchronize()

@@ -1,0 +1,90 @@
+"""Opt-in modes that change how ops check or compute, without changing their results' meaning.
+
+Each mode has a process-wide default (off) that a setter changes, and a context manager that
+overrides it for the current thread or task (a ``contextvars.ContextVar``, like
+:class:`compileops.use_backend`), so a mode switched on in one test or one request never leaks
+into another:
+
+* **strict index checks** (embedding): ids are validated on the host before each eager call
+  (one device sync), so a bad id raises ``IndexError`` naming it instead of a device assert.
+* **strict offset checks** (grouped linear): offsets are validated on the host before each
+  eager CUDA call (one device sync).
+* **batch-invariant mode** (grouped linear): one fixed tile config for the row-wise products,
+  so a row's output never depends on the other rows or on the group sizes. Read when a kernel
+  launches eagerly and when Inductor lowers: switch it on before compiling.
+
+Strict checks are ignored while compiling (a host sync cannot be traced).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterator
+
+
+class Mode:
+    """One boolean mode: a process-wide default plus a per-context override."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._default = False
+        self._override: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+            f"compileops_{name}", default=None
+        )
+
+    def enabled(self) -> bool:
+        override = self._override.get()
+        return self._default if override is None else override
+
+    def set_default(self, enabled: bool) -> None:
+        self._default = bool(enabled)
+
+    @contextlib.contextmanager
+    def override(self, enabled: bool = True) -> Iterator[None]:
+        token = self._override.set(bool(enabled))
+        try:
+            yield
+        finally:
+            self._override.reset(token)
+
+    def __repr__(self) -> str:
+        return f"Mode({self.name!r}, enabled={self.enabled()})"
+
+
+STRICT_INDEX_CHECKS = Mode("strict_index_checks")
+STRICT_OFFSET_CHECKS = Mode("strict_offset_checks")
+BATCH_INVARIANT = Mode("batch_invariant")
+
+
+def set_strict_index_checks(enabled: bool) -> None:
+    """Process-wide default of strict embedding id checks (see the module docstring)."""
+    STRICT_INDEX_CHECKS.set_default(enabled)
+
+
+def strict_index_checks(enabled: bool = True):
+    """``with compileops.strict_index_checks():`` strict embedding id checks in this context."""
+    return STRICT_INDEX_CHECKS.override(enabled)
+
+
+def set_strict_offset_checks(enabled: bool) -> None:
+    """Process-wide default of strict grouped-linear offset checks (see the module docstring)."""
+    STRICT_OFFSET_CHECKS.set_default(enabled)
+
+
+def strict_offset_checks(enabled: bool = True):
+    """``with compileops.strict_offset_checks():`` strict offset checks in this context."""
+    return STRICT_OFFSET_CHECKS.override(enabled)
+
+
+def set_batch_invariant(enabled: bool) -> None:
+    """Process-wide default of batch-invariant mode (see the module docstring)."""
+    BATCH_INVARIANT.set_default(enabled)
+
+
+def batch_invariant(enabled: bool = True):
+    """``with compileops.batch_invariant():`` batch-invariant mode in this context."""
+    return BATCH_INVARIANT.override(enabled)
+
+
+def is_batch_invariant() -> bool:
+    return BATCH_INVARIANT.enabled()
