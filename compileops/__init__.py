@@ -6,8 +6,17 @@ moment Inductor's lowering table is imported, i.e. before the first Inductor com
 import itself stays cheap: nothing here imports ``torch._inductor``.
 """
 from compileops import backends
+from compileops._version import __version__
 from compileops.backends import BackendUnavailableError, use_backend
-from compileops.embedding import embedding, set_strict_index_checks
+from compileops.embedding import embedding
+from compileops.modes import (
+    batch_invariant,
+    set_batch_invariant,
+    set_strict_index_checks,
+    set_strict_offset_checks,
+    strict_index_checks,
+    strict_offset_checks,
+)
 from compileops import xtoken  # noqa: F401  (registers the xtoken ops)
 from compileops.grouped_linear import (
     grouped_linear,
@@ -21,17 +30,22 @@ import lowerings as _lowerings
 
 _lowerings.install_on_inductor_import()
 
-__version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailableError",
+    "__version__",
     "backends",
+    "batch_invariant",
     "embedding",
     "grouped_linear",
     "grouped_linear_splits",
     "grouped_linear_swiglu",
     "nn",
+    "set_batch_invariant",
     "set_strict_index_checks",
+    "set_strict_offset_checks",
+    "strict_index_checks",
+    "strict_offset_checks",
     "testing",
     "use_backend",
 ]

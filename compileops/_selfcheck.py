@@ -1,7 +1,8 @@
 """The self-check report behind ``python -m compileops``.
 
 Each op family contributes a small demo (``compileops/<family>/selfcheck.py`` exposing
-``demo(device) -> Demo``) and is listed in :data:`FAMILY_DEMOS`. For each demo the report
+``demo(device) -> Demo``, the dataclass in ``compileops/_demo.py``), imported here and listed in
+:data:`FAMILY_DEMOS`; the families never import this module. For each demo the report
 compiles the model with ``fullgraph=True`` and prints graph breaks, recompiles over several
 sizes under ``dynamic=True``, for every compileops op whether Inductor lowered it and which
 kernel it fused into, the error against the reference, and eager vs compiled time.
@@ -9,31 +10,22 @@ kernel it fused into, the error against the reference, and eager vs compiled tim
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 import statistics
 import time
+from types import ModuleType
 from typing import Any, Callable, Sequence
 
 import torch
 
-# One module per family; later families append theirs.
-FAMILY_DEMOS: list[str] = [
-    "compileops.embedding.selfcheck",
-    "compileops.xtoken.selfcheck",
-    "compileops.grouped_linear.selfcheck",
-]
+from compileops._demo import Demo
+from compileops._version import __version__
+from compileops.embedding import selfcheck as embedding_demo
+from compileops.grouped_linear import selfcheck as grouped_linear_demo
+from compileops.xtoken import selfcheck as xtoken_demo
 
-
-@dataclasses.dataclass
-class Demo:
-    family: str
-    model: Callable[..., torch.Tensor]
-    args: tuple
-    reference: Callable[..., torch.Tensor]  # ground truth on the same args (fp32/fp64)
-    ops: Sequence[str]  # op names in the compileops namespace, e.g. "embedding"
-    max_relative_error: float
-    resized_args: Callable[[int], tuple]  # args at another token count (recompile check)
+# One module per family, each with demo(device) -> Demo; later families append theirs.
+FAMILY_DEMOS: list[ModuleType] = [embedding_demo, xtoken_demo, grouped_linear_demo]
 
 
 @dataclasses.dataclass
@@ -159,19 +151,18 @@ def format_result(r: DemoResult, max_rel: float) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
-    import compileops
     from compileops import backends
 
     parser = argparse.ArgumentParser(prog="python -m compileops", description=__doc__)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    print(f"compileops {compileops.__version__} | torch {torch.__version__} | device {device}"
+    print(f"compileops {__version__} | torch {torch.__version__} | device {device}"
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
     print(f"eager backend on {device.type}: {backends.select('selfcheck', device)}")
     failures = 0
-    for module_name in FAMILY_DEMOS:
-        demo = importlib.import_module(module_name).demo(device)
+    for family_demo in FAMILY_DEMOS:
+        demo = family_demo.demo(device)
         result = run_demo(demo, device)
         print(format_result(result, demo.max_relative_error))
         healthy = (
