@@ -1,9 +1,10 @@
 """Grouped linear (MoE grouped GEMM) benchmark: compileops vs torch._grouped_mm and friends.
 
 Shapes (G, M, K, N), bf16, balanced and Dirichlet(1)-skewed group sizes:
-Mixtral, DeepSeek-V3 EP shard, Qwen3-MoE up and down (REFERENCE.md §2). Per shape and split:
+Mixtral, DeepSeek-V3 EP shard, Qwen3-MoE up and down (benchmarks/README.md). Per shape and split:
 
-* fwd: compileops.grouped_linear (eager Triton) vs torch._grouped_mm, a loop of F.linear
+* fwd: compileops.grouped_linear (eager Triton, and compiled static and ``dynamic=True``) vs
+  torch._grouped_mm, a loop of F.linear
   (per-group sizes read once on the host *outside* the timed region), a dense mm of the same
   FLOPs, and optionally torch.compile(F.grouped_mm, mode="max-autotune") (``--compile-anchor``,
   slow to compile);
@@ -72,8 +73,8 @@ def timer(fn, smoke: bool) -> float:
 
 def time_alternating(fns: dict, rounds: int, smoke: bool) -> dict:
     """Median ms of each ``fns`` entry over ``rounds`` rounds, the entries taking turns in
-    every round: the H100's clock drifts with its power draw over a run (the same kernel
-    was seen 5-9% apart in two sweeps), and turns keep that drift out of the ratios."""
+    every round: a GPU's clock drifts with its power draw over a run, and turns keep that
+    drift out of the ratios."""
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
@@ -82,6 +83,13 @@ def time_alternating(fns: dict, rounds: int, smoke: bool) -> dict:
 
 
 _FUSED: dict = {}
+
+
+_COMPILED: dict = {}
+
+
+def _plain(x, w, offs):
+    return compileops.grouped_linear(x, w, offs)
 
 
 def run_case(name, shape, split, args, device, rows):
@@ -134,6 +142,14 @@ def run_case(name, shape, split, args, device, rows):
     a_dense = torch.randn(m, k, device=device, dtype=dtype)
     b_dense = torch.randn(k, n, device=device, dtype=dtype)
     add("fwd", "dense mm (same FLOPs)", lambda: a_dense @ b_dense)
+    if not args.skip_compiled:
+        # What a user of the functional API runs: the op compiled, static and dynamic=True
+        # (every size symbolic). Both must stay at the eager kernel's speed.
+        for dynamic in (False, True):
+            compiled = _COMPILED.setdefault((name, dynamic), torch.compile(
+                _plain, fullgraph=True, dynamic=dynamic))
+            add("fwd", f"compileops compiled ({'dynamic=True' if dynamic else 'static'})",
+                lambda compiled=compiled: compiled(x, w, offs))
     if args.compile_anchor and have_gmm:
         gmm = torch.compile(lambda a, bt, o: F.grouped_mm(a, bt, offs=o), mode="max-autotune",
                             fullgraph=True)
@@ -182,6 +198,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="*", default=None, help=f"subset of {list(SHAPES)}")
     parser.add_argument("--splits", nargs="*", default=["balanced", "skewed"])
+    parser.add_argument("--skip-compiled", action="store_true",
+                        help="skip the compiled op (static and dynamic=True) in the forward pass")
     parser.add_argument("--compile-anchor", action="store_true",
                         help="also time torch.compile(F.grouped_mm, max-autotune) (slow to compile)")
     parser.add_argument("--skip-loop", action="store_true", help="skip the loop-of-F.linear anchor")

@@ -199,3 +199,46 @@ def autotune_select_algorithm(name: str, choices, input_nodes, layout, *, input_
     if isinstance(out, tuple):
         return out[0]
     return out
+
+
+def multiple_of(expr, divisor: int) -> bool:
+    """Whether a size or stride (an int or a sympy expression) is a multiple of ``divisor``.
+
+    Statically known: no guard. Symbolic (``dynamic=True``, or automatic dynamic after a shape
+    change) with a hint that is a multiple: a guard ``expr % divisor == 0`` is installed and the
+    answer is yes, so the kernel keeps its aligned (vectorised, TMA) form; a later size that
+    breaks the guard recompiles instead of running a slow path. Otherwise no. After the guard,
+    Inductor also marks the kernel's size arguments divisible (``tt.divisibility``), which is
+    what lets Triton vectorise the loads behind a symbolic row stride.
+    """
+    import sympy
+    from torch._inductor.virtualized import V
+
+    if isinstance(expr, int) or getattr(expr, "is_number", False):
+        return int(expr) % divisor == 0
+    sizevars = V.graph.sizevars
+    if sizevars.statically_known_multiple_of(expr, divisor):
+        return True
+    if size_hint(expr) % divisor != 0:
+        return False
+    condition = sympy.Eq(sympy.Mod(expr, divisor), 0)
+    if hasattr(sizevars, "guard_or_false"):
+        return bool(sizevars.guard_or_false(condition))
+    return bool(sizevars.evaluate_expr(condition))
+
+
+def statically_one(expr) -> bool:
+    """Whether a stride is the literal 1 (unit inner stride), with no guard."""
+    from torch._inductor.virtualized import V
+
+    if isinstance(expr, int) or getattr(expr, "is_number", False):
+        return int(expr) == 1
+    return bool(V.graph.sizevars.statically_known_equals(expr, 1))
+
+
+def empty_buffer(device, dtype, size) -> Any:
+    """A fresh contiguous buffer for a template's extra output (passed as a mutated input, the
+    flex-attention pattern)."""
+    from torch._inductor.lowering import empty_strided
+
+    return empty_strided(list(size), None, dtype=dtype, device=device)

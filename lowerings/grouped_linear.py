@@ -103,13 +103,15 @@ def skewed_offsets(groups: int, m: int, device, seed: int = 0) -> torch.Tensor:
 
 
 def _configs(m_hint: int, groups: int, n_out: int, k: int, dtype, device, tma: bool = False,
-             swiglu: bool = False):
-    """``([(Config, USE_TMA)], autotune)``: the heuristic config alone (default mode, or
-    batch-invariant mode: pointer loads, one code path), or the bounded max-autotune list."""
+             swiglu: bool = False, heuristic_only: bool = False):
+    """``([(Config, USE_TMA)], autotune)``: the heuristic config alone (default mode,
+    batch-invariant mode: pointer loads, one code path, or ``heuristic_only``), or the bounded
+    max-autotune list."""
     from compileops.grouped_linear import kernels
-    from compileops.grouped_linear.op import is_batch_invariant
+    from compileops.modes import is_batch_invariant
 
-    if is_batch_invariant() or not _compat.max_autotune_enabled() or device.type != "cuda":
+    if (heuristic_only or is_batch_invariant() or not _compat.max_autotune_enabled()
+            or device.type != "cuda"):
         cfg = kernels.choose_config(m_hint, groups, n_out, k, dtype, device,
                                     batch_invariant=is_batch_invariant(), swiglu=swiglu)
         return [(cfg, tma and not is_batch_invariant())], False
@@ -123,26 +125,41 @@ def _configs(m_hint: int, groups: int, n_out: int, k: int, dtype, device, tma: b
     return configs, True
 
 
-def _template_tma_applies(x, weight, device, dtype) -> bool:
-    """TMA descriptors in the template: sm90+, unit inner strides, 16-byte outer strides (all
-    static). Base pointers: Inductor copies misaligned graph inputs and aligns its buffers."""
+def _template_tma_applies(device, strides_aligned: bool) -> bool:
+    """TMA descriptors in the template: sm90+ and aligned strides (:func:`_strides_aligned`).
+    Base pointers: Inductor copies misaligned graph inputs and aligns its buffers."""
     import triton.language as tl
 
     if device.type != "cuda" or torch.version.hip or not hasattr(tl, "make_tensor_descriptor"):
         return False
-    if torch.cuda.get_device_capability(device) < (9, 0):
-        return False
-    es = dtype.itemsize
+    return strides_aligned and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _strides_aligned(x, weight, n_out, dtype) -> tuple[bool, bool]:
+    """``(tma_ok, aligned_rows)`` for x ``[M, K]`` and weight ``[G, N, K]``.
+
+    ``tma_ok``: unit inner strides and 16-byte row strides (TMA's rule). ``aligned_rows``: the
+    row strides are symbolic (``dynamic=True``) and multiples of 16 elements, which the template
+    then tells Triton (``tl.multiple_of``) so it vectorises the loads. Symbolic strides qualify
+    through divisibility guards when their hints do (:func:`lowerings._compat.multiple_of`):
+    without them a dynamic compile silently ran the unaligned form, 40x slower on an H100.
+    """
     xs, ws = x.get_stride(), weight.get_stride()
-    static = all(isinstance(v, int) or getattr(v, "is_number", False) for v in (*xs, *ws))
-    if not static:
-        return False
-    xs, ws = [int(v) for v in xs], [int(v) for v in ws]
-    return (xs[1] == 1 and ws[2] == 1 and (xs[0] * es) % 16 == 0
-            and (ws[0] * es) % 16 == 0 and (ws[1] * es) % 16 == 0)
+    rows = (xs[0], ws[0], ws[1])
+    per_16_bytes = max(1, 16 // dtype.itemsize)
+    by_16 = all(_compat.multiple_of(s, 16) for s in rows)
+    _compat.multiple_of(n_out, 16)  # the output's row stride (its stores); TMA loads need not
+    unit_inner = _compat.statically_one(xs[1]) and _compat.statically_one(ws[2])
+    tma_ok = unit_inner and (by_16 or all(_compat.multiple_of(s, per_16_bytes) for s in rows))
+    symbolic = not all(isinstance(s, int) or getattr(s, "is_number", False) for s in rows)
+    return tma_ok, unit_inner and by_16 and symbolic
 
 
-def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: bool = False):
+def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: bool = False,
+           save_preact: bool = False):
+    """The template for one of the M-jagged ops. ``save_preact`` (the training SwiGLU op):
+    the template also writes the pre-activations ``[M, 2H]`` into a buffer passed as a
+    mutated input, and the lowering returns ``(out, preact)``."""
     op = getattr(torch.ops.compileops, op_name).default
     device = x.get_device()
     if not _compat.emits_triton_for(device):
@@ -161,26 +178,39 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
     layout = _compat.fixed_layout(device, dtype, [m, n_out], [n_out, 1])
     m_hint = _compat.size_hint(m)
     g_hint, n_hint, k_hint = (_compat.size_hint(s) for s in (groups, n_out, k))
+    tma_ok, aligned_rows = _strides_aligned(x, weight, n_out, dtype)
     configs, autotune = _configs(m_hint, g_hint, n_hint, k_hint, dtype, device,
-                                 tma=_template_tma_applies(x, weight, device, dtype),
-                                 swiglu=swiglu)
+                                 tma=_template_tma_applies(device, tma_ok),
+                                 swiglu=swiglu, heuristic_only=save_preact)
     constexprs = dict(
         HAS_BIAS=bias is not None,
         SWIGLU=swiglu,
         DX=dx,
+        SAVE_PREACT=save_preact,
+        ALIGNED_ROWS=aligned_rows,
         G_BLOCK=kernels.group_block(g_hint),
         TF32=kernels.input_precision(dtype) == "tf32",
-        DOT_UPCAST=device.type == "cpu" and dtype == torch.bfloat16,
+        INTERPRETER_DOT=device.type == "cpu",
     )
+    extra = {}
+    if save_preact:
+        # One heuristic config (no autotuning: the extern choices have no second output).
+        preact = _compat.empty_buffer(device, dtype, [m, n])
+        nodes = [*nodes, preact]
+        extra = dict(mutated_inputs=[preact])
     choices: list = []
-    sms = kernels.num_programs(device.index if device.type == "cuda" else None, device.type)
     for cfg, tma in configs:
         template().maybe_append_choice(
             choices, input_nodes=nodes, layout=layout, num_stages=cfg.num_stages,
             num_warps=cfg.num_warps, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, USE_TMA=tma, FLATTEN=cfg.flatten, GROUP_M=cfg.group_m,
-            NUM_PROGS=sms * cfg.programs_per_sm, **constexprs,
+            NUM_PROGS=kernels.grid_size(device, cfg), **constexprs, **extra,
         )
+    if save_preact:
+        if not choices:  # the template could not be built: the op itself, as an extern call
+            return _compat.fallback(op)(*nodes[:3], nodes[3] if bias is not None else None)
+        out = _compat.autotune_select_algorithm(f"compileops_{op_name}", choices, nodes, layout)
+        return out, preact
     if autotune or not choices:
         choices.append(extern_choice(op_name).bind(nodes, layout))
     if autotune and _grouped_mm_applies(device, dtype, bias is not None, swiglu, g_hint):
@@ -199,6 +229,11 @@ def lower_grouped_linear_swiglu(x, weight, offsets, bias=None):
     return _lower("grouped_linear_swiglu", True, x, weight, offsets, bias)
 
 
+def lower_grouped_linear_swiglu_with_preact(x, weight, offsets, bias=None):
+    return _lower("grouped_linear_swiglu_with_preact", True, x, weight, offsets, bias,
+                  save_preact=True)
+
+
 def lower_grouped_linear_dx(grad, weight, offsets):
     return _lower("grouped_linear_dx", False, grad, weight, offsets, dx=True)
 
@@ -212,5 +247,9 @@ def register() -> None:
     _compat.register_lowering(torch.ops.compileops.grouped_linear.default, lower_grouped_linear)
     _compat.register_lowering(
         torch.ops.compileops.grouped_linear_swiglu.default, lower_grouped_linear_swiglu
+    )
+    _compat.register_lowering(
+        torch.ops.compileops.grouped_linear_swiglu_with_preact.default,
+        lower_grouped_linear_swiglu_with_preact,
     )
     _compat.register_lowering(torch.ops.compileops.grouped_linear_dx.default, lower_grouped_linear_dx)

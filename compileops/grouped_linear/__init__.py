@@ -1,15 +1,22 @@
-"""Grouped linear (MoE grouped GEMM): ops, Triton kernels, module and routing helpers."""
+"""Grouped linear (MoE grouped GEMM): ops, Triton kernels, module and routing helpers.
+
+The modes (strict offset checks, batch-invariant mode) live in :mod:`compileops.modes`;
+they are re-exported here.
+"""
 from compileops.grouped_linear.op import (
-    batch_invariant,
     grouped_linear,
     grouped_linear_splits,
     grouped_linear_swiglu,
-    is_batch_invariant,
-    set_batch_invariant,
-    set_strict_offset_checks,
     splits_to_offsets,
 )
 from compileops.grouped_linear.routing import permute_by_expert, unpermute_and_combine
+from compileops.modes import (
+    batch_invariant,
+    is_batch_invariant,
+    set_batch_invariant,
+    set_strict_offset_checks,
+    strict_offset_checks,
+)
 
 __all__ = [
     "batch_invariant",
@@ -21,5 +28,6 @@ __all__ = [
     "set_batch_invariant",
     "set_strict_offset_checks",
     "splits_to_offsets",
+    "strict_offset_checks",
     "unpermute_and_combine",
 ]

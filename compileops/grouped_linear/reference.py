@@ -7,7 +7,8 @@ contiguous row ranges: group ``g`` owns rows ``[offsets[g-1], offsets[g])`` (``o
 Sync-free: the group id of each row comes from ``searchsorted`` on the device, and each
 group is a masked dense product (a Python loop over the static ``G``), so no group size is
 ever read on the host. It costs ``G`` dense GEMMs: fine for a reference and small CPU runs.
-Low-precision inputs are computed in fp32 and cast once; fp64 inputs stay fp64.
+Low-precision inputs are computed in fp32 and cast once; fp64 inputs stay fp64. Only the
+math lives here: argument checks shared by both backends are in ``checks.py``.
 """
 from __future__ import annotations
 
@@ -24,24 +25,6 @@ def row_groups(offsets: torch.Tensor, m: int) -> torch.Tensor:
     """``[M]`` int64 group id per row; ``G`` for rows past the last offset."""
     rows = torch.arange(m, device=offsets.device, dtype=offsets.dtype)
     return torch.searchsorted(offsets.contiguous(), rows, right=True)
-
-
-def check_offsets_values(offsets: torch.Tensor, m: int) -> None:
-    """Raise ``ValueError`` if offsets decrease, are negative or exceed ``m`` (reads them on
-    the host: a device sync on GPUs, so only run eagerly on CPU or when asked to)."""
-    if offsets.numel() == 0:
-        return
-    o = offsets.detach().to("cpu", torch.int64)
-    if bool((o < 0).any()):
-        raise ValueError(f"grouped_linear: offsets must be >= 0, got {o.tolist()}")
-    if bool((o[1:] < o[:-1]).any()):
-        raise ValueError(
-            f"grouped_linear: offsets must be non-decreasing (cumulative end rows), got {o.tolist()}"
-        )
-    if int(o[-1]) > m:
-        raise ValueError(
-            f"grouped_linear: offsets[-1] = {int(o[-1])} exceeds the number of rows M = {m}"
-        )
 
 
 def _rows_by_group(product, offsets, rows: int, groups: int, width: int, dtype, device):
@@ -86,6 +69,15 @@ def grouped_linear_swiglu_forward(x, weight, offsets, bias=None) -> torch.Tensor
     h = grouped_linear_forward(x.to(cdt), weight.to(cdt), offsets,
                                None if bias is None else bias.to(cdt))
     return swiglu(h).to(x.dtype)
+
+
+def grouped_linear_swiglu_with_preact(x, weight, offsets, bias=None):
+    """``(swiglu(h) [M, H], h [M, 2H])`` with ``h = x W_g^T + b_g`` computed in fp32, each cast
+    once to x's dtype (the training form: the backward reads ``h``)."""
+    cdt = _compute_dtype(x.dtype)
+    h = grouped_linear_forward(x.to(cdt), weight.to(cdt), offsets,
+                               None if bias is None else bias.to(cdt))
+    return swiglu(h).to(x.dtype), h.to(x.dtype)
 
 
 def grouped_linear_dx(grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

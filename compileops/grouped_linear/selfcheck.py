@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from compileops._selfcheck import Demo
+from compileops._demo import Demo
 from compileops.grouped_linear import reference
 from compileops.grouped_linear.op import grouped_linear, grouped_linear_swiglu
 from compileops.grouped_linear.routing import dirichlet_offsets

@@ -1,15 +1,108 @@
-"""Helpers shared by the grouped-linear tests."""
+"""Helpers shared by the grouped-linear tests. Tests never import ``benchmarks/``: what they
+check of a benchmark script, they get by running it in a subprocess."""
+import functools
+import json
 import os
+import subprocess
 import sys
 
+import torch
 
-def import_sweep():
-    """``benchmarks/sweep_grouped_linear.py`` (the configs the GPU sweep times), imported from
-    the repository root whatever directory pytest runs from."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.path.insert(0, root)
-    try:
-        from benchmarks import sweep_grouped_linear
-    finally:
-        sys.path.remove(root)
-    return sweep_grouped_linear
+import compileops
+from compileops.grouped_linear import reference
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SWEEP = os.path.join(ROOT, "benchmarks", "tuning", "sweep_grouped_linear.py")
+
+# Relative error against fp64 per dtype (the ops' stated precision).
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def offsets_of(sizes):
+    return torch.cumsum(torch.tensor(sizes), 0).to(torch.int32)
+
+
+def make_grouped(sizes, k, n, dtype=torch.float32, bias=True, extra_rows=0, seed=0):
+    """``(x [M, k], w [G, n, k], offsets, b [G, n] or None)`` for groups of ``sizes`` rows and
+    ``extra_rows`` tail rows."""
+    gen = torch.Generator().manual_seed(seed)
+    m = sum(sizes) + extra_rows
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(len(sizes), n, k, generator=gen) / k**0.5).to(dtype)
+    b = torch.randn(len(sizes), n, generator=gen).to(dtype) if bias else None
+    return x, w, offsets_of(sizes), b
+
+
+def make_expert_inputs(sizes, k=16, n=24, extra_rows=2, seed=0):
+    """``(x, w, offsets, b, p)`` for :func:`moe_expert`, fp32; ``p``: a router probability
+    per row."""
+    gen = torch.Generator().manual_seed(seed)
+    m = sum(sizes) + extra_rows
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(len(sizes), n, k, generator=gen) / k**0.5
+    b = torch.randn(len(sizes), n, generator=gen)
+    p = torch.rand(m, generator=gen)
+    return x, w, torch.cumsum(torch.tensor(sizes), 0).to(torch.int32), b, p
+
+
+def moe_expert(x, w, offs, b, p):
+    """Fused gate/up SwiGLU, then per-row router-probability scaling."""
+    return compileops.grouped_linear_swiglu(x, w, offs, b) * p[:, None]
+
+
+def grads_fp64(x, w, offs, b, grad):
+    """``(y, dX, dW, db)`` of the reference forward in fp64, by autograd."""
+    leaves = [t.detach().double().requires_grad_() for t in (x, w)]
+    bb = b.detach().double().requires_grad_() if b is not None else None
+    y = reference.grouped_linear_forward(leaves[0], leaves[1], offs, bb)
+    y.backward(grad.double())
+    return y, leaves[0].grad, leaves[1].grad, (bb.grad if bb is not None else None)
+
+
+# The sweep's M-jagged TMA-store configs (FWD_CONFIGS, also timed for dX, and
+# SWIGLU_CONFIGS): case -> (product, Config args, Config kwargs), all with tma_store=True.
+# Built for sm90 in test_codegen_sm90.py, run on the GPU in test_gpu.py; test_benchmarks.py
+# checks they are the sweep's.
+MJAGGED_STORE_VARIANTS = {
+    "fwd-128x256-flat-tma-store": ("fwd", (128, 256, 64, 8, 3), dict(flatten=True)),
+    "dx-128x256-flat-tma-store": ("dx", (128, 256, 64, 8, 3), dict(flatten=True)),
+    "fwd-128x128-s2-flat-x2-tma-store": ("fwd", (128, 128, 64, 4, 2),
+                                         dict(flatten=True, programs_per_sm=2)),
+    "dx-128x128-s2-flat-x2-tma-store": ("dx", (128, 128, 64, 4, 2),
+                                        dict(flatten=True, programs_per_sm=2)),
+    "swiglu-128x128-flat-tma-store": ("swiglu", (128, 128, 64, 8, 3), dict(flatten=True)),
+    "swiglu-128x128-tma-store": ("swiglu", (128, 128, 64, 8, 3), {}),
+}
+
+
+def mjagged_store_config(case):
+    """``(product, Config)`` of a :data:`MJAGGED_STORE_VARIANTS` case."""
+    from compileops.grouped_linear.kernels import Config
+
+    product, args, kwargs = MJAGGED_STORE_VARIANTS[case]
+    return product, Config(*args, tma_store=True, **kwargs)
+
+
+def mjagged_store_configs(product):
+    """The :data:`MJAGGED_STORE_VARIANTS` configs of ``product`` (fwd, dx or swiglu)."""
+    return [mjagged_store_config(case)[1] for case, (p, _, _) in MJAGGED_STORE_VARIANTS.items()
+            if p == product]
+
+
+@functools.lru_cache(maxsize=None)
+def sweep_listing():
+    """``benchmarks/tuning/sweep_grouped_linear.py --list-configs``: per pass the configs it
+    times (``{"config": fields, "label": ...}``), and per benchmark shape the dW labels
+    against that shape's default (run once per session, in a subprocess, no GPU)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, SWEEP, "--list-configs"], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def sweep_configs(kind):
+    """``[(Config, label)]`` the sweep times for ``kind`` (fwd, swiglu, dW, "dW no db")."""
+    from compileops.grouped_linear.kernels import Config
+
+    return [(Config(**e["config"]), e["label"]) for e in sweep_listing()[kind]]

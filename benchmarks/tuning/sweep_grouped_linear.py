@@ -7,12 +7,18 @@ the same process, after checking each config's result against ``torch._grouped_m
 Prints one line per (case, config) with ms, TFLOP/s and the ratio to ``_grouped_mm``, then
 the best config per case.
 
-    python benchmarks/sweep_grouped_linear.py [--shapes qwen3_up ...] [--splits skewed ...]
+    python benchmarks/tuning/sweep_grouped_linear.py [--shapes qwen3_up ...] [--splits skewed ...]
+    python benchmarks/tuning/sweep_grouped_linear.py --list-configs   # JSON, no GPU needed
+
+Uses the documented tuning API only: :class:`~compileops.grouped_linear.kernels.Config`,
+``choose_config`` / ``choose_wgrad_config`` and the launchers ``mjagged_gemm`` /
+``grouped_linear_wgrad`` (``config=``: a config that fails to launch raises).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import sys
@@ -22,7 +28,7 @@ from typing import Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks import harness  # noqa: E402
 from benchmarks.bench_grouped_linear import SHAPES, make_offsets  # noqa: E402
@@ -86,23 +92,19 @@ WGRAD_CONFIGS = [
     Config(64, 128, 256, 8, 4, ragged_tma=True, tma_store=True, epilogue_subtile=True,
            group_n=8),
     # Tiles claimed from an atomic ticket counter (Config.dynamic_tiles) instead of the fixed
-    # stride: with skewed groups the programs' fixed shares of the work differ by 3-14%.
+    # stride: with skewed groups the programs' fixed shares of the work differ.
     Config(64, 128, 256, 8, 3, ragged_tma=True, tma_store=True, group_n=8, dynamic_tiles=True),
     Config(64, 128, 256, 8, 4, ragged_tma=True, tma_store=True, epilogue_subtile=True,
            group_n=8, dynamic_tiles=True),
     Config(64, 128, 128, 4, 3, programs_per_sm=2, ragged_tma=True, dynamic_tiles=True),
-    # Tried in sweep k (results/sweep_grouped_linear_dw_h100_2026-11-22_k_long_steps.log) and
-    # dropped: 128-row reduction steps (128x128x128 s3: 0.70-0.82x; with a TMA store it needs
-    # 234496 B of shared memory; 128x128x256 s2: 0.69-0.82x) and a 256-row dY tile
-    # (64x256x128 s3 gn4 tma-store: 0.91-1.01x, below the default in 7 of 8 cases).
-    # One loop over each program's row chunks (Config.flatten; kjagged_flat_loop): the
-    # defaults since 2026-11-22. It applies without db only, so with db these time the
+    # One loop over each program's row chunks (Config.flatten; kjagged_flat_loop), as in
+    # the long and mid defaults. It applies without db only, so with db these time the
     # tile loop; WGRAD_NO_DB below times the loop itself.
     Config(64, 128, 256, 8, 3, flatten=True, ragged_tma=True, tma_store=True, group_n=8),
     Config(64, 128, 256, 8, 4, flatten=True, ragged_tma=True, tma_store=True,
            epilogue_subtile=True, group_n=8),
 ]
-# Timed once more without db (compute_db=False): what the column sums cost.
+# Timed once more without db (with_db=False): what the column sums cost.
 WGRAD_NO_DB = [Config(64, 128, 256, 8, 3),
                Config(64, 128, 256, 8, 3, ragged_tma=True, tma_store=True, group_n=8),
                Config(64, 128, 256, 8, 3, flatten=True, ragged_tma=True, tma_store=True,
@@ -115,7 +117,7 @@ WGRAD_NO_DB = [Config(64, 128, 256, 8, 3),
 
 
 class _NoDbConfig(Config):
-    """A dW config timed with ``compute_db=False`` (labelled 'no db')."""
+    """A dW config timed with ``with_db=False`` (labelled 'no db')."""
     _no_db = True
 
 
@@ -141,6 +143,29 @@ def config_label(cfg: Config, default: Optional[Config] = None) -> str:
             f"{' (default)' if is_default else ''}")
 
 
+def list_configs() -> dict:
+    """The configs each pass times, with their labels, and per benchmark shape the labels
+    against that shape's heuristic pick (``--list-configs``: what the tests check)."""
+    def entry(cfg: Config, default: Optional[Config] = None) -> dict:
+        return {"config": dataclasses.asdict(cfg), "label": config_label(cfg, default)}
+
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    out = {
+        "fwd": [entry(c) for c in FWD_CONFIGS],
+        "swiglu": [entry(c) for c in SWIGLU_CONFIGS],
+        "dW": [entry(c) for c in WGRAD_CONFIGS],
+        "dW no db": [entry(_no_db(c)) for c in WGRAD_NO_DB],
+        "dW defaults": {},
+    }
+    for name, (groups, m, k, n) in SHAPES.items():
+        default = kernels.choose_wgrad_config(m, groups, n, k, bf16, cuda)
+        out["dW defaults"][name] = {
+            "config": dataclasses.asdict(default),
+            "labels": [config_label(c, default) for c in WGRAD_CONFIGS],
+        }
+    return out
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float(), b.float()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -153,7 +178,12 @@ def main() -> int:
     parser.add_argument("--passes", nargs="*", default=["fwd", "dX", "dW", "swiglu"])
     parser.add_argument("--configs", default="",
                         help="time only the configs whose label matches this regex")
+    parser.add_argument("--list-configs", action="store_true",
+                        help="print the configs and their labels as JSON and exit (no GPU)")
     args = parser.parse_args()
+    if args.list_configs:
+        print(json.dumps(list_configs()))
+        return 0
     dev = torch.device("cuda")
     torch.manual_seed(0)
     best: list[str] = []
@@ -182,7 +212,7 @@ def main() -> int:
             cases = {
                 "swiglu": (lambda cfg: kernels.mjagged_gemm(
                                x, w, (w.stride(0), w.stride(2), w.stride(1)), offs, n // 2,
-                               out_dtype=x.dtype, config=cfg, swiglu_out=True),
+                               out_dtype=x.dtype, config=cfg, swiglu=True),
                            swiglu_anchor, SWIGLU_CONFIGS),
                 "fwd": (lambda cfg: kernels.mjagged_gemm(
                             x, w, (w.stride(0), w.stride(2), w.stride(1)), offs, n,
@@ -194,7 +224,7 @@ def main() -> int:
                        lambda: torch._grouped_mm(dy, w, offs=offs), FWD_CONFIGS),
                 "dW": (lambda cfg: kernels.grouped_linear_wgrad(
                            dy, x, offs, torch.bfloat16, torch.bfloat16, config=cfg,
-                           compute_db=not getattr(cfg, "_no_db", False))[0],
+                           with_db=not getattr(cfg, "_no_db", False))[0],
                        lambda: torch._grouped_mm(dy.t(), x, offs=offs),
                        WGRAD_CONFIGS + [_no_db(c) for c in WGRAD_NO_DB]),
             }

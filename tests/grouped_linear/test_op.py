@@ -1,39 +1,19 @@
-"""grouped_linear op: parity with the fp64 reference (eager Triton kernels under the interpreter
-on CPU), edge cases, errors, determinism, batch invariance, routing helpers, module."""
+"""grouped_linear ops: parity with the fp64 reference (eager Triton kernels under the
+interpreter on CPU), edge cases, errors, determinism, batch invariance, routing helpers,
+module. Kernel-level tests: test_kernels.py (M-jagged), test_kernels_wgrad.py (dW);
+argument checks: test_checks.py."""
 import pytest
 import torch
 
 import compileops
-from compileops.grouped_linear import op as gl_op
 from compileops.grouped_linear import permute_by_expert, reference, unpermute_and_combine
 from compileops.testing import (
     assert_batch_invariant,
     assert_close_to_reference,
     assert_deterministic,
 )
-
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
-
-
-def offsets_of(sizes):
-    return torch.cumsum(torch.tensor(sizes), 0).to(torch.int32)
-
-
-def make(sizes, k, n, dtype=torch.float32, bias=True, extra_rows=0, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    m = sum(sizes) + extra_rows
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    w = (torch.randn(len(sizes), n, k, generator=gen) / k**0.5).to(dtype)
-    b = torch.randn(len(sizes), n, generator=gen).to(dtype) if bias else None
-    return x, w, offsets_of(sizes), b
-
-
-def grads_fp64(x, w, offs, b, grad):
-    leaves = [t.detach().double().requires_grad_() for t in (x, w)]
-    bb = b.detach().double().requires_grad_() if b is not None else None
-    y = reference.grouped_linear_forward(leaves[0], leaves[1], offs, bb)
-    y.backward(grad.double())
-    return y, leaves[0].grad, leaves[1].grad, (bb.grad if bb is not None else None)
+from tests.grouped_linear._helpers import TOL, grads_fp64, offsets_of
+from tests.grouped_linear._helpers import make_grouped as make
 
 
 def fw_bw_checked_fp64(x, w, offs, b, ref=None):
@@ -264,42 +244,46 @@ def test_batch_invariant_mode_bitwise():
         o = torch.tensor([xs.shape[0]], dtype=torch.int32)
         return compileops.grouped_linear(xs, w, o, b)
 
-    with gl_op.batch_invariant():
+    with compileops.batch_invariant():
         assert_batch_invariant(fn, [x])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_batch_invariant_config_is_fixed_on_cuda(dtype):
-    """Host-only (no GPU needed): on CUDA the eager config must not depend on group sizes in
-    batch-invariant mode. On CPU the interpreter config hides this, so check it directly."""
+@pytest.mark.parametrize("op", [compileops.grouped_linear, compileops.grouped_linear_swiglu],
+                         ids=["plain", "swiglu"])
+def test_backward_keeps_the_forwards_batch_invariant_mode(op, monkeypatch):
+    """On CUDA the backward runs on autograd's device thread, which does not see the
+    forward thread's ``with compileops.batch_invariant():`` (a contextvar): the backward ops
+    keep the mode the forward ran in. Here the backward runs on a new thread."""
+    import threading
+
     from compileops.grouped_linear import kernels
 
-    cuda = torch.device("cuda")
-    shapes = [(1, 8), (16, 8), (100, 4), (4096, 16), (65536, 8), (300, 1)]
-    normal = {kernels.choose_config(m, g, 256, 512, dtype, cuda) for m, g in shapes}
-    assert len(normal) > 1  # the heuristic does vary with M / G: the check below can fail
-    for m, g in shapes:
-        cfg = kernels.choose_config(m, g, 256, 512, dtype, cuda, batch_invariant=True)
-        assert cfg == kernels.BATCH_INVARIANT_CONFIG, (m, g, cfg)
+    seen, errors = [], []
+    real = kernels.grouped_linear_dx
 
+    def spy(*args, batch_invariant=False, **kwargs):
+        seen.append(batch_invariant)
+        return real(*args, batch_invariant=batch_invariant, **kwargs)
 
-def test_batch_invariant_collapses_max_autotune_configs(monkeypatch):
-    """Under max-autotune the lowering benchmarks several tile configs; batch-invariant mode
-    must collapse that list to the single fixed config (host-only check)."""
-    from compileops.grouped_linear import kernels
-    import lowerings.grouped_linear as lowering
+    monkeypatch.setattr(kernels, "grouped_linear_dx", spy)
+    x, w, offs, b = make([3, 0, 6], k=8, n=8, extra_rows=1)
+    x.requires_grad_()
+    for mode in (True, False):
+        with compileops.batch_invariant(mode):
+            y = op(x, w, offs, b)
 
-    monkeypatch.setattr(lowering._compat, "max_autotune_enabled", lambda: True)
-    cuda = torch.device("cuda")
-    configs, autotune = lowering._configs(4096, 8, 256, 512, torch.bfloat16, cuda, tma=True)
-    assert autotune and len(configs) > 1  # autotuning is really on outside the mode
-    bi = kernels.BATCH_INVARIANT_CONFIG
-    expected = [(bi, False)]
-    with gl_op.batch_invariant():
-        for m in (1, 64, 4096, 65536):
-            configs, autotune = lowering._configs(m, 8, 256, 512, torch.bfloat16, cuda, tma=True)
-            assert configs == expected and not autotune, (m, configs)
-    assert not gl_op.is_batch_invariant()
+        def backward():
+            try:
+                y.sum().backward()
+            except Exception as exc:  # pragma: no cover  (reported below)
+                errors.append(exc)
+
+        worker = threading.Thread(target=backward)
+        worker.start()
+        worker.join()
+        assert not errors, errors
+        assert seen == [mode], (mode, seen)
+        seen.clear()
 
 
 def test_routing_round_trip():
@@ -342,19 +326,6 @@ def test_module_state_dict_round_trips():
         from_per_group_state_dict({"weight0": per_group["weight0"]}, 3)
 
 
-def test_fp32_honours_allow_tf32():
-    from compileops.grouped_linear.kernels import input_precision
-
-    old = torch.backends.cuda.matmul.allow_tf32
-    try:
-        torch.backends.cuda.matmul.allow_tf32 = False
-        assert input_precision(torch.float32) == "ieee"
-        torch.backends.cuda.matmul.allow_tf32 = True
-        assert input_precision(torch.float32) == "tf32"
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
-
-
 def test_import_stays_cheap():
     import subprocess
     import sys
@@ -385,32 +356,6 @@ def test_large_group_spans_several_tile_super_groups():
     assert torch.equal(y[154:], torch.zeros_like(y[154:]))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_tma_descriptor_path_matches_pointer_path(dtype):
-    """The TMA variant (device-side tensor descriptors; the interpreter emulates them) against
-    the fp64 reference: partial N/K tiles, a SwiGLU half narrower than a tile, an empty group,
-    tail rows."""
-    from compileops.grouped_linear import kernels
-
-    x, w, offs, b = make([5, 0, 15, 25], k=40, n=48, dtype=dtype, extra_rows=8)
-    grad = torch.randn(53, 48).to(dtype)
-    tol = TOL[dtype]
-    got = {
-        "fwd": kernels.grouped_linear_forward(x, w, offs, b, use_tma=True),
-        "swiglu": kernels.grouped_linear_swiglu_forward(x, w, offs, b, use_tma=True),
-        "dx": kernels.grouped_linear_dx(grad, w, offs, use_tma=True),
-    }
-    xd, wd, bd = x.double(), w.double(), b.double()
-    want = {
-        "fwd": reference.grouped_linear_forward(xd, wd, offs, bd),
-        "swiglu": reference.grouped_linear_swiglu_forward(xd, wd, offs, bd),
-        "dx": reference.grouped_linear_dx(grad.double(), wd, offs),
-    }
-    for name in got:
-        assert_close_to_reference(got[name].float(), want[name], max_relative_error=tol, what=name)
-        assert torch.equal(got[name][45:], torch.zeros_like(got[name][45:])), name
-
-
 def test_k_zero_gives_bias_only_and_bias_grad():
     x, w, offs, b = make([3, 3], k=0, n=5, extra_rows=1)
     for t in (x, w, b):
@@ -423,52 +368,3 @@ def test_k_zero_gives_bias_only_and_bias_grad():
                               max_relative_error=1e-6)
     assert_close_to_reference(b.grad, db_ref, max_relative_error=1e-6)
     assert w.grad.shape == (2, 5, 0) and x.grad.shape == (7, 0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_wgrad_tma_path_matches_reference(dtype):
-    """The dW kernel's TMA variant (interpreter-emulated descriptors): whole 16-row chunks
-    through the descriptors, each group's partial last chunk masked, so the next group's rows
-    never reach a group's dW, even when they hold inf (0 * inf would poison it)."""
-    from compileops.grouped_linear import kernels
-
-    sizes = [32, 0, 21, 7, 16]
-    x, w, offs, b = make(sizes, k=40, n=48, dtype=dtype, extra_rows=6)
-    grad = torch.randn(x.shape[0], 48).to(dtype)
-    _, _, want_dw, want_db = grads_fp64(x, w, offs, b, grad)  # dW_g for g != 2 ignore row 32
-    x[32] = float("inf")  # first row of group 2: must only reach dW_2
-    dw, db = kernels.grouped_linear_wgrad(grad, x, offs, dtype, dtype, use_tma=True)
-    ptr_dw, ptr_db = kernels.grouped_linear_wgrad(grad, x, offs, dtype, dtype, use_tma=False)
-    for g in (0, 1, 3, 4):
-        assert torch.isfinite(dw[g]).all(), g
-        assert_close_to_reference(dw[g].float(), want_dw[g], max_relative_error=TOL[dtype],
-                                  what=f"dW_{g}")
-    assert torch.equal(dw[1], torch.zeros_like(dw[1])) and torch.equal(db[1], torch.zeros_like(db[1]))
-    assert_close_to_reference(db.float(), want_db, max_relative_error=TOL[dtype], what="db")
-    assert torch.equal(db, ptr_db)
-    finite = torch.isfinite(dw) & torch.isfinite(ptr_dw)
-    assert torch.allclose(dw[finite].float(), ptr_dw[finite].float(), rtol=TOL[dtype], atol=1e-6)
-
-
-@pytest.mark.parametrize("use_tma", [False, True], ids=["pointers", "tma"])
-def test_tail_rows_are_zero_even_when_x_tail_holds_inf(use_tma):
-    """The tail tiles (rows past offsets[-1]) run the same K loop as real tiles (so the
-    persistent loop can be flattened) and are zeroed afterwards: inf/NaN rows there must
-    not leak into the output."""
-    from compileops.grouped_linear import kernels
-
-    x, w, offs, b = make([6, 0, 19], k=24, n=40, extra_rows=21)
-    x[25:] = float("inf")
-    x[30] = float("nan")
-    grad = torch.randn(x.shape[0], 40)
-    grad[25:] = float("inf")
-    outs = {
-        "fwd": kernels.grouped_linear_forward(x, w, offs, b, use_tma=use_tma),
-        "swiglu": kernels.grouped_linear_swiglu_forward(x, w, offs, b, use_tma=use_tma),
-        "dx": kernels.grouped_linear_dx(grad, w, offs, use_tma=use_tma),
-    }
-    want = reference.grouped_linear_forward(x[:25].double(), w.double(), offs, b.double())
-    assert_close_to_reference(outs["fwd"][:25], want, max_relative_error=1e-5)
-    for name, out in outs.items():
-        assert torch.equal(out[25:], torch.zeros_like(out[25:])), name
-        assert torch.isfinite(out[:25]).all(), name

@@ -105,6 +105,26 @@ def test_deterministic_and_batch_invariant():
         assert_batch_invariant(fn, [x[:300].detach()])
 
 
+def test_batch_invariant_mode_reaches_the_backward_thread(monkeypatch):
+    """On CUDA the backward runs on autograd's device thread, which does not see the
+    ``with compileops.batch_invariant():`` of the forward's thread: dX still runs in the mode."""
+    from compileops.grouped_linear import kernels
+
+    seen = []
+    real = kernels.grouped_linear_dx
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("batch_invariant", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "grouped_linear_dx", spy)
+    x, w, offs, b = make(8, 1024, 256, 256, torch.bfloat16)
+    x.requires_grad_()
+    with compileops.batch_invariant():
+        compileops.grouped_linear(x, w, offs, b).float().sum().backward()
+    assert seen == [True]
+
+
 def test_compiled_template_fused_epilogue():
     x, w, offs, b = make(8, 2048, 512, 512, torch.bfloat16)
     p = torch.rand(2048, device="cuda")
@@ -132,7 +152,7 @@ def test_tma_path_used_on_sm90_and_matches_pointer_path():
     assert kernels.tma_applies(x, w, cfg)
     tma = kernels.grouped_linear_forward(x, w, offs, b, use_tma=True)
     ptr = kernels.grouped_linear_forward(x, w, offs, b, use_tma=False)
-    assert not kernels._tma_failed
+    assert not kernels.fell_back(kernels.Fallback.TMA, x.device)
     assert_close_to_reference(tma.float(), ptr.double(), max_relative_error=1e-2)
     grad = torch.randn(4096, 768, device="cuda", dtype=torch.bfloat16)
     assert_close_to_reference(kernels.grouped_linear_dx(grad, w, offs, use_tma=True).float(),
@@ -148,12 +168,11 @@ def test_mjagged_tma_store_bitwise_matches_pointer_store_on_sm90(product):
     import dataclasses
 
     from compileops.grouped_linear import kernels
-    from tests.grouped_linear._helpers import import_sweep
+    from compileops.grouped_linear.kernels.tma import mjagged_tma_store
+    from tests.grouped_linear._helpers import mjagged_store_configs
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("TMA stores need sm90+")
-    sweep = import_sweep()
-    configs = sweep.SWIGLU_CONFIGS if product == "swiglu" else sweep.FWD_CONFIGS
     x, w, offs, b = make(16, 4096, 1024, 768, torch.bfloat16)
     grad = torch.randn(4096, 768, device="cuda", dtype=torch.bfloat16)
     if product == "dx":
@@ -162,13 +181,13 @@ def test_mjagged_tma_store_bitwise_matches_pointer_store_on_sm90(product):
     else:
         args = (x, w, (w.stride(0), w.stride(2), w.stride(1)), offs,
                 384 if product == "swiglu" else 768)
-        kw = dict(bias=b, out_dtype=x.dtype, swiglu_out=product == "swiglu")
+        kw = dict(bias=b, out_dtype=x.dtype, swiglu=product == "swiglu")
     tail = int(offs[-1])
-    for cfg in [c for c in configs if c.tma_store]:
+    for cfg in mjagged_store_configs(product):
         got = kernels.mjagged_gemm(*args, config=cfg, **kw)  # explicit config: raises on failure
-        assert kernels._mjagged_tma_store(got, cfg, True), cfg
+        assert mjagged_tma_store(got, cfg, True), cfg
         want = kernels.mjagged_gemm(*args, config=dataclasses.replace(cfg, tma_store=False), **kw)
-        assert not kernels._tma_failed
+        assert not kernels.fell_back(kernels.Fallback.TMA, x.device)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), cfg
         assert torch.equal(got[tail:], torch.zeros_like(got[tail:])), cfg
 
@@ -213,6 +232,7 @@ def test_wgrad_flat_loop_without_db_bitwise_matches_tile_loop(groups, n, monkeyp
     import dataclasses
 
     from compileops.grouped_linear import kernels
+    from compileops.grouped_linear.kernels.kjagged import wgrad_variant_flags
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the flattened loop needs the ragged TMA loads (sm90+)")
@@ -220,16 +240,16 @@ def test_wgrad_flat_loop_without_db_bitwise_matches_tile_loop(groups, n, monkeyp
     grad = torch.randn(x.shape[0], n, device="cuda", dtype=torch.bfloat16)
     cfg = kernels.choose_wgrad_config(8192, min(groups, 12), n, 1024, torch.bfloat16, x.device)
     dw = torch.empty(groups, n, 1024, dtype=torch.bfloat16, device="cuda")
-    assert kernels._wgrad_variant_flags(cfg, True, x.shape[0], n, 1024, dw, False)["FLAT"]
+    assert wgrad_variant_flags(cfg, True, x.shape[0], n, 1024, dw, False)["FLATTEN"]
     want, _ = kernels.grouped_linear_wgrad(grad, x, offs, torch.bfloat16, torch.bfloat16,
                                            config=dataclasses.replace(cfg, flatten=False),
-                                           compute_db=False)
+                                           with_db=False)
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: nan_filled(empty(*a, **kw)))
     got, db = kernels.grouped_linear_wgrad(grad, x, offs, torch.bfloat16, torch.bfloat16,
-                                           config=cfg, compute_db=False)
+                                           config=cfg, with_db=False)
     monkeypatch.undo()
-    assert db is None and not kernels._wgrad_variant_failed
+    assert db is None and not kernels.fell_back(kernels.Fallback.WGRAD_VARIANTS, x.device)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
@@ -242,13 +262,15 @@ def test_wgrad_default_config_bitwise_matches_its_plain_form(groups, n):
     import dataclasses
 
     from compileops.grouped_linear import kernels
+    from compileops.grouped_linear.kernels.kjagged import is_wgrad_variant
 
     x, _, offs, _ = make(groups, 8192, 1024, n, torch.bfloat16)
     grad = torch.randn(x.shape[0], n, device="cuda", dtype=torch.bfloat16)
     cfg = kernels.choose_wgrad_config(8192, groups, n, 1024, torch.bfloat16, x.device)
-    assert kernels._is_wgrad_variant(cfg) and cfg.tma_store == (groups < 32)
+    assert is_wgrad_variant(cfg) and cfg.tma_store == (groups < 32)
     got = kernels.grouped_linear_wgrad(grad, x, offs, torch.bfloat16, torch.bfloat16)
-    assert not kernels._wgrad_variant_failed and not kernels._tma_failed
+    assert not kernels.fell_back(kernels.Fallback.WGRAD_VARIANTS, x.device)
+    assert not kernels.fell_back(kernels.Fallback.TMA, x.device)
     plain = dataclasses.replace(cfg, ragged_tma=False, tma_store=False, epilogue_subtile=False)
     want = kernels.grouped_linear_wgrad(grad, x, offs, torch.bfloat16, torch.bfloat16,
                                         config=plain)

@@ -20,6 +20,8 @@ try:
 except Exception:  # pragma: no cover
     pytest.skip("triton's NVIDIA backend is not installed", allow_module_level=True)
 
+from tests.grouped_linear._helpers import MJAGGED_STORE_VARIANTS, mjagged_store_config  # noqa: E402
+
 TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 UNIT = ("stride_ak", "stride_bk", "stride_biasn", "stride_on", "stride_xk")
 NOT_DIVISIBLE = ("M", "G")
@@ -46,11 +48,12 @@ def mjagged_args(ptr):
     return ([(n, ptr) for n in ("a_ptr", "b_ptr", "bias_ptr")] + [("offs_ptr", "*i32"), ("out_ptr", ptr)]
             + [(n, "i32") for n in ("M", "N_OUT", "K", "G")]
             + [(n, "i64") for n in ("stride_am", "stride_ak", "stride_bg", "stride_bk", "stride_bn",
-                                    "stride_biasg", "stride_biasn", "stride_om", "stride_on")])
+                                    "stride_biasg", "stride_biasn", "stride_om", "stride_on")]
+            + [("pre_ptr", ptr), ("stride_pm", "i64"), ("stride_pn", "i64")])
 
 
 def mjagged_compile(dtype, swiglu, tma=False, b_kn=False, flatten=False, cfg=None,
-                    has_bias=True):
+                    has_bias=True, save_preact=False):
     """``cfg=None``: choose_config's pick for a 16-bit / fp32 MoE shape. ``TMA_STORE`` is
     always passed (``cfg.tma_store`` on the TMA path, as the launcher does; see
     :func:`kjagged_compile` on unnamed defaulted constexprs)."""
@@ -64,19 +67,20 @@ def mjagged_compile(dtype, swiglu, tma=False, b_kn=False, flatten=False, cfg=Non
         dict(HAS_BIAS=has_bias, SWIGLU=swiglu, NUM_PROGS=132 * cfg.programs_per_sm,
              GROUP_M=cfg.group_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
              BLOCK_K=cfg.block_k, INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32",
-             DOT_UPCAST=False, USE_TMA=tma, B_KN=b_kn, G_BLOCK=kernels.group_block(128),
-             FLATTEN=flatten, TMA_STORE=tma and cfg.tma_store),
+             INTERPRETER_DOT=False, USE_TMA=tma, B_KN=b_kn, G_BLOCK=kernels.group_block(128),
+             FLATTEN=flatten, TMA_STORE=tma and cfg.tma_store, SAVE_PREACT=save_preact),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
-def mjagged_ttgir(dtype, swiglu, tma=False, b_kn=False, flatten=False):
-    return mjagged_compile(dtype, swiglu, tma, b_kn, flatten).asm["ttgir"]
+def mjagged_ttgir(dtype, swiglu, tma=False, b_kn=False, flatten=False, save_preact=False):
+    return mjagged_compile(dtype, swiglu, tma, b_kn, flatten,
+                           save_preact=save_preact).asm["ttgir"]
 
 
 def kjagged_compile(ptr="*fp16", tma=False, block_k=128, num_warps=8, num_stages=3,
                     stride_type="i64", variant=None):
-    """``variant``: the dW variant flags set (``_wgrad_variant_flags``' constexprs). All three
+    """``variant``: the dW variant flags set (``wgrad_variant_flags``' constexprs). All of them
     are always passed, as the launcher does: an AOT compile leaves an unnamed defaulted
     constexpr None, and ``ASTSource.hash`` keeps the constexprs' values but not their names,
     so compiles naming different single flags would share a cache entry."""
@@ -85,10 +89,10 @@ def kjagged_compile(ptr="*fp16", tma=False, block_k=128, num_warps=8, num_stages
     args = ([("dy_ptr", ptr), ("x_ptr", ptr), ("offs_ptr", "*i32"), ("dw_ptr", ptr),
              ("db_ptr", ptr), ("ticket_ptr", "*i32")] + [(n, "i32") for n in ("M", "N", "K", "G")]
             + [(n, stride_type) for n in ("stride_dym", "stride_dyn", "stride_xm", "stride_xk")])
-    constexprs = dict(HAS_DB=True, DB_MMA=True, NUM_PROGS=132, BLOCK_M=64, BLOCK_N=128,
-                      BLOCK_K=block_k, INPUT_PRECISION="tf32", DOT_UPCAST=False, USE_TMA=tma)
+    constexprs = dict(WITH_DB=True, DB_MMA=True, NUM_PROGS=132, BLOCK_M=64, BLOCK_N=128,
+                      BLOCK_K=block_k, INPUT_PRECISION="tf32", INTERPRETER_DOT=False, USE_TMA=tma)
     # GROUP_N (the tile order) too: an AOT compile does not apply the kernel's default.
-    constexprs.update({name: False for name in VARIANT_FLAGS}, GROUP_N=1, DYNAMIC=False,
+    constexprs.update({name: False for name in VARIANT_FLAGS}, GROUP_N=1, DYNAMIC_TILES=False,
                       ASM_TICKET=True, LANES=32 * num_warps, G_BLOCK=kernels.group_block(64))
     constexprs.update(variant or {})
     return compile_sm90(kernels.kjagged_gemm_kernel, args, constexprs,
@@ -99,50 +103,30 @@ def kjagged_ttgir(ptr="*fp16", tma=False):
     return kjagged_compile(ptr, tma).asm["ttgir"]
 
 
-VARIANT_FLAGS = ("RAGGED", "TMA_STORE", "EPILOGUE_SUBTILE", "FLAT")
-# The sweep's dW variants (benchmarks/sweep_grouped_linear.py WGRAD_CONFIGS), as the launcher
-# passes them: (block_k, num_warps, num_stages, constexprs). All with TMA loads. The
+VARIANT_FLAGS = ("RAGGED_TMA", "TMA_STORE", "EPILOGUE_SUBTILE", "FLATTEN")
+# The sweep's dW variants (benchmarks/tuning/sweep_grouped_linear.py WGRAD_CONFIGS), as the
+# launcher passes them: (block_k, num_warps, num_stages, constexprs). All with TMA loads. The
 # "wgrad-default-*" entries are choose_wgrad_config's sm90 defaults (checked to match below).
 WGRAD_VARIANTS = {
-    "wgrad-ragged": (256, 8, 3, dict(RAGGED=True)),
+    "wgrad-ragged": (256, 8, 3, dict(RAGGED_TMA=True)),
     "wgrad-tma-store": (256, 8, 3, dict(TMA_STORE=True)),
     "wgrad-tma-store-subtile": (256, 8, 3, dict(TMA_STORE=True, EPILOGUE_SUBTILE=True)),
-    "wgrad-default-long": (256, 8, 3, dict(RAGGED=True, TMA_STORE=True, GROUP_N=8)),
-    "wgrad-ragged-tma-store-subtile": (256, 8, 3, dict(RAGGED=True, TMA_STORE=True,
+    "wgrad-default-long": (256, 8, 3, dict(RAGGED_TMA=True, TMA_STORE=True, GROUP_N=8)),
+    "wgrad-ragged-tma-store-subtile": (256, 8, 3, dict(RAGGED_TMA=True, TMA_STORE=True,
                                                        EPILOGUE_SUBTILE=True)),
-    "wgrad-default-mid": (256, 8, 4, dict(RAGGED=True, TMA_STORE=True, EPILOGUE_SUBTILE=True,
+    "wgrad-default-mid": (256, 8, 4, dict(RAGGED_TMA=True, TMA_STORE=True, EPILOGUE_SUBTILE=True,
                                            GROUP_N=8)),
-    "wgrad-default-short": (128, 4, 3, dict(RAGGED=True)),
-    # The long and mid defaults without db: one loop over the program's chunks (FLAT).
-    "wgrad-default-long-flat": (256, 8, 3, dict(RAGGED=True, TMA_STORE=True, GROUP_N=8,
-                                                FLAT=True, HAS_DB=False)),
-    "wgrad-default-mid-flat": (256, 8, 4, dict(RAGGED=True, TMA_STORE=True,
-                                               EPILOGUE_SUBTILE=True, GROUP_N=8, FLAT=True,
-                                               HAS_DB=False)),
+    "wgrad-default-short": (128, 4, 3, dict(RAGGED_TMA=True)),
+    # The long and mid defaults without db: one loop over the program's chunks (FLATTEN).
+    "wgrad-default-long-flat": (256, 8, 3, dict(RAGGED_TMA=True, TMA_STORE=True, GROUP_N=8,
+                                                FLATTEN=True, WITH_DB=False)),
+    "wgrad-default-mid-flat": (256, 8, 4, dict(RAGGED_TMA=True, TMA_STORE=True,
+                                               EPILOGUE_SUBTILE=True, GROUP_N=8, FLATTEN=True,
+                                               WITH_DB=False)),
     # The dynamic tile schedule (Config.dynamic_tiles) on the long default.
-    "wgrad-dynamic-long": (256, 8, 3, dict(RAGGED=True, TMA_STORE=True, GROUP_N=8, DYNAMIC=True)),
+    "wgrad-dynamic-long": (256, 8, 3, dict(RAGGED_TMA=True, TMA_STORE=True, GROUP_N=8,
+                                           DYNAMIC_TILES=True)),
 }
-# The sweep's M-jagged TMA-store configs (benchmarks/sweep_grouped_linear.py FWD_CONFIGS, also
-# timed for dX, and SWIGLU_CONFIGS): (product, Config args, Config kwargs). bf16, TMA loads.
-MJAGGED_STORE_VARIANTS = {
-    "fwd-128x256-flat-tma-store": ("fwd", (128, 256, 64, 8, 3), dict(flatten=True)),
-    "dx-128x256-flat-tma-store": ("dx", (128, 256, 64, 8, 3), dict(flatten=True)),
-    "fwd-128x128-s2-flat-x2-tma-store": ("fwd", (128, 128, 64, 4, 2),
-                                         dict(flatten=True, programs_per_sm=2)),
-    "dx-128x128-s2-flat-x2-tma-store": ("dx", (128, 128, 64, 4, 2),
-                                        dict(flatten=True, programs_per_sm=2)),
-    "swiglu-128x128-flat-tma-store": ("swiglu", (128, 128, 64, 8, 3), dict(flatten=True)),
-    "swiglu-128x128-tma-store": ("swiglu", (128, 128, 64, 8, 3), {}),
-}
-
-
-def mjagged_store_config(case):
-    from compileops.grouped_linear import kernels
-
-    product, args, kwargs = MJAGGED_STORE_VARIANTS[case]
-    return product, kernels.Config(*args, tma_store=True, **kwargs)
-
-
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 block may use
 SMEM_PER_SM = 233472  # bytes of shared memory per H100 SM (1 KB of it reserved per block)
 
@@ -161,7 +145,9 @@ def summarize_variant(kernel):
 CASES = {"bf16": ("bf16", False), "bf16-swiglu": ("bf16", True), "fp32-ieee": ("fp32", False),
          "bf16-tma": ("bf16", False, True), "bf16-swiglu-tma": ("bf16", True, True),
          "bf16-dx-tma": ("bf16", False, True, True),
-         "bf16-flatten-tma": ("bf16", False, True, False, True)}
+         "bf16-flatten-tma": ("bf16", False, True, False, True),
+         # the training SwiGLU: pre-activations stored beside the output
+         "bf16-swiglu-preact-tma": ("bf16", True, True, False, False, True)}
 
 
 def _main():  # runs in a subprocess without TRITON_INTERPRET (the compiler needs JITFunctions)
@@ -228,13 +214,13 @@ def test_wgrad_variants_compile_for_sm90(compiled, case):
     if case == "wgrad-default-short":
         assert 2 * (got["shared"] + 1024) <= SMEM_PER_SM, got
     assert got["wgmma"] and got["tma"] and got["pipelined"], got
-    assert got["db_mma"] == flags.get("HAS_DB", True), got
+    assert got["db_mma"] == flags.get("WITH_DB", True), got
     assert got["warps"] == warps, got
-    assert got["ragged_loads"] == flags.get("RAGGED", False), got
-    if flags.get("RAGGED"):
+    assert got["ragged_loads"] == flags.get("RAGGED_TMA", False), got
+    if flags.get("RAGGED_TMA"):
         assert not got["masked_tail"], got
     stores = 0 if not flags.get("TMA_STORE") else 2 if flags.get("EPILOGUE_SUBTILE") else 1
-    if flags.get("DYNAMIC"):  # the tile body twice: the for loop's rounds and the remainder
+    if flags.get("DYNAMIC_TILES"):  # the tile body twice: the for loop's rounds and the remainder
         assert got["tickets"] == 2 and got["tma_stores"] == 2 * stores, got
         # The for loop keeps the dW staging tile across tiles (its stores overlap the next
         # tile): the static kernel's shared memory, not less (a while loop reuses it).
@@ -245,9 +231,10 @@ def test_wgrad_variants_compile_for_sm90(compiled, case):
 
 @pytest.mark.parametrize("case", list(MJAGGED_STORE_VARIANTS))
 def test_mjagged_tma_store_compiles_for_sm90(compiled, case):
-    """The sweep's M-jagged TMA-store configs build for sm90 within the shared-memory limit
-    (operand stages plus the output staging tile; two programs per SM must both fit for the
-    x2/SM one) and store every output tile by TMA through the ragged 4-D descriptor."""
+    """The sweep's M-jagged TMA-store configs (``_helpers.MJAGGED_STORE_VARIANTS``) build for
+    sm90 within the shared-memory limit (operand stages plus the output staging tile; two
+    programs per SM must both fit for the x2/SM one) and store every output tile by TMA
+    through the ragged 4-D descriptor."""
     got = compiled[case]
     _, cfg = mjagged_store_config(case)
     assert got["shared"] <= SMEM_LIMIT, got
@@ -256,23 +243,11 @@ def test_mjagged_tma_store_compiles_for_sm90(compiled, case):
     assert got["ragged_stores"] >= 1 and not got["pointer_stores"], got
 
 
-def test_mjagged_store_variants_are_the_sweeps():
-    """The compiles above are the TMA-store configs the sweep times (fwd and dX share
-    FWD_CONFIGS)."""
-    from tests.grouped_linear._helpers import import_sweep
-
-    sweep = import_sweep()
-    for product, configs in (("fwd", sweep.FWD_CONFIGS), ("dx", sweep.FWD_CONFIGS),
-                             ("swiglu", sweep.SWIGLU_CONFIGS)):
-        listed = {mjagged_store_config(name)[1] for name, (p, _, _) in
-                  MJAGGED_STORE_VARIANTS.items() if p == product}
-        assert listed == {c for c in configs if c.tma_store}, product
-
-
 @pytest.mark.parametrize("groups,kind", [(64, "long"), (128, "mid"), (256, "short")])
 def test_codegen_defaults_are_choose_wgrad_config(groups, kind):
     """The "wgrad-default-*" compiles above are the configs choose_wgrad_config returns."""
     from compileops.grouped_linear import kernels
+    from compileops.grouped_linear.kernels.kjagged import wgrad_variant_flags
 
     cfg = kernels.choose_wgrad_config(65536, groups, 2048, 768, torch.bfloat16,
                                       torch.device("cuda"))
@@ -282,12 +257,12 @@ def test_codegen_defaults_are_choose_wgrad_config(groups, kind):
     flags = dict(flags)
     assert cfg.group_n == flags.pop("GROUP_N", 1), cfg
     dw = torch.empty(64, 1, 1, dtype=torch.bfloat16)  # the flags read dW's groups, dtype, address
-    assert kernels._wgrad_variant_flags(cfg, True, 65536, 2048, 768, dw) == dict(
+    assert wgrad_variant_flags(cfg, True, 65536, 2048, 768, dw) == dict(
         dict.fromkeys(VARIANT_FLAGS, False), **flags)
     # Without db the long and mid defaults take the flattened chunk loop, the short one not.
     flat = WGRAD_VARIANTS.get(f"wgrad-default-{kind}-flat", (0, 0, 0, dict(flags)))[3]
-    flat = {k: v for k, v in flat.items() if k not in ("GROUP_N", "HAS_DB")}
-    assert kernels._wgrad_variant_flags(cfg, True, 65536, 2048, 768, dw, False) == dict(
+    flat = {k: v for k, v in flat.items() if k not in ("GROUP_N", "WITH_DB")}
+    assert wgrad_variant_flags(cfg, True, 65536, 2048, 768, dw, False) == dict(
         dict.fromkeys(VARIANT_FLAGS, False), **flat)
 
 

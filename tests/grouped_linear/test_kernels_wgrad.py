@@ -1,9 +1,10 @@
-"""dW kernel variants (``Config.ragged_tma`` / ``tma_store`` / ``epilogue_subtile``, alone and
-together, as in choose_wgrad_config's defaults): same dW and db bits as the config without
-them, under the interpreter with emulated TMA descriptors; which flags reach the kernel and
-where they fall back; the combination refused up front; the launcher's fallbacks. Their
-sm90 builds are checked in test_grouped_linear_sm90_codegen.py, their speed by
-benchmarks/sweep_grouped_linear.py."""
+"""The dW kernel (K-jagged, kernels/kjagged.py) under the interpreter, with emulated TMA
+descriptors: the TMA path against the fp64 reference; the variants (``Config.ragged_tma`` /
+``tma_store`` / ``epilogue_subtile``, alone and together, as in choose_wgrad_config's
+defaults) give the same dW and db bits as the config without them; which flags reach the
+kernel and where they fall back; the combination refused up front; the tile order
+(``group_n``), the dynamic schedule and the flattened chunk loop. Their sm90 builds are
+checked in test_codegen_sm90.py, their speed by benchmarks/tuning/sweep_grouped_linear.py."""
 import dataclasses
 
 import pytest
@@ -11,7 +12,13 @@ import torch
 
 from compileops.grouped_linear import kernels
 from compileops.grouped_linear.kernels import Config
-from tests.grouped_linear._helpers import import_sweep
+from compileops.grouped_linear.kernels.kjagged import (
+    check_wgrad_variant,
+    is_wgrad_variant,
+    wgrad_variant_flags,
+)
+from compileops.testing import assert_close_to_reference
+from tests.grouped_linear._helpers import TOL, grads_fp64, make_grouped
 
 BASE = Config(16, 32, 32, num_warps=4, num_stages=1)
 VARIANTS = {
@@ -43,6 +50,29 @@ def make(n, dtype, sizes=(32, 0, 21, 7, 16), k=40, extra_rows=6):
     return grad, x, offs
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_wgrad_tma_path_matches_reference(dtype):
+    """The dW kernel's TMA variant (interpreter-emulated descriptors): whole 16-row chunks
+    through the descriptors, each group's partial last chunk masked, so the next group's rows
+    never reach a group's dW, even when they hold inf (0 * inf would poison it)."""
+    sizes = [32, 0, 21, 7, 16]
+    x, w, offs, b = make_grouped(sizes, k=40, n=48, dtype=dtype, extra_rows=6)
+    grad = torch.randn(x.shape[0], 48).to(dtype)
+    _, _, want_dw, want_db = grads_fp64(x, w, offs, b, grad)  # dW_g for g != 2 ignore row 32
+    x[32] = float("inf")  # first row of group 2: must only reach dW_2
+    dw, db = kernels.grouped_linear_wgrad(grad, x, offs, dtype, dtype, use_tma=True)
+    ptr_dw, ptr_db = kernels.grouped_linear_wgrad(grad, x, offs, dtype, dtype, use_tma=False)
+    for g in (0, 1, 3, 4):
+        assert torch.isfinite(dw[g]).all(), g
+        assert_close_to_reference(dw[g].float(), want_dw[g], max_relative_error=TOL[dtype],
+                                  what=f"dW_{g}")
+    assert torch.equal(dw[1], torch.zeros_like(dw[1])) and torch.equal(db[1], torch.zeros_like(db[1]))
+    assert_close_to_reference(db.float(), want_db, max_relative_error=TOL[dtype], what="db")
+    assert torch.equal(db, ptr_db)
+    finite = torch.isfinite(dw) & torch.isfinite(ptr_dw)
+    assert torch.allclose(dw[finite].float(), ptr_dw[finite].float(), rtol=TOL[dtype], atol=1e-6)
+
+
 @pytest.mark.parametrize("n", [64, 48], ids=["n%block_n==0", "n%block_n!=0"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -65,27 +95,27 @@ def test_variant_without_db_is_bitwise_the_default():
     grad, x, offs = make(64, torch.bfloat16)
     cfg = dataclasses.replace(BASE, ragged_tma=True, tma_store=True)
     want, _ = kernels.grouped_linear_wgrad(grad, x, offs, torch.bfloat16, torch.bfloat16,
-                                           config=BASE, use_tma=True, compute_db=False)
+                                           config=BASE, use_tma=True, with_db=False)
     got, none = kernels.grouped_linear_wgrad(grad, x, offs, torch.bfloat16, torch.bfloat16,
-                                             config=cfg, use_tma=True, compute_db=False)
+                                             config=cfg, use_tma=True, with_db=False)
     assert none is None and torch.equal(bits(got), bits(want))
 
 
 def test_flags_reach_the_kernel_only_where_they_apply():
     dw = torch.empty(4, 64, 40, dtype=torch.bfloat16)
-    flags = kernels._wgrad_variant_flags
-    off = dict(RAGGED=False, TMA_STORE=False, EPILOGUE_SUBTILE=False, FLAT=False)
+    flags = wgrad_variant_flags
+    off = dict(RAGGED_TMA=False, TMA_STORE=False, EPILOGUE_SUBTILE=False, FLATTEN=False)
     assert flags(BASE, True, 100, 64, 40, dw) == off  # no variant flags: all off
     both = dataclasses.replace(BASE, ragged_tma=True, tma_store=True)
-    on = dict(off, RAGGED=True, TMA_STORE=True)
+    on = dict(off, RAGGED_TMA=True, TMA_STORE=True)
     assert flags(both, True, 100, 64, 40, dw) == on
     halves = dataclasses.replace(both, epilogue_subtile=True)
     assert flags(halves, True, 100, 64, 40, dw) == dict(on, EPILOGUE_SUBTILE=True)
     assert flags(halves, False, 100, 64, 40, dw) == off  # pointer path: every variant falls back
     # 48 % 32: a box would spill into the next group's rows; ragged loads still apply
-    assert flags(halves, True, 100, 48, 40, dw) == dict(off, RAGGED=True)
-    assert flags(both, True, 100, 64, 41, dw) == dict(off, RAGGED=True)  # dW rows not 16-B aligned
-    assert flags(both, True, 100, 64, 40, dw.float()) == dict(off, RAGGED=True)  # fp32 dW
+    assert flags(halves, True, 100, 48, 40, dw) == dict(off, RAGGED_TMA=True)
+    assert flags(both, True, 100, 64, 41, dw) == dict(off, RAGGED_TMA=True)  # dW rows not 16-B aligned
+    assert flags(both, True, 100, 64, 40, dw.float()) == dict(off, RAGGED_TMA=True)  # fp32 dW
     assert flags(both, True, 2**30, 64, 40, dw) == dict(off, TMA_STORE=True)  # rows past ragged
 
 
@@ -112,10 +142,10 @@ def test_default_configs():
     short = kernels.choose_wgrad_config(65536, 129, 2048, 768, torch.bfloat16, cuda)
     assert short == Config(64, 128, 128, 4, 3, programs_per_sm=2, ragged_tma=True)
     for cfg in (long, mid, short):
-        kernels._check_wgrad_variant(cfg)
-    assert not kernels._is_wgrad_variant(
+        check_wgrad_variant(cfg)
+    assert not is_wgrad_variant(
         kernels.choose_wgrad_config(65536, 64, 2048, 768, torch.float32, cuda))
-    assert not kernels._is_wgrad_variant(
+    assert not is_wgrad_variant(
         kernels.choose_wgrad_config(65536, 64, 2048, 768, torch.bfloat16, torch.device("cpu")))
 
 
@@ -141,26 +171,6 @@ def test_default_gpu_configs_are_bitwise_their_plain_form(g, n):
         assert torch.equal(bits(dw[grp]), bits(want_dw[grp])), grp
 
 
-def test_sweep_lists_the_variants_with_distinct_labels():
-    sweep = import_sweep()
-    labels = [sweep.config_label(c) for c in sweep.WGRAD_CONFIGS]
-    assert len(set(labels)) == len(labels), labels
-    for flag, word in (("ragged_tma", " ragged"), ("tma_store", " tma-store"),
-                       ("epilogue_subtile", "tma-store/2")):
-        assert any(getattr(c, flag) for c in sweep.WGRAD_CONFIGS), flag
-        assert all((word in sweep.config_label(c)) == getattr(c, flag)
-                   for c in sweep.WGRAD_CONFIGS), flag
-    for cfg in sweep.WGRAD_CONFIGS:
-        kernels._check_wgrad_variant(cfg)
-    cuda = torch.device("cuda")
-    for m, g in ((65536, 64), (65536, 128)):  # long and short groups: the defaults are listed
-        default = kernels.choose_wgrad_config(m, g, 2048, 768, torch.bfloat16, cuda)
-        assert default in sweep.WGRAD_CONFIGS, default
-        assert sweep.config_label(default, default).endswith(" (default)")
-        assert [sweep.config_label(c, default) for c in sweep.WGRAD_CONFIGS].count(
-            sweep.config_label(default, default)) == 1
-
-
 # ------------------------------------------------------------------ dW tile order (group_n)
 
 
@@ -170,7 +180,7 @@ def _tile_coords_probe():
     import triton
     import triton.language as tl
 
-    from compileops.grouped_linear.kernels import kjagged_tile_coords
+    from compileops.grouped_linear.kernels.tiles import kjagged_tile_coords
 
     @triton.jit
     def probe(out_ptr, num_n, num_k, GROUP_N: tl.constexpr):
@@ -255,11 +265,11 @@ def test_flat_loop_is_bitwise_the_tile_loop(dtype, n, extra):
     grad, x, offs = make(n, dtype)
     tiles = dataclasses.replace(BASE, **dict(dict(ragged_tma=True, tma_store=True), **extra))
     want, _ = kernels.grouped_linear_wgrad(grad, x, offs, dtype, dtype, config=tiles,
-                                           use_tma=True, compute_db=False)
+                                           use_tma=True, with_db=False)
     cfg = dataclasses.replace(tiles, flatten=True)
-    assert kernels._wgrad_variant_flags(cfg, True, *grad.shape, x.shape[1], want, False)["FLAT"]
+    assert wgrad_variant_flags(cfg, True, *grad.shape, x.shape[1], want, False)["FLATTEN"]
     dw, db = kernels.grouped_linear_wgrad(grad, x, offs, dtype, dtype, config=cfg, use_tma=True,
-                                          compute_db=False)
+                                          with_db=False)
     assert db is None and torch.equal(bits(dw), bits(want))
     assert torch.equal(dw[1], torch.zeros_like(dw[1]))
     start = 0
@@ -283,12 +293,12 @@ def test_flat_loop_chunk_count(sizes, monkeypatch):
     offs = torch.cumsum(torch.tensor(sizes), 0).to(torch.int32)
     tiles = dataclasses.replace(BASE, ragged_tma=True, tma_store=True)
     want, _ = kernels.grouped_linear_wgrad(grad, x, offs, torch.float32, torch.float32,
-                                           config=tiles, use_tma=True, compute_db=False)
+                                           config=tiles, use_tma=True, with_db=False)
     cfg = dataclasses.replace(tiles, flatten=True)
     empty = torch.empty  # dW starts as NaN: every element must be written
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: nan_filled(empty(*a, **kw)))
     dw, _ = kernels.grouped_linear_wgrad(grad, x, offs, torch.float32, torch.float32,
-                                         config=cfg, use_tma=True, compute_db=False)
+                                         config=cfg, use_tma=True, with_db=False)
     monkeypatch.undo()
     assert torch.equal(bits(dw), bits(want))
 
@@ -298,13 +308,13 @@ def test_flat_loop_only_without_db_and_static():
     loads, ``flatten`` leaves the dW launch on the tile loop."""
     dw = torch.empty(5, 64, 40, dtype=torch.bfloat16)
     cfg = dataclasses.replace(BASE, ragged_tma=True, tma_store=True, flatten=True)
-    assert kernels._wgrad_variant_flags(cfg, True, 82, 64, 40, dw, False)["FLAT"]
-    assert not kernels._wgrad_variant_flags(cfg, True, 82, 64, 40, dw, True)["FLAT"]
-    assert not kernels._wgrad_variant_flags(cfg, False, 82, 64, 40, dw, False)["FLAT"]
-    assert not kernels._wgrad_variant_flags(
-        dataclasses.replace(cfg, dynamic_tiles=True), True, 82, 64, 40, dw, False)["FLAT"]
-    assert not kernels._wgrad_variant_flags(
-        dataclasses.replace(cfg, ragged_tma=False), True, 82, 64, 40, dw, False)["FLAT"]
+    assert wgrad_variant_flags(cfg, True, 82, 64, 40, dw, False)["FLATTEN"]
+    assert not wgrad_variant_flags(cfg, True, 82, 64, 40, dw, True)["FLATTEN"]
+    assert not wgrad_variant_flags(cfg, False, 82, 64, 40, dw, False)["FLATTEN"]
+    assert not wgrad_variant_flags(
+        dataclasses.replace(cfg, dynamic_tiles=True), True, 82, 64, 40, dw, False)["FLATTEN"]
+    assert not wgrad_variant_flags(
+        dataclasses.replace(cfg, ragged_tma=False), True, 82, 64, 40, dw, False)["FLATTEN"]
 
 
 def test_dynamic_schedule_rounds_then_remainder():
@@ -313,16 +323,3 @@ def test_dynamic_schedule_rounds_then_remainder():
     rounds = -(-total // progs) + -(-total // (4 * progs)) + 4
     assert 1 + (total - progs) > rounds  # program 0's tiles: its own, then every ticket
 
-
-def test_variant_launch_fallback_contract():
-    """``_variant_launched`` (both launchers' TMA-variant step): True when the launch runs; a
-    failing launch re-raises for an explicit config and warns, returning False, for a
-    default one (the launcher then records it and launches without the variant)."""
-    def broken():
-        raise RuntimeError("no TMA here")
-
-    assert kernels._variant_launched(lambda: None, True, "x", "y") is True
-    with pytest.raises(RuntimeError, match="no TMA here"):
-        kernels._variant_launched(broken, True, "dW kernel", "the plain TMA kernel")
-    with pytest.warns(UserWarning, match="dW kernel failed .*no TMA here.*the plain TMA kernel"):
-        assert kernels._variant_launched(broken, False, "dW kernel", "the plain TMA kernel") is False

@@ -2,8 +2,8 @@
 
 Same FLOPs, different group sizes: a linear cost model (a fixed cost per tile plus one step
 per 64-row chunk) says balanced and skewed splits cost the same apart from the schedule's
-imbalance, yet on the H100 our dW runs 10-13% slower on the Dirichlet(1) splits of Mixtral
-and DeepSeek while the anchor loses 0-4%. This script separates the suspects:
+imbalance, yet our dW can lose more than the anchor on the Dirichlet(1) splits of Mixtral
+and DeepSeek (benchmarks/RESULTS.md). This script separates the suspects:
 
 * ``order``: the skewed sizes in their drawn order, sorted large-first and small-first
   (the schedule's imbalance changes with the order, the per-size costs do not);
@@ -15,7 +15,7 @@ and DeepSeek while the anchor loses 0-4%. This script separates the suspects:
 Ours and the anchor are timed in ``--rounds`` alternating rounds, medians reported
 (``bench_grouped_linear.time_alternating``).
 
-    python3 benchmarks/probe_grouped_linear_dw.py [--shapes deepseek_v3 ...] [--profile]
+    python3 benchmarks/tuning/probe_grouped_linear_dw.py [--shapes deepseek_v3 ...] [--profile]
 
 ``--profile``: skip the timings; run each case's kernels once between
 ``cudaProfilerStart/Stop`` for ``ncu --profile-from-start off``.
@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks.bench_grouped_linear import SHAPES, make_offsets, time_alternating  # noqa: E402
 from compileops.grouped_linear import kernels  # noqa: E402
@@ -98,7 +98,7 @@ def main() -> int:
                 return kernels.grouped_linear_wgrad(dy, x, offs, bf16, bf16)
 
             def ours_no_db(offs=offs):
-                return kernels.grouped_linear_wgrad(dy, x, offs, bf16, bf16, compute_db=False)
+                return kernels.grouped_linear_wgrad(dy, x, offs, bf16, bf16, with_db=False)
 
             def anchor(offs=offs):
                 return torch._grouped_mm(dy.t(), x, offs=offs)
@@ -111,7 +111,7 @@ def main() -> int:
 
                 def variant(offs=offs, cfg=cfg):
                     return kernels.grouped_linear_wgrad(dy, x, offs, bf16, bf16, config=cfg,
-                                                        compute_db=not args.variants_no_db)
+                                                        with_db=not args.variants_no_db)
 
                 got_dw, got_db = variant()
                 # A different block_m changes the fp32 summation order: then only close.

@@ -1,35 +1,17 @@
 """grouped_linear under torch.compile: no graph breaks or recompiles, the Triton template (run
-under the interpreter on CPU) with its fused epilogues, and graph/kernel snapshots pinned on
-torch 2.13 (regenerate with EXPECTTEST_ACCEPT=1)."""
-import expecttest
+under the interpreter on CPU) with its fused epilogues, the lowering's config choice
+(max-autotune, batch-invariant mode). Graph/kernel snapshots: test_snapshots.py."""
 import pytest
 import torch
-
-from compileops.grouped_linear.kernels import Config
 import torch.nn.functional as F
 
 import compileops
 from compileops.grouped_linear import reference
-from compileops.testing import aot_graph_text, assert_close_to_reference, inductor_kernels
+from compileops.grouped_linear.kernels import Config
+from compileops.testing import assert_close_to_reference
 from lowerings import _compat
-
-needs_213 = pytest.mark.skipif(not torch.__version__.startswith("2.13"),
-                               reason="snapshots are pinned on torch 2.13")
-
-
-def make(sizes, k=16, n=24, extra_rows=2, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    m = sum(sizes) + extra_rows
-    x = torch.randn(m, k, generator=gen)
-    w = torch.randn(len(sizes), n, k, generator=gen) / k**0.5
-    b = torch.randn(len(sizes), n, generator=gen)
-    p = torch.rand(m, generator=gen)
-    return x, w, torch.cumsum(torch.tensor(sizes), 0).to(torch.int32), b, p
-
-
-def moe_expert(x, w, offs, b, p):
-    """Fused gate/up SwiGLU, then per-row router-probability scaling."""
-    return compileops.grouped_linear_swiglu(x, w, offs, b) * p[:, None]
+from tests.grouped_linear._helpers import make_expert_inputs as make
+from tests.grouped_linear._helpers import moe_expert
 
 
 def ref_moe_expert(x, w, offs, b, p):
@@ -84,7 +66,7 @@ def test_template_runs_under_interpreter_with_fused_epilogue():
         compiled = torch.compile(moe_expert, fullgraph=True)
         out, sources = _compat.run_and_get_code(compiled, x, w, offs, b, p)
     code = "\n".join(sources)
-    assert "from compileops.grouped_linear.kernels import" in code
+    assert "from compileops.grouped_linear.kernels.mjagged import mjagged_tile" in code
     assert "torch.ops.compileops.grouped_linear_swiglu.default(" not in code, "must be lowered"
     assert "def triton_tem_fused_grouped_linear_swiglu_mul" in code
     assert_close_to_reference(out, ref_moe_expert(x, w, offs, b, p), max_relative_error=1e-5)
@@ -152,73 +134,6 @@ def test_gelu_and_bias_epilogue_codegen():
     assert "triton_poi" not in code, "GELU and the cast must fuse into the template"
 
 
-class Snapshots(expecttest.TestCase):
-    @needs_213
-    def test_aot_graphs(self):
-        x, w, offs, b, _ = make([3, 4])
-        w.requires_grad_(), b.requires_grad_(), x.requires_grad_()
-        fw, bw = aot_graph_text(compileops.grouped_linear, x, w, offs, b)
-        self.assertExpectedInline(fw, """\
-class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[9, 16]", primals_2: "f32[2, 24, 16]", primals_3: "i32[2]", primals_4: "f32[2, 24]"):
-        grouped_linear: "f32[9, 24]" = torch.ops.compileops.grouped_linear.default(primals_1, primals_2, primals_3, primals_4);  primals_4 = None
-        return (grouped_linear, primals_1, primals_2, primals_3)""")
-        self.assertExpectedInline(bw, """\
-class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[9, 16]", primals_2: "f32[2, 24, 16]", primals_3: "i32[2]", tangents_1: "f32[9, 24]"):
-        grouped_linear_dx: "f32[9, 16]" = torch.ops.compileops.grouped_linear_dx.default(tangents_1, primals_2, primals_3);  primals_2 = None
-        grouped_linear_wgrad = torch.ops.compileops.grouped_linear_wgrad.default(tangents_1, primals_1, primals_3, torch.float32, torch.float32);  tangents_1 = primals_1 = primals_3 = None
-        getitem: "f32[2, 24, 16]" = grouped_linear_wgrad[0]
-        getitem_1: "f32[2, 24]" = grouped_linear_wgrad[1];  grouped_linear_wgrad = None
-        return (grouped_linear_dx, getitem, None, getitem_1)""")
-
-    @needs_213
-    def test_aot_backward_without_bias_skips_db(self):
-        # No bias: the wgrad op is called with with_db=False (no column sums) and its empty
-        # db output is dropped.
-        x, w, offs, _, _ = make([3, 4])
-        w.requires_grad_(), x.requires_grad_()
-        _, bw = aot_graph_text(compileops.grouped_linear, x, w, offs)
-        self.assertExpectedInline(bw, """\
-class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[9, 16]", primals_2: "f32[2, 24, 16]", primals_3: "i32[2]", tangents_1: "f32[9, 24]"):
-        grouped_linear_dx: "f32[9, 16]" = torch.ops.compileops.grouped_linear_dx.default(tangents_1, primals_2, primals_3);  primals_2 = None
-        grouped_linear_wgrad = torch.ops.compileops.grouped_linear_wgrad.default(tangents_1, primals_1, primals_3, torch.float32, torch.float32, False);  tangents_1 = primals_1 = primals_3 = None
-        getitem: "f32[2, 24, 16]" = grouped_linear_wgrad[0];  grouped_linear_wgrad = None
-        return (grouped_linear_dx, getitem, None)""")
-
-    @needs_213
-    def test_swiglu_template_kernels(self):
-        x, w, offs, b, p = make([5, 0, 11, 3])
-        kernels = inductor_kernels(moe_expert, x, w, offs, b, p, triton=True)
-        self.assertExpectedInline(kernels, """triton_tem_fused_grouped_linear_swiglu_mul_unsqueeze""")
-
-    @needs_213
-    def test_swiglu_template_kernels_fw_bw(self):
-        # Forward: the SwiGLU template with the router scaling epilogue. Backward: the
-        # pre-activation recomputed by the plain template, one pointwise kernel for the
-        # SwiGLU derivative (the cat fused in), then our dX and dW/db ops as extern calls.
-        x, w, offs, b, p = make([5, 0, 11, 3])
-        for t in (x, w, b):
-            t.requires_grad_()
-        kernels = inductor_kernels(moe_expert, x, w, offs, b, p, triton=True, backward=True)
-        self.assertExpectedInline(kernels, """\
-triton_tem_fused_grouped_linear_swiglu_mul_unsqueeze
-# backward
-triton_tem_fused_grouped_linear
-triton_poi_fused_add_mul_rsub_sigmoid_split_unsqueeze
-triton_tem_fused_grouped_linear_dx
-torch.ops.compileops.grouped_linear_wgrad.default""")
-
-    @needs_213
-    def test_cpu_cpp_backend_is_extern_call(self):
-        x, w, offs, b, p = make([5, 0, 11, 3])
-        kernels = inductor_kernels(moe_expert, x, w, offs, b, p)
-        self.assertExpectedInline(kernels, """\
-cpp_fused_mul_unsqueeze
-torch.ops.compileops.grouped_linear_swiglu.default""")
-
-
 def test_autotune_offsets_are_skewed_and_valid():
     from lowerings.grouped_linear import AUTOTUNE_CONFIGS, skewed_offsets
 
@@ -276,9 +191,11 @@ def test_max_autotune_path_benchmarks_choices_on_skewed_offsets():
     assert_close_to_reference(out, ref, max_relative_error=1e-5)
 
 
-def test_template_tma_variant_fw_bw_under_interpreter():
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept-preact", "recompute"])
+def test_template_tma_variant_fw_bw_under_interpreter(recompute):
     """The template's TMA-descriptor variant (a max-autotune choice on sm90) forced as the only
-    config: SwiGLU forward, recomputed forward and dX in the backward, all through it."""
+    config: the SwiGLU forward (storing its pre-activations by default), the recomputed
+    forward (recompute=True) and dX in the backward, all through it."""
     from unittest import mock
 
     import lowerings.grouped_linear as lowering
@@ -291,9 +208,33 @@ def test_template_tma_variant_fw_bw_under_interpreter():
     def tma_only(*args, **kwargs):
         return [(Config(16, 16, 16, 1, 1), True)], False
 
+    def expert(x, w, offs, b, p):
+        return compileops.grouped_linear_swiglu(x, w, offs, b, recompute=recompute) * p[:, None]
+
     with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu(), \
             mock.patch.object(lowering, "_configs", tma_only):
-        out, sources = _compiled_fw_bw(moe_expert, (x, w, offs, b, p), grad)
+        out, sources = _compiled_fw_bw(expert, (x, w, offs, b, p), grad)
     code = "\n".join(sources)
-    assert code.count("make_descriptors(") >= 3, "forward, recompute and dX templates use TMA"
+    templates = 3 if recompute else 2
+    assert code.count("make_descriptors(") >= templates, "forward, (recompute,) dX use TMA"
     _assert_fw_bw_match_fp64(out, grad, x, w, offs, b, p)
+
+
+def test_batch_invariant_collapses_max_autotune_configs(monkeypatch):
+    """Under max-autotune the lowering benchmarks several tile configs; batch-invariant mode
+    must collapse that list to the single fixed config (host-only check)."""
+    from compileops.grouped_linear import kernels
+    from compileops.grouped_linear import batch_invariant, is_batch_invariant
+    import lowerings.grouped_linear as lowering
+
+    monkeypatch.setattr(lowering._compat, "max_autotune_enabled", lambda: True)
+    cuda = torch.device("cuda")
+    configs, autotune = lowering._configs(4096, 8, 256, 512, torch.bfloat16, cuda, tma=True)
+    assert autotune and len(configs) > 1  # autotuning is really on outside the mode
+    bi = kernels.BATCH_INVARIANT_CONFIG
+    expected = [(bi, False)]
+    with batch_invariant():
+        for m in (1, 64, 4096, 65536):
+            configs, autotune = lowering._configs(m, 8, 256, 512, torch.bfloat16, cuda, tma=True)
+            assert configs == expected and not autotune, (m, configs)
+    assert not is_batch_invariant()

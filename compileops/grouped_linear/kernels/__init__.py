@@ -1,0 +1,95 @@
+"""Triton kernels of the grouped linear family, with their eager launchers.
+
+Two persistent grouped products (a fixed grid of programs that walk the tiles), both
+reading the group offsets on the device (no host sync, CUDA-graph safe):
+
+* M-jagged, ``out[rows_g] = A[rows_g] @ B_g (+ bias_g)``: the forward, dX and the fused
+  SwiGLU forward (:mod:`.mjagged`);
+* K-jagged, ``dW_g = dY_g^T @ X_g`` with ``db_g = colsum(dY_g)`` in the same pass, bitwise
+  deterministic (:mod:`.kjagged`).
+
+One job per file:
+
+* :mod:`.tiles`: group bounds from the offsets, the two tile spaces, the dW ticket counter;
+* :mod:`.mjagged`: the M-jagged tile body, kernel and launchers;
+* :mod:`.kjagged`: the dW/db tile body, kernel and launcher;
+* :mod:`.tma`: TMA descriptors (ragged ones too), when a launch takes them, and the
+  per-device fallback when one fails;
+* :mod:`.config`: :class:`Config` (the tuning API) and the heuristics that pick one.
+
+The Inductor template (``lowerings/templates/grouped_linear.py.jinja``) imports the
+M-jagged ``@triton.jit`` bodies from these modules, so no kernel math is written twice
+(docs/architecture.md; docs/adding-an-op.md for the recipe).
+"""
+from compileops.grouped_linear.kernels.config import (
+    BATCH_INVARIANT_CONFIG,
+    INTERPRETER_CONFIG,
+    WGRAD_FP32_CONFIG,
+    WGRAD_LONG_CONFIG,
+    WGRAD_MID_CONFIG,
+    WGRAD_SHORT_CONFIG,
+    Config,
+    choose_config,
+    choose_wgrad_config,
+    interpreter_dot,
+    grid_size,
+    group_block,
+    input_precision,
+    num_programs,
+)
+from compileops.grouped_linear.kernels.kjagged import (
+    grouped_linear_wgrad,
+    kjagged_gemm_kernel,
+)
+from compileops.grouped_linear.kernels.mjagged import (
+    grouped_linear_dx,
+    grouped_linear_forward,
+    grouped_linear_swiglu_forward,
+    mjagged_gemm,
+    mjagged_gemm_kernel,
+    mjagged_tile,
+    swiglu,
+)
+from compileops.grouped_linear.kernels.tiles import group_tile_table, locate_tile
+from compileops.grouped_linear.kernels.tma import (
+    RAGGED_ROWS,
+    Fallback,
+    fell_back,
+    make_descriptors,
+    tma_applies,
+    wgrad_tma_applies,
+)
+
+__all__ = [
+    "BATCH_INVARIANT_CONFIG",
+    "INTERPRETER_CONFIG",
+    "RAGGED_ROWS",
+    "WGRAD_FP32_CONFIG",
+    "WGRAD_LONG_CONFIG",
+    "WGRAD_MID_CONFIG",
+    "WGRAD_SHORT_CONFIG",
+    "Config",
+    "Fallback",
+    "choose_config",
+    "choose_wgrad_config",
+    "interpreter_dot",
+    "fell_back",
+    "grid_size",
+    "group_block",
+    "group_tile_table",
+    "grouped_linear_dx",
+    "grouped_linear_forward",
+    "grouped_linear_swiglu_forward",
+    "grouped_linear_wgrad",
+    "input_precision",
+    "kjagged_gemm_kernel",
+    "locate_tile",
+    "make_descriptors",
+    "mjagged_gemm",
+    "mjagged_gemm_kernel",
+    "mjagged_tile",
+    "num_programs",
+    "swiglu",
+    "tma_applies",
+    "wgrad_tma_applies",
+]

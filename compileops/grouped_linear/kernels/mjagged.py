@@ -1,0 +1,346 @@
+"""M-jagged grouped GEMM: ``out[rows_g] = A[rows_g] @ B_g (+ bias_g)``, the forward
+(``A = x``, ``B_g = W_g^T``), dX (``A = dY``, ``B_g = W_g``) and the fused SwiGLU forward
+(gate and up halves of N in one tile).
+
+Persistent: a fixed grid of ``NUM_PROGS`` programs walks one flat tile space over all
+groups (``tiles.group_tile_table`` / ``tiles.locate_tile``), reading the offsets on the
+device (no host sync, CUDA-graph safe), so load balance does not depend on how the rows
+split into groups. The rows past ``offsets[-1]`` form a virtual group ``G`` whose tiles are
+written as exact zeros.
+
+:func:`mjagged_tile` and :func:`swiglu` are shared with the Inductor template
+(``lowerings/templates/grouped_linear.py.jinja``), which stores through ``store_output``
+so that pointwise consumers fuse as its epilogue.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from compileops.grouped_linear.kernels.config import (
+    Config,
+    choose_config,
+    interpreter_dot,
+    grid_size,
+    group_block,
+    input_precision,
+)
+from compileops.grouped_linear.kernels.tiles import group_tile_table, locate_tile
+from compileops.grouped_linear.kernels.tma import (
+    Fallback,
+    fell_back,
+    launch_or_fall_back,
+    load_b_tile,
+    make_descriptors,
+    mjagged_tma_store,
+    ragged_rows_descriptor,
+    set_tma_allocator,
+    store_rows_below,
+    tma_applies,
+)
+
+
+# ---------------------------------------------------------------------------------------
+# Shared @triton.jit bodies (also called by the Inductor template)
+
+
+@triton.jit
+def tile_dot(a, b, acc, INPUT_PRECISION: tl.constexpr, INTERPRETER_DOT: tl.constexpr):
+    """``acc + a @ b`` in fp32: a ``[BLOCK_M, BLOCK_K]``, b ``[BLOCK_K, BLOCK_N]``, acc
+    ``[BLOCK_M, BLOCK_N]``.
+
+    ``INTERPRETER_DOT`` (CPU tensors, Triton's interpreter; see ``config.interpreter_dot``):
+    an explicit product-and-sum over K in fp32, so every output element is summed in the same
+    order wherever its row sits in the tile (numpy's matmul does not promise that, and bf16
+    tiles would be multiplied as raw bits). On GPUs: the tensor-core MMA.
+    """
+    if INTERPRETER_DOT:
+        products = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]  # [M, K, N]
+        return acc + tl.sum(products, axis=1)
+    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def mjagged_tile(
+    a_ptr, b_ptr, bias_ptr, g, active, row_start, m_size, tile_m, tile_n,
+    n_size, pair_offset, K,
+    stride_am, stride_ak, stride_bg, stride_bk, stride_bn, stride_biasg, stride_biasn,
+    a_desc, b_desc,
+    HAS_BIAS: tl.constexpr, PAIR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, INTERPRETER_DOT: tl.constexpr,
+    USE_TMA: tl.constexpr, B_KN: tl.constexpr,
+):
+    """fp32 ``[BLOCK_M, BLOCK_N]`` tile of ``A[row_start + rm] @ B_g[:, rn] (+ bias_g[rn])``.
+
+    * ``a_ptr``: A ``[M, K]``, strides ``(stride_am, stride_ak)``.
+    * ``b_ptr``: B ``[G, K, N]`` as addressed: ``B_g[k, n]`` at ``g * stride_bg + k *
+      stride_bk + n * stride_bn`` (the forward passes the weight ``[G, N, K]`` with its last
+      two strides swapped: ``B_g = W_g^T``).
+    * ``bias_ptr`` (``HAS_BIAS``): bias ``[G, N]``, strides ``(stride_biasg, stride_biasn)``.
+
+    ``rm = tile_m * BLOCK_M + arange`` (valid below ``m_size``), ``rn = tile_n * BLOCK_N +
+    arange`` (valid below ``n_size``). Returns ``(tile, tile2)``: with ``PAIR`` the second
+    is the tile at columns ``rn + pair_offset`` (the up half of a fused gate/up weight),
+    computed in the same K loop so the A tile is loaded once; otherwise ``tile2 is tile``.
+    ``active == False`` (the tail past the last group) gives exact zeros: its pointer loads
+    are masked off, its TMA loads of the out-of-range group ``G`` are zero-filled, and the
+    accumulator is replaced by zeros (tail rows of A may hold anything, even inf). The K
+    loop always runs in the same BLOCK_K order: a row's value does not depend on the other
+    rows of its tile.
+
+    ``USE_TMA``: A and B tiles come through the tensor descriptors ``a_desc`` / ``b_desc``
+    (``tma.make_descriptors``). Rows of A past the group (other groups' rows) only reach
+    output rows that are masked at the store; columns and K past the tensor's bounds are
+    zero-filled by the TMA unit. ``B_KN``: the weight is stored ``[G, K, N]`` (dX: ``W_g``
+    untransposed), else ``[G, N, K]``.
+    """
+    rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    row_ok = rm < m_size
+    col_ok = rn < n_size
+    rows = (row_start + rm).to(tl.int64)
+    cols = rn.to(tl.int64)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + rk[None, :] * stride_ak
+    b_ptrs = (b_ptr + tl.cast(g, tl.int64) * stride_bg + rk[:, None] * stride_bk
+              + cols[None, :] * stride_bn)
+    b2_ptrs = b_ptrs + tl.cast(pair_offset, tl.int64) * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # A loop-invariant trip count (K, not "0 when inactive") lets tl.range(flatten=True) fuse
+    # this loop with the persistent tile loop; inactive tiles are zeroed after it instead.
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + rk) < K
+        # a [BLOCK_M, BLOCK_K], b [BLOCK_K, BLOCK_N]
+        if USE_TMA:
+            a = a_desc.load([(row_start + tile_m * BLOCK_M).to(tl.int32), k0])
+            b = load_b_tile(b_desc, g, tile_n * BLOCK_N, k0, BLOCK_N, BLOCK_K, B_KN)
+        else:
+            a = tl.load(a_ptrs, mask=(row_ok & active)[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & (col_ok & active)[None, :], other=0.0)
+        acc = tile_dot(a, b, acc, INPUT_PRECISION, INTERPRETER_DOT)
+        if PAIR:  # b2 [BLOCK_K, BLOCK_N]: the up half's columns
+            if USE_TMA:
+                b2 = load_b_tile(b_desc, g, tile_n * BLOCK_N + pair_offset, k0,
+                                 BLOCK_N, BLOCK_K, B_KN)
+            else:
+                b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & (col_ok & active)[None, :], other=0.0)
+            acc2 = tile_dot(a, b2, acc2, INPUT_PRECISION, INTERPRETER_DOT)
+            b2_ptrs += BLOCK_K * stride_bk
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    acc = tl.where(active, acc, 0.0)
+    acc2 = tl.where(active, acc2, 0.0)
+    if HAS_BIAS:
+        bias_ptrs = bias_ptr + tl.cast(g, tl.int64) * stride_biasg + cols * stride_biasn
+        bias = tl.load(bias_ptrs, mask=col_ok & active, other=0.0)  # [BLOCK_N]
+        acc += bias.to(tl.float32)[None, :]
+        if PAIR:
+            bias2 = tl.load(bias_ptrs + tl.cast(pair_offset, tl.int64) * stride_biasn,
+                            mask=col_ok & active, other=0.0)  # [BLOCK_N]
+            acc2 += bias2.to(tl.float32)[None, :]
+    if PAIR:
+        return acc, acc2
+    return acc, acc
+
+
+@triton.jit
+def swiglu(gate, up):
+    """``silu(gate) * up`` in fp32 (``tl.sigmoid``: no libdevice, runs in the interpreter)."""
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def store_tile(out_ptr, stride_om, stride_on, row_start, m_size, tile_m, tile_n, col_offset,
+               n_size, tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Masked pointer store of the fp32 ``tile [BLOCK_M, BLOCK_N]`` (rows ``tile_m * BLOCK_M +
+    arange`` below ``m_size``, columns ``tile_n * BLOCK_N + arange`` below ``n_size``) to
+    ``out[row_start + row, col_offset + column]``, cast to out's dtype; strides
+    ``(stride_om, stride_on)``."""
+    rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm < m_size)[:, None] & (rn < n_size)[None, :]
+    rows = (row_start + rm).to(tl.int64)
+    cols = (col_offset + rn).to(tl.int64)
+    dst = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on  # [BLOCK_M, BLOCK_N]
+    tl.store(dst, tile.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------
+# Eager kernel
+
+
+@triton.jit
+def mjagged_gemm_kernel(
+    a_ptr, b_ptr, bias_ptr, offs_ptr, out_ptr,
+    M, N_OUT, K, G,
+    stride_am, stride_ak, stride_bg, stride_bk, stride_bn, stride_biasg, stride_biasn,
+    stride_om, stride_on, pre_ptr, stride_pm, stride_pn,
+    HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NUM_PROGS: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, INTERPRETER_DOT: tl.constexpr,
+    USE_TMA: tl.constexpr, B_KN: tl.constexpr, G_BLOCK: tl.constexpr, FLATTEN: tl.constexpr,
+    TMA_STORE: tl.constexpr = False, SAVE_PREACT: tl.constexpr = False,
+):
+    """Persistent M-jagged grouped GEMM.
+
+    * ``a_ptr``: A ``[M, K]``, strides ``(stride_am, stride_ak)``.
+    * ``b_ptr``: the weight, addressed as B ``[G, K, N]`` through ``(stride_bg, stride_bk,
+      stride_bn)`` (see :func:`mjagged_tile`); ``N = 2 * N_OUT`` with ``SWIGLU`` (gate
+      columns ``[0, N_OUT)``, up columns ``[N_OUT, 2 * N_OUT)``), else ``N_OUT``.
+    * ``bias_ptr`` (``HAS_BIAS``): bias ``[G, N]``, strides ``(stride_biasg, stride_biasn)``.
+    * ``offs_ptr``: int32 ``[G]``, contiguous, the cumulative end row of each group.
+    * ``out_ptr``: out ``[M, N_OUT]``, strides ``(stride_om, stride_on)``; rows past
+      ``offs[G-1]`` are written as zeros.
+    * ``pre_ptr`` (``SAVE_PREACT``, with ``SWIGLU``): the pre-activations ``[M, 2 * N_OUT]``
+      (gate, then up), strides ``(stride_pm, stride_pn)``, stored beside ``silu(gate) * up``
+      for the backward; tail rows are zeros too. Unused otherwise.
+
+    Every program strides through the flat tile space by ``NUM_PROGS``. ``FLATTEN`` lets
+    Triton pipeline across consecutive tiles. ``USE_TMA``: loads through descriptors
+    (``tma.make_descriptors``; ``B_KN`` as in :func:`mjagged_tile`).
+
+    ``TMA_STORE`` (with ``USE_TMA``; ``out`` with unit column stride, 16-byte aligned base
+    and row stride, ``M < RAGGED_ROWS``): each output tile leaves as an async bulk copy
+    through a ragged descriptor (``tma.store_rows_below``), so the next tile's loads and
+    MMAs run while it drains, instead of masked pointer stores from registers. A group's
+    last partial tile covers rows of the next group (written by another program): the
+    ragged bound ``end`` drops them, as the pointer store's row mask does."""
+    pid = tl.program_id(0)
+    a_desc = None
+    b_desc = None
+    if USE_TMA:
+        if B_KN:
+            a_desc, b_desc = make_descriptors(a_ptr, b_ptr, M, K, G, N_OUT, stride_am, stride_bg,
+                                              stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, B_KN)
+        else:
+            b_n = N_OUT * 2 if SWIGLU else N_OUT
+            a_desc, b_desc = make_descriptors(a_ptr, b_ptr, M, K, G, b_n, stride_am, stride_bg,
+                                              stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, B_KN)
+    out_desc = None
+    if USE_TMA and TMA_STORE:
+        out_desc = ragged_rows_descriptor(out_ptr, N_OUT, stride_om, BLOCK_M, BLOCK_N)
+    num_n = tl.cdiv(N_OUT, BLOCK_N)
+    tile_end, total_m = group_tile_table(offs_ptr, G, M, BLOCK_M, G_BLOCK)
+    for t in tl.range(pid, total_m * num_n, NUM_PROGS, flatten=FLATTEN):
+        g, start, end, tile_m, tile_n = locate_tile(t, tile_end, total_m, num_n, offs_ptr, G, M,
+                                                    GROUP_M, G_BLOCK)
+        acc, up = mjagged_tile(
+            a_ptr, b_ptr, bias_ptr, g, g < G, start, end - start, tile_m, tile_n,
+            N_OUT, N_OUT, K, stride_am, stride_ak, stride_bg, stride_bk, stride_bn,
+            stride_biasg, stride_biasn, a_desc, b_desc, HAS_BIAS, SWIGLU, BLOCK_M, BLOCK_N,
+            BLOCK_K, INPUT_PRECISION, INTERPRETER_DOT, USE_TMA, B_KN,
+        )  # [BLOCK_M, BLOCK_N] each, fp32
+        if SWIGLU:
+            if SAVE_PREACT:
+                store_tile(pre_ptr, stride_pm, stride_pn, start, end - start, tile_m, tile_n, 0,
+                           N_OUT, acc, BLOCK_M, BLOCK_N)
+                store_tile(pre_ptr, stride_pm, stride_pn, start, end - start, tile_m, tile_n,
+                           N_OUT, N_OUT, up, BLOCK_M, BLOCK_N)
+            acc = swiglu(acc, up)
+        if USE_TMA and TMA_STORE:
+            store_rows_below(out_desc, start + tile_m * BLOCK_M, end, tile_n * BLOCK_N,
+                             acc.to(out_ptr.dtype.element_ty), BLOCK_M, BLOCK_N)
+        else:
+            store_tile(out_ptr, stride_om, stride_on, start, end - start, tile_m, tile_n, 0,
+                       N_OUT, acc, BLOCK_M, BLOCK_N)
+
+
+# ---------------------------------------------------------------------------------------
+# Launchers
+
+
+def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, int],
+                 offsets: torch.Tensor, n_out: int, *, bias: Optional[torch.Tensor] = None,
+                 swiglu: bool = False, out_dtype: torch.dtype,
+                 config: Optional[Config] = None, batch_invariant: bool = False,
+                 b_kn: bool = False, use_tma: Optional[bool] = None,
+                 preact: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out [M, n_out]``: rows of group g are ``A_g @ B_g`` (B addressed through
+    ``b_strides = (stride_g, stride_k, stride_n)``), tail rows zero.
+
+    ``b`` is the weight ``[G, N, K]``; ``b_kn`` says B_g is ``W_g`` itself (dX) rather than
+    ``W_g^T``; ``swiglu``: ``silu(gate) * up`` of the two column halves (``n_out = N / 2``).
+    ``config=None`` takes :func:`~.config.choose_config`'s pick. ``use_tma=None`` picks TMA
+    when ``tma.tma_applies`` (never in batch-invariant mode: one code path per row).
+    ``Config.tma_store`` adds TMA stores of the output tiles where ``tma.mjagged_tma_store``
+    allows. Failed TMA launches fall back per device (see ``kernels/tma.py``).
+    ``preact`` (with ``swiglu``): an ``[M, N]`` tensor that receives the pre-activations
+    (gate and up, rounded to its dtype) beside the SwiGLU output.
+    """
+    m, k = a.shape
+    offsets = offsets.contiguous()  # the kernel reads offsets[g] at offs_ptr + g
+    groups = offsets.shape[0]
+    out = torch.empty((m, n_out), dtype=out_dtype, device=a.device)
+    if m == 0 or n_out == 0:
+        return out
+    cfg = config or choose_config(m, groups, n_out, k, a.dtype, a.device,
+                                  batch_invariant=batch_invariant, swiglu=swiglu)
+    progs = grid_size(a.device, cfg)
+    if use_tma is None:
+        use_tma = not batch_invariant and tma_applies(a, b, cfg)
+    store = mjagged_tma_store(out, cfg, bool(use_tma))
+
+    def launch(tma: bool, tma_store: bool = False) -> None:
+        if tma:
+            set_tma_allocator(a.device)
+        mjagged_gemm_kernel[(progs,)](
+            a, b, bias if bias is not None else a, offsets, out,
+            m, n_out, k, groups,
+            a.stride(0), a.stride(1), *b_strides,
+            bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
+            out.stride(0), out.stride(1),
+            preact if preact is not None else out,
+            preact.stride(0) if preact is not None else 0,
+            preact.stride(1) if preact is not None else 0,
+            HAS_BIAS=bias is not None, SWIGLU=swiglu, NUM_PROGS=progs, GROUP_M=cfg.group_m,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            INPUT_PRECISION=input_precision(a.dtype), INTERPRETER_DOT=interpreter_dot(a),
+            USE_TMA=tma, B_KN=b_kn, G_BLOCK=group_block(groups), FLATTEN=cfg.flatten,
+            TMA_STORE=tma and tma_store, SAVE_PREACT=preact is not None,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    if use_tma and a.device.type == "cuda":
+        explicit = config is not None
+        if store and (explicit or not fell_back(Fallback.MJAGGED_TMA_STORE, a.device)):
+            if launch_or_fall_back(lambda: launch(True, tma_store=True),
+                                   Fallback.MJAGGED_TMA_STORE, a.device, explicit=explicit,
+                                   what="M-jagged kernel with TMA store",
+                                   instead="pointer stores"):
+                return out
+        if launch_or_fall_back(lambda: launch(True), Fallback.TMA, a.device, explicit=False,
+                               what="TMA kernel", instead="the pointer-based kernels"):
+            return out
+    interpreted = bool(use_tma) and a.device.type != "cuda"
+    launch(interpreted, tma_store=interpreted and store)
+    return out
+
+
+def grouped_linear_forward(x, weight, offsets, bias=None, *, batch_invariant=False, use_tma=None):
+    """x ``[M, K]``, weight ``[G, N, K]``, offsets int32 ``[G]``, bias ``[G, N]`` -> ``[M, N]``."""
+    n = weight.shape[1]
+    return mjagged_gemm(x, weight, (weight.stride(0), weight.stride(2), weight.stride(1)),
+                        offsets, n, bias=bias, out_dtype=x.dtype, batch_invariant=batch_invariant,
+                        use_tma=use_tma)
+
+
+def grouped_linear_swiglu_forward(x, weight, offsets, bias=None, *, batch_invariant=False,
+                                  use_tma=None, preact=None):
+    """weight ``[G, 2H, K]`` (gate rows first, then up) -> ``silu(x W_gate^T) * (x W_up^T)``
+    ``[M, H]``; ``preact [M, 2H]``, if given, receives ``x W^T (+ b)`` in its dtype."""
+    h = weight.shape[1] // 2
+    return mjagged_gemm(x, weight, (weight.stride(0), weight.stride(2), weight.stride(1)),
+                        offsets, h, bias=bias, swiglu=True, out_dtype=x.dtype,
+                        batch_invariant=batch_invariant, use_tma=use_tma, preact=preact)
+
+
+def grouped_linear_dx(grad, weight, offsets, *, batch_invariant=False, use_tma=None):
+    """grad ``[M, N]`` (any strides, stride 0 included) -> ``dX [M, K] = dY_g @ W_g``."""
+    k = weight.shape[2]
+    return mjagged_gemm(grad, weight, (weight.stride(0), weight.stride(1), weight.stride(2)),
+                        offsets, k, out_dtype=grad.dtype, batch_invariant=batch_invariant,
+                        b_kn=True, use_tma=use_tma)

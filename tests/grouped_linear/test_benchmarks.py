@@ -1,0 +1,92 @@
+"""The grouped linear benchmark scripts, run in subprocesses (tests never import
+``benchmarks/``): the benchmark's --smoke mode runs every code path at tiny sizes on CPU; the
+tuning sweep lists its configs with distinct labels and the configs other tests build; the
+probe parses its command line."""
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from compileops.grouped_linear import kernels
+from compileops.grouped_linear.kernels.kjagged import check_wgrad_variant
+from tests.grouped_linear._helpers import (
+    MJAGGED_STORE_VARIANTS,
+    ROOT,
+    mjagged_store_config,
+    sweep_configs,
+    sweep_listing,
+)
+
+
+def run_script(path, *args, env=None):
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, path), *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    return proc.stdout
+
+
+def test_benchmark_smoke(tmp_path):
+    run_script("benchmarks/bench_grouped_linear.py", "--smoke", "--splits", "skewed",
+               env=dict(os.environ, OUT=str(tmp_path)))
+    with open(tmp_path / "grouped_linear.csv") as f:
+        rows = list(csv.DictReader(f))
+    impls = {(r["case"].split()[-1], r["impl"]) for r in rows}
+    for stage in ("fwd", "dX", "dW", "gl+bias+swiglu"):
+        assert any(s == stage and impl.startswith("compileops") for s, impl in impls), stage
+
+
+@pytest.mark.parametrize("script", ["benchmarks/tuning/probe_grouped_linear_dw.py",
+                                    "benchmarks/tuning/sweep_grouped_linear.py"])
+def test_tuning_script_parses_its_command_line(script):
+    assert "usage:" in run_script(script, "--help")
+
+
+def test_sweep_lists_the_wgrad_variants_with_distinct_labels():
+    configs = sweep_configs("dW")
+    labels = [label for _, label in configs]
+    assert len(set(labels)) == len(labels), labels
+    for flag, word in (("ragged_tma", " ragged"), ("tma_store", " tma-store"),
+                       ("epilogue_subtile", "tma-store/2")):
+        assert any(getattr(c, flag) for c, _ in configs), flag
+        assert all((word in label) == getattr(c, flag) for c, label in configs), flag
+    for cfg, _ in configs:
+        check_wgrad_variant(cfg)
+    no_db = [label for _, label in sweep_configs("dW no db")]
+    assert no_db and all(label.endswith(" no db") for label in no_db), no_db
+    # Per benchmark shape the default is listed, and it alone is labelled " (default)".
+    defaults = set()
+    for shape, entry in sweep_listing()["dW defaults"].items():
+        default = kernels.Config(**entry["config"])
+        defaults.add(default)
+        assert default in [c for c, _ in configs], (shape, default)
+        marked = [i for i, label in enumerate(entry["labels"]) if label.endswith(" (default)")]
+        assert [configs[i][0] for i in marked] == [default], (shape, marked)
+    cuda = torch.device("cuda")
+    for m, g in ((65536, 64), (65536, 128)):  # long and mid groups are among them
+        assert kernels.choose_wgrad_config(m, g, 2048, 768, torch.bfloat16, cuda) in defaults
+
+
+def test_sweep_lists_tma_store_configs_with_distinct_labels():
+    for kind in ("fwd", "swiglu"):
+        configs = sweep_configs(kind)
+        labels = [label for _, label in configs]
+        assert len(set(labels)) == len(labels), labels
+        assert any(c.tma_store for c, _ in configs)
+        assert all((" tma-store" in label) == c.tma_store for c, label in configs)
+        for cfg, _ in configs:  # the M-jagged kernel has no other variant
+            assert not (cfg.ragged_tma or cfg.epilogue_subtile), cfg
+
+
+def test_mjagged_store_variants_are_the_sweeps():
+    """The TMA-store configs test_codegen_sm90.py compiles and test_gpu.py runs are the ones
+    the sweep times (fwd and dX share FWD_CONFIGS)."""
+    for product, kind in (("fwd", "fwd"), ("dx", "fwd"), ("swiglu", "swiglu")):
+        listed = {mjagged_store_config(name)[1] for name, (p, _, _) in
+                  MJAGGED_STORE_VARIANTS.items() if p == product}
+        assert listed == {c for c, _ in sweep_configs(kind) if c.tma_store}, product
+
