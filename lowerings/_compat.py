@@ -242,3 +242,13 @@ def empty_buffer(device, dtype, size) -> Any:
     from torch._inductor.lowering import empty_strided
 
     return empty_strided(list(size), None, dtype=dtype, device=device)
+
+
+def specialize(expr) -> int:
+    """A symbolic size made static: guard it equal to its hint and return that int (a later
+    call with another value recompiles). For sizes that are model constants, not data sizes."""
+    from torch._inductor.virtualized import V
+
+    if isinstance(expr, int) or getattr(expr, "is_number", False):
+        return int(expr)
+    return int(V.graph.sizevars.guard_int(expr))

@@ -173,6 +173,10 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
     x, weight, offsets = nodes[:3]
     m, k = x.get_size()
     groups, n, _ = weight.get_size()
+    # The number of groups (experts) is a model constant: keep it static under dynamic=True.
+    # With a symbolic G the H100 build of the template gave wrong rows for groups >= 16 (G > 16;
+    # tests/grouped_linear/test_gpu.py), a miscompile not reproduced under the interpreter.
+    groups = _compat.specialize(groups)
     n_out = weight.get_size()[2] if dx else (n // 2 if swiglu else n)
     dtype = x.get_dtype()
     layout = _compat.fixed_layout(device, dtype, [m, n_out], [n_out, 1])

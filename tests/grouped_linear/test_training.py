@@ -177,6 +177,7 @@ def test_dynamic_compile_keeps_the_static_variant():
                 for name in names}
 
     assert constants(dynamic) == constants(static)
+    assert "G = 4\n" in dynamic, "the group count stays static (a model constant)"
     assert "tl.multiple_of(STRIDE_XM, 16)" in dynamic, (
         "the row strides lost their alignment under dynamic=True")
     assert "tl.multiple_of" not in static  # static strides are constants Triton already sees
