@@ -135,7 +135,7 @@ def _template_tma_applies(device, strides_aligned: bool) -> bool:
     return strides_aligned and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def _strides_aligned(x, weight, n_out, dtype) -> tuple[bool, bool]:
+def _strides_aligned(x, weight, dtype) -> tuple[bool, bool]:
     """``(tma_ok, aligned_rows)`` for x ``[M, K]`` and weight ``[G, N, K]``.
 
     ``tma_ok``: unit inner strides and 16-byte row strides (TMA's rule). ``aligned_rows``: the
@@ -148,11 +148,23 @@ def _strides_aligned(x, weight, n_out, dtype) -> tuple[bool, bool]:
     rows = (xs[0], ws[0], ws[1])
     per_16_bytes = max(1, 16 // dtype.itemsize)
     by_16 = all(_compat.multiple_of(s, 16) for s in rows)
-    _compat.multiple_of(n_out, 16)  # the output's row stride (its stores); TMA loads need not
     unit_inner = _compat.statically_one(xs[1]) and _compat.statically_one(ws[2])
     tma_ok = unit_inner and (by_16 or all(_compat.multiple_of(s, per_16_bytes) for s in rows))
     symbolic = not all(isinstance(s, int) or getattr(s, "is_number", False) for s in rows)
     return tma_ok, unit_inner and by_16 and symbolic
+
+
+def _output_rows_aligned(weight, dx: bool, swiglu: bool) -> bool:
+    """Whether the template may tell Triton that the output's row stride (W's N, or its K for
+    dX; N / 2 with SwiGLU) is a multiple of 16: only when that size is a plain symbol
+    (``dynamic=True``; the template re-binds the kernel's size argument) whose hint is, under a
+    guard. Static sizes are constants Triton already sees."""
+    import sympy
+
+    size = weight.get_size()[2 if dx else 1]
+    if not isinstance(size, sympy.Symbol):
+        return False
+    return _compat.multiple_of(size, 32 if swiglu else 16)
 
 
 def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: bool = False,
@@ -182,7 +194,7 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
     layout = _compat.fixed_layout(device, dtype, [m, n_out], [n_out, 1])
     m_hint = _compat.size_hint(m)
     g_hint, n_hint, k_hint = (_compat.size_hint(s) for s in (groups, n_out, k))
-    tma_ok, aligned_rows = _strides_aligned(x, weight, n_out, dtype)
+    tma_ok, aligned_rows = _strides_aligned(x, weight, dtype)
     configs, autotune = _configs(m_hint, g_hint, n_hint, k_hint, dtype, device,
                                  tma=_template_tma_applies(device, tma_ok),
                                  swiglu=swiglu, heuristic_only=save_preact)
@@ -192,6 +204,7 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
         DX=dx,
         SAVE_PREACT=save_preact,
         ALIGNED_ROWS=aligned_rows,
+        ALIGNED_OUT=_output_rows_aligned(weight, dx, swiglu),
         G_BLOCK=kernels.group_block(g_hint),
         TF32=kernels.input_precision(dtype) == "tf32",
         INTERPRETER_DOT=device.type == "cpu",

@@ -1,6 +1,8 @@
 """The grouped linear as a MoE layer trains it: the training-grade SwiGLU (pre-activations kept
 for the backward, or recomputed on request), the whole layer compiled under dynamic shapes,
 and the lowering keeping its aligned variant when sizes are symbolic."""
+import re
+
 import pytest
 import torch
 
@@ -171,8 +173,6 @@ def test_dynamic_compile_keeps_the_static_variant():
     dynamic = _template_source(f, x, w, offs, dynamic=True)
 
     def constants(src, names=("BLOCK_M", "BLOCK_N", "BLOCK_K", "NUM_PROGS", "USE_TMA")):
-        import re
-
         return {name: re.search(rf"{name} : tl.constexpr = (\w+)", src).group(1)
                 for name in names}
 
@@ -181,6 +181,9 @@ def test_dynamic_compile_keeps_the_static_variant():
     assert "tl.multiple_of(STRIDE_XM, 16)" in dynamic, (
         "the row strides lost their alignment under dynamic=True")
     assert "tl.multiple_of" not in static  # static strides are constants Triton already sees
+    # and the output's row stride (N, a kernel size argument) for store_output's stores
+    assert re.search(r"\n    ks\d+ = tl.multiple_of\(ks\d+, 16\)", dynamic), (
+        "the output's row stride lost its alignment under dynamic=True")
 
 
 def test_misaligned_dynamic_sizes_do_not_claim_alignment():
