@@ -14,6 +14,12 @@ into another:
   launches eagerly and when Inductor lowers: switch it on before compiling.
 
 Strict checks are ignored while compiling (a host sync cannot be traced).
+
+Threads: on CUDA, autograd runs the backward on its own device thread, which does not see a
+context override of the forward's thread. Ops that read a mode in their backward save it in
+``setup_context`` (the grouped linear does). Inductor compiles a backward graph lazily, on that
+thread, so to compile a training step in batch-invariant mode set the process-wide default
+(:func:`set_batch_invariant`) before the first step, rather than a ``with`` block.
 """
 from __future__ import annotations
 
