@@ -1,8 +1,8 @@
 """Probe: the compiled grouped linear under dynamic=True against eager, per shape: correctness
-(max |diff| to the eager kernel) and time, with the lowering's aligned-row hints and TMA on or
-off. A regression check for the dynamic-shape path (GPU only).
+(max |diff| to the eager kernel) and time, static and dynamic. A regression check for the
+dynamic-shape path (GPU only); the optional label prefixes each line.
 
-    python benchmarks/tuning/probe_grouped_linear_dynamic.py [default|no-row-hints|no-tma]
+    python benchmarks/tuning/probe_grouped_linear_dynamic.py [label]
 """
 import os
 import sys
@@ -20,15 +20,6 @@ SHAPES = {"mixtral": (8, 16384, 4096, 14336), "qwen3_down": (128, 65536, 768, 20
 
 def main():
     variant = sys.argv[1] if len(sys.argv) > 1 else "default"
-    if variant == "no-row-hints":  # the lowering's tl.multiple_of hints off, TMA decision kept
-        import lowerings.grouped_linear as lowering
-
-        aligned = lowering._strides_aligned
-        lowering._strides_aligned = lambda *a: (aligned(*a)[0], False)
-    if variant == "no-tma":
-        import lowerings.grouped_linear as lowering
-
-        lowering._template_tma_applies = lambda device, ok: False
     for name, (g, m, k, n) in SHAPES.items():
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(g, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
