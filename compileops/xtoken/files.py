@@ -129,15 +129,16 @@ def _normalize_rows(coo: ProjectionCOO) -> ProjectionCOO:
 def get_projection(
     path: PathLike,
     device: Union[str, torch.device] = "cpu",
+    *,
     num_student: int = 0,
     num_teacher: int = 0,
-    *,
     normalize_rows: bool = False,
 ) -> ProjectionCSR:
     """The projection in ``path`` as :class:`ProjectionCSR` buffers on ``device``, cached.
 
     Axis sizes are ``max(configured, observed + 1)`` (``num_student``/``num_teacher`` are the
-    configured ones, e.g. the model vocab sizes; pass 0 to use the file's). ``normalize_rows``
+    configured ones, e.g. the model vocab sizes; pass 0 to use the file's). Both are
+    keyword-only: two vocabulary sizes passed by position could be swapped silently. ``normalize_rows``
     divides each student row by its total (turns sparse counts into likelihoods). The cache
     key is ``(abspath, device, num_student, num_teacher, normalize_rows)``; the same key
     returns the same object. Thread-safe; :func:`clear_caches` empties it.

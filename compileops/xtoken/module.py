@@ -36,14 +36,15 @@ class SparseProjection(torch.nn.Module):
 
     @classmethod
     def from_file(
-        cls, path: Union[str, os.PathLike], device="cpu", num_student: int = 0,
-        num_teacher: int = 0, *, normalize_rows: bool = False,
+        cls, path: Union[str, os.PathLike], device="cpu", *, num_student: int = 0,
+        num_teacher: int = 0, normalize_rows: bool = False,
     ) -> "SparseProjection":
-        """Through the shared cache (:func:`compileops.xtoken.get_projection`)."""
+        """Through the shared cache (:func:`compileops.xtoken.get_projection`); the vocabulary
+        sizes are keyword-only there and here."""
         from compileops.xtoken.files import get_projection
 
-        return cls(get_projection(path, device, num_student, num_teacher,
-                                  normalize_rows=normalize_rows))
+        return cls(get_projection(path, device, num_student=num_student,
+                                  num_teacher=num_teacher, normalize_rows=normalize_rows))
 
     @property
     def num_student(self) -> int:

@@ -13,6 +13,7 @@ from compileops.xtoken import (
     get_projection,
     parse_projection_file,
 )
+from compileops.xtoken.module import SparseProjection
 
 
 @pytest.fixture(autouse=True)
@@ -84,17 +85,17 @@ def test_unsafe_pickle_is_refused(tmp_path):
 
 def test_cache_identity_keying_and_sizes(tmp_path):
     path = _dense_topk_file(tmp_path)
-    a = get_projection(path, "cpu", 10, 2)
-    assert get_projection(str(path), torch.device("cpu"), 10, 2) is a
+    a = get_projection(path, "cpu", num_student=10, num_teacher=2)
+    assert get_projection(str(path), torch.device("cpu"), num_student=10, num_teacher=2) is a
     assert (a.num_student, a.num_teacher) == (10, 3)  # max(configured, observed + 1)
-    b = get_projection(path, "cpu", 10, 8)
+    b = get_projection(path, "cpu", num_student=10, num_teacher=8)
     assert b is not a and b.num_teacher == 8
-    c = get_projection(path, "cpu", 10, 2, normalize_rows=True)
+    c = get_projection(path, "cpu", num_student=10, num_teacher=2, normalize_rows=True)
     assert c is not a
     dense = a.to_dense()
     assert dense.shape == (10, 3) and dense[1, 1] == 1.0 and dense[2:].sum() == 0.7 + 0.2 + 0.1
     clear_caches()
-    assert get_projection(path, "cpu", 10, 2) is not a
+    assert get_projection(path, "cpu", num_student=10, num_teacher=2) is not a
 
 
 def test_normalize_rows_turns_counts_into_likelihoods(tmp_path):
@@ -126,7 +127,7 @@ def test_normalize_rows_zero_total_row_gives_no_nan(tmp_path):
 def test_cache_is_thread_safe(tmp_path):
     path = _dense_topk_file(tmp_path)
     results = []
-    threads = [threading.Thread(target=lambda: results.append(get_projection(path, "cpu", 4, 3)))
+    threads = [threading.Thread(target=lambda: results.append(get_projection(path, "cpu", num_student=4, num_teacher=3)))
                for _ in range(8)]
     for t in threads:
         t.start()
@@ -181,3 +182,14 @@ def test_exact_map_from_file(tmp_path):
     assert strict.student_to_teacher.tolist() == [-1, 1, -1, -1, -1, -1]
     relaxed = build_exact_token_map(coo, "relaxed")
     assert relaxed.student_to_teacher.tolist() == [-1, 1, -1, 2]
+
+
+def test_vocabulary_sizes_are_keyword_only(tmp_path):
+    """Audit finding: two vocabulary sizes by position could be swapped silently."""
+    path = _sparse_file(tmp_path)
+    with pytest.raises(TypeError):
+        get_projection(path, "cpu", 10, 2)
+    with pytest.raises(TypeError):
+        SparseProjection.from_file(path, "cpu", 10, 2)
+    csr = get_projection(path, "cpu", num_student=10, num_teacher=8)
+    assert csr.num_student == 10 and csr.num_teacher == 8
