@@ -174,7 +174,9 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
     mutated input, and the lowering returns ``(out, preact)``."""
     op = getattr(torch.ops.compileops, op_name).default
     device = x.get_device()
-    if not _compat.emits_triton_for(device):
+    if not _compat.emits_triton_for(device) or x.get_dtype() == torch.float64:
+        # No Triton template (C++ backend), or fp64 (the reference backend's dtype): the op
+        # itself, as an extern call.
         extra = () if dx else (bias,)
         return _compat.fallback(op)(x, weight, offsets, *extra)
     from compileops.grouped_linear import kernels

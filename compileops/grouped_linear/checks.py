@@ -20,16 +20,18 @@ import torch
 from compileops._library import check_dim, check_same_device
 from compileops.modes import STRICT_OFFSET_CHECKS
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the Triton kernels'
 
 
 def check_common(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> None:
-    """x ``[M, K]`` bf16/fp16/fp32, weight ``[G, N, K]`` of x's dtype, offsets int32 ``[G]``,
+    """x ``[M, K]`` bf16/fp16/fp32/fp64 (fp64: the reference backend), weight ``[G, N, K]`` of x's dtype, offsets int32 ``[G]``,
     all on one device."""
     check_dim(x, 2, "x", "[M, K]")
     check_dim(weight, 3, "weight", "[G, N, K]")
     check_dim(offsets, 1, "offsets", "[G] (cumulative end row of each group)")
-    torch._check_type(x.dtype in DTYPES, lambda: f"x must be bf16, fp16 or fp32, got {x.dtype}")
+    torch._check_type(x.dtype in DTYPES,
+                      lambda: f"x must be bf16, fp16, fp32 or fp64, got {x.dtype}")
     torch._check_type(
         weight.dtype == x.dtype,
         lambda: f"weight dtype {weight.dtype} must match x dtype {x.dtype}",
@@ -128,3 +130,13 @@ def check_offsets_eagerly(offsets: torch.Tensor, m: int) -> None:
         return
     if offsets.device.type == "cpu" or STRICT_OFFSET_CHECKS.enabled():
         check_offset_values(offsets, m)
+
+
+def check_kernel_dtype(op: str, t: torch.Tensor) -> None:
+    """The Triton kernels take bf16, fp16 and fp32; fp64 (the ground truth of the numerical
+    contract) runs on the reference backend only, and the error says how to get it."""
+    torch._check_type(
+        t.dtype in KERNEL_DTYPES,
+        lambda: f"compileops::{op}: the triton backend runs bf16, fp16 and fp32, got {t.dtype}; "
+        "fp64 runs on the reference backend: with compileops.use_backend('reference'): ...",
+    )

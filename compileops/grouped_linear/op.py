@@ -35,14 +35,20 @@ from compileops.grouped_linear import reference
 from compileops.grouped_linear.checks import (
     check_dx_args,
     check_forward_args,
+    check_kernel_dtype,
     check_offsets_eagerly,
     check_wgrad_args,
 )
 from compileops.modes import BATCH_INVARIANT
 
 
-def _use_triton(op: str, device: torch.device) -> bool:
-    return backends.select(op, device) == "triton"
+def _use_triton(op: str, t: torch.Tensor) -> bool:
+    """Whether ``op`` runs its Triton kernel on ``t``'s device; refuses fp64 there (a clear
+    error naming the reference backend)."""
+    if backends.select(op, t.device) != "triton":
+        return False
+    check_kernel_dtype(op, t)
+    return True
 
 
 # ---------------------------------------------------------------------------------------
@@ -60,7 +66,7 @@ def _forward(x, weight, offsets, bias, swiglu: bool) -> torch.Tensor:
     check_forward_args(x, weight, offsets, bias, swiglu)
     check_offsets_eagerly(offsets, x.shape[0])
     name = "grouped_linear_swiglu" if swiglu else "grouped_linear"
-    if _use_triton(name, x.device):
+    if _use_triton(name, x):
         from compileops.grouped_linear import kernels
 
         fn = kernels.grouped_linear_swiglu_forward if swiglu else kernels.grouped_linear_forward
@@ -163,7 +169,7 @@ def grouped_linear_swiglu_with_preact_op(
     same kernel for the backward, which then needs no GEMM of its own beyond dX and dW."""
     check_forward_args(x, weight, offsets, bias, True)
     check_offsets_eagerly(offsets, x.shape[0])
-    if _use_triton("grouped_linear_swiglu_with_preact", x.device):
+    if _use_triton("grouped_linear_swiglu_with_preact", x):
         from compileops.grouped_linear import kernels
 
         preact = x.new_empty((x.shape[0], weight.shape[1]))
@@ -206,7 +212,7 @@ grouped_linear_swiglu_with_preact_op.register_autograd(_swiglu_saved_backward,
 def grouped_linear_dx_op(grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """grad ``[M, N]`` -> ``dX [M, K]``: ``dX_g = grad_g @ W_g`` (weight untransposed)."""
     check_dx_args(grad, weight, offsets)
-    if _use_triton("grouped_linear_dx", grad.device):
+    if _use_triton("grouped_linear_dx", grad):
         from compileops.grouped_linear import kernels
 
         return kernels.grouped_linear_dx(grad, weight, offsets,
@@ -228,7 +234,7 @@ def grouped_linear_wgrad_op(
     """``(dW [G, N, K] = grad_g^T x_g, db [G, N] = colsum grad_g)``; empty groups give zeros.
     ``with_db=False``: ``db`` is an empty ``[G, 0]`` tensor and no column sums are computed."""
     check_wgrad_args(grad, x, offsets)
-    if _use_triton("grouped_linear_wgrad", grad.device):
+    if _use_triton("grouped_linear_wgrad", grad):
         from compileops.grouped_linear import kernels
 
         dw, db = kernels.grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype,

@@ -82,8 +82,8 @@ BAD_FORWARD = {
     "3-D x": (lambda x, w, o, b: (x[None], w, o, b), RuntimeError, "x must be 2-D"),
     "2-D weight": (lambda x, w, o, b: (x, w[0], o, b), RuntimeError, "weight must be 3-D"),
     "2-D offsets": (lambda x, w, o, b: (x, w, o[None], b), RuntimeError, "offsets must be 1-D"),
-    "fp64 x": (lambda x, w, o, b: (x.double(), w.double(), o, b.double()), TypeError,
-               "bf16, fp16 or fp32"),
+    "int x": (lambda x, w, o, b: (x.int(), w.int(), o, b.int()), TypeError,
+              "bf16, fp16, fp32 or fp64"),
     "weight dtype": (lambda x, w, o, b: (x, w.half(), o, b), TypeError, "weight dtype"),
     "int64 offsets": (lambda x, w, o, b: (x, w, o.long(), b), TypeError, "int32"),
     "offsets length": (lambda x, w, o, b: (x, w, o[:2], b), ValueError, "one entry per group"),
@@ -136,3 +136,9 @@ def test_bad_wgrad_arguments_raise():
         checks.check_wgrad_args(grad, x[None], offs)
     with pytest.raises(RuntimeError, match="offsets is on meta but grad is on cpu"):
         checks.check_wgrad_args(grad, x, offs.to("meta"))
+
+
+def test_kernel_dtype_refuses_fp64_naming_the_reference_backend():
+    checks.check_kernel_dtype("grouped_linear", torch.zeros(2, dtype=torch.float32))
+    with pytest.raises(TypeError, match="fp64 runs on the reference backend"):
+        checks.check_kernel_dtype("grouped_linear", torch.zeros(2, dtype=torch.float64))

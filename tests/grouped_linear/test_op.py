@@ -368,3 +368,41 @@ def test_k_zero_gives_bias_only_and_bias_grad():
                               max_relative_error=1e-6)
     assert_close_to_reference(b.grad, db_ref, max_relative_error=1e-6)
     assert w.grad.shape == (2, 5, 0) and x.grad.shape == (7, 0)
+
+
+def _oracle_fp64(x, w, offs):
+    """Per-group ``x_g @ w_g^T`` in fp64 written here (not reference.py); tail rows zero."""
+    out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end].double() @ w[g].double().t()
+        start = end
+    return out
+
+
+def test_fp64_runs_on_the_reference_backend_forward_and_backward():
+    """fp64 ground truth everywhere: the reference backend runs every grouped-linear op in
+    fp64 (forward, SwiGLU with kept pre-activations, dX, dW); the Triton kernels refuse it
+    with an error naming the reference backend, eagerly and compiled."""
+    x, w, offs, _ = make([4, 0, 7], k=12, n=10, dtype=torch.float64, extra_rows=2)
+    x.requires_grad_()
+    w.requires_grad_()
+    with compileops.use_backend("reference"):
+        y = compileops.grouped_linear(x, w, offs)
+        dx, dw = torch.autograd.grad(y.square().sum(), [x, w])
+        h = compileops.grouped_linear_swiglu(x, w, offs)
+        torch.autograd.grad(h.sum(), [x, w])
+    assert y.dtype == torch.float64
+    xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+    yr = _oracle_fp64(xr, wr, offs)
+    dxr, dwr = torch.autograd.grad(yr.square().sum(), [xr, wr])
+    torch.testing.assert_close(y, yr, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dx, dxr, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dw, dwr, rtol=1e-12, atol=1e-12)
+    with compileops.use_backend("triton"):
+        with pytest.raises(TypeError, match="reference backend"):
+            compileops.grouped_linear(x, w, offs)
+    # compiled: the lowering leaves fp64 to the op itself (an extern call)
+    compiled = torch.compile(lambda a, b, o: compileops.grouped_linear(a, b, o), fullgraph=True)
+    with compileops.use_backend("reference"), torch.no_grad():
+        torch.testing.assert_close(compiled(x, w, offs), yr.detach(), rtol=1e-12, atol=1e-12)
