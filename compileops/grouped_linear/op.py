@@ -89,17 +89,27 @@ def _grouped_linear_fake(x, weight, offsets, bias=None):
     return _forward_fake(x, weight, offsets, bias, swiglu=False)
 
 
-def _setup_context(ctx, inputs, output) -> None:
+def _keep_for_backward(ctx, inputs, *extra: torch.Tensor) -> None:
+    """Save ``x, weight, offsets, bias`` (and ``extra`` tensors) and the forward's mode."""
     x, weight, offsets, bias = inputs
-    ctx.save_for_backward(x, weight, offsets, bias)
+    ctx.save_for_backward(x, weight, offsets, bias, *extra)
     ctx.has_bias = bias is not None
     # The modes are contextvars, and on CUDA the backward runs on autograd's device thread,
     # which does not see a `with compileops.batch_invariant():` of this thread: keep the mode.
     ctx.batch_invariant = BATCH_INVARIANT.enabled()
 
 
+def _setup_context(ctx, inputs, output) -> None:
+    _keep_for_backward(ctx, inputs)
+
+
+def _forward_mode(ctx):
+    """The batch-invariant mode the forward ran in (or the one set here), for the backward."""
+    return BATCH_INVARIANT.override(ctx.batch_invariant or BATCH_INVARIANT.enabled())
+
+
 def _grouped_linear_backward(ctx, grad):
-    with BATCH_INVARIANT.override(ctx.batch_invariant or BATCH_INVARIANT.enabled()):
+    with _forward_mode(ctx):
         return _linear_backward(ctx, grad, *ctx.saved_tensors)
 
 
@@ -149,7 +159,7 @@ def _swiglu_derivative(preact: torch.Tensor, grad: torch.Tensor) -> torch.Tensor
 
 def _swiglu_recompute_backward(ctx, grad):
     # recompute=True: the pre-activation [M, 2H] is recomputed (one more grouped GEMM).
-    with BATCH_INVARIANT.override(ctx.batch_invariant or BATCH_INVARIANT.enabled()):
+    with _forward_mode(ctx):
         x, weight, offsets, bias = ctx.saved_tensors
         preact = grouped_linear_op(x, weight, offsets, bias)
         return _linear_backward(ctx, _swiglu_derivative(preact, grad), x, weight, offsets, bias)
@@ -186,16 +196,13 @@ def _grouped_linear_swiglu_with_preact_fake(x, weight, offsets, bias=None):
 
 
 def _setup_preact_context(ctx, inputs, output) -> None:
-    x, weight, offsets, bias = inputs
     _, preact = output
-    ctx.save_for_backward(x, weight, offsets, bias, preact)
-    ctx.has_bias = bias is not None
-    ctx.batch_invariant = BATCH_INVARIANT.enabled()  # see _setup_context
+    _keep_for_backward(ctx, inputs, preact)
     ctx.mark_non_differentiable(preact)
 
 
 def _swiglu_saved_backward(ctx, grad, _grad_preact):
-    with BATCH_INVARIANT.override(ctx.batch_invariant or BATCH_INVARIANT.enabled()):
+    with _forward_mode(ctx):
         x, weight, offsets, bias, preact = ctx.saved_tensors
         return _linear_backward(ctx, _swiglu_derivative(preact, grad), x, weight, offsets, bias)
 

@@ -65,10 +65,7 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
 
 def grouped_linear_swiglu_forward(x, weight, offsets, bias=None) -> torch.Tensor:
     """weight ``[G, 2H, K]`` -> ``swiglu(x W_g^T + b_g)`` ``[M, H]``, computed in fp32, cast once."""
-    cdt = _compute_dtype(x.dtype)
-    h = grouped_linear_forward(x.to(cdt), weight.to(cdt), offsets,
-                               None if bias is None else bias.to(cdt))
-    return swiglu(h).to(x.dtype)
+    return grouped_linear_swiglu_with_preact(x, weight, offsets, bias)[0]
 
 
 def grouped_linear_swiglu_with_preact(x, weight, offsets, bias=None):
