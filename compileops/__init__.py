@@ -23,6 +23,7 @@ from compileops.grouped_linear import (
     grouped_linear_splits,
     grouped_linear_swiglu,
 )
+from compileops.mlstm import mlstm, mlstm_with_stats
 from compileops import nn  # noqa: E402  (registers modules; cheap)
 from compileops import testing  # noqa: E402  (imports Inductor only when its helpers run)
 
@@ -40,6 +41,8 @@ __all__ = [
     "grouped_linear",
     "grouped_linear_splits",
     "grouped_linear_swiglu",
+    "mlstm",
+    "mlstm_with_stats",
     "nn",
     "set_batch_invariant",
     "set_strict_index_checks",

@@ -1,0 +1,75 @@
+"""Preconditions of the mLSTM ops, shared by the fake functions and the eager paths.
+
+Every check is a ``torch._check`` with a message naming the argument, so it raises the same
+clear error eagerly and while ``torch.compile`` traces.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from compileops._library import check_same_device
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+#: Head dims the Triton kernels hold in registers (a program owns whole rows).
+MAX_KERNEL_HEAD_DIM = 256
+KERNELS = ("auto", "parallel")
+
+
+def check_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, igate: torch.Tensor,
+    fgate: torch.Tensor, norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
+    norm_eps: float, eps: float,
+) -> None:
+    """Shapes ``q, k [B, NH, S, DQK]``, ``v [B, NH, S, DV]``, ``igate, fgate [B, NH, S]``,
+    ``norm_weight, norm_bias [NH * DV]``; one floating dtype for q, k, v; one device."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        torch._check(t.dim() == 4, lambda: f"{name} must be 4-D [B, NH, S, D], got shape "
+                     f"{tuple(t.shape)}")
+        torch._check(t.dtype in KERNEL_DTYPES, lambda: f"{name} must be bf16, fp16, fp32 or "
+                     f"fp64, got {t.dtype}")
+    torch._check(k.shape == q.shape, lambda: f"k must have q's shape {tuple(q.shape)} "
+                 f"[B, NH, S, DQK], got {tuple(k.shape)}")
+    torch._check(v.shape[:3] == q.shape[:3], lambda: f"v must be [B, NH, S, DV] with q's "
+                 f"B, NH, S {tuple(q.shape[:3])}, got {tuple(v.shape)}")
+    torch._check(k.dtype == q.dtype and v.dtype == q.dtype, lambda: "q, k and v must share "
+                 f"one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    for name, g in (("igate", igate), ("fgate", fgate)):
+        torch._check(g.shape == q.shape[:3], lambda: f"{name} must be [B, NH, S] = "
+                     f"{tuple(q.shape[:3])}, got {tuple(g.shape)}")
+        torch._check(g.is_floating_point(), lambda: f"{name} must be floating point, got "
+                     f"{g.dtype}")
+    channels = q.shape[1] * v.shape[3]
+    for name, p in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
+        if p is None:
+            continue
+        torch._check(p.dim() == 1 and p.shape[0] == channels, lambda: f"{name} must be "
+                     f"[NH * DV] = [{channels}], got {tuple(p.shape)}")
+        torch._check(p.is_floating_point(), lambda: f"{name} must be floating point, got "
+                     f"{p.dtype}")
+    named = [("q", q), ("k", k), ("v", v), ("igate", igate), ("fgate", fgate)]
+    named += [(n, p) for n, p in (("norm_weight", norm_weight), ("norm_bias", norm_bias))
+              if p is not None]
+    check_same_device(named)
+    torch._check(eps >= 0, lambda: f"eps must be >= 0, got {eps}")
+    torch._check(norm_eps > 0, lambda: f"norm_eps must be > 0, got {norm_eps}")
+
+
+def check_kernel(kernel: str) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r} (the chunkwise "
+                         "kernels are not in this version)")
+
+
+def check_kernel_head_dims(q: torch.Tensor, v: torch.Tensor) -> None:
+    """The Triton kernels hold whole rows of a head in registers."""
+    dqk, dv = q.shape[-1], v.shape[-1]
+    torch._check(dqk <= MAX_KERNEL_HEAD_DIM and dv <= MAX_KERNEL_HEAD_DIM, lambda: (
+        f"the Triton mLSTM kernels take head dims up to {MAX_KERNEL_HEAD_DIM}, got q's DQK "
+        f"{dqk} and v's DV {dv}; use compileops.use_backend('reference') for larger ones"))
+
+
+def check_backward_grad(grad: torch.Tensor, expected: tuple, what: str) -> None:
+    torch._check(tuple(grad.shape) == tuple(expected), lambda: f"{what} must have shape "
+                 f"{tuple(expected)}, got {tuple(grad.shape)}")

@@ -1,0 +1,27 @@
+"""Triton kernels of the mLSTM family, with their eager launchers.
+
+* :mod:`.forward`: the parallel forward with the multi-head layernorm fused (tile body,
+  kernel, launcher); the Inductor template calls the same tile body;
+* :mod:`.backward`: the norm-backward row preprocess, the dQ programs and the dK/dV programs;
+* :mod:`.common`: the MMA wrapper and tile loads they share;
+* :mod:`.config`: tile configs and the heuristics that pick them.
+"""
+from compileops.mlstm.kernels.backward import cell_backward, norm_backward
+from compileops.mlstm.kernels.config import (
+    BackwardConfig,
+    ForwardConfig,
+    choose_backward_config,
+    choose_forward_config,
+)
+from compileops.mlstm.kernels.forward import mlstm_forward, mlstm_forward_tile
+
+__all__ = [
+    "BackwardConfig",
+    "ForwardConfig",
+    "cell_backward",
+    "choose_backward_config",
+    "choose_forward_config",
+    "mlstm_forward",
+    "mlstm_forward_tile",
+    "norm_backward",
+]

@@ -1,0 +1,424 @@
+"""The parallel mLSTM backward: norm preprocess, dQ programs, dK/dV programs, launcher.
+
+With ``r_i = 1 / (n_i + eps)`` and the upstream gradient ``dh`` of the raw h, the cell's
+gradient is, per (batch, head), for ``j <= i`` (the stabiliser ``m`` held constant):
+
+* ``dC_ij = r_i (dh_i . v_j) + beta_i``, where ``beta_i = -r_i (dh_i . h_i) sign(b_i)`` when
+  the normaliser took ``|b_i|`` (``b_i = sum_j C_ij``), else 0: the normaliser's gradient,
+  one scalar per row;
+* ``dS = dC * exp(logD - m)`` gives ``dq = dS k / sqrt(DQK)`` and ``dk = dS^T q / sqrt(DQK)``;
+  ``dv = (C * r)^T dh``;
+* ``dlogD = dS * S``: its row sums and column sums give the gate gradients (the op finishes
+  them: ``digate = colsum``, ``dF = rowsum - colsum``, ``dfgate = sigmoid(-f) revcumsum(dF)``).
+
+No atomics: dQ programs walk the key tiles of their query rows, dK/dV programs the query
+tiles of their key rows, each in a fixed order, so the backward is bitwise reproducible.
+The multi-head layernorm's backward (and its weight/bias partial sums) runs first in a row
+preprocess that also forms ``dh_i . h_i``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from compileops.mlstm.kernels.common import (
+    accumulation_dtype,
+    input_precision,
+    load_tile,
+    mma,
+    upcast_dots,
+)
+from compileops.mlstm.kernels.config import BackwardConfig, choose_backward_config
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def norm_backward_rows(
+    grad_ptr, h_ptr, weight_ptr, dh_ptr, hdot_ptr, dweight_ptr, dbias_ptr,
+    bh, start_s, seq_len, num_heads, num_row_blocks,
+    stride_gb, stride_gh, stride_gs, stride_gd,
+    norm_eps,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, RESIDUAL_WEIGHT: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """Rows ``start_s + arange(BLOCK_ROWS)`` of head ``bh``.
+
+    * ``grad_ptr``: the output's gradient, (batch, head, seq, channel) strides given.
+    * ``h_ptr [B * NH, S, DV]``: contiguous raw h (or, without a norm, the output itself).
+    * Writes ``hdot_ptr [B * NH, S]`` (``ACC``): ``dh . h`` per row; with ``HAS_NORM`` also
+      ``dh_ptr [B * NH, S, DV]`` contiguous (h's dtype), the gradient of the raw h, and the
+      partial sums ``dweight_ptr``/``dbias_ptr [R, B * NH, DV]`` (``ACC``, R = row blocks)
+      of ``dy * yhat`` and ``dy`` over this program's rows (the op sums over R and B).
+    """
+    batch = bh // num_heads
+    head = bh % num_heads
+    rows = start_s + tl.arange(0, BLOCK_ROWS)
+    row_ok = rows < seq_len
+    dv = tl.arange(0, BLOCK_DV)
+    live = dv < DV
+    mask = row_ok[:, None] & live[None, :]
+    h_off = bh.to(tl.int64) * seq_len * DV
+    h = tl.load(h_ptr + h_off + rows[:, None] * DV + dv[None, :], mask=mask, other=0.0).to(ACC)
+    g_base = grad_ptr + batch.to(tl.int64) * stride_gb + head.to(tl.int64) * stride_gh
+    dy = tl.load(g_base + rows[:, None] * stride_gs + dv[None, :] * stride_gd, mask=mask,
+                 other=0.0).to(ACC)
+    if HAS_NORM:
+        mean = tl.sum(h, axis=1) / DV
+        centred = tl.where(live[None, :], h - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / DV + norm_eps)
+        y_hat = centred * rstd[:, None]
+        g = dy
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + head * DV + dv, mask=live, other=0.0).to(ACC)
+            if RESIDUAL_WEIGHT:
+                w = w + 1.0
+            g = dy * w[None, :]
+        g_mean = tl.sum(g, axis=1) / DV
+        gy_mean = tl.sum(g * y_hat, axis=1) / DV
+        dh = tl.where(live[None, :],
+                      (g - g_mean[:, None] - y_hat * gy_mean[:, None]) * rstd[:, None], 0.0)
+        tl.store(dh_ptr + h_off + rows[:, None] * DV + dv[None, :],
+                 dh.to(dh_ptr.dtype.element_ty), mask=mask)
+        part = (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + bh) * DV + dv
+        tl.store(dweight_ptr + part, tl.sum(dy * y_hat, axis=0), mask=live)
+        tl.store(dbias_ptr + part, tl.sum(dy, axis=0), mask=live)
+    else:
+        dh = dy
+    tl.store(hdot_ptr + bh.to(tl.int64) * seq_len + rows, tl.sum(dh * h, axis=1), mask=row_ok)
+
+
+@triton.jit
+def norm_backward_kernel(
+    grad_ptr, h_ptr, weight_ptr, dh_ptr, hdot_ptr, dweight_ptr, dbias_ptr,
+    seq_len, num_heads, num_row_blocks,
+    stride_gb, stride_gh, stride_gs, stride_gd, norm_eps,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, RESIDUAL_WEIGHT: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """Grid ``(B * NH, cdiv(S, BLOCK_ROWS))``: :func:`norm_backward_rows`."""
+    norm_backward_rows(
+        grad_ptr, h_ptr, weight_ptr, dh_ptr, hdot_ptr, dweight_ptr, dbias_ptr,
+        tl.program_id(0), tl.program_id(1) * BLOCK_ROWS, seq_len, num_heads, num_row_blocks,
+        stride_gb, stride_gh, stride_gs, stride_gd, norm_eps,
+        DV, BLOCK_DV, BLOCK_ROWS, HAS_NORM, HAS_WEIGHT, RESIDUAL_WEIGHT, ACC,
+    )
+
+
+@triton.jit
+def _dq_step(
+    dq, row_grad, first_max, best_max, q, dh, logf_i, m2_i, r_i, beta_i, rows, start_n, k_base, v_base,
+    logf_ptr, igate_ptr, seq_len, stride_ks, stride_kd, stride_vs, stride_vd, scale,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACC: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Key tile ``[start_n, start_n + BLOCK_N)`` into the dQ accumulator ``[BLOCK_M,
+    BLOCK_DQK]``, the row sums of ``dlogD`` and each row's running first argmax of ``logD``
+    (``MASKED``: causal and bounds masks)."""
+    cols = start_n + tl.arange(0, BLOCK_N)
+    dqk = tl.arange(0, BLOCK_DQK)
+    dv = tl.arange(0, BLOCK_DV)
+    k = load_tile(k_base, cols, stride_ks, dqk, stride_kd, seq_len, DQK, BLOCK_DQK, MASKED)
+    v = load_tile(v_base, cols, stride_vs, dv, stride_vd, seq_len, DV, BLOCK_DV, MASKED)
+    if MASKED:
+        col_ok = cols < seq_len
+        logf_j = tl.load(logf_ptr + cols, mask=col_ok, other=0.0)
+        igate_j = tl.load(igate_ptr + cols, mask=col_ok, other=0.0)
+        live = (cols[None, :] <= rows[:, None]) & col_ok[None, :] & (rows[:, None] < seq_len)
+        log_d = tl.where(live, logf_i[:, None] - logf_j[None, :] + igate_j[None, :],
+                         float("-inf"))
+    else:
+        logf_j = tl.load(logf_ptr + cols)
+        igate_j = tl.load(igate_ptr + cols)
+        log_d = logf_i[:, None] - logf_j[None, :] + igate_j[None, :]
+    # The row's first maximal column so far (the stabiliser's gradient goes there).
+    tile_max = tl.max(log_d, axis=1)
+    tile_arg = start_n + tl.argmax(log_d, axis=1, tie_break_left=True).to(tl.int32)
+    first_max = tl.where(tile_max > best_max, tile_arg, first_max)
+    best_max = tl.maximum(best_max, tile_max)
+    log_d = log_d - m2_i[:, None]
+    scores = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
+                 INPUT_PRECISION, UPCAST) * scale
+    d_c = mma(dh, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
+              INPUT_PRECISION, UPCAST) * r_i[:, None] + beta_i[:, None]
+    d_s = d_c * tl.exp2(log_d)
+    dq = mma(d_s.to(k.dtype), k, dq, INPUT_PRECISION, UPCAST)
+    row_grad = row_grad + tl.sum(d_s * scores, axis=1)
+    return dq, row_grad, first_max, best_max
+
+
+@triton.jit
+def mlstm_dq_kernel(
+    q_ptr, k_ptr, v_ptr, dh_ptr, igate_ptr, logf_ptr, m2_ptr, r_ptr, beta_ptr,
+    dq_ptr, row_grad_ptr, argmax_ptr, seq_len, num_heads,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_hb, stride_hh, stride_hs, stride_hd,
+    scale,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Grid ``(B * NH, cdiv(S, BLOCK_M))``, the longest rows first. Writes ``dq_ptr [B, NH,
+    S, DQK]`` contiguous, ``row_grad_ptr [B * NH, S]`` (``sum_j dlogD_ij``) and
+    ``argmax_ptr [B * NH, S]`` int32 (the first column holding the row's max of ``logD``).
+
+    ``dh_ptr``: the raw h's gradient, (batch, head, seq, channel) strides given;
+    ``igate_ptr``, ``logf_ptr``, ``m2_ptr`` (the stabiliser), ``r_ptr``, ``beta_ptr``:
+    ``[B * NH, S]`` contiguous, ``ACC``; the first three in log2 units."""
+    bh = tl.program_id(0)
+    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    batch64 = (bh // num_heads).to(tl.int64)
+    head64 = (bh % num_heads).to(tl.int64)
+    gate_off = bh.to(tl.int64) * seq_len
+    rows = start_m + tl.arange(0, BLOCK_M)
+    row_ok = rows < seq_len
+    dqk = tl.arange(0, BLOCK_DQK)
+    dv = tl.arange(0, BLOCK_DV)
+    q = load_tile(q_ptr + batch64 * stride_qb + head64 * stride_qh, rows, stride_qs, dqk,
+                  stride_qd, seq_len, DQK, BLOCK_DQK, True)
+    dh = load_tile(dh_ptr + batch64 * stride_hb + head64 * stride_hh, rows, stride_hs, dv,
+                   stride_hd, seq_len, DV, BLOCK_DV, True).to(q.dtype)
+    logf_i = tl.load(logf_ptr + gate_off + rows, mask=row_ok, other=0.0)
+    m2_i = tl.load(m2_ptr + gate_off + rows, mask=row_ok, other=0.0)
+    r_i = tl.load(r_ptr + gate_off + rows, mask=row_ok, other=0.0)
+    beta_i = tl.load(beta_ptr + gate_off + rows, mask=row_ok, other=0.0)
+    k_base = k_ptr + batch64 * stride_kb + head64 * stride_kh
+    v_base = v_ptr + batch64 * stride_vb + head64 * stride_vh
+    dq = tl.zeros((BLOCK_M, BLOCK_DQK), dtype=ACC)
+    row_grad = tl.zeros((BLOCK_M,), dtype=ACC)
+    first_max = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    best_max = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
+    for start_n in range(0, start_m, BLOCK_N):
+        dq, row_grad, first_max, best_max = _dq_step(
+            dq, row_grad, first_max, best_max, q, dh, logf_i, m2_i, r_i, beta_i, rows, start_n, k_base, v_base,
+            logf_ptr + gate_off, igate_ptr + gate_off, seq_len,
+            stride_ks, stride_kd, stride_vs, stride_vd, scale,
+            DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, False, ACC, INPUT_PRECISION, UPCAST)
+    for start_n in range(start_m, tl.minimum(start_m + BLOCK_M, seq_len), BLOCK_N):
+        dq, row_grad, first_max, best_max = _dq_step(
+            dq, row_grad, first_max, best_max, q, dh, logf_i, m2_i, r_i, beta_i, rows, start_n, k_base, v_base,
+            logf_ptr + gate_off, igate_ptr + gate_off, seq_len,
+            stride_ks, stride_kd, stride_vs, stride_vd, scale,
+            DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, True, ACC, INPUT_PRECISION, UPCAST)
+    dq = dq * scale
+    out = dq_ptr + gate_off * DQK + rows[:, None] * DQK + dqk[None, :]
+    tl.store(out, dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None] & (dqk[None, :] < DQK))
+    tl.store(row_grad_ptr + gate_off + rows, row_grad, mask=row_ok)
+    tl.store(argmax_ptr + gate_off + rows, first_max, mask=row_ok)
+
+
+@triton.jit
+def _dkv_step(
+    dk, dv_acc, col_grad, k, v, logf_j, igate_j, cols, start_m, q_base, h_base,
+    logf_ptr, m2_ptr, r_ptr, beta_ptr, argmax_ptr, dm_ptr, seq_len,
+    stride_qs, stride_qd, stride_hs, stride_hd, scale,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACC: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Query tile ``[start_m, start_m + BLOCK_M)`` into the dK ``[BLOCK_N, BLOCK_DQK]`` and dV
+    ``[BLOCK_N, BLOCK_DV]`` accumulators and the column sums of ``dlogD`` (``MASKED``: the
+    causal and bounds masks, on the transposed ``[BLOCK_N, BLOCK_M]`` tile)."""
+    rows = start_m + tl.arange(0, BLOCK_M)
+    dqk = tl.arange(0, BLOCK_DQK)
+    dv = tl.arange(0, BLOCK_DV)
+    q = load_tile(q_base, rows, stride_qs, dqk, stride_qd, seq_len, DQK, BLOCK_DQK, MASKED)
+    dh = load_tile(h_base, rows, stride_hs, dv, stride_hd, seq_len, DV, BLOCK_DV,
+                   MASKED).to(q.dtype)
+    if MASKED:
+        row_ok = rows < seq_len
+        logf_i = tl.load(logf_ptr + rows, mask=row_ok, other=0.0)
+        m2_i = tl.load(m2_ptr + rows, mask=row_ok, other=0.0)
+        r_i = tl.load(r_ptr + rows, mask=row_ok, other=0.0)
+        beta_i = tl.load(beta_ptr + rows, mask=row_ok, other=0.0)
+        argmax_i = tl.load(argmax_ptr + rows, mask=row_ok, other=-1)
+        dm_i = tl.load(dm_ptr + rows, mask=row_ok, other=0.0)
+        live = (cols[:, None] <= rows[None, :]) & row_ok[None, :] & (cols[:, None] < seq_len)
+        log_d = tl.where(live, logf_i[None, :] - logf_j[:, None] + igate_j[:, None]
+                         - m2_i[None, :], float("-inf"))
+    else:
+        logf_i = tl.load(logf_ptr + rows)
+        m2_i = tl.load(m2_ptr + rows)
+        r_i = tl.load(r_ptr + rows)
+        beta_i = tl.load(beta_ptr + rows)
+        argmax_i = tl.load(argmax_ptr + rows)
+        dm_i = tl.load(dm_ptr + rows)
+        log_d = logf_i[None, :] - logf_j[:, None] + igate_j[:, None] - m2_i[None, :]
+    decay = tl.exp2(log_d)  # [BLOCK_N, BLOCK_M]
+    scores = mma(k, tl.trans(q), tl.zeros((BLOCK_N, BLOCK_M), dtype=ACC),
+                 INPUT_PRECISION, UPCAST) * scale
+    c_scaled = scores * decay * r_i[None, :]
+    dv_acc = mma(c_scaled.to(dh.dtype), dh, dv_acc, INPUT_PRECISION, UPCAST)
+    d_c = mma(v, tl.trans(dh), tl.zeros((BLOCK_N, BLOCK_M), dtype=ACC),
+              INPUT_PRECISION, UPCAST) * r_i[None, :] + beta_i[None, :]
+    d_s = d_c * decay
+    dk = mma(d_s.to(q.dtype), q, dk, INPUT_PRECISION, UPCAST)
+    # The stabiliser's gradient dm_i enters dlogD at the row's max column.
+    stab = tl.where(argmax_i[None, :] == cols[:, None], dm_i[None, :], 0.0)
+    col_grad = col_grad + tl.sum(d_s * scores + stab, axis=1)
+    return dk, dv_acc, col_grad
+
+
+@triton.jit
+def mlstm_dkv_kernel(
+    q_ptr, k_ptr, v_ptr, dh_ptr, igate_ptr, logf_ptr, m2_ptr, r_ptr, beta_ptr,
+    argmax_ptr, dm_ptr, dk_ptr, dv_ptr, col_grad_ptr, seq_len, num_heads,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_hb, stride_hh, stride_hs, stride_hd,
+    scale,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Grid ``(B * NH, cdiv(S, BLOCK_N))``, the earliest keys (most query tiles) first.
+    Writes ``dk_ptr [B, NH, S, DQK]``, ``dv_ptr [B, NH, S, DV]`` contiguous and
+    ``col_grad_ptr [B * NH, S]`` (``sum_i dlogD_ij``, the stabiliser's gradient ``dm_ptr``
+    included at each row's ``argmax_ptr`` column). Other arguments as
+    :func:`mlstm_dq_kernel`."""
+    bh = tl.program_id(0)
+    start_n = tl.program_id(1) * BLOCK_N
+    batch64 = (bh // num_heads).to(tl.int64)
+    head64 = (bh % num_heads).to(tl.int64)
+    gate_off = bh.to(tl.int64) * seq_len
+    cols = start_n + tl.arange(0, BLOCK_N)
+    col_ok = cols < seq_len
+    dqk = tl.arange(0, BLOCK_DQK)
+    dv = tl.arange(0, BLOCK_DV)
+    k = load_tile(k_ptr + batch64 * stride_kb + head64 * stride_kh, cols, stride_ks, dqk,
+                  stride_kd, seq_len, DQK, BLOCK_DQK, True)
+    v = load_tile(v_ptr + batch64 * stride_vb + head64 * stride_vh, cols, stride_vs, dv,
+                  stride_vd, seq_len, DV, BLOCK_DV, True)
+    logf_j = tl.load(logf_ptr + gate_off + cols, mask=col_ok, other=0.0)
+    igate_j = tl.load(igate_ptr + gate_off + cols, mask=col_ok, other=0.0)
+    q_base = q_ptr + batch64 * stride_qb + head64 * stride_qh
+    h_base = dh_ptr + batch64 * stride_hb + head64 * stride_hh
+    dk = tl.zeros((BLOCK_N, BLOCK_DQK), dtype=ACC)
+    dv_acc = tl.zeros((BLOCK_N, BLOCK_DV), dtype=ACC)
+    col_grad = tl.zeros((BLOCK_N,), dtype=ACC)
+    # Per-row inputs of this head.
+    logf_h = logf_ptr + gate_off
+    m2_h = m2_ptr + gate_off
+    r_h = r_ptr + gate_off
+    beta_h = beta_ptr + gate_off
+    argmax_h = argmax_ptr + gate_off
+    dm_h = dm_ptr + gate_off
+    # The query tile holding the diagonal, masked; the full tiles below it; the ragged end.
+    first_m = (start_n // BLOCK_M) * BLOCK_M
+    full_end = (first_m + BLOCK_M
+                + tl.maximum(seq_len - first_m - BLOCK_M, 0) // BLOCK_M * BLOCK_M)
+    dk, dv_acc, col_grad = _dkv_step(
+        dk, dv_acc, col_grad, k, v, logf_j, igate_j, cols, first_m, q_base, h_base,
+        logf_h, m2_h, r_h, beta_h, argmax_h, dm_h, seq_len,
+        stride_qs, stride_qd, stride_hs, stride_hd, scale,
+        DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, True, ACC, INPUT_PRECISION, UPCAST)
+    for start_m in range(first_m + BLOCK_M, full_end, BLOCK_M):
+        dk, dv_acc, col_grad = _dkv_step(
+            dk, dv_acc, col_grad, k, v, logf_j, igate_j, cols, start_m, q_base, h_base,
+            logf_h, m2_h, r_h, beta_h, argmax_h, dm_h, seq_len,
+            stride_qs, stride_qd, stride_hs, stride_hd, scale,
+            DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, False, ACC, INPUT_PRECISION, UPCAST)
+    if full_end < seq_len:
+        dk, dv_acc, col_grad = _dkv_step(
+            dk, dv_acc, col_grad, k, v, logf_j, igate_j, cols, full_end, q_base, h_base,
+            logf_h, m2_h, r_h, beta_h, argmax_h, dm_h, seq_len,
+            stride_qs, stride_qd, stride_hs, stride_hd, scale,
+            DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, True, ACC, INPUT_PRECISION, UPCAST)
+    dk = dk * scale
+    mask = col_ok[:, None]
+    tl.store(dk_ptr + gate_off * DQK + cols[:, None] * DQK + dqk[None, :],
+             dk.to(dk_ptr.dtype.element_ty), mask=mask & (dqk[None, :] < DQK))
+    tl.store(dv_ptr + gate_off * DV + cols[:, None] * DV + dv[None, :],
+             dv_acc.to(dv_ptr.dtype.element_ty), mask=mask & (dv[None, :] < DV))
+    tl.store(col_grad_ptr + gate_off + cols, col_grad, mask=col_ok)
+
+
+def _dims(t: torch.Tensor, normed: bool, dv: int) -> tuple[int, int, int, int]:
+    """(batch, head, seq, channel) strides of an output-shaped tensor: ``[B, S, NH * DV]``
+    when ``normed`` (head h's channels start at ``h * DV``), else ``[B, NH, S, DV]``."""
+    if normed:
+        sb, ss, sc = t.stride()
+        return sb, dv * sc, ss, sc
+    return tuple(t.stride())
+
+
+def norm_backward(
+    grad_out: torch.Tensor, h: torch.Tensor, norm_weight: Optional[torch.Tensor],
+    normed: bool, norm_eps: float, residual_weight: bool, acc_dtype: torch.dtype,
+    config: BackwardConfig,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(dh, dh . h [B, NH, S], dweight_parts, dbias_parts)``: the raw h's gradient (the
+    output's own gradient when not ``normed``) and, when normed, partial sums to reduce."""
+    batch, heads, seq, dv = h.shape
+    rows = triton.cdiv(seq, config.block_rows)
+    hdot = torch.empty((batch, heads, seq), dtype=acc_dtype, device=h.device)
+    if normed:
+        dh = torch.empty_like(h, memory_format=torch.contiguous_format)
+        parts_w = torch.empty((rows, batch, heads, dv), dtype=acc_dtype, device=h.device)
+        parts_b = torch.empty_like(parts_w)
+    else:
+        dh, parts_w, parts_b = grad_out, None, None
+    if batch * heads and seq:
+        norm_backward_kernel[(batch * heads, rows)](
+            grad_out, h, norm_weight if norm_weight is not None else hdot,
+            dh if normed else hdot, hdot,
+            parts_w if normed else hdot, parts_b if normed else hdot,
+            seq, heads, rows, *_dims(grad_out, normed, dv), norm_eps,
+            DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK_ROWS=config.block_rows,
+            HAS_NORM=normed, HAS_WEIGHT=norm_weight is not None,
+            RESIDUAL_WEIGHT=residual_weight, ACC=accumulation_dtype(h.dtype),
+            num_warps=config.num_warps,
+        )
+    return dh, hdot, parts_w, parts_b
+
+
+def cell_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dh: torch.Tensor,
+    igate_log2: torch.Tensor, logf_log2: torch.Tensor, m_log2: torch.Tensor,
+    r: torch.Tensor, beta: torch.Tensor, dm: torch.Tensor,
+    config: Optional[BackwardConfig] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, row_grad, col_grad)``: the cell's gradients for the raw h's gradient
+    ``dh [B, NH, S, DV]`` (any strides). Per-row ``[B, NH, S]`` contiguous inputs in the
+    accumulation dtype: the gates and the stabiliser in log2 units, ``r = 1 / (n + eps)``
+    and ``beta`` (module docstring), and ``dm``, the stabiliser's gradient.
+    ``row_grad``/``col_grad``: ``sum_j dlogD_ij`` and ``sum_i dlogD_ij``, with ``dm`` in
+    ``dlogD`` at each row's max column (its row share is the caller's: ``row_grad + dm``)."""
+    batch, heads, seq, dqk = q.shape
+    dvh = v.shape[-1]
+    cfg = config or choose_backward_config(q, dqk, dvh)
+    dq = torch.empty((batch, heads, seq, dqk), dtype=q.dtype, device=q.device)
+    dk = torch.empty((batch, heads, seq, dqk), dtype=k.dtype, device=q.device)
+    dv = torch.empty((batch, heads, seq, dvh), dtype=v.dtype, device=q.device)
+    row_grad = torch.empty_like(logf_log2)
+    col_grad = torch.empty_like(logf_log2)
+    argmax = torch.empty(logf_log2.shape, dtype=torch.int32, device=q.device)
+    if batch * heads == 0 or seq == 0:
+        return dq, dk, dv, row_grad, col_grad
+    common = dict(
+        DQK=dqk, DV=dvh, BLOCK_DQK=max(16, triton.next_power_of_2(dqk)),
+        BLOCK_DV=max(16, triton.next_power_of_2(dvh)), BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, ACC=accumulation_dtype(q.dtype),
+        INPUT_PRECISION=input_precision(q.dtype), UPCAST=upcast_dots(q),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    strides = (*q.stride(), *k.stride(), *v.stride(), *dh.stride())
+    scale = 1.0 / math.sqrt(dqk)
+    mlstm_dq_kernel[(batch * heads, triton.cdiv(seq, cfg.block_m))](
+        q, k, v, dh, igate_log2, logf_log2, m_log2, r, beta, dq, row_grad, argmax, seq, heads,
+        *strides, scale, **common)
+    mlstm_dkv_kernel[(batch * heads, triton.cdiv(seq, cfg.block_n))](
+        q, k, v, dh, igate_log2, logf_log2, m_log2, r, beta, argmax, dm, dk, dv, col_grad,
+        seq, heads,
+        *strides, scale, **common)
+    return dq, dk, dv, row_grad, col_grad

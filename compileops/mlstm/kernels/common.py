@@ -1,0 +1,51 @@
+"""Helpers shared by the mLSTM forward and backward kernel bodies."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def mma(a, b, acc, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a @ b`` with a ``[M, K]``, b ``[K, N]``, acc ``[M, N]`` in the accumulation
+    dtype. ``UPCAST`` (16-bit tiles under Triton's interpreter, whose ``tl.dot`` multiplies
+    bf16 as raw bits in triton 3.6): the tiles go to fp32 first. On GPUs: the MMA."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee",
+                      out_dtype=acc.dtype)
+    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=acc.dtype)
+
+
+@triton.jit
+def load_tile(base, rows, row_stride, cols, col_stride, n_rows, N_COLS: tl.constexpr,
+              BLOCK_COLS: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """``[len(rows), BLOCK_COLS]`` tile of a row-major view at ``base``; rows at or past
+    ``n_rows`` (when ``CHECK_ROWS``) and columns past ``N_COLS`` read as 0."""
+    ptrs = base + rows[:, None] * row_stride + cols[None, :] * col_stride
+    if CHECK_ROWS:
+        if BLOCK_COLS != N_COLS:
+            return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < N_COLS),
+                           other=0.0)
+        return tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    if BLOCK_COLS != N_COLS:
+        return tl.load(ptrs, mask=cols[None, :] < N_COLS, other=0.0)
+    return tl.load(ptrs)
+
+
+def accumulation_dtype(dtype: torch.dtype):
+    """Triton dtype of gate sums, stabilisers and norm statistics: fp64 for fp64, else fp32."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def input_precision(dtype: torch.dtype) -> str:
+    """``ieee`` for fp32 unless ``torch.backends.cuda.matmul.allow_tf32``; 16-bit inputs use
+    the tensor cores' native precision whatever this says."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def upcast_dots(t: torch.Tensor) -> bool:
+    """16-bit tiles under Triton's interpreter (CPU tensors) are multiplied in fp32."""
+    return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16)

@@ -1,0 +1,72 @@
+"""Tile configs of the mLSTM kernels and the host-side heuristics that pick them.
+
+Why the defaults are what they are: ``benchmarks/RESULTS.md`` (mLSTM), swept with
+``benchmarks/tuning/sweep_mlstm.py``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+    """``block_m`` query rows per program, key tiles of ``block_n`` (``block_m`` a multiple
+    of ``block_n``), and the Triton launch options."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.block_m % self.block_n:
+            raise ValueError(f"block_m ({self.block_m}) must be a multiple of block_n "
+                             f"({self.block_n})")
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+    """dQ programs: ``block_m`` query rows, key tiles of ``block_n``. dK/dV programs:
+    ``block_n`` key rows, query tiles of ``block_m``. ``block_m`` a multiple of ``block_n``."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    #: Rows per program of the norm-backward preprocess.
+    block_rows: int = 16
+
+    def __post_init__(self):
+        if self.block_m % self.block_n:
+            raise ValueError(f"block_m ({self.block_m}) must be a multiple of block_n "
+                             f"({self.block_n})")
+
+
+# Triton's interpreter runs one numpy op per tile statement: small tiles keep CPU tests fast.
+INTERPRETER_FORWARD = ForwardConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+INTERPRETER_BACKWARD = BackwardConfig(block_m=16, block_n=16, num_warps=1, num_stages=1,
+                                      block_rows=16)
+
+
+def choose_forward_config(q: torch.Tensor, dqk: int, dv: int) -> ForwardConfig:
+    """The forward's config for head dims ``dqk``, ``dv`` on q's device."""
+    if q.device.type == "cpu":
+        return INTERPRETER_FORWARD
+    if q.dtype == torch.float64:
+        return ForwardConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    if q.dtype == torch.float32 or max(dqk, dv) > 128:
+        return ForwardConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    return ForwardConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+
+
+def choose_backward_config(q: torch.Tensor, dqk: int, dv: int) -> BackwardConfig:
+    """The backward's config for head dims ``dqk``, ``dv`` on q's device."""
+    if q.device.type == "cpu":
+        return INTERPRETER_BACKWARD
+    if q.dtype == torch.float64:
+        return BackwardConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    if q.dtype == torch.float32 or max(dqk, dv) > 128:
+        return BackwardConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    return BackwardConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)

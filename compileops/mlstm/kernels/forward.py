@@ -1,0 +1,236 @@
+"""The parallel mLSTM forward with the multi-head layernorm fused: tile body, kernel, launcher.
+
+One program owns ``BLOCK_M`` query rows of one (batch, head) and all DV columns of them. It
+walks the key tiles left of the diagonal unmasked, then the diagonal tiles masked, keeping
+FlashAttention-style running state per row: the stabiliser ``m`` (a running max of
+``logD``), the signed row sum ``b = sum_j C_ij`` and the unnormalised ``sum_j C_ij v_j``, all
+rescaled by ``exp(m_old - m_new)`` when ``m`` grows. The ``S x S`` matrices never leave the
+tile. At the end ``h = acc / (max(|b|, exp(-m)) + eps)``, and the per-head layernorm over DV
+runs on the fp32 ``h`` in registers, which is why a program holds whole rows.
+
+Exponentials are ``exp2``: the gate inputs arrive pre-multiplied by ``log2(e)`` (the op
+prepares them), so ``logD`` and the stabiliser are in log2 units; the op converts ``m``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from compileops.mlstm.kernels.common import (
+    accumulation_dtype,
+    input_precision,
+    load_tile,
+    mma,
+    upcast_dots,
+)
+from compileops.mlstm.kernels.config import ForwardConfig, choose_forward_config
+
+@triton.jit
+def mlstm_forward_tile(
+    q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, weight_ptr, bias_ptr, h_ptr, m_ptr, b_ptr,
+    bh, start_m, seq_len, num_heads,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    scale, eps, norm_eps,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    RESIDUAL_WEIGHT: tl.constexpr, SAVE_H: tl.constexpr,
+    ACC: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """``[BLOCK_M, BLOCK_DV]`` output rows ``start_m + arange(BLOCK_M)`` of head ``bh``: the
+    normed h when ``HAS_NORM``, else the raw h, in ``ACC`` (the caller casts and stores).
+
+    * ``q_ptr [B, NH, S, DQK]``, ``k_ptr [B, NH, S, DQK]``, ``v_ptr [B, NH, S, DV]``: any
+      strides, given per dimension; ``bh = b * num_heads + head``.
+    * ``igate_ptr``, ``logf_ptr``: ``[B * NH, S]`` contiguous, ``ACC``, in log2 units: the
+      input-gate pre-activation and the cumulative log forget gate, both times ``log2(e)``.
+    * ``weight_ptr``, ``bias_ptr``: ``[NH * DV]`` norm affine (read when ``HAS_WEIGHT`` /
+      ``HAS_BIAS``; ``RESIDUAL_WEIGHT``: the scale is ``1 + weight``).
+    * Written here: ``m_ptr`` and ``b_ptr`` ``[B * NH, S]`` ``ACC`` (the stabiliser in log2
+      units, bitwise the max of the ``logD`` values the backward recomputes, and the signed
+      row sum ``sum_j C_ij``); ``h_ptr [B * NH, S, DV]`` contiguous, the
+      raw h in v's dtype, when ``SAVE_H`` (the norm's backward reads it).
+    * ``scale = 1 / sqrt(DQK)``; ``eps``: the cell's; ``norm_eps``: the layernorm's.
+    """
+    batch = bh // num_heads
+    head = bh % num_heads
+    batch64 = batch.to(tl.int64)
+    head64 = head.to(tl.int64)
+    q_base = q_ptr + batch64 * stride_qb + head64 * stride_qh
+    k_base = k_ptr + batch64 * stride_kb + head64 * stride_kh
+    v_base = v_ptr + batch64 * stride_vb + head64 * stride_vh
+    gate_off = bh.to(tl.int64) * seq_len
+
+    rows = start_m + tl.arange(0, BLOCK_M)
+    row_ok = rows < seq_len
+    dqk = tl.arange(0, BLOCK_DQK)
+    dv = tl.arange(0, BLOCK_DV)
+    q = load_tile(q_base, rows, stride_qs, dqk, stride_qd, seq_len, DQK, BLOCK_DQK, True)
+    logf_i = tl.load(logf_ptr + gate_off + rows, mask=row_ok, other=0.0)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=ACC)
+    row_sum = tl.zeros((BLOCK_M,), dtype=ACC)
+    row_max = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
+
+    # Key tiles left of this query tile: every entry is causal and in range.
+    for start_n in range(0, start_m, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k = load_tile(k_base, cols, stride_ks, dqk, stride_kd, seq_len, DQK, BLOCK_DQK, False)
+        v = load_tile(v_base, cols, stride_vs, dv, stride_vd, seq_len, DV, BLOCK_DV, False)
+        logf_j = tl.load(logf_ptr + gate_off + cols)
+        igate_j = tl.load(igate_ptr + gate_off + cols)
+        scores = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
+                     INPUT_PRECISION, UPCAST) * scale
+        log_d = logf_i[:, None] - logf_j[None, :] + igate_j[None, :]
+        new_max = tl.maximum(row_max, tl.max(log_d, axis=1))
+        rescale = tl.exp2(row_max - new_max)
+        c = scores * tl.exp2(log_d - new_max[:, None])
+        row_sum = row_sum * rescale + tl.sum(c, axis=1)
+        acc = mma(c.to(v.dtype), v, acc * rescale[:, None], INPUT_PRECISION, UPCAST)
+        row_max = new_max
+    # The diagonal tiles: mask j > i and j past the sequence.
+    for start_n in range(start_m, tl.minimum(start_m + BLOCK_M, seq_len), BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        col_ok = cols < seq_len
+        k = load_tile(k_base, cols, stride_ks, dqk, stride_kd, seq_len, DQK, BLOCK_DQK, True)
+        v = load_tile(v_base, cols, stride_vs, dv, stride_vd, seq_len, DV, BLOCK_DV, True)
+        logf_j = tl.load(logf_ptr + gate_off + cols, mask=col_ok, other=0.0)
+        igate_j = tl.load(igate_ptr + gate_off + cols, mask=col_ok, other=0.0)
+        scores = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
+                     INPUT_PRECISION, UPCAST) * scale
+        live = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
+        log_d = tl.where(live, logf_i[:, None] - logf_j[None, :] + igate_j[None, :],
+                         float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(log_d, axis=1))
+        rescale = tl.exp2(row_max - new_max)
+        c = scores * tl.exp2(log_d - new_max[:, None])
+        row_sum = row_sum * rescale + tl.sum(c, axis=1)
+        acc = mma(c.to(v.dtype), v, acc * rescale[:, None], INPUT_PRECISION, UPCAST)
+        row_max = new_max
+
+    normaliser = tl.maximum(tl.abs(row_sum), tl.exp2(-row_max))
+    h = acc / (normaliser + eps)[:, None]
+    tl.store(m_ptr + gate_off + rows, row_max, mask=row_ok)
+    tl.store(b_ptr + gate_off + rows, row_sum, mask=row_ok)
+    if SAVE_H:
+        h_rows = h_ptr + gate_off * DV + rows[:, None] * DV + dv[None, :]
+        tl.store(h_rows, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+    if HAS_NORM:
+        h = _layernorm_rows(h, weight_ptr, bias_ptr, head, norm_eps, DV, BLOCK_DV,
+                            HAS_WEIGHT, HAS_BIAS, RESIDUAL_WEIGHT)
+    return h
+
+
+@triton.jit
+def _layernorm_rows(h, weight_ptr, bias_ptr, head, norm_eps, DV: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    RESIDUAL_WEIGHT: tl.constexpr):
+    """Layernorm of each row of ``h [BLOCK_M, BLOCK_DV]`` over its DV live columns (mean and
+    biased variance in h's dtype), then the affine of channels ``head * DV + d``."""
+    dv = tl.arange(0, BLOCK_DV)
+    live = dv < DV
+    mean = tl.sum(h, axis=1) / DV
+    centred = tl.where(live[None, :], h - mean[:, None], 0.0)
+    var = tl.sum(centred * centred, axis=1) / DV
+    y = centred * (1.0 / tl.sqrt(var + norm_eps))[:, None]
+    if HAS_WEIGHT:
+        w = tl.load(weight_ptr + head * DV + dv, mask=live, other=0.0).to(h.dtype)
+        if RESIDUAL_WEIGHT:
+            w = w + 1.0
+        y = y * w[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + head * DV + dv, mask=live, other=0.0).to(h.dtype)[None, :]
+    return y
+
+
+@triton.jit
+def mlstm_forward_kernel(
+    q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, weight_ptr, bias_ptr, h_ptr, m_ptr, b_ptr,
+    out_ptr, seq_len, num_heads,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_ob, stride_oh, stride_os, stride_od,
+    scale, eps, norm_eps,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    RESIDUAL_WEIGHT: tl.constexpr, SAVE_H: tl.constexpr,
+    ACC: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Grid ``(B * NH, cdiv(S, BLOCK_M))``; the last query tiles (the longest rows) start
+    first. ``out_ptr``: ``[B, S, NH * DV]`` (normed) or ``[B, NH, S, DV]`` (raw), addressed by
+    the strides of its (batch, head, seq, channel) dimensions."""
+    bh = tl.program_id(0)
+    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    out = mlstm_forward_tile(
+        q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, weight_ptr, bias_ptr, h_ptr, m_ptr, b_ptr,
+        bh, start_m, seq_len, num_heads,
+        stride_qb, stride_qh, stride_qs, stride_qd,
+        stride_kb, stride_kh, stride_ks, stride_kd,
+        stride_vb, stride_vh, stride_vs, stride_vd,
+        scale, eps, norm_eps, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N,
+        HAS_NORM, HAS_WEIGHT, HAS_BIAS, RESIDUAL_WEIGHT, SAVE_H, ACC, INPUT_PRECISION, UPCAST,
+    )
+    rows = start_m + tl.arange(0, BLOCK_M)
+    dv = tl.arange(0, BLOCK_DV)
+    base = (out_ptr + (bh // num_heads).to(tl.int64) * stride_ob
+            + (bh % num_heads).to(tl.int64) * stride_oh)
+    ptrs = base + rows[:, None] * stride_os + dv[None, :] * stride_od
+    tl.store(ptrs, out.to(out_ptr.dtype.element_ty),
+             mask=(rows[:, None] < seq_len) & (dv[None, :] < DV))
+
+
+def mlstm_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    igate_log2: torch.Tensor, logf_log2: torch.Tensor,
+    norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
+    normed: bool, norm_eps: float, eps: float, residual_weight: bool, save_h: bool,
+    config: Optional[ForwardConfig] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Eager launch: ``(out, h_raw or None, m_log2 [B, NH, S], b [B, NH, S])``.
+
+    ``igate_log2``, ``logf_log2``: ``[B, NH, S]`` contiguous in the accumulation dtype, times
+    ``log2(e)``. ``out`` is ``[B, S, NH * DV]`` when ``normed`` else ``[B, NH, S, DV]``, in v's
+    dtype; ``h_raw [B, NH, S, DV]`` (v's dtype) only when ``save_h``.
+    """
+    batch, heads, seq, dqk = q.shape
+    dv = v.shape[-1]
+    acc_dtype = logf_log2.dtype
+    cfg = config or choose_forward_config(q, dqk, dv)
+    if normed:
+        out = v.new_empty((batch, seq, heads * dv))
+        so_b, so_s, so_c = out.stride()
+        out_strides = (so_b, dv * so_c, so_s, so_c)
+    else:
+        out = v.new_empty((batch, heads, seq, dv))
+        so_b, so_h, so_s, so_d = out.stride()
+        out_strides = (so_b, so_h, so_s, so_d)
+    h_raw = v.new_empty((batch, heads, seq, dv)) if save_h else None
+    m = torch.empty((batch, heads, seq), dtype=acc_dtype, device=q.device)
+    b = torch.empty_like(m)
+    if batch * heads == 0 or seq == 0:
+        return out, h_raw, m, b
+    grid = (batch * heads, triton.cdiv(seq, cfg.block_m))
+    mlstm_forward_kernel[grid](
+        q, k, v, igate_log2, logf_log2,
+        norm_weight if norm_weight is not None else m,
+        norm_bias if norm_bias is not None else m,
+        h_raw if save_h else m, m, b, out, seq, heads,
+        *q.stride(), *k.stride(), *v.stride(), *out_strides,
+        1.0 / math.sqrt(dqk), eps, norm_eps,
+        DQK=dqk, DV=dv, BLOCK_DQK=max(16, triton.next_power_of_2(dqk)),
+        BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        HAS_NORM=normed, HAS_WEIGHT=norm_weight is not None, HAS_BIAS=norm_bias is not None,
+        RESIDUAL_WEIGHT=residual_weight, SAVE_H=save_h,
+        ACC=accumulation_dtype(q.dtype), INPUT_PRECISION=input_precision(q.dtype),
+        UPCAST=upcast_dots(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, h_raw, m, b

@@ -1,0 +1,100 @@
+"""Ground truth of the mLSTM cell and its multi-head layernorm, in plain PyTorch.
+
+The math only (../../docs and REFERENCE.md section 3): readable, materialises the ``S x S``
+decay matrix, correct in fp64. Autograd through these functions is the gradient contract the
+kernels are held to.
+
+Shapes: ``q, k [B, NH, S, DQK]``, ``v [B, NH, S, DV]``, gate pre-activations ``igate, fgate
+[B, NH, S]``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def gate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of gate cumsums, stabilisers and norm statistics: fp32, or fp64 for fp64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def cell(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    igate: torch.Tensor, fgate: torch.Tensor, eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`mlstm_parallel`'s math, returning ``(h, b, m)`` in the accumulation dtype, with
+    the signed row sum ``b = sum_j C_ij`` (``n = max(|b|, exp(-m))``), which the backward's
+    normaliser term needs."""
+    acc = gate_dtype(q.dtype)
+    seq = q.shape[-2]
+    if seq == 0:  # amax over an empty row is undefined; an empty sequence has empty results
+        return v.new_zeros(v.shape, dtype=acc), igate.new_zeros(igate.shape, dtype=acc), \
+            igate.new_zeros(igate.shape, dtype=acc)
+    log_f = torch.cumsum(F.logsigmoid(fgate.to(acc)), dim=-1)  # [B, NH, S]
+    log_d = log_f[..., :, None] - log_f[..., None, :] + igate.to(acc)[..., None, :]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    log_d = log_d.masked_fill(~causal, float("-inf"))  # [B, NH, S, S]
+    m = log_d.max(dim=-1).values  # [B, NH, S]; its gradient goes to the first max
+    scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    c = scores * torch.exp(log_d - m[..., None])
+    b = c.sum(dim=-1)
+    n = torch.maximum(b.abs(), torch.exp(-m))
+    h = (c @ v.to(acc)) / (n[..., None] + eps)
+    return h, b, m
+
+
+def mlstm_parallel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    igate: torch.Tensor, fgate: torch.Tensor, eps: float = 1e-6, round_h: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The stabilised parallel mLSTM: ``(h [B, NH, S, DV], n [B, NH, S], m [B, NH, S])``.
+
+    ``F_t = sum_{tau<=t} log sigmoid(fgate_tau)``; ``logD_ij = F_i - F_j + igate_j`` for
+    ``j <= i`` (else -inf); ``m_i = max_j logD_ij``; ``C = (q k^T / sqrt(DQK)) * exp(logD - m)``;
+    ``n_i = max(|sum_j C_ij|, exp(-m_i))``; ``h_i = sum_j C_ij v_j / (n_i + eps)``.
+    Gates, ``m`` and ``n`` are computed in fp32 (fp64 for fp64 inputs); ``h`` is returned in
+    v's dtype (in that accumulation dtype if not ``round_h``, as the fused norm reads it).
+    """
+    h, b, m = cell(q, k, v, igate, fgate, eps)
+    n = torch.maximum(b.abs(), torch.exp(-m))
+    return (h.to(v.dtype) if round_h else h), n, m
+
+
+def multihead_layernorm(
+    h: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+    eps: float = 1e-6, residual_weight: bool = False, out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """Per-head layernorm of ``h [B, NH, S, DV]`` over DV -> ``[B, S, NH * DV]``.
+
+    Mean and biased variance per head in fp32 (fp64 for fp64); affine per channel with
+    ``weight [NH * DV]`` (``1 + weight`` when ``residual_weight``) and ``bias [NH * DV]``, each
+    optional. The result is in ``out_dtype`` (default h's dtype), laid out as the xLSTM
+    block consumes it next.
+    """
+    b, nh, s, dv = h.shape
+    x = h.to(gate_dtype(h.dtype))
+    mean = x.mean(dim=-1, keepdim=True)
+    var = (x - mean).square().mean(dim=-1, keepdim=True)
+    y = (x - mean) * torch.rsqrt(var + eps)  # [B, NH, S, DV]
+    y = y.transpose(1, 2).reshape(b, s, nh * dv)
+    if weight is not None:
+        y = y * ((1 + weight.to(y.dtype)) if residual_weight else weight.to(y.dtype))
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.to(out_dtype or h.dtype)
+
+
+def mlstm(
+    q, k, v, igate, fgate, norm_weight=None, norm_bias=None, norm_eps: float = 1e-6,
+    eps: float = 1e-6, residual_weight: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The cell, then the norm when a norm weight or bias is given: ``(out, n, m)`` with out
+    ``[B, S, NH * DV]`` normed or ``[B, NH, S, DV]`` raw. The norm reads the unrounded h."""
+    if norm_weight is None and norm_bias is None:
+        return mlstm_parallel(q, k, v, igate, fgate, eps)
+    h, n, m = mlstm_parallel(q, k, v, igate, fgate, eps, round_h=False)
+    out = multihead_layernorm(h, norm_weight, norm_bias, norm_eps, residual_weight, v.dtype)
+    return out, n, m
