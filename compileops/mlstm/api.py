@@ -7,8 +7,9 @@ import math
 
 import torch
 
-from compileops.mlstm.checks import check_kernel
+from compileops.mlstm.checks import check_inputs, check_kernel
 from compileops.mlstm.op import mlstm_parallel_op
+from compileops.mlstm.reference import gate_dtype, log_forget_cumsum
 
 LN2 = math.log(2.0)
 
@@ -29,7 +30,10 @@ def mlstm_with_stats(
     check_kernel(kernel)
     normed = norm_weight is not None or norm_bias is not None
     save_h = normed and _needs_grad(q, k, v, igate, fgate, norm_weight, norm_bias)
-    out, _, m_log2, b = mlstm_parallel_op(q, k, v, igate, fgate, norm_weight, norm_bias,
+    check_inputs(q, k, v, igate, fgate, norm_weight, norm_bias, norm_eps, eps)
+    acc = gate_dtype(q.dtype)
+    logf = log_forget_cumsum(fgate.to(acc))
+    out, _, m_log2, b = mlstm_parallel_op(q, k, v, igate.to(acc), logf, norm_weight, norm_bias,
                                           normed, float(norm_eps), float(eps),
                                           bool(residual_weight), save_h)
     n = torch.maximum(b.abs(), torch.exp2(-m_log2))

@@ -73,3 +73,11 @@ def check_kernel_head_dims(q: torch.Tensor, v: torch.Tensor) -> None:
 def check_backward_grad(grad: torch.Tensor, expected: tuple, what: str) -> None:
     torch._check(tuple(grad.shape) == tuple(expected), lambda: f"{what} must have shape "
                  f"{tuple(expected)}, got {tuple(grad.shape)}")
+
+
+def check_log_gates(q: torch.Tensor, igate: torch.Tensor, logf: torch.Tensor) -> None:
+    """The op's gate inputs are in the accumulation dtype (fp32, fp64 for fp64 inputs)."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    for name, g in (("igate", igate), ("logf", logf)):
+        torch._check(g.dtype == acc, lambda: f"{name} must be {acc} for {q.dtype} inputs (the "
+                     f"gates' accumulation dtype), got {g.dtype}; compileops.mlstm converts")

@@ -1,13 +1,17 @@
 """The mLSTM custom ops: the parallel cell with its multi-head layernorm fused.
 
-* ``compileops::mlstm_parallel(q, k, v, igate, fgate, norm_weight?, norm_bias?, normed,
+* ``compileops::mlstm_parallel(q, k, v, igate, logf, norm_weight?, norm_bias?, normed,
   norm_eps, eps, residual_weight, save_h) -> (out, h, m_log2, b)``: ``out`` is ``[B, S, NH * DV]``
   (normed) or ``[B, NH, S, DV]`` (raw); ``h [B, NH, S, DV]`` is the raw h kept for the norm's
   backward when ``save_h`` (else empty); ``m_log2, b [B, NH, S]`` (fp32, fp64 for fp64
   inputs) are the stabiliser in log2 units (``m = m_log2 * ln 2``) and the signed row sum,
   ``n = max(|b|, exp(-m))``.
-* ``compileops::mlstm_parallel_backward(grad, q, k, v, igate, fgate, norm_weight?, h, m_log2,
-  b, normed, norm_eps, eps, residual_weight) -> (dq, dk, dv, digate, dfgate, dweight, dbias)``.
+* ``compileops::mlstm_parallel_backward(grad, q, k, v, igate, logf, norm_weight?, h, m_log2,
+  b, normed, norm_eps, eps, residual_weight) -> (dq, dk, dv, digate, dlogf, dweight, dbias)``.
+
+The gates enter as ``igate`` and ``logf = cumsum(log sigmoid(fgate))``, both ``[B, NH, S]`` in
+the accumulation dtype (fp32, fp64 for fp64): the public function computes ``logf`` with
+torch ops, so autograd (and Inductor, which fuses them) handles the cumsum and the sigmoid.
 
 Both functional; the forward's autograd calls the backward op, so the compiled backward
 graph holds a compileops op too.
@@ -23,12 +27,16 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from compileops import backends
 from compileops._library import custom_op
 from compileops.mlstm import reference
-from compileops.mlstm.checks import check_backward_grad, check_inputs, check_kernel_head_dims
+from compileops.mlstm.checks import (
+    check_backward_grad,
+    check_inputs,
+    check_kernel_head_dims,
+    check_log_gates,
+)
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -40,14 +48,6 @@ def _use_triton(op: str, q: torch.Tensor, v: torch.Tensor) -> bool:
     return True
 
 
-def log2_gates(igate: torch.Tensor, fgate: torch.Tensor, acc: torch.dtype):
-    """The kernels' gate inputs, ``[B, NH, S]`` contiguous in ``acc``, times ``log2(e)``:
-    the input gate and the cumulative log forget gate ``sum_{tau<=t} log sigmoid(f)``."""
-    igate_log2 = (igate.to(acc) * LOG2E).contiguous()
-    logf_log2 = (torch.cumsum(F.logsigmoid(fgate.to(acc)), dim=-1) * LOG2E).contiguous()
-    return igate_log2, logf_log2
-
-
 def _out_shape(q, v, normed):
     b, nh, s, _ = q.shape
     dv = v.shape[-1]
@@ -57,21 +57,20 @@ def _out_shape(q, v, normed):
 @custom_op("mlstm_parallel")
 def mlstm_parallel_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, igate: torch.Tensor,
-    fgate: torch.Tensor, norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
+    logf: torch.Tensor, norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
     normed: bool, norm_eps: float, eps: float, residual_weight: bool, save_h: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """See the module docstring."""
-    check_inputs(q, k, v, igate, fgate, norm_weight, norm_bias, norm_eps, eps)
-    acc = reference.gate_dtype(q.dtype)
+    check_inputs(q, k, v, igate, logf, norm_weight, norm_bias, norm_eps, eps)
+    check_log_gates(q, igate, logf)
     if _use_triton("mlstm_parallel", q, v):
         from compileops.mlstm import kernels
 
-        igate_log2, logf_log2 = log2_gates(igate, fgate, acc)
         out, h, m, b = kernels.mlstm_forward(
-            q, k, v, igate_log2, logf_log2, norm_weight, norm_bias, normed, norm_eps, eps,
-            residual_weight, save_h and normed)
+            q, k, v, igate.contiguous(), logf.contiguous(), norm_weight, norm_bias, normed,
+            norm_eps, eps, residual_weight, save_h and normed)
         return out, (h if h is not None else v.new_empty((0,))), m, b
-    h, b, m = reference.cell(q, k, v, igate, fgate, eps)
+    h, b, m = reference.cell_from_log_gates(q, k, v, igate, logf, eps)
     if normed:
         out = reference.multihead_layernorm(h, norm_weight, norm_bias, norm_eps,
                                             residual_weight, v.dtype)
@@ -82,9 +81,10 @@ def mlstm_parallel_op(
 
 
 @mlstm_parallel_op.register_fake
-def _mlstm_parallel_fake(q, k, v, igate, fgate, norm_weight, norm_bias, normed, norm_eps,
+def _mlstm_parallel_fake(q, k, v, igate, logf, norm_weight, norm_bias, normed, norm_eps,
                          eps, residual_weight, save_h):
-    check_inputs(q, k, v, igate, fgate, norm_weight, norm_bias, norm_eps, eps)
+    check_inputs(q, k, v, igate, logf, norm_weight, norm_bias, norm_eps, eps)
+    check_log_gates(q, igate, logf)
     acc = reference.gate_dtype(q.dtype)
     out = v.new_empty(_out_shape(q, v, normed))
     h = v.new_empty(v.shape) if (save_h and normed) else v.new_empty((0,))
@@ -93,11 +93,11 @@ def _mlstm_parallel_fake(q, k, v, igate, fgate, norm_weight, norm_bias, normed, 
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, igate, fgate, norm_weight, norm_bias, normed, norm_eps, eps, residual, _ = inputs
+    q, k, v, igate, logf, norm_weight, norm_bias, normed, norm_eps, eps, residual, _ = inputs
     out, h, m, b = output
     ctx.mark_non_differentiable(h, m, b)
     kept_h = h if normed else out
-    ctx.save_for_backward(q, k, v, igate, fgate, norm_weight, kept_h, m, b)
+    ctx.save_for_backward(q, k, v, igate, logf, norm_weight, kept_h, m, b)
     ctx.normed = normed
     ctx.norm_eps = norm_eps
     ctx.eps = eps
@@ -106,16 +106,16 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad_out, _grad_h, _grad_m, _grad_b):
-    q, k, v, igate, fgate, norm_weight, h, m, b = ctx.saved_tensors
+    q, k, v, igate, logf, norm_weight, h, m, b = ctx.saved_tensors
     if ctx.normed and h.numel() == 0 and q.numel():
         raise RuntimeError("mlstm_parallel was called with save_h=False but a gradient is "
                            "needed: call compileops.mlstm, which keeps h when it must")
-    dq, dk, dv, digate, dfgate, dweight, dbias = mlstm_parallel_backward_op(
-        grad_out, q, k, v, igate, fgate, norm_weight, h, m, b, ctx.normed, ctx.norm_eps,
+    dq, dk, dv, digate, dlogf, dweight, dbias = mlstm_parallel_backward_op(
+        grad_out, q, k, v, igate, logf, norm_weight, h, m, b, ctx.normed, ctx.norm_eps,
         ctx.eps, ctx.residual_weight)
     dweight = dweight.to(norm_weight.dtype) if norm_weight is not None else None
     dbias = dbias.to(grad_out.dtype) if ctx.has_bias else None
-    return dq, dk, dv, digate, dfgate, dweight, dbias, None, None, None, None, None
+    return dq, dk, dv, digate, dlogf, dweight, dbias, None, None, None, None, None
 
 
 mlstm_parallel_op.register_autograd(_backward, setup_context=_setup_context)
@@ -124,36 +124,36 @@ mlstm_parallel_op.register_autograd(_backward, setup_context=_setup_context)
 @custom_op("mlstm_parallel_backward")
 def mlstm_parallel_backward_op(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    igate: torch.Tensor, fgate: torch.Tensor, norm_weight: Optional[torch.Tensor],
+    igate: torch.Tensor, logf: torch.Tensor, norm_weight: Optional[torch.Tensor],
     h: torch.Tensor, m: torch.Tensor, b: torch.Tensor, normed: bool, norm_eps: float,
     eps: float, residual_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor]:
     """Gradients of :func:`mlstm_parallel_op`'s ``out`` for ``grad_out``: ``(dq, dk, dv,
-    digate, dfgate, dweight [NH * DV], dbias [NH * DV])``; the last two are the norm's
-    (fp32, fp64 for fp64; empty when not ``normed``). ``h``: the raw h when ``normed``,
+    digate, dlogf, dweight [NH * DV], dbias [NH * DV])``; the gates' and the norm's in the
+    accumulation dtype (the norm's empty when not ``normed``). ``h``: the raw h when ``normed``,
     else the output itself."""
     check_backward_grad(grad_out, _out_shape(q, v, normed), "grad_out")
     acc = reference.gate_dtype(q.dtype)
     if _use_triton("mlstm_parallel_backward", q, v):
-        return _kernel_backward(grad_out, q, k, v, igate, fgate, norm_weight, h, m, b, normed,
+        return _kernel_backward(grad_out, q, k, v, igate, logf, norm_weight, h, m, b, normed,
                                 norm_eps, eps, residual_weight, acc)
-    return _reference_backward(grad_out, q, k, v, igate, fgate, norm_weight, normed, norm_eps,
+    return _reference_backward(grad_out, q, k, v, igate, logf, norm_weight, normed, norm_eps,
                                eps, residual_weight, acc)
 
 
 @mlstm_parallel_backward_op.register_fake
-def _mlstm_parallel_backward_fake(grad_out, q, k, v, igate, fgate, norm_weight, h, m, b,
+def _mlstm_parallel_backward_fake(grad_out, q, k, v, igate, logf, norm_weight, h, m, b,
                                   normed, norm_eps, eps, residual_weight):
     check_backward_grad(grad_out, _out_shape(q, v, normed), "grad_out")
     acc = reference.gate_dtype(q.dtype)
     channels = q.shape[1] * v.shape[3] if normed else 0
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            igate.new_empty(igate.shape), fgate.new_empty(fgate.shape),
+            igate.new_empty(igate.shape), logf.new_empty(logf.shape),
             q.new_empty((channels,), dtype=acc), q.new_empty((channels,), dtype=acc))
 
 
-def _kernel_backward(grad_out, q, k, v, igate, fgate, norm_weight, h, m, b, normed,
+def _kernel_backward(grad_out, q, k, v, igate, logf, norm_weight, h, m, b, normed,
                      norm_eps, eps, residual_weight, acc):
     from compileops.mlstm import kernels
 
@@ -161,16 +161,17 @@ def _kernel_backward(grad_out, q, k, v, igate, fgate, norm_weight, h, m, b, norm
     dh, hdot, parts_w, parts_b = kernels.norm_backward(
         grad_out, h, norm_weight, normed, norm_eps, residual_weight, acc, cfg)
     r, beta, dm = normaliser_terms(m, b, hdot, eps)
-    igate_log2, logf_log2 = log2_gates(igate, fgate, acc)
     dq, dk, dv, row_grad, col_grad = kernels.cell_backward(
-        q, k, v, dh, igate_log2, logf_log2, m, r, beta, dm, cfg)
-    digate, dfgate = gate_gradients(row_grad + dm, col_grad, fgate)
+        q, k, v, dh, igate.contiguous(), logf.contiguous(), m, r, beta, dm, cfg)
+    # logD_ij = F_i - F_j + igate_j: dF gets the row sums of dlogD minus its column sums
+    # (dm: the stabiliser's share, which sits in row i too).
+    dlogf = row_grad + dm - col_grad
     if normed:
         dweight = parts_w.sum(dim=(0, 1)).reshape(-1)
         dbias = parts_b.sum(dim=(0, 1)).reshape(-1)
     else:
         dweight, dbias = q.new_empty((0,), dtype=acc), q.new_empty((0,), dtype=acc)
-    return dq, dk, dv, digate.to(igate.dtype), dfgate, dweight, dbias
+    return dq, dk, dv, col_grad, dlogf, dweight, dbias
 
 
 def normaliser_terms(m_log2: torch.Tensor, b: torch.Tensor, hdot: torch.Tensor, eps: float):
@@ -183,28 +184,18 @@ def normaliser_terms(m_log2: torch.Tensor, b: torch.Tensor, hdot: torch.Tensor, 
     return r.contiguous(), beta.contiguous(), (-eps * r * hdot).contiguous()
 
 
-def gate_gradients(row_grad: torch.Tensor, col_grad: torch.Tensor, fgate: torch.Tensor):
-    """``(digate, dfgate)`` from the row and column sums of ``dlogD``: ``digate_j =
-    colsum_j``; ``dF = rowsum - colsum``, and ``F = cumsum(log sigmoid(f))`` gives ``dfgate =
-    sigmoid(-f) * revcumsum(dF)`` (in the accumulation dtype, then f's dtype)."""
-    d_logf = row_grad - col_grad
-    rev = torch.flip(torch.cumsum(torch.flip(d_logf, dims=(-1,)), dim=-1), dims=(-1,))
-    dfgate = (torch.sigmoid(-fgate.to(rev.dtype)) * rev).to(fgate.dtype)
-    return col_grad, dfgate
-
-
-def _reference_backward(grad_out, q, k, v, igate, fgate, norm_weight, normed, norm_eps, eps,
+def _reference_backward(grad_out, q, k, v, igate, logf, norm_weight, normed, norm_eps, eps,
                         residual_weight, acc):
     """Autograd through the reference, the ground truth (the stabiliser's max included)."""
     channels = q.shape[1] * v.shape[3]
     weight = norm_weight if norm_weight is not None else None
     bias = q.new_zeros((channels,), dtype=acc) if normed else None
 
-    def forward(q, k, v, igate, fgate, *affine):
+    def forward(q, k, v, igate, logf, *affine):
         affine = list(affine)
         weight = affine.pop(0) if weight_given else None
         bias = affine.pop(0) if normed else None
-        h, _, _ = reference.cell(q, k, v, igate, fgate, eps)
+        h, _, _ = reference.cell_from_log_gates(q, k, v, igate, logf, eps)
         if not normed:
             return h.to(v.dtype)
         return reference.multihead_layernorm(h, weight, bias, norm_eps, residual_weight,
@@ -213,12 +204,12 @@ def _reference_backward(grad_out, q, k, v, igate, fgate, norm_weight, normed, no
     # torch.func re-enables autograd below the op's dispatch, where plain autograd is off.
     weight_given = weight is not None
     affine = ((weight,) if weight_given else ()) + ((bias,) if normed else ())
-    _, vjp = torch.func.vjp(forward, q, k, v, igate, fgate, *affine)
+    _, vjp = torch.func.vjp(forward, q, k, v, igate, logf, *affine)
     grads = vjp(grad_out)
-    dq, dk, dv, digate, dfgate = grads[:5]
+    dq, dk, dv, digate, dlogf = grads[:5]
     if normed:
         dweight = grads[5].to(acc) if weight_given else q.new_zeros((channels,), dtype=acc)
         dbias = grads[-1].to(acc)
     else:
         dweight, dbias = q.new_empty((0,), dtype=acc), q.new_empty((0,), dtype=acc)
-    return dq, dk, dv, digate, dfgate, dweight, dbias
+    return dq, dk, dv, digate, dlogf, dweight, dbias

@@ -21,6 +21,11 @@ def gate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def log_forget_cumsum(fgate: torch.Tensor) -> torch.Tensor:
+    """``F_t = sum_{tau<=t} log sigmoid(fgate_tau)`` ``[B, NH, S]`` in the accumulation dtype."""
+    return torch.cumsum(F.logsigmoid(fgate.to(gate_dtype(fgate.dtype))), dim=-1)
+
+
 def cell(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     igate: torch.Tensor, fgate: torch.Tensor, eps: float = 1e-6,
@@ -29,12 +34,21 @@ def cell(
     the signed row sum ``b = sum_j C_ij`` (``n = max(|b|, exp(-m))``), which the backward's
     normaliser term needs."""
     acc = gate_dtype(q.dtype)
+    return cell_from_log_gates(q, k, v, igate.to(acc), log_forget_cumsum(fgate.to(acc)), eps)
+
+
+def cell_from_log_gates(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    igate: torch.Tensor, log_f: torch.Tensor, eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`cell` from the input gate and ``F = cumsum(log sigmoid(fgate))``, both
+    ``[B, NH, S]`` in the accumulation dtype."""
+    acc = gate_dtype(q.dtype)
     seq = q.shape[-2]
-    if seq == 0:  # amax over an empty row is undefined; an empty sequence has empty results
-        return v.new_zeros(v.shape, dtype=acc), igate.new_zeros(igate.shape, dtype=acc), \
-            igate.new_zeros(igate.shape, dtype=acc)
-    log_f = torch.cumsum(F.logsigmoid(fgate.to(acc)), dim=-1)  # [B, NH, S]
-    log_d = log_f[..., :, None] - log_f[..., None, :] + igate.to(acc)[..., None, :]
+    if seq == 0:  # max over an empty row is undefined; an empty sequence has empty results
+        return v.new_zeros(v.shape, dtype=acc), log_f.new_zeros(log_f.shape), \
+            log_f.new_zeros(log_f.shape)
+    log_d = log_f[..., :, None] - log_f[..., None, :] + igate[..., None, :]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
     log_d = log_d.masked_fill(~causal, float("-inf"))  # [B, NH, S, S]
     m = log_d.max(dim=-1).values  # [B, NH, S]; its gradient goes to the first max

@@ -34,7 +34,7 @@ from compileops.mlstm.kernels.common import (
 )
 from compileops.mlstm.kernels.config import BackwardConfig, choose_backward_config
 
-LOG2E = 1.4426950408889634
+LOG2E: tl.constexpr = 1.4426950408889634
 
 
 @triton.jit
@@ -129,14 +129,14 @@ def _dq_step(
     v = load_tile(v_base, cols, stride_vs, dv, stride_vd, seq_len, DV, BLOCK_DV, MASKED)
     if MASKED:
         col_ok = cols < seq_len
-        logf_j = tl.load(logf_ptr + cols, mask=col_ok, other=0.0)
-        igate_j = tl.load(igate_ptr + cols, mask=col_ok, other=0.0)
+        logf_j = tl.load(logf_ptr + cols, mask=col_ok, other=0.0) * LOG2E
+        igate_j = tl.load(igate_ptr + cols, mask=col_ok, other=0.0) * LOG2E
         live = (cols[None, :] <= rows[:, None]) & col_ok[None, :] & (rows[:, None] < seq_len)
         log_d = tl.where(live, logf_i[:, None] - logf_j[None, :] + igate_j[None, :],
                          float("-inf"))
     else:
-        logf_j = tl.load(logf_ptr + cols)
-        igate_j = tl.load(igate_ptr + cols)
+        logf_j = tl.load(logf_ptr + cols) * LOG2E
+        igate_j = tl.load(igate_ptr + cols) * LOG2E
         log_d = logf_i[:, None] - logf_j[None, :] + igate_j[None, :]
     # The row's first maximal column so far (the stabiliser's gradient goes there).
     tile_max = tl.max(log_d, axis=1)
@@ -172,8 +172,8 @@ def mlstm_dq_kernel(
     ``argmax_ptr [B * NH, S]`` int32 (the first column holding the row's max of ``logD``).
 
     ``dh_ptr``: the raw h's gradient, (batch, head, seq, channel) strides given;
-    ``igate_ptr``, ``logf_ptr``, ``m2_ptr`` (the stabiliser), ``r_ptr``, ``beta_ptr``:
-    ``[B * NH, S]`` contiguous, ``ACC``; the first three in log2 units."""
+    ``igate_ptr``, ``logf_ptr`` (the forward's gates), ``m2_ptr`` (the forward's stabiliser,
+    log2 units), ``r_ptr``, ``beta_ptr``: ``[B * NH, S]`` contiguous, ``ACC``."""
     bh = tl.program_id(0)
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     batch64 = (bh // num_heads).to(tl.int64)
@@ -187,7 +187,7 @@ def mlstm_dq_kernel(
                   stride_qd, seq_len, DQK, BLOCK_DQK, True)
     dh = load_tile(dh_ptr + batch64 * stride_hb + head64 * stride_hh, rows, stride_hs, dv,
                    stride_hd, seq_len, DV, BLOCK_DV, True).to(q.dtype)
-    logf_i = tl.load(logf_ptr + gate_off + rows, mask=row_ok, other=0.0)
+    logf_i = tl.load(logf_ptr + gate_off + rows, mask=row_ok, other=0.0) * LOG2E
     m2_i = tl.load(m2_ptr + gate_off + rows, mask=row_ok, other=0.0)
     r_i = tl.load(r_ptr + gate_off + rows, mask=row_ok, other=0.0)
     beta_i = tl.load(beta_ptr + gate_off + rows, mask=row_ok, other=0.0)
@@ -236,7 +236,7 @@ def _dkv_step(
                    MASKED).to(q.dtype)
     if MASKED:
         row_ok = rows < seq_len
-        logf_i = tl.load(logf_ptr + rows, mask=row_ok, other=0.0)
+        logf_i = tl.load(logf_ptr + rows, mask=row_ok, other=0.0) * LOG2E
         m2_i = tl.load(m2_ptr + rows, mask=row_ok, other=0.0)
         r_i = tl.load(r_ptr + rows, mask=row_ok, other=0.0)
         beta_i = tl.load(beta_ptr + rows, mask=row_ok, other=0.0)
@@ -246,7 +246,7 @@ def _dkv_step(
         log_d = tl.where(live, logf_i[None, :] - logf_j[:, None] + igate_j[:, None]
                          - m2_i[None, :], float("-inf"))
     else:
-        logf_i = tl.load(logf_ptr + rows)
+        logf_i = tl.load(logf_ptr + rows) * LOG2E
         m2_i = tl.load(m2_ptr + rows)
         r_i = tl.load(r_ptr + rows)
         beta_i = tl.load(beta_ptr + rows)
@@ -299,8 +299,8 @@ def mlstm_dkv_kernel(
                   stride_kd, seq_len, DQK, BLOCK_DQK, True)
     v = load_tile(v_ptr + batch64 * stride_vb + head64 * stride_vh, cols, stride_vs, dv,
                   stride_vd, seq_len, DV, BLOCK_DV, True)
-    logf_j = tl.load(logf_ptr + gate_off + cols, mask=col_ok, other=0.0)
-    igate_j = tl.load(igate_ptr + gate_off + cols, mask=col_ok, other=0.0)
+    logf_j = tl.load(logf_ptr + gate_off + cols, mask=col_ok, other=0.0) * LOG2E
+    igate_j = tl.load(igate_ptr + gate_off + cols, mask=col_ok, other=0.0) * LOG2E
     q_base = q_ptr + batch64 * stride_qb + head64 * stride_qh
     h_base = dh_ptr + batch64 * stride_hb + head64 * stride_hh
     dk = tl.zeros((BLOCK_N, BLOCK_DQK), dtype=ACC)
@@ -384,13 +384,13 @@ def norm_backward(
 
 def cell_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dh: torch.Tensor,
-    igate_log2: torch.Tensor, logf_log2: torch.Tensor, m_log2: torch.Tensor,
+    igate: torch.Tensor, logf: torch.Tensor, m_log2: torch.Tensor,
     r: torch.Tensor, beta: torch.Tensor, dm: torch.Tensor,
     config: Optional[BackwardConfig] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, row_grad, col_grad)``: the cell's gradients for the raw h's gradient
     ``dh [B, NH, S, DV]`` (any strides). Per-row ``[B, NH, S]`` contiguous inputs in the
-    accumulation dtype: the gates and the stabiliser in log2 units, ``r = 1 / (n + eps)``
+    accumulation dtype: the gates, the stabiliser in log2 units, ``r = 1 / (n + eps)``
     and ``beta`` (module docstring), and ``dm``, the stabiliser's gradient.
     ``row_grad``/``col_grad``: ``sum_j dlogD_ij`` and ``sum_i dlogD_ij``, with ``dm`` in
     ``dlogD`` at each row's max column (its row share is the caller's: ``row_grad + dm``)."""
@@ -400,9 +400,9 @@ def cell_backward(
     dq = torch.empty((batch, heads, seq, dqk), dtype=q.dtype, device=q.device)
     dk = torch.empty((batch, heads, seq, dqk), dtype=k.dtype, device=q.device)
     dv = torch.empty((batch, heads, seq, dvh), dtype=v.dtype, device=q.device)
-    row_grad = torch.empty_like(logf_log2)
-    col_grad = torch.empty_like(logf_log2)
-    argmax = torch.empty(logf_log2.shape, dtype=torch.int32, device=q.device)
+    row_grad = torch.empty_like(logf)
+    col_grad = torch.empty_like(logf)
+    argmax = torch.empty(logf.shape, dtype=torch.int32, device=q.device)
     if batch * heads == 0 or seq == 0:
         return dq, dk, dv, row_grad, col_grad
     common = dict(
@@ -415,10 +415,10 @@ def cell_backward(
     strides = (*q.stride(), *k.stride(), *v.stride(), *dh.stride())
     scale = 1.0 / math.sqrt(dqk)
     mlstm_dq_kernel[(batch * heads, triton.cdiv(seq, cfg.block_m))](
-        q, k, v, dh, igate_log2, logf_log2, m_log2, r, beta, dq, row_grad, argmax, seq, heads,
+        q, k, v, dh, igate, logf, m_log2, r, beta, dq, row_grad, argmax, seq, heads,
         *strides, scale, **common)
     mlstm_dkv_kernel[(batch * heads, triton.cdiv(seq, cfg.block_n))](
-        q, k, v, dh, igate_log2, logf_log2, m_log2, r, beta, argmax, dm, dk, dv, col_grad,
+        q, k, v, dh, igate, logf, m_log2, r, beta, argmax, dm, dk, dv, col_grad,
         seq, heads,
         *strides, scale, **common)
     return dq, dk, dv, row_grad, col_grad

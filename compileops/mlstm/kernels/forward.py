@@ -8,8 +8,9 @@ rescaled by ``exp(m_old - m_new)`` when ``m`` grows. The ``S x S`` matrices neve
 tile. At the end ``h = acc / (max(|b|, exp(-m)) + eps)``, and the per-head layernorm over DV
 runs on the fp32 ``h`` in registers, which is why a program holds whole rows.
 
-Exponentials are ``exp2``: the gate inputs arrive pre-multiplied by ``log2(e)`` (the op
-prepares them), so ``logD`` and the stabiliser are in log2 units; the op converts ``m``.
+Exponentials are ``exp2``: the gates are multiplied by ``log2(e)`` as they load, so ``logD``
+and the stabiliser are in log2 units (the backward recomputes ``logD`` with the same
+expression, bitwise); the public function converts ``m``.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from compileops.mlstm.kernels.common import (
     upcast_dots,
 )
 from compileops.mlstm.kernels.config import ForwardConfig, choose_forward_config
+
+LOG2E: tl.constexpr = 1.4426950408889634
 
 @triton.jit
 def mlstm_forward_tile(
@@ -48,8 +51,8 @@ def mlstm_forward_tile(
 
     * ``q_ptr [B, NH, S, DQK]``, ``k_ptr [B, NH, S, DQK]``, ``v_ptr [B, NH, S, DV]``: any
       strides, given per dimension; ``bh = b * num_heads + head``.
-    * ``igate_ptr``, ``logf_ptr``: ``[B * NH, S]`` contiguous, ``ACC``, in log2 units: the
-      input-gate pre-activation and the cumulative log forget gate, both times ``log2(e)``.
+    * ``igate_ptr``, ``logf_ptr``: ``[B * NH, S]`` contiguous, ``ACC``: the input-gate
+      pre-activation and the cumulative log forget gate ``sum_{tau<=t} log sigmoid(f)``.
     * ``weight_ptr``, ``bias_ptr``: ``[NH * DV]`` norm affine (read when ``HAS_WEIGHT`` /
       ``HAS_BIAS``; ``RESIDUAL_WEIGHT``: the scale is ``1 + weight``).
     * Written here: ``m_ptr`` and ``b_ptr`` ``[B * NH, S]`` ``ACC`` (the stabiliser in log2
@@ -72,7 +75,7 @@ def mlstm_forward_tile(
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
     q = load_tile(q_base, rows, stride_qs, dqk, stride_qd, seq_len, DQK, BLOCK_DQK, True)
-    logf_i = tl.load(logf_ptr + gate_off + rows, mask=row_ok, other=0.0)
+    logf_i = tl.load(logf_ptr + gate_off + rows, mask=row_ok, other=0.0) * LOG2E
 
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=ACC)
     row_sum = tl.zeros((BLOCK_M,), dtype=ACC)
@@ -83,8 +86,8 @@ def mlstm_forward_tile(
         cols = start_n + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, cols, stride_ks, dqk, stride_kd, seq_len, DQK, BLOCK_DQK, False)
         v = load_tile(v_base, cols, stride_vs, dv, stride_vd, seq_len, DV, BLOCK_DV, False)
-        logf_j = tl.load(logf_ptr + gate_off + cols)
-        igate_j = tl.load(igate_ptr + gate_off + cols)
+        logf_j = tl.load(logf_ptr + gate_off + cols) * LOG2E
+        igate_j = tl.load(igate_ptr + gate_off + cols) * LOG2E
         scores = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
                      INPUT_PRECISION, UPCAST) * scale
         log_d = logf_i[:, None] - logf_j[None, :] + igate_j[None, :]
@@ -100,8 +103,8 @@ def mlstm_forward_tile(
         col_ok = cols < seq_len
         k = load_tile(k_base, cols, stride_ks, dqk, stride_kd, seq_len, DQK, BLOCK_DQK, True)
         v = load_tile(v_base, cols, stride_vs, dv, stride_vd, seq_len, DV, BLOCK_DV, True)
-        logf_j = tl.load(logf_ptr + gate_off + cols, mask=col_ok, other=0.0)
-        igate_j = tl.load(igate_ptr + gate_off + cols, mask=col_ok, other=0.0)
+        logf_j = tl.load(logf_ptr + gate_off + cols, mask=col_ok, other=0.0) * LOG2E
+        igate_j = tl.load(igate_ptr + gate_off + cols, mask=col_ok, other=0.0) * LOG2E
         scores = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
                      INPUT_PRECISION, UPCAST) * scale
         live = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
@@ -189,20 +192,20 @@ def mlstm_forward_kernel(
 
 def mlstm_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    igate_log2: torch.Tensor, logf_log2: torch.Tensor,
+    igate: torch.Tensor, logf: torch.Tensor,
     norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
     normed: bool, norm_eps: float, eps: float, residual_weight: bool, save_h: bool,
     config: Optional[ForwardConfig] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Eager launch: ``(out, h_raw or None, m_log2 [B, NH, S], b [B, NH, S])``.
 
-    ``igate_log2``, ``logf_log2``: ``[B, NH, S]`` contiguous in the accumulation dtype, times
-    ``log2(e)``. ``out`` is ``[B, S, NH * DV]`` when ``normed`` else ``[B, NH, S, DV]``, in v's
+    ``igate``, ``logf``: ``[B, NH, S]`` contiguous in the accumulation dtype (the input gate
+    and the cumulative log forget gate). ``out`` is ``[B, S, NH * DV]`` when ``normed`` else ``[B, NH, S, DV]``, in v's
     dtype; ``h_raw [B, NH, S, DV]`` (v's dtype) only when ``save_h``.
     """
     batch, heads, seq, dqk = q.shape
     dv = v.shape[-1]
-    acc_dtype = logf_log2.dtype
+    acc_dtype = logf.dtype
     cfg = config or choose_forward_config(q, dqk, dv)
     if normed:
         out = v.new_empty((batch, seq, heads * dv))
@@ -219,7 +222,7 @@ def mlstm_forward(
         return out, h_raw, m, b
     grid = (batch * heads, triton.cdiv(seq, cfg.block_m))
     mlstm_forward_kernel[grid](
-        q, k, v, igate_log2, logf_log2,
+        q, k, v, igate, logf,
         norm_weight if norm_weight is not None else m,
         norm_bias if norm_bias is not None else m,
         h_raw if save_h else m, m, b, out, seq, heads,
