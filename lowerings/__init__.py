@@ -34,10 +34,11 @@ def install() -> None:
     with _install_lock:
         if _installed:
             return
-        from lowerings import embedding, grouped_linear
+        from lowerings import embedding, grouped_linear, mlstm
 
         embedding.register()
         grouped_linear.register()
+        mlstm.register()
         _tag_compile_cache()
         _installed = True
 

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from compileops.mlstm.checks import check_inputs, check_kernel
+from compileops.mlstm.checks import check_gates_floating, check_kernel
 from compileops.mlstm.op import mlstm_parallel_op
 from compileops.mlstm.reference import gate_dtype, log_forget_cumsum
 
@@ -30,7 +30,7 @@ def mlstm_with_stats(
     check_kernel(kernel)
     normed = norm_weight is not None or norm_bias is not None
     save_h = normed and _needs_grad(q, k, v, igate, fgate, norm_weight, norm_bias)
-    check_inputs(q, k, v, igate, fgate, norm_weight, norm_bias, norm_eps, eps)
+    check_gates_floating(igate, fgate)  # the rest is checked by the op, eagerly and traced
     acc = gate_dtype(q.dtype)
     logf = log_forget_cumsum(fgate.to(acc))
     out, _, m_log2, b = mlstm_parallel_op(q, k, v, igate.to(acc), logf, norm_weight, norm_bias,

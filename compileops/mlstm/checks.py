@@ -56,6 +56,15 @@ def check_inputs(
     torch._check(norm_eps > 0, lambda: f"norm_eps must be > 0, got {norm_eps}")
 
 
+def check_gates_floating(igate: torch.Tensor, fgate: torch.Tensor) -> None:
+    """Before the public function converts the gates to their accumulation dtype (which would
+    hide an integer gate): plain raises, which Dynamo traces as they are."""
+    if not igate.is_floating_point():
+        raise TypeError(f"igate must be floating point, got {igate.dtype}")
+    if not fgate.is_floating_point():
+        raise TypeError(f"fgate must be floating point, got {fgate.dtype}")
+
+
 def check_kernel(kernel: str) -> None:
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r} (the chunkwise "

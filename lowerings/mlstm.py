@@ -1,0 +1,111 @@
+"""Inductor lowering of ``compileops::mlstm_parallel``: a Triton template with the norm inside.
+
+The template (``templates/mlstm.py.jinja``) calls the eager kernel's ``@triton.jit`` tile body
+(``compileops/mlstm/kernels/forward.py``), so no kernel math is written twice. The main output
+(``[B, S, NH * DV]`` normed, else ``[B, NH, S, DV]``) goes through ``store_output``: pointwise
+consumers, the xLSTM block's output gate ``sigmoid(o) * h`` and casts, fuse as its epilogue.
+The norm is a reduction over DV, so it cannot be an epilogue: it runs inside the template,
+where a program holds whole rows. The raw h (when the backward needs it), the stabiliser and
+the row sum are extra outputs, allocated here and passed as mutated inputs.
+
+Sizes: the head dims are static (they are constexpr tile widths); the sequence length and the
+batch stay symbolic under ``dynamic=True`` (the kernel masks ragged tiles, so nothing about S
+is guarded). One heuristic config (the eager launcher's), no compile-time benchmarking.
+Without Triton codegen for the device, or for fp64 (the contract tests' dtype, run by the
+eager kernels), or head dims past the kernels' limit: an extern call of the op.
+
+``compileops::mlstm_parallel_backward`` is not lowered: it stays an extern call of our eager
+dQ and dK/dV kernels (its outputs feed the projections' GEMMs, with no pointwise neighbour
+worth fusing); the gate-gradient scan and sigmoid around it are plain torch ops that Inductor
+fuses itself.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+from lowerings import _compat
+
+_TEMPLATE_PATH = os.path.join(os.path.dirname(__file__), "templates", "mlstm.py.jinja")
+
+
+def _grid(batch, heads, seq, _dqk, meta, *, cdiv):
+    return (batch * heads, cdiv(seq, meta["BLOCK_M"]), 1)
+
+
+@functools.lru_cache(maxsize=None)
+def template():
+    with open(_TEMPLATE_PATH) as f:
+        source = f.read()
+    return _compat.triton_template("compileops_mlstm", _compat.symbolic_grid_fn(_grid), source)
+
+
+def lower_mlstm_parallel(q, k, v, igate, logf, norm_weight, norm_bias, normed, norm_eps, eps,
+                         residual_weight, save_h):
+    from compileops.mlstm import kernels
+    from compileops.mlstm.checks import MAX_KERNEL_HEAD_DIM
+    from compileops.mlstm.kernels.common import input_precision
+
+    op = torch.ops.compileops.mlstm_parallel.default
+    args = (q, k, v, igate, logf, norm_weight, norm_bias, normed, norm_eps, eps,
+            residual_weight, save_h)
+    device = q.get_device()
+    dtype = q.get_dtype()
+    dqk, dv = q.get_size()[3], v.get_size()[3]
+    if not _compat.emits_triton_for(device) or dtype == torch.float64:
+        return _compat.fallback(op)(*args)
+    # Head dims are tile widths (constexpr): static, a model constant.
+    dqk, dv = _compat.specialize(dqk), _compat.specialize(dv)
+    if max(dqk, dv) > MAX_KERNEL_HEAD_DIM:
+        return _compat.fallback(op)(*args)
+    batch, heads, seq, _ = q.get_size()
+    # The kernel indexes the per-row gates and the norm's affine densely.
+    igate, logf = _compat.require_contiguous(igate), _compat.require_contiguous(logf)
+    affine = [_compat.require_contiguous(p) for p in (norm_weight, norm_bias) if p is not None]
+    nodes = _compat.realize_inputs(q, k, v, igate, logf, *affine)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    save_h = bool(save_h and normed)
+    extras = ([_compat.empty_buffer(device, dtype, [batch, heads, seq, dv])] if save_h else [])
+    m_log2 = _compat.empty_buffer(device, acc, [batch, heads, seq])
+    row_sum = _compat.empty_buffer(device, acc, [batch, heads, seq])
+    extras += [m_log2, row_sum]
+    if normed:
+        layout = _compat.fixed_layout(device, dtype, [batch, seq, heads * dv],
+                                      [seq * heads * dv, heads * dv, 1])
+    else:
+        layout = _compat.fixed_layout(device, dtype, [batch, heads, seq, dv],
+                                      [heads * seq * dv, seq * dv, dv, 1])
+    # The eager launcher's config: a representative tensor stands in for q.
+    probe = torch.empty(0, dtype=dtype, device=device)
+    cfg = kernels.choose_forward_config(probe, dqk, dv)
+    choices: list = []
+    template().maybe_append_choice(
+        choices, input_nodes=[*nodes, *extras], layout=layout, mutated_inputs=extras,
+        call_sizes=q.get_size(), num_stages=cfg.num_stages, num_warps=cfg.num_warps,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DQK=dqk, DV=dv,
+        BLOCK_DQK=max(16, _next_power_of_2(dqk)), BLOCK_DV=max(16, _next_power_of_2(dv)),
+        HAS_NORM=bool(normed), HAS_WEIGHT=norm_weight is not None,
+        HAS_BIAS=norm_bias is not None, RESIDUAL_WEIGHT=bool(residual_weight), SAVE_H=save_h,
+        SCALE=1.0 / math.sqrt(dqk), EPS=float(eps), NORM_EPS=float(norm_eps),
+        ACC_FP64=acc == torch.float64, TF32=input_precision(dtype) == "tf32",
+        UPCAST=device.type == "cpu" and dtype in (torch.bfloat16, torch.float16),
+    )
+    if not choices:  # the template could not be built: the op itself, as an extern call
+        return _compat.fallback(op)(*args)
+    out = _compat.autotune_select_algorithm("compileops_mlstm", choices, [*nodes, *extras],
+                                            layout)
+    h = extras[0] if save_h else _compat.empty_buffer(device, dtype, [0])
+    return out, h, m_log2, row_sum
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (int(n) - 1).bit_length()
+
+
+def register() -> None:
+    import compileops.mlstm.op  # noqa: F401  (the op must exist before lowering)
+
+    _compat.register_lowering(torch.ops.compileops.mlstm_parallel.default, lower_mlstm_parallel)
