@@ -1,0 +1,130 @@
+"""Graph and kernel snapshots of the mLSTM under torch.compile, pinned on torch 2.13
+(regenerate with EXPECTTEST_ACCEPT=1), and the template's numerics under the interpreter.
+
+The template is checked two ways on CPU: its Triton code (``cpu_backend="triton"``) names the
+fused output-gate epilogue, and, run under Triton's interpreter, it matches the eager kernels
+bitwise-close. The public function's gate prologue (``cumsum(logsigmoid(f))``) uses libdevice
+functions the interpreter cannot run, so the runs call the op with a prepared ``logf``.
+"""
+import expecttest
+import pytest
+import torch
+
+import compileops
+from compileops.mlstm import reference
+from compileops.testing import aot_graph_text
+from lowerings import _compat
+
+needs_213 = pytest.mark.skipif(not torch.__version__.startswith("2.13"),
+                               reason="snapshots are pinned on torch 2.13")
+
+B, NH, S, DQK, DV = 2, 2, 40, 16, 32
+
+
+def _inputs(dtype=torch.float32, seq=S, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, NH, seq, DQK, generator=g, dtype=dtype)
+    k = torch.randn(B, NH, seq, DQK, generator=g, dtype=dtype)
+    v = torch.randn(B, NH, seq, DV, generator=g, dtype=dtype)
+    igate = torch.randn(B, NH, seq, generator=g, dtype=dtype)
+    fgate = torch.randn(B, NH, seq, generator=g, dtype=dtype) + 3
+    weight = torch.randn(NH * DV, generator=g, dtype=dtype)
+    o = torch.randn(B, seq, NH * DV, generator=g, dtype=dtype)
+    return q, k, v, igate, fgate, weight, o
+
+
+def gated_block(q, k, v, igate, fgate, weight, o):
+    """The xLSTM block's use: the normed cell, then the output gate."""
+    return torch.sigmoid(o) * compileops.mlstm(q, k, v, igate, fgate, norm_weight=weight)
+
+
+def gated_op(q, k, v, igate, logf, weight, o):
+    """:func:`gated_block` on the op, with ``logf`` prepared (runs under the interpreter)."""
+    out, _, m_log2, row_sum = torch.ops.compileops.mlstm_parallel(
+        q, k, v, igate, logf, weight, None, True, 1e-6, 1e-6, False, False)
+    return torch.sigmoid(o) * out, m_log2, row_sum
+
+
+def _kernel_names(code: list[str]) -> list[str]:
+    import re
+
+    return re.findall(r"^def (triton_\w+?)(?:_\d+)?\(", "\n".join(code), re.M)
+
+
+class Snapshots(expecttest.TestCase):
+    @needs_213
+    def test_aot_graphs(self):
+        q, k, v, igate, fgate, weight, _ = _inputs()
+        for t in (q, k, v, igate, fgate, weight):
+            t.requires_grad_()
+        fw, bw = aot_graph_text(
+            lambda *a: compileops.mlstm(*a[:5], norm_weight=a[5]), q, k, v, igate, fgate, weight)
+        self.assertExpectedInline(fw, """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[64]", primals_2: "f32[2, 2, 40, 16]", primals_3: "f32[2, 2, 40]", primals_4: "f32[2, 2, 40]", primals_5: "f32[2, 2, 40, 16]", primals_6: "f32[2, 2, 40, 32]"):
+        log_sigmoid_forward = torch.ops.aten.log_sigmoid_forward.default(primals_4)
+        getitem: "f32[2, 2, 40]" = log_sigmoid_forward[0]
+        getitem_1: "f32[2, 2, 40]" = log_sigmoid_forward[1];  log_sigmoid_forward = None
+        cumsum: "f32[2, 2, 40]" = torch.ops.aten.cumsum.default(getitem, -1);  getitem = None
+
+        mlstm_parallel = torch.ops.compileops.mlstm_parallel.default(primals_2, primals_5, primals_6, primals_3, cumsum, primals_1, None, True, 1e-06, 1e-06, False, True)
+        getitem_2: "f32[2, 40, 64]" = mlstm_parallel[0]
+        getitem_3: "f32[2, 2, 40, 32]" = mlstm_parallel[1]
+        getitem_4: "f32[2, 2, 40]" = mlstm_parallel[2]
+        getitem_5: "f32[2, 2, 40]" = mlstm_parallel[3];  mlstm_parallel = None
+        return (getitem_2, primals_1, primals_2, primals_3, primals_4, primals_5, primals_6, getitem_1, cumsum, getitem_3, getitem_4, getitem_5)""")
+        self.assertExpectedInline(bw, """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[64]", primals_2: "f32[2, 2, 40, 16]", primals_3: "f32[2, 2, 40]", primals_4: "f32[2, 2, 40]", primals_5: "f32[2, 2, 40, 16]", primals_6: "f32[2, 2, 40, 32]", getitem_1: "f32[2, 2, 40]", cumsum: "f32[2, 2, 40]", getitem_3: "f32[2, 2, 40, 32]", getitem_4: "f32[2, 2, 40]", getitem_5: "f32[2, 2, 40]", tangents_1: "f32[2, 40, 64]"):
+        mlstm_parallel_backward = torch.ops.compileops.mlstm_parallel_backward.default(tangents_1, primals_2, primals_5, primals_6, primals_3, cumsum, primals_1, getitem_3, getitem_4, getitem_5, True, 1e-06, 1e-06, False);  tangents_1 = primals_2 = primals_5 = primals_6 = primals_3 = cumsum = primals_1 = getitem_3 = getitem_4 = getitem_5 = None
+        getitem_6: "f32[2, 2, 40, 16]" = mlstm_parallel_backward[0]
+        getitem_7: "f32[2, 2, 40, 16]" = mlstm_parallel_backward[1]
+        getitem_8: "f32[2, 2, 40, 32]" = mlstm_parallel_backward[2]
+        getitem_9: "f32[2, 2, 40]" = mlstm_parallel_backward[3]
+        getitem_10: "f32[2, 2, 40]" = mlstm_parallel_backward[4]
+        getitem_11: "f32[64]" = mlstm_parallel_backward[5];  mlstm_parallel_backward = None
+
+        flip: "f32[2, 2, 40]" = torch.ops.aten.flip.default(getitem_10, [-1]);  getitem_10 = None
+        cumsum_1: "f32[2, 2, 40]" = torch.ops.aten.cumsum.default(flip, -1);  flip = None
+        flip_1: "f32[2, 2, 40]" = torch.ops.aten.flip.default(cumsum_1, [-1]);  cumsum_1 = None
+        log_sigmoid_backward: "f32[2, 2, 40]" = torch.ops.aten.log_sigmoid_backward.default(flip_1, primals_4, getitem_1);  flip_1 = primals_4 = getitem_1 = None
+        return (getitem_11, getitem_6, getitem_9, log_sigmoid_backward, getitem_7, getitem_8)""")
+
+    @needs_213
+    def test_template_fuses_the_output_gate(self):
+        args = _inputs()
+        with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
+            code = _compat.get_code(torch.compile(gated_block, fullgraph=True), *args)
+        self.assertExpectedInline("\n".join(_kernel_names(code)), """\
+triton_per_fused_cumsum_log_sigmoid_forward
+triton_tem_fused_mlstm_parallel_mul_sigmoid""")
+
+
+def test_template_matches_eager_kernels_under_the_interpreter():
+    q, k, v, igate, fgate, weight, o = _inputs()
+    logf = reference.log_forget_cumsum(fgate)
+    eager = gated_op(q, k, v, igate, logf, weight, o)
+    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
+        compiled, code = _compat.run_and_get_code(torch.compile(gated_op, fullgraph=True), q, k, v,
+                                                  igate, logf, weight, o)
+    assert any(name.startswith("triton_tem_fused_mlstm_parallel") for name in _kernel_names(code))
+    # The stabiliser and row sum come from the same tile body: bitwise. The gated output
+    # differs from eager only by the epilogue's fused sigmoid-multiply rounding.
+    assert torch.equal(compiled[1], eager[1]) and torch.equal(compiled[2], eager[2])
+    torch.testing.assert_close(compiled[0], eager[0], atol=1e-6, rtol=1e-6)
+
+
+def test_template_keeps_the_sequence_symbolic():
+    # dynamic=True over four sequence lengths: one frame, no recompile, the template each time.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(gated_op, backend=counter, fullgraph=True, dynamic=True)
+    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
+        for seq in (17, 40, 64, 71):
+            q, k, v, igate, fgate, weight, o = _inputs(seq=seq, seed=seq)
+            logf = reference.log_forget_cumsum(fgate)
+            got = compiled(q, k, v, igate, logf, weight, o)
+            want = gated_op(q, k, v, igate, logf, weight, o)
+            torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
+    assert counter.frame_count == 1
