@@ -34,7 +34,7 @@ from compileops.mlstm.kernels.common import (
 )
 from compileops.mlstm.kernels.config import BackwardConfig, choose_backward_config
 
-LOG2E: tl.constexpr = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit

@@ -30,7 +30,7 @@ from compileops.mlstm.kernels.common import (
 )
 from compileops.mlstm.kernels.config import ForwardConfig, choose_forward_config
 
-LOG2E: tl.constexpr = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def mlstm_forward_tile(

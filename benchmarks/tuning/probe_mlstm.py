@@ -1,0 +1,101 @@
+"""Probe the mLSTM kernels on a GPU: correctness at a real shape against the fp64 reference
+(one head-batch slice), then forward / backward kernel times for a few tile configs.
+
+    python3 benchmarks/tuning/probe_mlstm.py [--seq 1024] [--quick]
+"""
+import argparse
+import math
+import time
+
+import torch
+import triton
+
+import compileops
+from compileops.mlstm import kernels, reference
+from compileops.mlstm.op import _kernel_backward
+
+
+def make(b, nh, s, dqk, dv, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, nh, s, dqk, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(b, nh, s, dqk, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(b, nh, s, dv, device="cuda", dtype=dtype, generator=g)
+    i = torch.randn(b, nh, s, device="cuda", dtype=dtype, generator=g)
+    f = torch.randn(b, nh, s, device="cuda", dtype=dtype, generator=g) + 3
+    w = torch.randn(nh * dv, device="cuda", dtype=dtype, generator=g)
+    return q, k, v, i, f, w
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def check(seq, dtype):
+    args = make(2, 2, seq, 128, 256, dtype)
+    ins = [t.detach().clone().requires_grad_() for t in args]
+    out = compileops.mlstm(*ins[:5], norm_weight=ins[5])
+    go = torch.randn_like(out)
+    out.backward(go)
+    ref_in = [t.detach().double().requires_grad_() for t in args]
+    ref = reference.mlstm(*ref_in[:5], norm_weight=ref_in[5])[0]
+    ref.backward(go.double())
+    errs = [rel(out, ref)] + [rel(a.grad, b.grad) for a, b in zip(ins, ref_in)]
+    print(f"check S={seq} {dtype}: rel L2 out/dq/dk/dv/di/df/dw", " ".join(f"{e:.2e}" for e in errs),
+          flush=True)
+
+
+def bench(seq, tokens, cfgs_fw, cfgs_bw):
+    b, nh, dqk, dv = tokens // seq, 16, 128, 256
+    q, k, v, i, f, w = make(b, nh, seq, dqk, dv, torch.bfloat16)
+    acc = torch.float32
+    logf = reference.log_forget_cumsum(f.float()).contiguous()
+    ig = i.float().contiguous()
+    flops = b * nh * seq * seq * (dqk + dv)
+    for cfg in cfgs_fw:
+        try:
+            fn = lambda: kernels.mlstm_forward(q, k, v, ig, logf, w, None, True, 1e-6, 1e-6,
+                                               False, True, config=cfg)
+            ms = triton.testing.do_bench(fn, warmup=25, rep=100)
+            print(f"fw S={seq} {cfg}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"fw S={seq} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+    out, h, m, rs = kernels.mlstm_forward(q, k, v, ig, logf, w, None, True, 1e-6, 1e-6, False,
+                                          True)
+    go = torch.randn_like(out)
+    for cfg in cfgs_bw:
+        try:
+            def fn():
+                dh, hdot, pw, pb = kernels.norm_backward(go, h, w, True, 1e-6, False, acc, cfg)
+                from compileops.mlstm.op import normaliser_terms
+                r, beta, dm = normaliser_terms(m, rs, hdot, 1e-6)
+                return kernels.cell_backward(q, k, v, dh, ig, logf, m, r, beta, dm, cfg)
+            ms = triton.testing.do_bench(fn, warmup=25, rep=100)
+            print(f"bw S={seq} {cfg}: {ms:.3f} ms {2.5 * flops / ms / 1e9:.0f} TFLOP/s (2.5x count)",
+                  flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"bw S={seq} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument("--quick", action="store_true")
+    a = p.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    t0 = time.time()
+    check(300, torch.float32)
+    check(300, torch.bfloat16)
+    F, Bw = kernels.ForwardConfig, kernels.BackwardConfig
+    cfgs_fw = [F(64, 32, 4, 2), F(64, 64, 4, 2), F(128, 64, 8, 2), F(128, 32, 8, 2),
+               F(64, 64, 8, 3), F(128, 64, 8, 3)]
+    cfgs_bw = [Bw(64, 32, 4, 2), Bw(64, 64, 4, 2), Bw(64, 64, 8, 2), Bw(128, 64, 8, 2),
+               Bw(64, 32, 8, 1)]
+    if a.quick:
+        cfgs_fw, cfgs_bw = cfgs_fw[:2], cfgs_bw[:2]
+    for s in a.seqs:
+        bench(s, 65536, cfgs_fw, cfgs_bw)
+    print(f"total {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
