@@ -86,10 +86,10 @@ def main():
     check(300, torch.float32)
     check(300, torch.bfloat16)
     F, Bw = kernels.ForwardConfig, kernels.BackwardConfig
-    cfgs_fw = [F(64, 32, 4, 2), F(64, 64, 4, 2), F(128, 64, 8, 2), F(128, 32, 8, 2),
-               F(64, 64, 8, 3), F(128, 64, 8, 3)]
-    cfgs_bw = [Bw(64, 32, 4, 2), Bw(64, 64, 4, 2), Bw(64, 64, 8, 2), Bw(128, 64, 8, 2),
-               Bw(64, 32, 8, 1)]
+    cfgs_fw = [F(64, 64, 8, 3), F(128, 64, 8, 2), F(128, 32, 8, 3), F(64, 32, 4, 3),
+               F(128, 128, 8, 2), F(64, 64, 4, 3), F(128, 64, 8, 4)]
+    cfgs_bw = [Bw(64, 32, 4, 2), Bw(64, 32, 8, 2), Bw(64, 64, 8, 2), Bw(32, 32, 4, 2),
+               Bw(64, 32, 4, 3), Bw(128, 32, 8, 2)]
     if a.quick:
         cfgs_fw, cfgs_bw = cfgs_fw[:2], cfgs_bw[:2]
     for s in a.seqs:

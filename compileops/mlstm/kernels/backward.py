@@ -134,21 +134,26 @@ def _dq_step(
         live = (cols[None, :] <= rows[:, None]) & col_ok[None, :] & (rows[:, None] < seq_len)
         log_d = tl.where(live, logf_i[:, None] - logf_j[None, :] + igate_j[None, :],
                          float("-inf"))
+        # The row's first maximal column so far (the stabiliser's gradient goes there).
+        tile_max = tl.max(log_d, axis=1)
+        tile_arg = start_n + tl.argmax(log_d, axis=1, tie_break_left=True).to(tl.int32)
+        decay = tl.exp2(log_d - m2_i[:, None])
     else:
-        logf_j = tl.load(logf_ptr + cols) * LOG2E
-        igate_j = tl.load(igate_ptr + cols) * LOG2E
-        log_d = logf_i[:, None] - logf_j[None, :] + igate_j[None, :]
-    # The row's first maximal column so far (the stabiliser's gradient goes there).
-    tile_max = tl.max(log_d, axis=1)
-    tile_arg = start_n + tl.argmax(log_d, axis=1, tie_break_left=True).to(tl.int32)
+        # Left of the diagonal the decay factorises (see the forward): logD_ij = logf_i +
+        # col_j with col_j = igate_j - logf_j, so each row's tile max sits at the same column.
+        col_term = (tl.load(igate_ptr + cols) - tl.load(logf_ptr + cols)) * LOG2E
+        tile_ref = tl.max(col_term, axis=0)
+        tile_max = logf_i + tile_ref
+        tile_arg = start_n + tl.argmax(col_term, axis=0, tie_break_left=True).to(tl.int32)
+        decay = (tl.exp2(tile_max - m2_i)[:, None]
+                 * tl.exp2(col_term - tile_ref)[None, :])
     first_max = tl.where(tile_max > best_max, tile_arg, first_max)
     best_max = tl.maximum(best_max, tile_max)
-    log_d = log_d - m2_i[:, None]
     scores = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
-                 INPUT_PRECISION, UPCAST) * scale
+                 INPUT_PRECISION, UPCAST)  # q k^T, unscaled: the caller applies 1/sqrt(DQK)
     d_c = mma(dh, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
               INPUT_PRECISION, UPCAST) * r_i[:, None] + beta_i[:, None]
-    d_s = d_c * tl.exp2(log_d)
+    d_s = d_c * decay
     dq = mma(d_s.to(k.dtype), k, dq, INPUT_PRECISION, UPCAST)
     row_grad = row_grad + tl.sum(d_s * scores, axis=1)
     return dq, row_grad, first_max, best_max
@@ -210,6 +215,7 @@ def mlstm_dq_kernel(
             stride_ks, stride_kd, stride_vs, stride_vd, scale,
             DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, True, ACC, INPUT_PRECISION, UPCAST)
     dq = dq * scale
+    row_grad = row_grad * scale
     out = dq_ptr + gate_off * DQK + rows[:, None] * DQK + dqk[None, :]
     tl.store(out, dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None] & (dqk[None, :] < DQK))
     tl.store(row_grad_ptr + gate_off + rows, row_grad, mask=row_ok)
@@ -218,7 +224,8 @@ def mlstm_dq_kernel(
 
 @triton.jit
 def _dkv_step(
-    dk, dv_acc, col_grad, k, v, logf_j, igate_j, cols, start_m, q_base, h_base,
+    dk, dv_acc, col_grad, k, v, logf_j, igate_j, col_scale, tile_ref, cols, start_m, q_base,
+    h_base,
     logf_ptr, m2_ptr, r_ptr, beta_ptr, argmax_ptr, dm_ptr, seq_len,
     stride_qs, stride_qd, stride_hs, stride_hd, scale,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -227,7 +234,9 @@ def _dkv_step(
 ):
     """Query tile ``[start_m, start_m + BLOCK_M)`` into the dK ``[BLOCK_N, BLOCK_DQK]`` and dV
     ``[BLOCK_N, BLOCK_DV]`` accumulators and the column sums of ``dlogD`` (``MASKED``: the
-    causal and bounds masks, on the transposed ``[BLOCK_N, BLOCK_M]`` tile)."""
+    causal and bounds masks, on the transposed ``[BLOCK_N, BLOCK_M]`` tile). Unmasked tiles
+    use the factorised decay: ``col_scale = exp2(igate_j - logf_j - tile_ref)`` (log2 units,
+    ``tile_ref`` the largest column term of the key tile) times a per-row factor."""
     rows = start_m + tl.arange(0, BLOCK_M)
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
@@ -245,6 +254,7 @@ def _dkv_step(
         live = (cols[:, None] <= rows[None, :]) & row_ok[None, :] & (cols[:, None] < seq_len)
         log_d = tl.where(live, logf_i[None, :] - logf_j[:, None] + igate_j[:, None]
                          - m2_i[None, :], float("-inf"))
+        decay = tl.exp2(log_d)  # [BLOCK_N, BLOCK_M]
     else:
         logf_i = tl.load(logf_ptr + rows) * LOG2E
         m2_i = tl.load(m2_ptr + rows)
@@ -252,8 +262,7 @@ def _dkv_step(
         beta_i = tl.load(beta_ptr + rows)
         argmax_i = tl.load(argmax_ptr + rows)
         dm_i = tl.load(dm_ptr + rows)
-        log_d = logf_i[None, :] - logf_j[:, None] + igate_j[:, None] - m2_i[None, :]
-    decay = tl.exp2(log_d)  # [BLOCK_N, BLOCK_M]
+        decay = col_scale[:, None] * tl.exp2(logf_i + tile_ref - m2_i)[None, :]
     scores = mma(k, tl.trans(q), tl.zeros((BLOCK_N, BLOCK_M), dtype=ACC),
                  INPUT_PRECISION, UPCAST) * scale
     c_scaled = scores * decay * r_i[None, :]
@@ -301,6 +310,10 @@ def mlstm_dkv_kernel(
                   stride_vd, seq_len, DV, BLOCK_DV, True)
     logf_j = tl.load(logf_ptr + gate_off + cols, mask=col_ok, other=0.0) * LOG2E
     igate_j = tl.load(igate_ptr + gate_off + cols, mask=col_ok, other=0.0) * LOG2E
+    # The factorised decay of the unmasked query tiles (rows below every key of this tile).
+    col_term = tl.where(col_ok, igate_j - logf_j, float("-inf"))
+    tile_ref = tl.max(col_term, axis=0)
+    col_scale = tl.exp2(col_term - tile_ref)
     q_base = q_ptr + batch64 * stride_qb + head64 * stride_qh
     h_base = dh_ptr + batch64 * stride_hb + head64 * stride_hh
     dk = tl.zeros((BLOCK_N, BLOCK_DQK), dtype=ACC)
@@ -318,19 +331,22 @@ def mlstm_dkv_kernel(
     full_end = (first_m + BLOCK_M
                 + tl.maximum(seq_len - first_m - BLOCK_M, 0) // BLOCK_M * BLOCK_M)
     dk, dv_acc, col_grad = _dkv_step(
-        dk, dv_acc, col_grad, k, v, logf_j, igate_j, cols, first_m, q_base, h_base,
+        dk, dv_acc, col_grad, k, v, logf_j, igate_j, col_scale, tile_ref, cols, first_m,
+        q_base, h_base,
         logf_h, m2_h, r_h, beta_h, argmax_h, dm_h, seq_len,
         stride_qs, stride_qd, stride_hs, stride_hd, scale,
         DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, True, ACC, INPUT_PRECISION, UPCAST)
     for start_m in range(first_m + BLOCK_M, full_end, BLOCK_M):
         dk, dv_acc, col_grad = _dkv_step(
-            dk, dv_acc, col_grad, k, v, logf_j, igate_j, cols, start_m, q_base, h_base,
+            dk, dv_acc, col_grad, k, v, logf_j, igate_j, col_scale, tile_ref, cols, start_m,
+            q_base, h_base,
             logf_h, m2_h, r_h, beta_h, argmax_h, dm_h, seq_len,
             stride_qs, stride_qd, stride_hs, stride_hd, scale,
             DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, False, ACC, INPUT_PRECISION, UPCAST)
     if full_end < seq_len:
         dk, dv_acc, col_grad = _dkv_step(
-            dk, dv_acc, col_grad, k, v, logf_j, igate_j, cols, full_end, q_base, h_base,
+            dk, dv_acc, col_grad, k, v, logf_j, igate_j, col_scale, tile_ref, cols, full_end,
+            q_base, h_base,
             logf_h, m2_h, r_h, beta_h, argmax_h, dm_h, seq_len,
             stride_qs, stride_qd, stride_hs, stride_hd, scale,
             DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, True, ACC, INPUT_PRECISION, UPCAST)

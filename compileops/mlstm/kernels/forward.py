@@ -81,19 +81,24 @@ def mlstm_forward_tile(
     row_sum = tl.zeros((BLOCK_M,), dtype=ACC)
     row_max = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
 
-    # Key tiles left of this query tile: every entry is causal and in range.
+    # Key tiles left of this query tile: every entry is causal and in range, and the decay
+    # factorises: logD_ij = logf_i + (igate_j - logf_j). With the tile's largest column term
+    # c = max_j (igate_j - logf_j), exp2(logD_ij - m_i) = exp2(logf_i + c - m_i) *
+    # exp2(igate_j - logf_j - c): a row factor and a column factor, both <= 1 once m_i has
+    # taken the tile in (no [BLOCK_M, BLOCK_N] exponentials, sums or maxima for the decay).
     for start_n in range(0, start_m, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, cols, stride_ks, dqk, stride_kd, seq_len, DQK, BLOCK_DQK, False)
         v = load_tile(v_base, cols, stride_vs, dv, stride_vd, seq_len, DV, BLOCK_DV, False)
-        logf_j = tl.load(logf_ptr + gate_off + cols) * LOG2E
-        igate_j = tl.load(igate_ptr + gate_off + cols) * LOG2E
-        scores = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
-                     INPUT_PRECISION, UPCAST) * scale
-        log_d = logf_i[:, None] - logf_j[None, :] + igate_j[None, :]
-        new_max = tl.maximum(row_max, tl.max(log_d, axis=1))
+        col_term = (tl.load(igate_ptr + gate_off + cols) - tl.load(logf_ptr + gate_off + cols)) * LOG2E
+        tile_ref = tl.max(col_term, axis=0)
+        new_max = tl.maximum(row_max, logf_i + tile_ref)
         rescale = tl.exp2(row_max - new_max)
-        c = scores * tl.exp2(log_d - new_max[:, None])
+        row_scale = tl.exp2(logf_i + tile_ref - new_max) * scale
+        col_scale = tl.exp2(col_term - tile_ref)
+        scores = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
+                     INPUT_PRECISION, UPCAST)
+        c = scores * row_scale[:, None] * col_scale[None, :]
         row_sum = row_sum * rescale + tl.sum(c, axis=1)
         acc = mma(c.to(v.dtype), v, acc * rescale[:, None], INPUT_PRECISION, UPCAST)
         row_max = new_max
