@@ -58,10 +58,11 @@ def choose_forward_config(q: torch.Tensor, dqk: int, dv: int) -> ForwardConfig:
         return ForwardConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
     if q.dtype == torch.float32:
         return ForwardConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    # H100, bf16, DQK=128 / DV=256, 65k tokens (benchmarks/tuning/probe_mlstm.py): 64 x 64
-    # tiles on 8 warps, 3 stages: 3.62 ms at S=1024 and 11.33 at S=4096, against 3.95 / 13.09
-    # for 64 x 32 on 4 warps and 12.6 / 47.5 for 64 x 64 on 4 warps (register spills).
-    return ForwardConfig(block_m=64, block_n=64, num_warps=8, num_stages=3)
+    # H100, bf16, DQK=128 / DV=256, 65k tokens (benchmarks/tuning/probe_mlstm.py, factorised
+    # decay): 128 x 32 tiles on 8 warps, 3 stages: 2.39 ms at S=1024 and 6.23 at S=4096,
+    # against 2.95 / 9.38 for 64 x 64 (8 warps, 3 stages) and 3.34 / 7.00 for 128 x 64
+    # (2 stages); 128 x 64 with 4 stages and 128 x 128 need more than 227 KB shared memory.
+    return ForwardConfig(block_m=128, block_n=32, num_warps=8, num_stages=3)
 
 
 def choose_backward_config(q: torch.Tensor, dqk: int, dv: int) -> BackwardConfig:
@@ -70,6 +71,9 @@ def choose_backward_config(q: torch.Tensor, dqk: int, dv: int) -> BackwardConfig
         return INTERPRETER_BACKWARD
     if q.dtype == torch.float64:
         return BackwardConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
-    # H100, bf16, DQK=128 / DV=256 (probe_mlstm.py): 64 x 32 on 4 warps: 14.7 ms at S=1024,
-    # 43.9 at S=4096; 64 x 64 on 8 warps 15.4 / 45.9; 128 x 64 needs 338 KB of shared memory.
-    return BackwardConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    if q.dtype == torch.float32:
+        return BackwardConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    # H100, bf16, DQK=128 / DV=256 (probe_mlstm.py, factorised decay): 64 x 64 on 8 warps,
+    # 2 stages: 13.7 ms at S=1024, 37.9 at S=4096; 64 x 32 on 4 warps 14.1 / 40.9; 128 x 32
+    # on 8 warps 16.7 / 36.9; 3 stages are slower; 128 x 64 needs 338 KB of shared memory.
+    return BackwardConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
