@@ -69,7 +69,7 @@ def _assert_ids_in_range(ids, num_embeddings) -> None:
     any_invalid = _compat.aten_lowering(aten.any.default)(invalid)
     all_valid = _compat.aten_lowering(aten.logical_not.default)(any_invalid)
     _compat.aten_lowering(aten._assert_async.msg)(
-        all_valid, "compileops.embedding: an id is out of range [0, num_embeddings)"
+        all_valid, "compileops.embedding: an id in ids is out of range [0, num_embeddings)"
     )
 
 

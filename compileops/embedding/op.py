@@ -86,10 +86,16 @@ def embedding_backward_op(
     """grad ``[*ids.shape, D]`` -> grad_weight ``[V, D]`` in ``weight_dtype``.
 
     Deterministic and bitwise batch-invariant: each row is the fp32 sum of its tokens'
-    grads in position order; untouched rows and ``padding_idx`` are zero.
+    grads in position order; untouched rows and ``padding_idx`` are zero. Ids outside
+    ``[0, num_embeddings)`` raise ``IndexError`` as in the forward (CPU tensors, and the
+    reference backend).
     """
     check_backward_args(grad, ids, num_embeddings, padding_idx, weight_dtype)
-    if backends.select("embedding_backward", grad.device) == "triton":
+    backend = backends.select("embedding_backward", grad.device)
+    if backend == "reference" or ids.device.type == "cpu":
+        # As in the forward: a bad id would wrap (reference) or be dropped (kernels).
+        checks.check_ids_in_range(ids, num_embeddings)
+    if backend == "triton":
         from compileops.embedding import kernels
 
         return kernels.embedding_backward(grad, ids, num_embeddings, padding_idx, weight_dtype)

@@ -9,11 +9,15 @@ functions too. The data-dependent offset checks (non-decreasing, within ``[0, M]
 offsets on the host: :func:`check_offsets_eagerly` runs them on CPU tensors (free there)
 and on CUDA only in strict mode (:mod:`compileops.modes`, one device sync per call), never
 while compiling. The kernels clamp offsets, so bad values never access memory out of
-bounds; the output for them is unspecified.
+bounds; the output for them is unspecified. ``m_splits`` values and the routing helpers'
+expert ids follow the same rule (:func:`check_splits_eagerly`, :func:`check_expert_id_values`).
+
+The checks of the public functions that Dynamo traces (``m_splits``, the routing helpers) are
+plain raises (:func:`_require`), not ``torch._check``: see there.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -75,14 +79,23 @@ def check_forward_args(x, weight, offsets, bias, swiglu: bool = False) -> None:
     if swiglu:
         torch._check_value(
             weight.shape[1] % 2 == 0,
-            lambda: f"grouped_linear_swiglu needs an even N (gate and up halves), got N = "
-            f"{weight.shape[1]}",
+            lambda: f"grouped_linear_swiglu needs an even N in weight [G, 2H, K] (gate and up "
+            f"halves), got N = {weight.shape[1]}",
         )
 
 
 def check_dx_args(grad, weight, offsets) -> None:
     """grad ``[M, N]`` matching weight ``[G, N, K]``, plus :func:`check_common`."""
     check_dim(grad, 2, "grad", "[M, N]")
+    # grad's dtype and device are checked under its own name: check_common below sees a
+    # stand-in for x made from grad, whose messages would name x.
+    torch._check_type(grad.dtype in DTYPES,
+                      lambda: f"grad must be bf16, fp16, fp32 or fp64, got {grad.dtype}")
+    torch._check_type(
+        weight.dtype == grad.dtype,
+        lambda: f"weight dtype {weight.dtype} must match grad dtype {grad.dtype}",
+    )
+    check_same_device([("grad", grad), ("weight", weight), ("offsets", offsets)])
     torch._check_value(
         weight.dim() == 3 and grad.shape[1] == weight.shape[1],
         lambda: f"grad [M, N] = {tuple(grad.shape)} does not match weight [G, N, K] = "
@@ -91,8 +104,9 @@ def check_dx_args(grad, weight, offsets) -> None:
     check_common(grad.new_empty((grad.shape[0], weight.shape[2])), weight, offsets)
 
 
-def check_wgrad_args(grad, x, offsets) -> None:
-    """grad ``[M, N]`` and x ``[M, K]`` with the same rows, offsets int32 ``[G]``, one device."""
+def check_wgrad_args(grad, x, offsets, weight_dtype=None, bias_dtype=None) -> None:
+    """grad ``[M, N]`` and x ``[M, K]`` of one floating dtype with the same rows, offsets
+    int32 ``[G]``, one device; ``weight_dtype`` and ``bias_dtype`` (when given) floating."""
     check_dim(grad, 2, "grad", "[M, N]")
     check_dim(x, 2, "x", "[M, K]")
     check_dim(offsets, 1, "offsets", "[G]")
@@ -100,7 +114,16 @@ def check_wgrad_args(grad, x, offsets) -> None:
         grad.shape[0] == x.shape[0],
         lambda: f"grad has {grad.shape[0]} rows but x has {x.shape[0]}",
     )
-    torch._check_type(offsets.dtype == torch.int32, lambda: "offsets must be int32")
+    torch._check_type(grad.dtype in DTYPES,
+                      lambda: f"grad must be bf16, fp16, fp32 or fp64, got {grad.dtype}")
+    torch._check_type(x.dtype == grad.dtype,
+                      lambda: f"x dtype {x.dtype} must match grad dtype {grad.dtype}")
+    torch._check_type(offsets.dtype == torch.int32,
+                      lambda: f"offsets must be int32 (cumulative end rows), got {offsets.dtype}")
+    for name, dtype in (("weight_dtype", weight_dtype), ("bias_dtype", bias_dtype)):
+        if dtype is not None:
+            torch._check_type(dtype.is_floating_point,
+                              lambda: f"{name} must be a floating-point dtype, got {dtype}")
     check_same_device([("grad", grad), ("x", x), ("offsets", offsets)])
 
 
@@ -130,6 +153,122 @@ def check_offsets_eagerly(offsets: torch.Tensor, m: int) -> None:
         return
     if offsets.device.type == "cpu" or STRICT_OFFSET_CHECKS.enabled():
         check_offset_values(offsets, m)
+
+
+def _require(cond: bool, error: type, message: Callable[[], str]) -> None:
+    """``torch._check*`` for the public functions that Dynamo traces (not the ops' fake
+    functions): Dynamo refuses a ``torch._check`` whose message closes over a tensor, even
+    when the check passes, but traces a plain ``raise`` (which ``fullgraph=True`` reports
+    with the message)."""
+    if not cond:
+        raise error(message())
+
+
+def check_splits(m_splits: torch.Tensor, groups: Optional[int] = None) -> None:
+    """``m_splits [G]``: per-group row counts, an integer tensor (a float one would be
+    truncated by the cumulative sum), with one entry per group when ``groups`` is given."""
+    _require(m_splits.dim() == 1, RuntimeError,
+             lambda: f"m_splits must be 1-D [G] (rows per group), got shape "
+             f"{tuple(m_splits.shape)}")
+    _require(
+        not m_splits.is_floating_point() and not m_splits.is_complex()
+        and m_splits.dtype != torch.bool,
+        TypeError,
+        lambda: f"m_splits must be an integer tensor (rows per group), got {m_splits.dtype}",
+    )
+    if groups is not None:
+        _require(
+            m_splits.shape[0] == groups, ValueError,
+            lambda: f"m_splits must have one entry per group: got {m_splits.shape[0]} for "
+            f"{groups} groups",
+        )
+
+
+def check_split_values(m_splits: torch.Tensor, m: int) -> None:
+    """Raise ``ValueError`` if a split is negative or the splits add up to more than ``m``
+    rows (reads them on the host, like :func:`check_offset_values`)."""
+    if m_splits.numel() == 0:
+        return
+    s = m_splits.detach().to("cpu", torch.int64)
+    if bool((s < 0).any()):
+        raise ValueError(f"grouped_linear: m_splits must be >= 0, got {s.tolist()}")
+    if int(s.sum()) > m:
+        raise ValueError(
+            f"grouped_linear: m_splits add up to {int(s.sum())} rows, more than the number of "
+            f"rows M = {m} (m_splits = {s.tolist()})"
+        )
+
+
+def check_splits_eagerly(m_splits: torch.Tensor, m: int) -> None:
+    """:func:`check_split_values` under the rule of :func:`check_offsets_eagerly`."""
+    if torch.compiler.is_compiling():
+        return
+    if m_splits.device.type == "cpu" or STRICT_OFFSET_CHECKS.enabled():
+        check_split_values(m_splits, m)
+
+
+def check_permute_args(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> None:
+    """``permute_by_expert``: x ``[T, D]``, expert_ids ``[T, k]`` int32/int64 on x's device,
+    ``num_experts >= 0``."""
+    _require(x.dim() == 2, RuntimeError,
+             lambda: f"x must be 2-D [T, D], got shape {tuple(x.shape)}")
+    _require(expert_ids.dim() == 2, RuntimeError,
+             lambda: f"expert_ids must be 2-D [T, k], got shape {tuple(expert_ids.shape)}")
+    _require(expert_ids.dtype in (torch.int32, torch.int64), RuntimeError,
+             lambda: f"expert_ids must be int32 or int64, got {expert_ids.dtype}")
+    _require(
+        expert_ids.shape[0] == x.shape[0], ValueError,
+        lambda: f"expert_ids [T, k] = {tuple(expert_ids.shape)} must have one row per row of "
+        f"x [T, D] = {tuple(x.shape)}",
+    )
+    _require(num_experts >= 0, ValueError,
+             lambda: f"num_experts must be >= 0, got {num_experts}")
+    _require(expert_ids.device == x.device, RuntimeError,
+             lambda: f"expert_ids is on {expert_ids.device} but x is on {x.device}; move them "
+             "to the same device")
+
+
+def check_expert_id_values(expert_ids: torch.Tensor, num_experts: int) -> None:
+    """Raise ``IndexError`` naming the first expert id outside ``[0, num_experts)`` (an id
+    out of range would silently route its row nowhere, or to expert 0). Reads the ids on the
+    host: on CPU tensors always, elsewhere only with strict offset checks, never while
+    compiling (the rule of :func:`check_offsets_eagerly`)."""
+    if torch.compiler.is_compiling() or expert_ids.numel() == 0:
+        return
+    if expert_ids.device.type != "cpu" and not STRICT_OFFSET_CHECKS.enabled():
+        return
+    bad = (expert_ids < 0) | (expert_ids >= num_experts)
+    if bool(bad.any()):
+        first = int(expert_ids.reshape(-1)[bad.reshape(-1)][0])
+        raise IndexError(
+            f"expert_ids holds expert {first}, out of range for num_experts = {num_experts} "
+            f"(valid ids are 0..{num_experts - 1})"
+        )
+
+
+def check_unpermute_args(y_sorted: torch.Tensor, order: torch.Tensor,
+                         weights: torch.Tensor) -> None:
+    """``unpermute_and_combine``: y_sorted ``[T*k, D]``, order ``[T*k]`` int32/int64,
+    weights ``[T, k]`` floating, one device."""
+    for name, t, dim, doc in (("y_sorted", y_sorted, 2, "[T*k, D]"), ("order", order, 1, "[T*k]"),
+                              ("weights", weights, 2, "[T, k]")):
+        _require(t.dim() == dim, RuntimeError,
+                 lambda: f"{name} must be {dim}-D {doc}, got shape {tuple(t.shape)}")
+    _require(order.dtype in (torch.int32, torch.int64), RuntimeError,
+             lambda: f"order must be int32 or int64, got {order.dtype}")
+    _require(weights.is_floating_point(), RuntimeError,
+             lambda: f"weights must be a floating-point tensor, got {weights.dtype}")
+    _require(
+        order.shape[0] == y_sorted.shape[0]
+        and order.shape[0] == weights.shape[0] * weights.shape[1],
+        ValueError,
+        lambda: f"y_sorted [T*k, D] = {tuple(y_sorted.shape)}, order [T*k] = "
+        f"{tuple(order.shape)} and weights [T, k] = {tuple(weights.shape)} disagree on T*k",
+    )
+    for name, t in (("order", order), ("weights", weights)):
+        _require(t.device == y_sorted.device, RuntimeError,
+                 lambda: f"{name} is on {t.device} but y_sorted is on {y_sorted.device}; move "
+                 "them to the same device")
 
 
 def check_kernel_dtype(op: str, t: torch.Tensor) -> None:

@@ -12,7 +12,7 @@ from typing import Mapping
 
 import torch
 
-from compileops.grouped_linear.op import grouped_linear, splits_to_offsets
+from compileops.grouped_linear.op import grouped_linear, grouped_linear_splits
 
 
 def from_per_group_state_dict(state: Mapping[str, torch.Tensor], num_groups: int,
@@ -75,8 +75,9 @@ class GroupedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, m_splits_or_offsets: torch.Tensor, *,
                 offsets: bool = False) -> torch.Tensor:
-        offs = m_splits_or_offsets if offsets else splits_to_offsets(m_splits_or_offsets)
-        return grouped_linear(x, self.weight, offs.to(x.device), self.bias)
+        if offsets:
+            return grouped_linear(x, self.weight, m_splits_or_offsets.to(x.device), self.bias)
+        return grouped_linear_splits(x, self.weight, m_splits_or_offsets, self.bias)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):

@@ -37,6 +37,8 @@ from compileops.grouped_linear.checks import (
     check_forward_args,
     check_kernel_dtype,
     check_offsets_eagerly,
+    check_splits,
+    check_splits_eagerly,
     check_wgrad_args,
 )
 from compileops.modes import BATCH_INVARIANT
@@ -219,6 +221,7 @@ grouped_linear_swiglu_with_preact_op.register_autograd(_swiglu_saved_backward,
 def grouped_linear_dx_op(grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """grad ``[M, N]`` -> ``dX [M, K]``: ``dX_g = grad_g @ W_g`` (weight untransposed)."""
     check_dx_args(grad, weight, offsets)
+    check_offsets_eagerly(offsets, grad.shape[0])
     if _use_triton("grouped_linear_dx", grad):
         from compileops.grouped_linear import kernels
 
@@ -240,7 +243,8 @@ def grouped_linear_wgrad_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dW [G, N, K] = grad_g^T x_g, db [G, N] = colsum grad_g)``; empty groups give zeros.
     ``with_db=False``: ``db`` is an empty ``[G, 0]`` tensor and no column sums are computed."""
-    check_wgrad_args(grad, x, offsets)
+    check_wgrad_args(grad, x, offsets, weight_dtype, bias_dtype)
+    check_offsets_eagerly(offsets, grad.shape[0])
     if _use_triton("grouped_linear_wgrad", grad):
         from compileops.grouped_linear import kernels
 
@@ -258,7 +262,7 @@ def _no_db(grad, offsets, bias_dtype) -> torch.Tensor:
 
 @grouped_linear_wgrad_op.register_fake
 def _grouped_linear_wgrad_fake(grad, x, offsets, weight_dtype, bias_dtype, with_db=True):
-    check_wgrad_args(grad, x, offsets)
+    check_wgrad_args(grad, x, offsets, weight_dtype, bias_dtype)
     groups, n, k = offsets.shape[0], grad.shape[1], x.shape[1]
     db = (grad.new_empty((groups, n), dtype=bias_dtype) if with_db
           else _no_db(grad, offsets, bias_dtype))
@@ -269,10 +273,18 @@ def _grouped_linear_wgrad_fake(grad, x, offsets, weight_dtype, bias_dtype, with_
 # Public functions
 
 
+def _splits_tensor(m_splits) -> torch.Tensor:
+    if isinstance(m_splits, torch.Tensor):
+        return m_splits
+    values = list(m_splits)  # (as_tensor keeps float values float, so the check sees them)
+    return torch.as_tensor(values) if values else torch.zeros(0, dtype=torch.int64)
+
+
 def splits_to_offsets(m_splits: torch.Tensor) -> torch.Tensor:
-    """Per-group row counts ``[G]`` -> int32 cumulative end rows ``[G]``, on the device."""
-    if not isinstance(m_splits, torch.Tensor):
-        m_splits = torch.tensor(list(m_splits), dtype=torch.int64)
+    """Per-group row counts ``[G]`` (an integer tensor, or a sequence of ints) -> int32
+    cumulative end rows ``[G]``, on the device."""
+    m_splits = _splits_tensor(m_splits)
+    check_splits(m_splits)
     return torch.cumsum(m_splits, 0, dtype=torch.int32)
 
 
@@ -287,7 +299,13 @@ def grouped_linear(x, weight, offsets, bias=None):
 
 
 def grouped_linear_splits(x, weight, m_splits, bias=None):
-    """:func:`grouped_linear` with per-group row counts ``m_splits`` ``[G]`` (a device tensor)."""
+    """:func:`grouped_linear` with per-group row counts ``m_splits`` ``[G]`` (a device tensor).
+
+    ``m_splits`` must be integers >= 0 adding up to at most M; like offsets, their values are
+    checked eagerly on CPU tensors, elsewhere only with strict offset checks."""
+    m_splits = _splits_tensor(m_splits)
+    check_splits(m_splits, weight.shape[0] if weight.dim() == 3 else None)
+    check_splits_eagerly(m_splits, x.shape[0])
     return grouped_linear_op(x, weight, splits_to_offsets(m_splits).to(x.device), bias)
 
 

@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from compileops.grouped_linear import checks
+
 
 def permute_by_expert(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
     """x ``[T, D]``, expert_ids ``[T, k]`` (int) -> ``(x_sorted [T*k, D], order [T*k],
@@ -19,7 +21,12 @@ def permute_by_expert(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: in
 
     ``order[i]`` is the flat assignment (``token * k + slot``) in sorted position i; assignments
     of one expert keep token order (stable sort). ``offsets[e]`` is the end row of expert e.
+
+    Ids must lie in ``[0, num_experts)``: a bad id raises ``IndexError`` naming it on CPU
+    tensors (elsewhere only with strict offset checks: the check reads the ids on the host).
     """
+    checks.check_permute_args(x, expert_ids, num_experts)
+    checks.check_expert_id_values(expert_ids, num_experts)
     top_k = expert_ids.shape[1]
     flat = expert_ids.reshape(-1)
     sorted_ids, order = torch.sort(flat, stable=True)
@@ -33,6 +40,7 @@ def unpermute_and_combine(y_sorted: torch.Tensor, order: torch.Tensor,
                           weights: torch.Tensor) -> torch.Tensor:
     """y_sorted ``[T*k, D]`` (rows in expert order), order ``[T*k]``, weights ``[T, k]`` ->
     ``[T, D]``: ``out[t] = sum_j weights[t, j] * y[t*k + j]`` summed over slots in order."""
+    checks.check_unpermute_args(y_sorted, order, weights)
     tokens, top_k = weights.shape
     inverse = torch.argsort(order)
     y = y_sorted.index_select(0, inverse).reshape(tokens, top_k, -1)

@@ -6,8 +6,9 @@ kernel-vs-reference comparison cannot catch a bug in code that both sides run.
 
 * **Shape, dtype and device checks** (``check_*_args``): written with ``torch._check*`` so
   they hold in eager calls and in the ops' fake functions alike (never read tensor data).
-* **Value checks** (:func:`check_column_values`, :func:`check_columns_in_range`): read data
-  on the host, so they run eagerly on CPU tensors only.
+* **Value checks** (:func:`check_column_values`, :func:`check_columns_in_range`,
+  :func:`check_csr_values_eagerly`): read data on the host, so they run eagerly on CPU
+  tensors only.
 * **Preprocessing** (:func:`chunk_segments`): each chunk's tokens as a contiguous run.
 
 Projection buffers (see :mod:`compileops.xtoken.projection`): by teacher column
@@ -31,25 +32,65 @@ from compileops._library import (
 # Projection
 
 
-def check_csr(indptr, ids, weights, what: str) -> None:
+def check_csr(indptr, ids, weights, what: str, names: Optional[tuple] = None) -> None:
     """One CSR layout: ``indptr [S + 1]`` and ``ids [nnz]`` int32/int64, ``weights [nnz]``
     fp32, ``indptr`` non-empty and ``ids``/``weights`` of one length. ``what`` names the
-    layout in the messages ("column CSR", "row CSR")."""
-    check_dim(indptr, 1, f"{what} indptr", "[n_segments + 1]")
-    check_index_dtype(indptr, f"{what} indptr")
-    check_dim(ids, 1, f"{what} ids", "[nnz]")
-    check_index_dtype(ids, f"{what} ids")
-    check_dim(weights, 1, f"{what} weights", "[nnz]")
+    layout in the messages ("column CSR", "row CSR"); ``names``, the three arguments
+    (e.g. ``("row_indptr", "row_teacher_ids", "row_weights")``), prefix them."""
+    n_indptr, n_ids, n_weights = (f"{n}: " for n in names) if names else ("", "", "")
+    check_dim(indptr, 1, f"{n_indptr}{what} indptr", "[n_segments + 1]")
+    check_index_dtype(indptr, f"{n_indptr}{what} indptr")
+    check_dim(ids, 1, f"{n_ids}{what} ids", "[nnz]")
+    check_index_dtype(ids, f"{n_ids}{what} ids")
+    check_dim(weights, 1, f"{n_weights}{what} weights", "[nnz]")
     torch._check_type(
         weights.dtype == torch.float32,
-        lambda: f"{what} weights must be float32, got {weights.dtype}",
+        lambda: f"{n_weights}{what} weights must be float32, got {weights.dtype}",
     )
-    torch._check_value(indptr.shape[0] >= 1, lambda: f"{what} indptr must have >= 1 entry")
+    torch._check_value(indptr.shape[0] >= 1,
+                       lambda: f"{n_indptr}{what} indptr must have >= 1 entry")
+    both = f"{names[1]} and {names[2]}: " if names else ""
     torch._check_value(
         ids.shape[0] == weights.shape[0],
-        lambda: f"{what} ids and weights must have the same length, got "
+        lambda: f"{both}{what} ids and weights must have the same length, got "
         f"{ids.shape[0]} and {weights.shape[0]}",
     )
+
+
+COL_CSR = ("col_indptr", "col_student_ids", "col_weights")
+ROW_CSR = ("row_indptr", "row_teacher_ids", "row_weights")
+
+
+def check_csr_values(indptr: torch.Tensor, ids: torch.Tensor, num_ids: int, what: str,
+                     names: tuple, ids_range: str) -> None:
+    """The values of one CSR layout: ``indptr`` starts at 0, never decreases and ends at
+    ``nnz`` (``ValueError``), and every id lies in ``[0, num_ids)`` (``IndexError``; ``ids_range``
+    says what ``num_ids`` is). The kernels trust both: a bad value reads out of bounds.
+    Reads the buffers on the host (the ops call it for CPU tensors only)."""
+    nnz = ids.shape[0]
+    ptr = indptr.detach().to("cpu", torch.int64)
+    if int(ptr[0]) != 0 or int(ptr[-1]) != nnz or bool((ptr[1:] < ptr[:-1]).any()):
+        shown = ptr.tolist() if ptr.numel() <= 8 else ptr[:4].tolist() + ["..."] + ptr[-2:].tolist()
+        raise ValueError(
+            f"{names[0]}: {what} indptr must start at 0, never decrease and end at nnz = {nnz} "
+            f"(the length of {names[1]}), got {shown}"
+        )
+    if nnz:
+        bad = (ids < 0) | (ids >= num_ids)
+        if bool(bad.any()):
+            first = int(ids[bad][0])
+            raise IndexError(
+                f"{names[1]}: {what} ids holds id {first}, out of range for {ids_range} "
+                f"{num_ids} (valid ids are 0..{num_ids - 1})"
+            )
+
+
+def check_csr_values_eagerly(indptr, ids, num_ids, what, names, ids_range) -> None:
+    """:func:`check_csr_values` on CPU tensors only (free there), never while compiling, like
+    :func:`check_column_values`."""
+    if torch.compiler.is_compiling() or indptr.device.type != "cpu":
+        return
+    check_csr_values(indptr, ids, num_ids, what, names, ids_range)
 
 
 def check_columns(columns, lead, what_lead: str) -> None:
@@ -69,8 +110,8 @@ def check_project_args(p, col_indptr, col_student_ids, col_weights,
     [*, K]`` with ``p``'s leading dims, everything on one device."""
     check_floating(p, "p")
     torch._check_value(p.dim() >= 1, lambda: "p must be [*, V_s], got a 0-d tensor")
-    check_csr(col_indptr, col_student_ids, col_weights, "column CSR")
-    check_csr(row_indptr, row_teacher_ids, row_weights, "row CSR")
+    check_csr(col_indptr, col_student_ids, col_weights, "column CSR", COL_CSR)
+    check_csr(row_indptr, row_teacher_ids, row_weights, "row CSR", ROW_CSR)
     torch._check_value(
         p.shape[-1] == row_indptr.shape[0] - 1,
         lambda: f"p's last dim ({p.shape[-1]}) must equal the projection's student vocab "
@@ -78,7 +119,9 @@ def check_project_args(p, col_indptr, col_student_ids, col_weights,
     )
     torch._check_value(
         col_student_ids.shape[0] == row_teacher_ids.shape[0],
-        lambda: "the column CSR and the row CSR must hold the same number of entries",
+        lambda: f"col_student_ids has {col_student_ids.shape[0]} entries but row_teacher_ids "
+        f"has {row_teacher_ids.shape[0]}: the column CSR and the row CSR must hold the same "
+        "number of entries",
     )
     tensors = [("p", p), ("col_indptr", col_indptr), ("col_student_ids", col_student_ids),
                ("col_weights", col_weights), ("row_indptr", row_indptr),
@@ -96,7 +139,7 @@ def check_project_backward_args(grad, row_indptr, row_teacher_ids, row_weights,
     everything on one device."""
     check_floating(grad, "grad")
     torch._check_value(grad.dim() >= 1, lambda: "grad must be [*, V_t] or [*, K]")
-    check_csr(row_indptr, row_teacher_ids, row_weights, "row CSR")
+    check_csr(row_indptr, row_teacher_ids, row_weights, "row CSR", ROW_CSR)
     torch._check_value(num_teacher >= 0, lambda: "num_teacher must be >= 0")
     tensors = [("grad", grad), ("row_indptr", row_indptr),
                ("row_teacher_ids", row_teacher_ids), ("row_weights", row_weights)]
@@ -179,6 +222,22 @@ def check_chunk_backward_args(grad_sums, chunk_id, dtype) -> None:
     torch._check_type(dtype.is_floating_point,
                       lambda: f"dtype must be a floating-point dtype, got {dtype}")
     check_same_device([("grad_sums", grad_sums), ("chunk_id", chunk_id)])
+
+
+def check_valid_chunk_mask_args(student_sizes, teacher_sizes, pair_valid) -> None:
+    """``valid_chunk_mask``: three ``[B, C]`` tensors of one shape (no broadcasting), one
+    device. Plain raises, not ``torch._check``: this runs in traced code, where Dynamo refuses
+    a ``torch._check`` whose message closes over a tensor."""
+    if student_sizes.dim() != 2:
+        raise RuntimeError(
+            f"student_sizes must be 2-D [B, C], got shape {tuple(student_sizes.shape)}")
+    for name, t in (("teacher_sizes", teacher_sizes), ("pair_valid", pair_valid)):
+        if tuple(t.shape) != tuple(student_sizes.shape):
+            raise ValueError(f"{name} must be [B, C] = {tuple(student_sizes.shape)} like "
+                             f"student_sizes, got {tuple(t.shape)}")
+        if t.device != student_sizes.device:
+            raise RuntimeError(f"{name} is on {t.device} but student_sizes is on "
+                               f"{student_sizes.device}; move them to the same device")
 
 
 def chunk_segments(chunk_id: torch.Tensor, max_chunks: int):

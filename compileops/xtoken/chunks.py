@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from compileops.xtoken.checks import check_valid_chunk_mask_args
 from compileops.xtoken.op import chunk_sums_op
 
 
@@ -41,4 +42,5 @@ def valid_chunk_mask(
     student_sizes: torch.Tensor, teacher_sizes: torch.Tensor, pair_valid: torch.Tensor
 ) -> torch.Tensor:
     """``(student_sizes > 0) & (teacher_sizes > 0) & pair_valid``, all ``[B, C]``, bool."""
+    check_valid_chunk_mask_args(student_sizes, teacher_sizes, pair_valid)
     return (student_sizes > 0) & (teacher_sizes > 0) & pair_valid.bool()

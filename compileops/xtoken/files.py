@@ -114,15 +114,17 @@ _cache: dict[tuple, ProjectionCSR] = {}
 
 
 def _normalize_rows(coo: ProjectionCOO) -> ProjectionCOO:
-    """Divide each student row by its total. A row whose total is not positive (all-zero
-    weights) gets zero weights, which :func:`build_csr` drops: never NaN/inf entries."""
+    """Divide each student row by its total. A row whose total is zero or negative (all-zero
+    weights) gets zero weights, which :func:`build_csr` drops: no 0/0 NaN entries. A NaN in
+    the file is not hidden: its row's total is NaN, and so is every weight of that row."""
     totals = torch.zeros(coo.num_student, dtype=torch.float64).index_add_(
         0, coo.student_ids, coo.weights.double()
     )
     row_total = totals[coo.student_ids]
     w = coo.weights.double()
-    safe = torch.where(row_total > 0, row_total, torch.ones_like(row_total))
-    w = torch.where(row_total > 0, w / safe, torch.zeros_like(w)).float()
+    divide = ~(row_total <= 0)  # NaN totals divide (and stay NaN), never become 0
+    safe = torch.where(divide, row_total, torch.ones_like(row_total))
+    w = torch.where(divide, w / safe, torch.zeros_like(w)).float()
     return dataclasses.replace(coo, weights=w)
 
 

@@ -21,9 +21,12 @@ from compileops import backends
 from compileops._library import custom_op
 from compileops.xtoken import reference
 from compileops.xtoken.checks import (
+    COL_CSR,
+    ROW_CSR,
     check_chunk_args,
     check_chunk_backward_args,
     check_column_values,
+    check_csr_values_eagerly,
     check_project_args,
     check_project_backward_args,
     chunk_segments,
@@ -49,10 +52,14 @@ def project_op(
 
     The row CSR is not read here; it is an input so the backward can use it. A column outside
     ``[0, V_t)`` raises ``IndexError`` on CPU; on CUDA it is masked (0 output, no gradient).
+    On CPU the column CSR's values are checked too (``indptr`` a valid CSR pointer, student ids
+    in ``[0, V_s)``); the kernels trust them.
     """
     check_project_args(p, col_indptr, col_student_ids, col_weights,
                        row_indptr, row_teacher_ids, row_weights, columns)
     check_column_values(columns, col_indptr.shape[0] - 1)
+    check_csr_values_eagerly(col_indptr, col_student_ids, p.shape[-1], "column CSR", COL_CSR,
+                             "p's last dim (the student vocab)")
     if backends.select("xtoken_project", p.device) == "triton":
         from compileops.xtoken import kernels
 
@@ -108,6 +115,8 @@ def project_backward_op(
     check_project_backward_args(grad, row_indptr, row_teacher_ids, row_weights,
                                 num_teacher, columns)
     check_column_values(columns, num_teacher)
+    check_csr_values_eagerly(row_indptr, row_teacher_ids, num_teacher, "row CSR", ROW_CSR,
+                             "num_teacher")
     if backends.select("xtoken_project_backward", grad.device) == "triton":
         from compileops.xtoken import kernels
 

@@ -95,11 +95,11 @@ def test_compiled_rejects_out_of_range_ids():
     ids, weight = _inputs()
     ids[1, 1] = 64
     compiled = torch.compile(_stem, fullgraph=True)
-    with pytest.raises(RuntimeError, match=r"compileops.embedding: an id is out of range"):
+    with pytest.raises(RuntimeError, match=r"compileops.embedding: an id in ids is out of range"):
         compiled(ids, weight)
     ids[1, 1] = -1  # negative ids are rejected too, not wrapped
     torch._dynamo.reset()
-    with pytest.raises(RuntimeError, match=r"compileops.embedding: an id is out of range"):
+    with pytest.raises(RuntimeError, match=r"compileops.embedding: an id in ids is out of range"):
         torch.compile(_stem, fullgraph=True)(ids, weight)
 
 
