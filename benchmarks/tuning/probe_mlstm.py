@@ -9,6 +9,7 @@ import time
 
 import torch
 import triton
+import triton.language as tl
 
 import compileops
 from compileops.mlstm import kernels, reference
@@ -76,13 +77,57 @@ def bench(seq, tokens, cfgs_fw, cfgs_bw):
             print(f"bw S={seq} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
 
 
+def breakdown(seq, tokens):
+    """The backward's parts timed apart at the default configs: the norm preprocess, the
+    dQ programs and the dK/dV programs."""
+    from compileops.mlstm.kernels import backward as bwk
+    from compileops.mlstm.op import normaliser_terms
+
+    b, nh, dqk, dv = tokens // seq, 16, 128, 256
+    q, k, v, i, f, w = make(b, nh, seq, dqk, dv, torch.bfloat16)
+    logf = reference.log_forget_cumsum(f.float()).contiguous()
+    ig = i.float().contiguous()
+    out, h, m, rs = kernels.mlstm_forward(q, k, v, ig, logf, w, None, True, 1e-6, 1e-6, False,
+                                          True)
+    go = torch.randn_like(out)
+    cfg = kernels.choose_backward_config(q, dqk, dv)
+    dh, hdot, _, _ = kernels.norm_backward(go, h, w, True, 1e-6, False, torch.float32, cfg)
+    r, beta, dm = normaliser_terms(m, rs, hdot, 1e-6)
+    flops = b * nh * seq * seq * (dqk + dv)
+    t_norm = triton.testing.do_bench(
+        lambda: kernels.norm_backward(go, h, w, True, 1e-6, False, torch.float32, cfg), rep=50)
+    common = dict(DQK=dqk, DV=dv, BLOCK_DQK=dqk, BLOCK_DV=dv, BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n, ACC=tl.float32, INPUT_PRECISION="tf32", UPCAST=False,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    rg, cg = torch.empty_like(logf), torch.empty_like(logf)
+    am = torch.empty(logf.shape, dtype=torch.int32, device="cuda")
+    strides = (*q.stride(), *k.stride(), *v.stride(), *dh.stride())
+    scale = 1 / math.sqrt(dqk)
+    t_dq = triton.testing.do_bench(lambda: bwk.mlstm_dq_kernel[(b * nh, triton.cdiv(seq, cfg.block_m))](
+        q, k, v, dh, ig, logf, m, r, beta, dq, rg, am, seq, nh, *strides, scale, **common), rep=50)
+    t_dkv = triton.testing.do_bench(lambda: bwk.mlstm_dkv_kernel[(b * nh, triton.cdiv(seq, cfg.block_n))](
+        q, k, v, dh, ig, logf, m, r, beta, am, dm, dk, dvv, cg, seq, nh, *strides, scale, **common),
+        rep=50)
+    # Causal FLOPs per pass: dQ 2*(DQK + DV + DQK), dK/dV 2*(DQK + DV + DV + DQK) per entry.
+    entries = b * nh * seq * seq / 2
+    print(f"breakdown S={seq} {cfg}: norm {t_norm:.3f} ms, dQ {t_dq:.3f} ms "
+          f"({entries * 2 * (2 * dqk + dv) / t_dq / 1e9:.0f} TFLOP/s), dK/dV {t_dkv:.3f} ms "
+          f"({entries * 2 * (2 * dqk + 2 * dv) / t_dkv / 1e9:.0f} TFLOP/s)", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--breakdown", action="store_true", help="only the backward's parts")
     a = p.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     t0 = time.time()
+    if a.breakdown:
+        for s in a.seqs:
+            breakdown(s, 65536)
+        return
     check(300, torch.float32)
     check(300, torch.bfloat16)
     F, Bw = kernels.ForwardConfig, kernels.BackwardConfig
