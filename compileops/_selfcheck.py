@@ -22,10 +22,11 @@ from compileops._demo import Demo
 from compileops._version import __version__
 from compileops.embedding import selfcheck as embedding_demo
 from compileops.grouped_linear import selfcheck as grouped_linear_demo
+from compileops.mlstm import selfcheck as mlstm_demo
 from compileops.xtoken import selfcheck as xtoken_demo
 
 # One module per family, each with demo(device) -> Demo; later families append theirs.
-FAMILY_DEMOS: list[ModuleType] = [embedding_demo, xtoken_demo, grouped_linear_demo]
+FAMILY_DEMOS: list[ModuleType] = [embedding_demo, xtoken_demo, grouped_linear_demo, mlstm_demo]
 
 
 @dataclasses.dataclass
@@ -95,6 +96,7 @@ def run_demo(demo: Demo, device: torch.device) -> DemoResult:
     for n in sizes:
         dyn(*demo.resized_args(n))
     graph_breaks = sum(counters["graph_break"].values())
+    graphs_compiled = counters["stats"]["unique_graphs"]
 
     # Lowering status, forward and backward, from the generated code.
     torch._dynamo.reset()
@@ -120,7 +122,9 @@ def run_demo(demo: Demo, device: torch.device) -> DemoResult:
     return DemoResult(
         family=demo.family,
         graph_breaks=graph_breaks,
-        frames_compiled=counter.frame_count,
+        # Graphs, not backend calls: Dynamo restarting a trace once (it does so to specialise a
+        # float argument such as eps under dynamic=True) calls the backend twice for one graph.
+        frames_compiled=graphs_compiled,
         sizes_tried=len(sizes),
         op_status=status,
         relative_error=report.relative_error,

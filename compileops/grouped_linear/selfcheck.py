@@ -48,7 +48,7 @@ def demo(device: torch.device) -> Demo:
         model=model,
         args=args_for(4096 if on_gpu else 48),
         reference=ref,
-        ops=["grouped_linear", "grouped_linear_swiglu", "grouped_linear_dx", "grouped_linear_wgrad"],
+        ops=["grouped_linear", "grouped_linear_swiglu_with_preact", "grouped_linear_dx", "grouped_linear_wgrad"],
         max_relative_error=2e-2 if on_gpu else 1e-5,
         resized_args=args_for,
     )

@@ -4,5 +4,12 @@ Importing this package registers ``compileops::mlstm_parallel`` and
 ``compileops::mlstm_parallel_backward``. Triton is imported only when a kernel runs.
 """
 from compileops.mlstm.api import mlstm, mlstm_with_stats
+from compileops.mlstm.module import (
+    MultiHeadLayerNorm,
+    convert_xlstm_state_dict,
+    mLSTMLayer,
+    mLSTMLayerConfig,
+)
 
-__all__ = ["mlstm", "mlstm_with_stats"]
+__all__ = ["mlstm", "mlstm_with_stats", "MultiHeadLayerNorm", "convert_xlstm_state_dict",
+           "mLSTMLayer", "mLSTMLayerConfig"]

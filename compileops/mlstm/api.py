@@ -3,15 +3,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-import math
-
 import torch
 
 from compileops.mlstm.checks import check_gates_floating, check_kernel
 from compileops.mlstm.op import mlstm_parallel_op
 from compileops.mlstm.reference import gate_dtype, log_forget_cumsum
-
-LN2 = math.log(2.0)
 
 
 def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
@@ -37,7 +33,8 @@ def mlstm_with_stats(
                                           normed, float(norm_eps), float(eps),
                                           bool(residual_weight), save_h)
     n = torch.maximum(b.abs(), torch.exp2(-m_log2))
-    return out, n, m_log2 * LN2
+    # ln 2 as a literal here: a module-level float becomes a symbolic input under dynamic=True.
+    return out, n, m_log2 * 0.6931471805599453
 
 
 def mlstm(
@@ -65,8 +62,9 @@ def mlstm(
     fp64 inputs); the products accumulate in fp32.
 
     Precision (axis B, against the fp64 reference; tests/mlstm): fp64 and fp32 (IEEE dots)
-    within 1e-5 relative; bf16 within a relative L2 error of 1e-2 for the output and 2e-2 for
-    the gradients. Deterministic and batch-invariant bitwise, forward and backward.
+    within 1e-5 relative; bf16 within a relative L2 error of 2e-2 for the output and 4e-2 for
+    the gradients; fp16 within a relative L2 error of 1e-3 for the output and 4e-3 for the
+    gradients. Deterministic and batch-invariant bitwise, forward and backward.
 
     ``kernel``: ``"auto"`` or ``"parallel"`` (the only form in this version). Memory: the
     forward keeps the raw h ``[B, NH, S, DV]`` for the norm's backward when a gradient is

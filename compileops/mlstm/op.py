@@ -206,7 +206,8 @@ def _reference_backward(grad_out, q, k, v, igate, logf, norm_weight, normed, nor
     affine = ((weight,) if weight_given else ()) + ((bias,) if normed else ())
     _, vjp = torch.func.vjp(forward, q, k, v, igate, logf, *affine)
     grads = vjp(grad_out)
-    dq, dk, dv, digate, dlogf = grads[:5]
+    # The fake function promises dense gradients (the kernels write dense ones too).
+    dq, dk, dv, digate, dlogf = (g.contiguous() for g in grads[:5])
     if normed:
         dweight = grads[5].to(acc) if weight_given else q.new_zeros((channels,), dtype=acc)
         dbias = grads[-1].to(acc)
