@@ -1,0 +1,293 @@
+"""Data-parallel training of the MoE example model with FSDP2 (``fully_shard``) and
+``torch.compile``, one process per device.
+
+The model: ``compileops.nn.Embedding`` -> ``--layers`` pre-norm residual blocks around
+``MoELayer`` from ``examples/moe_layer.py`` (router -> top-k -> sync-free permutation ->
+``grouped_linear_swiglu`` -> ``grouped_linear`` with the router probability as its epilogue ->
+un-permute) -> RMSNorm, LM head and cross-entropy on a synthetic, learnable target.
+
+Sharding: ``fully_shard`` on the embedding, on every block, on the head and on the root.
+FSDP2 shards each parameter on dim 0, which for the grouped weights ``[E, N, K]`` is the expert
+dim: each rank stores ``E / world`` whole experts and all-gathers the others before a block's
+forward (and again for its backward); gradients are reduce-scattered the same way.
+
+Compilation (``--compile``):
+
+* ``blocks`` (default): each sharded unit's ``forward`` is compiled with ``fullgraph=True``;
+  FSDP2's all-gather / reduce-scatter hooks run eagerly around the compiled forwards
+  (torchtitan's recipe). No graph break inside a block, no recompile across steps, and
+  identical layers share one compiled graph;
+* ``model``: ``torch.compile(model)`` on the sharded root. ``fullgraph=True`` is not possible
+  there: torch 2.13 wraps every FSDP2 hook in ``torch._dynamo.disable``, so Dynamo breaks the
+  graph at each sharded submodule's hooks (with ``fullgraph=True`` it raises "Attempted to call
+  function marked as skipped ... skipping FSDP hooks");
+* ``none``: eager.
+
+``--anchor grouped_mm`` swaps the two grouped products for ``torch._grouped_mm`` in the same
+model (same parameters, state dict and routing; SwiGLU and the probability scaling as plain
+ops), for a throughput comparison. ``--compare-single`` then trains the unsharded model on
+rank 0 on the same global batches and prints the largest loss difference.
+
+    torchrun --nproc-per-node 2 examples/fsdp2_moe.py --device cpu --steps 3 --tiny
+    torchrun --nproc-per-node 8 examples/fsdp2_moe.py                   # CUDA, nccl, bf16
+    torchrun --nproc-per-node 8 examples/fsdp2_moe.py --anchor grouped_mm
+
+On CUDA it prints, per step, the mean loss, each rank's step time and peak memory, and at
+the end the median step time and tokens/s (the first ``--warmup`` steps, which compile, left
+out). On CPU the compileops ops run their reference backend unless ``TRITON_INTERPRET=1`` is
+set (then Triton's interpreter: slow, for checking the kernels).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from moe_layer import MoELayer  # noqa: E402  (puts the repo root on sys.path too)
+
+import compileops  # noqa: E402
+from compileops.grouped_linear import permute_by_expert, unpermute_and_combine  # noqa: E402
+
+
+class GroupedMMMoELayer(MoELayer):
+    """:class:`MoELayer` with its two grouped products on ``torch._grouped_mm`` (the anchor):
+    the same parameters and routing; SwiGLU and the router-probability scaling as plain ops."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs, ids = torch.topk(torch.softmax(self.router(x).float(), dim=-1), self.top_k, dim=-1)
+        probs = probs / probs.sum(-1, keepdim=True)
+        xs, order, offsets = permute_by_expert(x, ids, self.experts)
+        gate, up = torch._grouped_mm(xs, self.gate_up.weight.transpose(-2, -1),
+                                     offs=offsets).chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        p_sorted = probs.reshape(-1)[order]
+        y = torch._grouped_mm(h, self.down.weight.transpose(-2, -1), offs=offsets)
+        y = y * p_sorted[:, None].to(y.dtype)
+        return unpermute_and_combine(y, order, torch.ones_like(probs))
+
+
+class Block(torch.nn.Module):
+    """``x + moe(rmsnorm(x))`` on ``x [T, D]``."""
+
+    def __init__(self, args, dtype):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(args.dim, dtype=dtype)
+        layer = GroupedMMMoELayer if args.anchor == "grouped_mm" else MoELayer
+        self.moe = layer(args.dim, args.hidden, args.experts, args.top_k, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(self.norm(x))
+
+
+class Head(torch.nn.Module):
+    """Final norm, LM head and the mean cross-entropy (in fp32)."""
+
+    def __init__(self, args, dtype):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(args.dim, dtype=dtype)
+        self.proj = torch.nn.Linear(args.dim, args.vocab, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.proj(self.norm(x)).float(), labels.reshape(-1))
+
+
+class MoEModel(torch.nn.Module):
+    """ids, labels ``[B, S]`` -> the mean loss."""
+
+    def __init__(self, args, dtype):
+        super().__init__()
+        self.embed = compileops.nn.Embedding(args.vocab, args.dim, dtype=dtype)
+        self.layers = torch.nn.ModuleList(Block(args, dtype) for _ in range(args.layers))
+        self.head = Head(args, dtype)
+
+    def units(self) -> list[torch.nn.Module]:
+        """The modules that are sharded (and compiled) one by one."""
+        return [self.embed, *self.layers, self.head]
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids.reshape(-1))
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x, labels)
+
+
+def build(args, device, dtype) -> MoEModel:
+    torch.manual_seed(args.seed)  # every rank and the single-device run start alike
+    return MoEModel(args, dtype).to(device)
+
+
+def compile_model(model: MoEModel, mode: str):
+    if mode == "blocks":
+        for unit in model.units():
+            unit.forward = torch.compile(unit.forward, fullgraph=True)
+        return model
+    if mode == "model":
+        return torch.compile(model)
+    return model
+
+
+def batches(args, world: int, device):
+    """The global batch of each step, ``[world * batch, seq]``; every rank draws the same.
+    Target: a fixed permutation of the input token, which the model can learn."""
+    g = torch.Generator().manual_seed(args.seed + 1)
+    target = torch.randperm(args.vocab, generator=g)
+    for _ in range(args.steps):
+        ids = torch.randint(0, args.vocab, (world * args.batch, args.seq), generator=g)
+        yield ids.to(device), target[ids].to(device)
+
+
+def make_optimizer(model, args):
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+
+
+def train_sharded(args, device, dtype, rank: int, world: int) -> list[float]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    model = build(args, device, dtype)
+    for unit in model.units():
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if rank == 0:
+        w = model.layers[0].moe.gate_up.weight
+        print(f"layers.0.moe.gate_up.weight [E, 2H, D]: {type(w).__name__} {list(w.shape)} "
+              f"{list(w.placements)} -> local {list(w.to_local().shape)} on rank 0 "
+              "(whole experts)", flush=True)
+    run = compile_model(model, args.compile)
+    opt = make_optimizer(model, args)
+    cuda = device.type == "cuda"
+    mine = slice(rank * args.batch, (rank + 1) * args.batch)
+    losses, times = [], []
+    for step, (ids, labels) in enumerate(batches(args, world, device)):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        loss = run(ids[mine], labels[mine])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+        line = f"step {step:3d}  loss {losses[-1]:.5f}"
+        if cuda:
+            stats = [None] * world
+            dist.all_gather_object(stats, (elapsed * 1e3, torch.cuda.max_memory_allocated(device)))
+            times.append(max(s[0] for s in stats))
+            line += "  time ms " + " ".join(f"r{r}={s[0]:.1f}" for r, s in enumerate(stats))
+            line += "  peak GiB " + " ".join(f"r{r}={s[1] / 2**30:.2f}"
+                                              for r, s in enumerate(stats))
+        if rank == 0:
+            print(line, flush=True)
+    if rank == 0:
+        counters = torch._dynamo.utils.counters
+        print(f"compile={args.compile}: {counters['stats']['unique_graphs']} graphs compiled, "
+              f"{sum(counters['graph_break'].values())} graph breaks", flush=True)
+        steady = times[args.warmup:]
+        if steady:
+            ms = statistics.median(steady)
+            tokens = world * args.batch * args.seq
+            print(f"anchor={args.anchor}: median step {ms:.2f} ms over {len(steady)} steps "
+                  f"(slowest rank), {tokens / ms * 1e3:,.0f} tokens/s", flush=True)
+    return losses
+
+
+def train_single(args, device, dtype) -> list[float]:
+    model = build(args, device, dtype)
+    run = compile_model(model, args.compile)
+    opt = make_optimizer(model, args)
+    losses = []
+    for ids, labels in batches(args, dist.get_world_size(), device):
+        loss = run(ids, labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["cpu", "cuda"],
+                   default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
+    p.add_argument("--tiny", action="store_true", help="a model of a few kB (CPU smoke run)")
+    p.add_argument("--compile", choices=["blocks", "model", "none"], default="blocks")
+    p.add_argument("--anchor", choices=["compileops", "grouped_mm"], default="compileops",
+                   help="grouped_mm: the experts on torch._grouped_mm instead")
+    p.add_argument("--compare-single", action="store_true",
+                   help="also train the unsharded model on rank 0 and compare the losses")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="parameters and activations (default: bf16 on CUDA and for the "
+                   "grouped_mm anchor, which takes bf16 only; fp32 otherwise)")
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--dim", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=768, help="expert hidden size")
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.vocab, args.dim, args.hidden, args.experts, args.top_k = 64, 32, 32, 4, 2
+        args.layers, args.batch, args.seq, args.lr = 2, 2, 8, 1e-2
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
+    if args.device == "cpu":
+        torch._inductor.config.compile_threads = 1  # the ranks share the cores
+    dtype = getattr(torch, args.dtype) if args.dtype else (
+        torch.bfloat16 if device.type == "cuda" or args.anchor == "grouped_mm" else torch.float32)
+    if args.anchor == "grouped_mm" and dtype != torch.bfloat16:
+        raise SystemExit("--anchor grouped_mm needs --dtype bfloat16: torch._grouped_mm (its meta "
+                         "function, which torch.compile runs) takes bf16 only")
+    try:
+        if rank == 0:
+            print(f"world {world} on {device.type} ({dist.get_backend()}), {dtype}, "
+                  f"anchor={args.anchor}, compile={args.compile}", flush=True)
+        losses = train_sharded(args, device, dtype, rank, world)
+        if args.compare_single:
+            if rank == 0:
+                torch._dynamo.reset()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                single = train_single(args, device, dtype)
+                diffs = [abs(a - b) for a, b in zip(losses, single)]
+                for step, (a, b) in enumerate(zip(losses, single)):
+                    print(f"step {step:3d}  sharded {a:.6f}  single {b:.6f}  diff {abs(a - b):.2e}")
+                print(f"max |sharded - single| loss difference: {max(diffs):.3e}", flush=True)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
