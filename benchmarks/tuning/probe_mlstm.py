@@ -66,9 +66,8 @@ def bench(seq, tokens, cfgs_fw, cfgs_bw):
     for cfg in cfgs_bw:
         try:
             def fn():
-                dh, hdot, pw, pb = kernels.norm_backward(go, h, w, True, 1e-6, False, acc, cfg)
-                from compileops.mlstm.op import normaliser_terms
-                r, beta, dm = normaliser_terms(m, rs, hdot, 1e-6)
+                dh, r, beta, dm, pw, pb = kernels.norm_backward(go, h, w, m, rs, True, 1e-6,
+                                                                1e-6, False, cfg)
                 return kernels.cell_backward(q, k, v, dh, ig, logf, m, r, beta, dm, cfg)
             ms = triton.testing.do_bench(fn, warmup=25, rep=100)
             print(f"bw S={seq} {cfg}: {ms:.3f} ms {2.5 * flops / ms / 1e9:.0f} TFLOP/s (2.5x count)",
@@ -81,7 +80,6 @@ def breakdown(seq, tokens):
     """The backward's parts timed apart at the default configs: the norm preprocess, the
     dQ programs and the dK/dV programs."""
     from compileops.mlstm.kernels import backward as bwk
-    from compileops.mlstm.op import normaliser_terms
 
     b, nh, dqk, dv = tokens // seq, 16, 128, 256
     q, k, v, i, f, w = make(b, nh, seq, dqk, dv, torch.bfloat16)
@@ -91,11 +89,10 @@ def breakdown(seq, tokens):
                                           True)
     go = torch.randn_like(out)
     cfg = kernels.choose_backward_config(q, dqk, dv)
-    dh, hdot, _, _ = kernels.norm_backward(go, h, w, True, 1e-6, False, torch.float32, cfg)
-    r, beta, dm = normaliser_terms(m, rs, hdot, 1e-6)
+    dh, r, beta, dm, _, _ = kernels.norm_backward(go, h, w, m, rs, True, 1e-6, 1e-6, False, cfg)
     flops = b * nh * seq * seq * (dqk + dv)
     t_norm = triton.testing.do_bench(
-        lambda: kernels.norm_backward(go, h, w, True, 1e-6, False, torch.float32, cfg), rep=50)
+        lambda: kernels.norm_backward(go, h, w, m, rs, True, 1e-6, 1e-6, False, cfg), rep=50)
     common = dict(DQK=dqk, DV=dv, BLOCK_DQK=dqk, BLOCK_DV=dv, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, ACC=tl.float32, INPUT_PRECISION="tf32", UPCAST=False,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)

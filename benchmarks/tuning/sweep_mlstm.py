@@ -6,8 +6,8 @@ At S = 1024 and 4096 (B * S = 65536, NH=16, DQK=128, DV=256, bf16; the data of
 
 * ``fw``: ``kernels.mlstm_forward`` with the norm fused and h saved (the training forward),
   one launch per :class:`ForwardConfig`;
-* ``bw``: the kernel part of the op's backward (``op._kernel_backward``): ``norm_backward``,
-  the normaliser terms, ``cell_backward`` (the dQ and the dK/dV programs), per
+* ``bw``: the kernel part of the op's backward (``op._kernel_backward``): ``norm_backward``
+  (with the per-row normaliser terms), ``cell_backward`` (the dQ and the dK/dV programs), per
   :class:`BackwardConfig`;
 
 over the grid ``block_m, block_n`` in {32, 64, 128} with ``block_m % block_n == 0``,
@@ -26,7 +26,7 @@ that raises (error class recorded) or aborts its worker (``aborted rc=...``) is 
     python benchmarks/tuning/sweep_mlstm.py --device cpu --tiny    # CPU dry run (interpreter)
 
 Uses the documented tuning API: the config dataclasses and launchers of
-``compileops.mlstm.kernels`` and the op's ``normaliser_terms``.
+``compileops.mlstm.kernels``.
 """
 from __future__ import annotations
 
@@ -110,9 +110,8 @@ class Case:
             _, h, m, b = self.fw(self.default_fw)
             self._saved = (h, m, b)
         h, m, b = self._saved
-        dh, hdot, _, _ = self.kernels.norm_backward(self.cot, h, self.w, True, self.norm_eps,
-                                                    False, self.acc, config)
-        r, beta, dm = self.op.normaliser_terms(m, b, hdot, self.eps)
+        dh, r, beta, dm, _, _ = self.kernels.norm_backward(
+            self.cot, h, self.w, m, b, True, self.norm_eps, self.eps, False, config)
         return self.kernels.cell_backward(self.q, self.k, self.v, dh, self.igate, self.logf, m,
                                           r, beta, dm, config)
 

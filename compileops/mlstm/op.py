@@ -48,6 +48,10 @@ def _use_triton(op: str, q: torch.Tensor, v: torch.Tensor) -> bool:
     return True
 
 
+def _dense(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return t.contiguous() if t is not None else None
+
+
 def _out_shape(q, v, normed):
     b, nh, s, _ = q.shape
     dv = v.shape[-1]
@@ -66,9 +70,10 @@ def mlstm_parallel_op(
     if _use_triton("mlstm_parallel", q, v):
         from compileops.mlstm import kernels
 
+        # The kernels index the gates and the norm's affine densely.
         out, h, m, b = kernels.mlstm_forward(
-            q, k, v, igate.contiguous(), logf.contiguous(), norm_weight, norm_bias, normed,
-            norm_eps, eps, residual_weight, save_h and normed)
+            q, k, v, igate.contiguous(), logf.contiguous(), _dense(norm_weight),
+            _dense(norm_bias), normed, norm_eps, eps, residual_weight, save_h and normed)
         return out, (h if h is not None else v.new_empty((0,))), m, b
     h, b, m = reference.cell_from_log_gates(q, k, v, igate, logf, eps)
     if normed:
@@ -102,7 +107,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.norm_eps = norm_eps
     ctx.eps = eps
     ctx.residual_weight = residual
-    ctx.has_bias = norm_bias is not None
+    ctx.bias_dtype = norm_bias.dtype if norm_bias is not None else None
 
 
 def _backward(ctx, grad_out, _grad_h, _grad_m, _grad_b):
@@ -114,7 +119,7 @@ def _backward(ctx, grad_out, _grad_h, _grad_m, _grad_b):
         grad_out, q, k, v, igate, logf, norm_weight, h, m, b, ctx.normed, ctx.norm_eps,
         ctx.eps, ctx.residual_weight)
     dweight = dweight.to(norm_weight.dtype) if norm_weight is not None else None
-    dbias = dbias.to(grad_out.dtype) if ctx.has_bias else None
+    dbias = dbias.to(ctx.bias_dtype) if ctx.bias_dtype is not None else None
     return dq, dk, dv, digate, dlogf, dweight, dbias, None, None, None, None, None
 
 
@@ -158,9 +163,9 @@ def _kernel_backward(grad_out, q, k, v, igate, logf, norm_weight, h, m, b, norme
     from compileops.mlstm import kernels
 
     cfg = kernels.choose_backward_config(q, q.shape[-1], v.shape[-1])
-    dh, hdot, parts_w, parts_b = kernels.norm_backward(
-        grad_out, h, norm_weight, normed, norm_eps, residual_weight, acc, cfg)
-    r, beta, dm = normaliser_terms(m, b, hdot, eps)
+    dh, r, beta, dm, parts_w, parts_b = kernels.norm_backward(
+        grad_out, h, _dense(norm_weight), m.contiguous(), b.contiguous(), normed, norm_eps,
+        eps, residual_weight, cfg)
     dq, dk, dv, row_grad, col_grad = kernels.cell_backward(
         q, k, v, dh, igate.contiguous(), logf.contiguous(), m, r, beta, dm, cfg)
     # logD_ij = F_i - F_j + igate_j: dF gets the row sums of dlogD minus its column sums
@@ -186,31 +191,59 @@ def normaliser_terms(m_log2: torch.Tensor, b: torch.Tensor, hdot: torch.Tensor, 
 
 def _reference_backward(grad_out, q, k, v, igate, logf, norm_weight, normed, norm_eps, eps,
                         residual_weight, acc):
-    """Autograd through the reference, the ground truth (the stabiliser's max included)."""
-    channels = q.shape[1] * v.shape[3]
-    weight = norm_weight if norm_weight is not None else None
-    bias = q.new_zeros((channels,), dtype=acc) if normed else None
-
-    def forward(q, k, v, igate, logf, *affine):
-        affine = list(affine)
-        weight = affine.pop(0) if weight_given else None
-        bias = affine.pop(0) if normed else None
-        h, _, _ = reference.cell_from_log_gates(q, k, v, igate, logf, eps)
-        if not normed:
-            return h.to(v.dtype)
-        return reference.multihead_layernorm(h, weight, bias, norm_eps, residual_weight,
-                                             v.dtype)
-
-    # torch.func re-enables autograd below the op's dispatch, where plain autograd is off.
-    weight_given = weight is not None
-    affine = ((weight,) if weight_given else ()) + ((bias,) if normed else ())
-    _, vjp = torch.func.vjp(forward, q, k, v, igate, logf, *affine)
-    grads = vjp(grad_out)
-    # The fake function promises dense gradients (the kernels write dense ones too).
-    dq, dk, dv, digate, dlogf = (g.contiguous() for g in grads[:5])
+    """The backward in plain PyTorch, materialising ``S x S`` (the module docstring's math;
+    the tests hold it, like the kernels, to autograd through the reference)."""
+    batch, heads, seq, dqk = q.shape
+    dv_len = v.shape[-1]
+    channels = heads * dv_len
+    empty = q.new_empty((0,), dtype=acc)
+    h, b, m = reference.cell_from_log_gates(q, k, v, igate, logf, eps)  # [B, NH, S, DV] acc
     if normed:
-        dweight = grads[5].to(acc) if weight_given else q.new_zeros((channels,), dtype=acc)
-        dbias = grads[-1].to(acc)
+        dh, dweight, dbias = _layernorm_backward(grad_out, h, norm_weight, norm_eps,
+                                                 residual_weight, acc)
     else:
-        dweight, dbias = q.new_empty((0,), dtype=acc), q.new_empty((0,), dtype=acc)
-    return dq, dk, dv, digate, dlogf, dweight, dbias
+        dh, dweight, dbias = grad_out.to(acc), empty, empty.clone()
+    if seq == 0:
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
+                torch.zeros_like(igate), torch.zeros_like(logf), dweight, dbias)
+    log_d = logf[..., :, None] - logf[..., None, :] + igate[..., None, :]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    log_d = log_d.masked_fill(~causal, float("-inf"))
+    decay = torch.exp(log_d - m[..., None])  # 0 above the diagonal
+    qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
+    scores = (qa @ ka.transpose(-1, -2)) / math.sqrt(dqk)
+    r, beta, dm = normaliser_terms(m * LOG2E, b, (dh * h).sum(-1), eps)
+    d_c = (dh @ va.transpose(-1, -2)) * r[..., None] + beta[..., None]
+    d_s = d_c * decay
+    dq = (d_s @ ka) / math.sqrt(dqk)
+    dk = (d_s.transpose(-1, -2) @ qa) / math.sqrt(dqk)
+    dv = (scores * decay * r[..., None]).transpose(-1, -2) @ dh
+    d_log_d = d_s * scores
+    # The stabiliser m_i = max_j logD_ij: its gradient goes to the row's first maximal column.
+    first_max = log_d.max(dim=-1).indices
+    d_log_d = d_log_d.scatter_add(-1, first_max[..., None], dm[..., None])
+    col = d_log_d.sum(dim=-2)
+    dlogf = d_log_d.sum(dim=-1) - col
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), col.to(igate.dtype),
+            dlogf.to(logf.dtype), dweight, dbias)
+
+
+def _layernorm_backward(grad_out, h, weight, norm_eps, residual_weight, acc):
+    """``(dh [B, NH, S, DV], dweight [NH * DV], dbias [NH * DV])`` of the multi-head
+    layernorm for ``grad_out [B, S, NH * DV]`` and its input ``h`` (accumulation dtype)."""
+    batch, heads, seq, dv_len = h.shape
+    dy = grad_out.to(acc).reshape(batch, seq, heads, dv_len).transpose(1, 2)
+    mean = h.mean(dim=-1, keepdim=True)
+    centred = h - mean
+    rstd = torch.rsqrt(centred.square().mean(dim=-1, keepdim=True) + norm_eps)
+    y_hat = centred * rstd
+    if weight is not None:
+        w = weight.to(acc).reshape(heads, 1, dv_len)
+        g = dy * ((1 + w) if residual_weight else w)
+    else:
+        g = dy
+    dh = rstd * (g - g.mean(dim=-1, keepdim=True)
+                 - y_hat * (g * y_hat).mean(dim=-1, keepdim=True))
+    dweight = (dy * y_hat).sum(dim=(0, 2)).reshape(-1)
+    dbias = dy.sum(dim=(0, 2)).reshape(-1)
+    return dh, dweight, dbias

@@ -62,42 +62,34 @@ class Snapshots(expecttest.TestCase):
         self.assertExpectedInline(fw, """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[64]", primals_2: "f32[2, 2, 40, 16]", primals_3: "f32[2, 2, 40]", primals_4: "f32[2, 2, 40]", primals_5: "f32[2, 2, 40, 16]", primals_6: "f32[2, 2, 40, 32]"):
-        log_sigmoid_forward = torch.ops.aten.log_sigmoid_forward.default(primals_4)
-        getitem: "f32[2, 2, 40]" = log_sigmoid_forward[0]
-        getitem_1: "f32[2, 2, 40]" = log_sigmoid_forward[1];  log_sigmoid_forward = None
-        cumsum: "f32[2, 2, 40]" = torch.ops.aten.cumsum.default(getitem, -1);  getitem = None
+        mlstm_log_forget: "f32[2, 2, 40]" = torch.ops.compileops.mlstm_log_forget.default(primals_4)
 
-        mlstm_parallel = torch.ops.compileops.mlstm_parallel.default(primals_2, primals_5, primals_6, primals_3, cumsum, primals_1, None, True, 1e-06, 1e-06, False, True)
-        getitem_2: "f32[2, 40, 64]" = mlstm_parallel[0]
-        getitem_3: "f32[2, 2, 40, 32]" = mlstm_parallel[1]
-        getitem_4: "f32[2, 2, 40]" = mlstm_parallel[2]
-        getitem_5: "f32[2, 2, 40]" = mlstm_parallel[3];  mlstm_parallel = None
-        return (getitem_2, primals_1, primals_2, primals_3, primals_4, primals_5, primals_6, getitem_1, cumsum, getitem_3, getitem_4, getitem_5)""")
+        mlstm_parallel = torch.ops.compileops.mlstm_parallel.default(primals_2, primals_5, primals_6, primals_3, mlstm_log_forget, primals_1, None, True, 1e-06, 1e-06, False, True)
+        getitem: "f32[2, 40, 64]" = mlstm_parallel[0]
+        getitem_1: "f32[2, 2, 40, 32]" = mlstm_parallel[1]
+        getitem_2: "f32[2, 2, 40]" = mlstm_parallel[2]
+        getitem_3: "f32[2, 2, 40]" = mlstm_parallel[3];  mlstm_parallel = None
+        return (getitem, primals_1, primals_2, primals_3, primals_4, primals_5, primals_6, mlstm_log_forget, getitem_1, getitem_2, getitem_3)""")
         self.assertExpectedInline(bw, """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[64]", primals_2: "f32[2, 2, 40, 16]", primals_3: "f32[2, 2, 40]", primals_4: "f32[2, 2, 40]", primals_5: "f32[2, 2, 40, 16]", primals_6: "f32[2, 2, 40, 32]", getitem_1: "f32[2, 2, 40]", cumsum: "f32[2, 2, 40]", getitem_3: "f32[2, 2, 40, 32]", getitem_4: "f32[2, 2, 40]", getitem_5: "f32[2, 2, 40]", tangents_1: "f32[2, 40, 64]"):
-        mlstm_parallel_backward = torch.ops.compileops.mlstm_parallel_backward.default(tangents_1, primals_2, primals_5, primals_6, primals_3, cumsum, primals_1, getitem_3, getitem_4, getitem_5, True, 1e-06, 1e-06, False);  tangents_1 = primals_2 = primals_5 = primals_6 = primals_3 = cumsum = primals_1 = getitem_3 = getitem_4 = getitem_5 = None
-        getitem_6: "f32[2, 2, 40, 16]" = mlstm_parallel_backward[0]
-        getitem_7: "f32[2, 2, 40, 16]" = mlstm_parallel_backward[1]
-        getitem_8: "f32[2, 2, 40, 32]" = mlstm_parallel_backward[2]
-        getitem_9: "f32[2, 2, 40]" = mlstm_parallel_backward[3]
-        getitem_10: "f32[2, 2, 40]" = mlstm_parallel_backward[4]
-        getitem_11: "f32[64]" = mlstm_parallel_backward[5];  mlstm_parallel_backward = None
+    def forward(self, primals_1: "f32[64]", primals_2: "f32[2, 2, 40, 16]", primals_3: "f32[2, 2, 40]", primals_4: "f32[2, 2, 40]", primals_5: "f32[2, 2, 40, 16]", primals_6: "f32[2, 2, 40, 32]", mlstm_log_forget: "f32[2, 2, 40]", getitem_1: "f32[2, 2, 40, 32]", getitem_2: "f32[2, 2, 40]", getitem_3: "f32[2, 2, 40]", tangents_1: "f32[2, 40, 64]"):
+        mlstm_parallel_backward = torch.ops.compileops.mlstm_parallel_backward.default(tangents_1, primals_2, primals_5, primals_6, primals_3, mlstm_log_forget, primals_1, getitem_1, getitem_2, getitem_3, True, 1e-06, 1e-06, False);  tangents_1 = primals_2 = primals_5 = primals_6 = primals_3 = mlstm_log_forget = primals_1 = getitem_1 = getitem_2 = getitem_3 = None
+        getitem_4: "f32[2, 2, 40, 16]" = mlstm_parallel_backward[0]
+        getitem_5: "f32[2, 2, 40, 16]" = mlstm_parallel_backward[1]
+        getitem_6: "f32[2, 2, 40, 32]" = mlstm_parallel_backward[2]
+        getitem_7: "f32[2, 2, 40]" = mlstm_parallel_backward[3]
+        getitem_8: "f32[2, 2, 40]" = mlstm_parallel_backward[4]
+        getitem_9: "f32[64]" = mlstm_parallel_backward[5];  mlstm_parallel_backward = None
 
-        flip: "f32[2, 2, 40]" = torch.ops.aten.flip.default(getitem_10, [-1]);  getitem_10 = None
-        cumsum_1: "f32[2, 2, 40]" = torch.ops.aten.cumsum.default(flip, -1);  flip = None
-        flip_1: "f32[2, 2, 40]" = torch.ops.aten.flip.default(cumsum_1, [-1]);  cumsum_1 = None
-        log_sigmoid_backward: "f32[2, 2, 40]" = torch.ops.aten.log_sigmoid_backward.default(flip_1, primals_4, getitem_1);  flip_1 = primals_4 = getitem_1 = None
-        return (getitem_11, getitem_6, getitem_9, log_sigmoid_backward, getitem_7, getitem_8)""")
+        mlstm_log_forget_backward: "f32[2, 2, 40]" = torch.ops.compileops.mlstm_log_forget_backward.default(getitem_8, primals_4);  getitem_8 = primals_4 = None
+        return (getitem_9, getitem_4, getitem_7, mlstm_log_forget_backward, getitem_5, getitem_6)""")
 
     @needs_213
     def test_template_fuses_the_output_gate(self):
         args = _inputs()
         with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
             code = _compat.get_code(torch.compile(gated_block, fullgraph=True), *args)
-        self.assertExpectedInline("\n".join(_kernel_names(code)), """\
-triton_per_fused_cumsum_log_sigmoid_forward
-triton_tem_fused_mlstm_parallel_mul_sigmoid""")
+        self.assertExpectedInline("\n".join(_kernel_names(code)), """triton_tem_fused_mlstm_parallel_mul_sigmoid""")
 
 
 def test_template_matches_eager_kernels_under_the_interpreter():

@@ -14,7 +14,7 @@ gradient is, per (batch, head), for ``j <= i`` (the stabiliser ``m`` held consta
 No atomics: dQ programs walk the key tiles of their query rows, dK/dV programs the query
 tiles of their key rows, each in a fixed order, so the backward is bitwise reproducible.
 The multi-head layernorm's backward (and its weight/bias partial sums) runs first in a row
-preprocess that also forms ``dh_i . h_i``.
+preprocess that also forms the per-row terms ``r``, ``beta`` and the stabiliser's gradient.
 """
 from __future__ import annotations
 
@@ -39,10 +39,10 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def norm_backward_rows(
-    grad_ptr, h_ptr, weight_ptr, dh_ptr, hdot_ptr, dweight_ptr, dbias_ptr,
-    bh, start_s, seq_len, num_heads, num_row_blocks,
+    grad_ptr, h_ptr, weight_ptr, dh_ptr, m2_ptr, rowsum_ptr, r_ptr, beta_ptr, dm_ptr,
+    dweight_ptr, dbias_ptr, bh, start_s, seq_len, num_heads, num_row_blocks,
     stride_gb, stride_gh, stride_gs, stride_gd,
-    norm_eps,
+    norm_eps, eps,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_ROWS: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, RESIDUAL_WEIGHT: tl.constexpr,
     ACC: tl.constexpr,
@@ -51,10 +51,15 @@ def norm_backward_rows(
 
     * ``grad_ptr``: the output's gradient, (batch, head, seq, channel) strides given.
     * ``h_ptr [B * NH, S, DV]``: contiguous raw h (or, without a norm, the output itself).
-    * Writes ``hdot_ptr [B * NH, S]`` (``ACC``): ``dh . h`` per row; with ``HAS_NORM`` also
-      ``dh_ptr [B * NH, S, DV]`` contiguous (h's dtype), the gradient of the raw h, and the
-      partial sums ``dweight_ptr``/``dbias_ptr [R, B * NH, DV]`` (``ACC``, R = row blocks)
-      of ``dy * yhat`` and ``dy`` over this program's rows (the op sums over R and B).
+    * Reads the forward's stabiliser ``m2_ptr`` (log2 units) and row sum ``rowsum_ptr``
+      ``[B * NH, S]``, and writes the cell backward's per-row terms (module docstring):
+      ``r_ptr`` (``1 / (n + eps)``), ``beta_ptr`` (the normaliser's share of ``dC``) and
+      ``dm_ptr`` (the stabiliser's gradient), all ``[B * NH, S]`` ``ACC``. Computed here, one
+      row at a time, so they are bitwise batch-invariant.
+    * With ``HAS_NORM`` also ``dh_ptr [B * NH, S, DV]`` contiguous (h's dtype), the gradient
+      of the raw h, and the partial sums ``dweight_ptr``/``dbias_ptr [R, B * NH, DV]``
+      (``ACC``, R = row blocks) of ``dy * yhat`` and ``dy`` over this program's rows (the op
+      sums over R and B).
     """
     batch = bh // num_heads
     head = bh % num_heads
@@ -90,23 +95,33 @@ def norm_backward_rows(
         tl.store(dbias_ptr + part, tl.sum(dy, axis=0), mask=live)
     else:
         dh = dy
-    tl.store(hdot_ptr + bh.to(tl.int64) * seq_len + rows, tl.sum(dh * h, axis=1), mask=row_ok)
+    hdot = tl.sum(dh * h, axis=1)
+    row_off = bh.to(tl.int64) * seq_len + rows
+    m2 = tl.load(m2_ptr + row_off, mask=row_ok, other=0.0)
+    row_sum = tl.load(rowsum_ptr + row_off, mask=row_ok, other=0.0)
+    floor = tl.exp2(-m2)
+    r = 1.0 / (tl.maximum(tl.abs(row_sum), floor) + eps)
+    sign = tl.where(row_sum > 0, 1.0, tl.where(row_sum < 0, -1.0, 0.0))
+    beta = tl.where(tl.abs(row_sum) > floor, -r * hdot * sign, 0.0)
+    tl.store(r_ptr + row_off, r, mask=row_ok)
+    tl.store(beta_ptr + row_off, beta, mask=row_ok)
+    tl.store(dm_ptr + row_off, -eps * r * hdot, mask=row_ok)
 
 
 @triton.jit
 def norm_backward_kernel(
-    grad_ptr, h_ptr, weight_ptr, dh_ptr, hdot_ptr, dweight_ptr, dbias_ptr,
-    seq_len, num_heads, num_row_blocks,
-    stride_gb, stride_gh, stride_gs, stride_gd, norm_eps,
+    grad_ptr, h_ptr, weight_ptr, dh_ptr, m2_ptr, rowsum_ptr, r_ptr, beta_ptr, dm_ptr,
+    dweight_ptr, dbias_ptr, seq_len, num_heads, num_row_blocks,
+    stride_gb, stride_gh, stride_gs, stride_gd, norm_eps, eps,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_ROWS: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, RESIDUAL_WEIGHT: tl.constexpr,
     ACC: tl.constexpr,
 ):
     """Grid ``(B * NH, cdiv(S, BLOCK_ROWS))``: :func:`norm_backward_rows`."""
     norm_backward_rows(
-        grad_ptr, h_ptr, weight_ptr, dh_ptr, hdot_ptr, dweight_ptr, dbias_ptr,
-        tl.program_id(0), tl.program_id(1) * BLOCK_ROWS, seq_len, num_heads, num_row_blocks,
-        stride_gb, stride_gh, stride_gs, stride_gd, norm_eps,
+        grad_ptr, h_ptr, weight_ptr, dh_ptr, m2_ptr, rowsum_ptr, r_ptr, beta_ptr, dm_ptr,
+        dweight_ptr, dbias_ptr, tl.program_id(0), tl.program_id(1) * BLOCK_ROWS, seq_len,
+        num_heads, num_row_blocks, stride_gb, stride_gh, stride_gs, stride_gd, norm_eps, eps,
         DV, BLOCK_DV, BLOCK_ROWS, HAS_NORM, HAS_WEIGHT, RESIDUAL_WEIGHT, ACC,
     )
 
@@ -370,14 +385,20 @@ def _dims(t: torch.Tensor, normed: bool, dv: int) -> tuple[int, int, int, int]:
 
 def norm_backward(
     grad_out: torch.Tensor, h: torch.Tensor, norm_weight: Optional[torch.Tensor],
-    normed: bool, norm_eps: float, residual_weight: bool, acc_dtype: torch.dtype,
-    config: BackwardConfig,
-) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """``(dh, dh . h [B, NH, S], dweight_parts, dbias_parts)``: the raw h's gradient (the
-    output's own gradient when not ``normed``) and, when normed, partial sums to reduce."""
+    m_log2: torch.Tensor, row_sum: torch.Tensor, normed: bool, norm_eps: float, eps: float,
+    residual_weight: bool, config: BackwardConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor],
+           Optional[torch.Tensor]]:
+    """``(dh, r, beta, dm, dweight_parts, dbias_parts)``: the raw h's gradient (the output's
+    own gradient when not ``normed``), the cell backward's per-row terms ``[B, NH, S]`` from
+    the forward's ``m_log2`` and ``row_sum`` (contiguous), and, when normed, partial sums of
+    the norm's weight and bias gradients to reduce."""
     batch, heads, seq, dv = h.shape
     rows = triton.cdiv(seq, config.block_rows)
-    hdot = torch.empty((batch, heads, seq), dtype=acc_dtype, device=h.device)
+    r = torch.empty_like(m_log2)
+    beta = torch.empty_like(m_log2)
+    dm = torch.empty_like(m_log2)
+    acc_dtype = m_log2.dtype
     if normed:
         dh = torch.empty_like(h, memory_format=torch.contiguous_format)
         parts_w = torch.empty((rows, batch, heads, dv), dtype=acc_dtype, device=h.device)
@@ -386,16 +407,16 @@ def norm_backward(
         dh, parts_w, parts_b = grad_out, None, None
     if batch * heads and seq:
         norm_backward_kernel[(batch * heads, rows)](
-            grad_out, h, norm_weight if norm_weight is not None else hdot,
-            dh if normed else hdot, hdot,
-            parts_w if normed else hdot, parts_b if normed else hdot,
-            seq, heads, rows, *_dims(grad_out, normed, dv), norm_eps,
+            grad_out, h, norm_weight if norm_weight is not None else r,
+            dh if normed else r, m_log2, row_sum, r, beta, dm,
+            parts_w if normed else r, parts_b if normed else r,
+            seq, heads, rows, *_dims(grad_out, normed, dv), norm_eps, eps,
             DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK_ROWS=config.block_rows,
             HAS_NORM=normed, HAS_WEIGHT=norm_weight is not None,
             RESIDUAL_WEIGHT=residual_weight, ACC=accumulation_dtype(h.dtype),
             num_warps=config.num_warps,
         )
-    return dh, hdot, parts_w, parts_b
+    return dh, r, beta, dm, parts_w, parts_b
 
 
 def cell_backward(

@@ -1,0 +1,68 @@
+"""The forget-gate prefix sum as ops: ``compileops::mlstm_log_forget(fgate) -> logf`` and
+``compileops::mlstm_log_forget_backward(grad, fgate) -> dfgate``.
+
+``logf = cumsum(log sigmoid(fgate))`` ``[B, NH, S]`` in the accumulation dtype (fp32, fp64 for
+fp64). On the Triton backend one program sums one row in a fixed order, so the result is
+bitwise batch-invariant, which ``torch.cumsum`` on CUDA is not (it picks its scan by the row
+count). Under ``torch.compile`` both stay extern calls of these kernels.
+"""
+from __future__ import annotations
+
+import torch
+
+from compileops import backends
+from compileops._library import custom_op
+from compileops.mlstm.reference import gate_dtype, log_forget_cumsum
+
+
+def _use_triton(op: str, t: torch.Tensor) -> bool:
+    return backends.select(op, t.device) == "triton"
+
+
+@custom_op("mlstm_log_forget")
+def log_forget_op(fgate: torch.Tensor) -> torch.Tensor:
+    """``fgate [B, NH, S]`` -> ``cumsum(log sigmoid(fgate), -1)`` in the accumulation dtype."""
+    acc = gate_dtype(fgate.dtype)
+    if _use_triton("mlstm_log_forget", fgate):
+        from compileops.mlstm.kernels import gates
+
+        return gates.log_forget(fgate, acc)
+    return log_forget_cumsum(fgate.to(acc)).contiguous()
+
+
+@log_forget_op.register_fake
+def _log_forget_fake(fgate):
+    return fgate.new_empty(fgate.shape, dtype=gate_dtype(fgate.dtype))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    (fgate,) = inputs
+    ctx.save_for_backward(fgate)
+
+
+def _backward(ctx, grad):
+    (fgate,) = ctx.saved_tensors
+    return log_forget_backward_op(grad, fgate)
+
+
+log_forget_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@custom_op("mlstm_log_forget_backward")
+def log_forget_backward_op(grad: torch.Tensor, fgate: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(-fgate) * revcumsum(grad)`` ``[B, NH, S]`` in fgate's dtype."""
+    if _use_triton("mlstm_log_forget_backward", fgate):
+        from compileops.mlstm.kernels import gates
+
+        return gates.log_forget_backward(grad.to(gate_dtype(fgate.dtype)), fgate)
+    g = grad.to(gate_dtype(fgate.dtype))
+    rev = torch.flip(torch.cumsum(torch.flip(g, dims=(-1,)), dim=-1), dims=(-1,))
+    return (torch.sigmoid(-fgate.to(g.dtype)) * rev).to(fgate.dtype).contiguous()
+
+
+@log_forget_backward_op.register_fake
+def _log_forget_backward_fake(grad, fgate):
+    return fgate.new_empty(fgate.shape)
+
+
+__all__ = ["log_forget_backward_op", "log_forget_op"]
