@@ -29,3 +29,30 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ---------------------------------------------------------------------------------------
+# Hypothesis profiles of the property-fuzzing tests (tests/*/test_fuzz.py, issue 24).
+# "ci" (the default): few examples, a fixed seed per test (derandomize) so CI is
+# reproducible, no example database. "long": COMPILEOPS_FUZZ_PROFILE=long, random seeds,
+# COMPILEOPS_FUZZ_MAX_EXAMPLES (default 2000) per test; the GPU variants always use it.
+# function_scoped_fixture: the autouse _fresh_dynamo fixture above runs once per test,
+# not per example, which is fine for eager fuzzing.
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "ci",
+    max_examples=30,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.register_profile(
+    "long",
+    parent=settings.get_profile("ci"),
+    max_examples=int(os.environ.get("COMPILEOPS_FUZZ_MAX_EXAMPLES", "2000")),
+    derandomize=False,
+)
+settings.load_profile(os.environ.get("COMPILEOPS_FUZZ_PROFILE", "ci"))
