@@ -52,3 +52,12 @@ def check_dim(t: torch.Tensor, dim: int, what: str, shape_doc: str) -> None:
         t.dim() == dim,
         lambda: f"{what} must be {dim}-D {shape_doc}, got shape {tuple(t.shape)}",
     )
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t [*, D]`` as ``[prod(*), D]``: ``reshape(-1, D)`` cannot infer the rows of an empty
+    tensor whose D is 0."""
+    rows = 1
+    for size in t.shape[:-1]:
+        rows *= size
+    return t.reshape(rows, t.shape[-1])

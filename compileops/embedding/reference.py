@@ -10,6 +10,8 @@ from typing import Optional
 
 import torch
 
+from compileops._library import as_rows
+
 
 def embedding_forward(
     ids: torch.Tensor, weight: torch.Tensor, out_dtype: Optional[torch.dtype] = None
@@ -47,7 +49,7 @@ def embedding_backward(
     dim = grad.shape[-1]
     flat_ids = ids.reshape(-1).long()
     acc_dtype = accumulation_dtype(grad.dtype)
-    flat_grad = grad.reshape(-1, dim).to(acc_dtype)
+    flat_grad = as_rows(grad).to(acc_dtype)
     if padding_idx is not None:
         keep = flat_ids != padding_idx
         flat_ids, flat_grad = flat_ids[keep], flat_grad[keep]

@@ -150,10 +150,11 @@ def _grouped_linear_swiglu_fake(x, weight, offsets, bias=None):
 
 def _swiglu_derivative(preact: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """``d swiglu / d preact`` times ``grad [M, H]``: ``[M, 2H]`` (gate, then up) in grad's dtype,
-    computed in fp32. Plain pointwise torch ops, so Inductor fuses them into one kernel."""
-    gate, up = preact.float().chunk(2, dim=-1)
+    computed in fp32 (fp64 for fp64). Plain pointwise torch ops, so Inductor fuses them into one kernel."""
+    acc = torch.float64 if preact.dtype == torch.float64 else torch.float32
+    gate, up = preact.to(acc).chunk(2, dim=-1)
     sig = torch.sigmoid(gate)
-    g = grad.float()
+    g = grad.to(acc)
     d_gate = g * up * sig * (1 + gate * (1 - sig))
     d_up = g * gate * sig
     return torch.cat([d_gate, d_up], dim=-1).to(grad.dtype)

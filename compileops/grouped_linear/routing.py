@@ -43,7 +43,7 @@ def unpermute_and_combine(y_sorted: torch.Tensor, order: torch.Tensor,
     checks.check_unpermute_args(y_sorted, order, weights)
     tokens, top_k = weights.shape
     inverse = torch.argsort(order)
-    y = y_sorted.index_select(0, inverse).reshape(tokens, top_k, -1)
+    y = y_sorted.index_select(0, inverse).reshape(tokens, top_k, y_sorted.shape[-1])
     return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)
 
 

@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from compileops._library import as_rows
+
 from compileops import backends
 from compileops._library import custom_op
 from compileops.xtoken import reference
@@ -63,8 +65,8 @@ def project_op(
     if backends.select("xtoken_project", p.device) == "triton":
         from compileops.xtoken import kernels
 
-        flat = p.reshape(-1, p.shape[-1])
-        segs = None if columns is None else columns.reshape(-1, columns.shape[-1])
+        flat = as_rows(p)
+        segs = None if columns is None else as_rows(columns)
         out = kernels.csr_gather_sum(flat, col_indptr, col_student_ids, col_weights, segs)
         return out.reshape(*p.shape[:-1], out.shape[-1])
     return reference.project_forward(p, col_indptr, col_student_ids, col_weights, columns)
@@ -120,11 +122,11 @@ def project_backward_op(
     if backends.select("xtoken_project_backward", grad.device) == "triton":
         from compileops.xtoken import kernels
 
-        flat = grad.reshape(-1, grad.shape[-1])
+        flat = as_rows(grad)
         if columns is None:
             out = kernels.csr_gather_sum(flat, row_indptr, row_teacher_ids, row_weights)
         else:
-            cols = columns.reshape(-1, columns.shape[-1])
+            cols = as_rows(columns)
             out = kernels.csr_match_sum(flat, cols, row_indptr, row_teacher_ids, row_weights,
                                         num_teacher)
         return out.reshape(*grad.shape[:-1], out.shape[-1])

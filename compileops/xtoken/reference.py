@@ -21,6 +21,8 @@ from typing import Optional
 
 import torch
 
+from compileops._library import as_rows
+
 from compileops.xtoken.checks import chunk_segments
 
 
@@ -69,12 +71,12 @@ def project_forward(
     raises ``IndexError`` for them on CPU before getting here, see
     :func:`compileops.xtoken.checks.check_column_values`)."""
     lead = p.shape[:-1]
-    flat = p.reshape(-1, p.shape[-1]).float()
+    flat = as_rows(p).float()
     n_cols = col_indptr.numel() - 1
     if columns is None:
         segments = torch.arange(n_cols, device=p.device).expand(flat.shape[0], n_cols)
     else:
-        segments = columns.reshape(-1, columns.shape[-1]).long()
+        segments = as_rows(columns).long()
     out = _segment_gather_sum(flat, segments, col_indptr, col_student_ids, col_weights)
     return out.reshape(*lead, segments.shape[-1])
 
@@ -95,9 +97,9 @@ def project_backward(
     as in the Triton kernel.
     """
     lead = grad.shape[:-1]
-    flat = grad.reshape(-1, grad.shape[-1]).float()
+    flat = as_rows(grad).float()
     if columns is not None:
-        cols = columns.reshape(-1, columns.shape[-1]).long()
+        cols = as_rows(columns).long()
         dense = torch.zeros(flat.shape[0], num_teacher, dtype=torch.float32, device=grad.device)
         valid = (cols >= 0) & (cols < num_teacher)
         safe = torch.where(valid, cols, torch.zeros_like(cols))
@@ -141,6 +143,8 @@ def chunk_sums_backward(
     """``grad_sums [B, C, V]``, ``chunk_id [B, T]`` -> ``grad [B, T, V]`` in ``dtype``: each
     token gets its chunk's grad row; tokens outside ``[0, C)`` get zero."""
     C = grad_sums.shape[1]
+    if C == 0:  # no chunk: every token's gradient is zero (nothing to gather from)
+        return grad_sums.new_zeros((*chunk_id.shape, grad_sums.shape[2]), dtype=dtype)
     ids = chunk_id.long()
     valid = (ids >= 0) & (ids < C)
     safe = torch.where(valid, ids, torch.zeros_like(ids))

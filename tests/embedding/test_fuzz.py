@@ -43,16 +43,7 @@ from tests.fuzzing import (
 # Known bugs found by this fuzzing (each has a strict xfail test below). While one is open
 # the main property steps around it, so the rest of the space keeps being fuzzed; delete
 # the entry together with the fix.
-KNOWN_BUGS = {
-    # The backward raises for embedding_dim = 0 on both backends: grad.reshape(-1, 0) of a
-    # tensor with 0 elements (reference.embedding_backward, and the kernels' launcher).
-    "backward with embedding_dim 0",
-    # The triton backward raises when the ids are one token whose view has a non-unit stride
-    # (e.g. tokens[:, -1] of tokens [1, T]: shape (1,), stride (T,), which counts as
-    # contiguous): the torch.sort path (kernels/sort.py) returns an order of stride T, and
-    # launch_backward_kernel's order.view(torch.int32) refuses it.
-    "backward of one strided id",
-}
+KNOWN_BUGS: set[str] = set()  # none open; fixed ones keep their regression test below
 
 
 def oracle_embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx) -> torch.Tensor:
@@ -164,16 +155,11 @@ def test_embedding_gpu(data, device):
     check_embedding(data, device)
 
 
-@known_bug("the embedding backward raises for embedding_dim=0 on both backends "
-           "(grad.reshape(-1, 0) of a tensor with 0 elements)", raises=RuntimeError)
 @given(data=st.data())
 def test_embedding_backward_zero_dim(data):
     check_embedding(data, "cpu", dim=0, known_bugs=())
 
 
-@known_bug("the triton embedding backward raises for one token whose ids view has a "
-           "non-unit stride (order.view(torch.int32) of a strided sort result)",
-           raises=RuntimeError)
 @given(data=st.data())
 def test_embedding_backward_one_strided_id(data):
     check_embedding(data, "cpu", one_strided_id=True, known_bugs=())

@@ -54,15 +54,7 @@ FP64_REFUSAL = r"triton backend runs bf16, fp16 and fp32.*use_backend\('referenc
 # Known bugs found by this fuzzing (each has a strict xfail test below). While one is open
 # the main property steps around it, so the rest of the space keeps being fuzzed; delete
 # the entry together with the fix.
-KNOWN_BUGS = {
-    # grouped_linear_swiglu's backward computes the SwiGLU derivative in fp32
-    # (op._swiglu_derivative: preact.float()) also for fp64 inputs: fp64 gradients are
-    # only fp32-accurate (relative error ~1e-7 instead of ~1e-16).
-    "swiglu fp64 grads in fp32",
-    # unpermute_and_combine raises for an empty batch (T = 0) or top_k = 0:
-    # reshape(tokens, top_k, -1) of a tensor with 0 elements.
-    "unpermute_and_combine empty",
-}
+KNOWN_BUGS: set[str] = set()  # none open; fixed ones keep their regression test below
 
 
 # ---------------------------------------------------------------------------------------
@@ -243,8 +235,6 @@ def test_grouped_linear_swiglu(data):
     check_grouped_linear(data, "cpu", swiglu=True)
 
 
-@known_bug("grouped_linear_swiglu's fp64 gradients go through an fp32 SwiGLU derivative "
-           "(relative error ~1e-7 instead of ~1e-16)", raises=AssertionError)
 @given(data=st.data())
 def test_grouped_linear_swiglu_fp64_grads(data):
     check_grouped_linear(data, "cpu", swiglu=True, dtype=torch.float64, known_bugs=())
@@ -348,8 +338,6 @@ def test_routing(data):
     check_routing(data, "cpu")
 
 
-@known_bug("unpermute_and_combine raises for an empty batch or top_k = 0 "
-           "(reshape(tokens, top_k, -1) of a tensor with 0 elements)", raises=RuntimeError)
 @given(data=st.data())
 def test_routing_empty(data):
     check_routing(data, "cpu", empty=True, known_bugs=())

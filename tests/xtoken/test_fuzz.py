@@ -56,14 +56,7 @@ FP32 = torch.float32
 # Known bugs found by this fuzzing (each has a strict xfail test below). While one is open
 # the main property steps around it, so the rest of the space keeps being fuzzed; delete
 # the entry together with the fix.
-KNOWN_BUGS = {
-    # project raises when a vocabulary or the column subset is empty (V_s = 0: forward;
-    # K = 0: forward; V_t = 0: backward): reshape(-1, 0) of a tensor with 0 elements.
-    "project zero sizes",
-    # The reference backend's chunk_sums backward raises for max_chunks = 0 with T > 0
-    # (reference.chunk_sums_backward gathers index 0 of a dim of size 0).
-    "chunk backward with max_chunks 0",
-}
+KNOWN_BUGS: set[str] = set()  # none open; fixed ones keep their regression test below
 
 
 # ---------------------------------------------------------------------------------------
@@ -225,8 +218,6 @@ def test_project(data):
     check_project(data, "cpu")
 
 
-@known_bug("project raises for V_s = 0, V_t = 0 (backward) or K = 0 columns "
-           "(reshape(-1, 0) of a tensor with 0 elements)", raises=RuntimeError)
 @pytest.mark.parametrize("zero", ["V_s", "V_t", "K"])
 @given(data=st.data())
 def test_project_zero_sizes(data, zero):
@@ -320,8 +311,6 @@ def test_chunks(data):
     check_chunks(data, "cpu")
 
 
-@known_bug("the reference backend's chunk_sums backward raises for max_chunks = 0 "
-           "(a gather of index 0 from a dim of size 0)", raises=RuntimeError)
 @given(data=st.data())
 def test_chunks_no_chunks(data):
     check_chunks(data, "cpu", no_chunks=True, known_bugs=())

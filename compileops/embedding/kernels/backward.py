@@ -330,7 +330,7 @@ def launch_backward_kernel(
     if tiles.maxnreg and flat_grad.device.type == "cuda" and not torch.version.hip:
         options["maxnreg"] = tiles.maxnreg
     _launch.launch(embedding_backward_kernel, grid, (
-        sorted_ids, order.view(torch.int32), sorted_ids if touched is None else touched,
+        sorted_ids, _unit_stride(order).view(torch.int32), sorted_ids if touched is None else touched,
         flat_grad, out,
         n_tokens, num_embeddings, dim, -1 if padding_idx is None else padding_idx,
         1 << (search_steps - 1), search_steps, flat_grad.stride(0), flat_grad.stride(1),
@@ -341,3 +341,9 @@ def launch_backward_kernel(
         FILL_COL=tiles.fill_col, FILL=(FILL_SEARCH if touched is None else FILL_MAP).value,
         PROGRAMS=programs,
     ), dict(num_warps=tiles.num_warps, **options))
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with stride 1 (a dtype view needs it; a one-element view of a strided tensor
+    counts as contiguous but keeps its stride)."""
+    return t if t.stride(-1) == 1 else t.clone(memory_format=torch.contiguous_format)

@@ -6,6 +6,8 @@ from typing import Optional
 
 import torch
 
+from compileops._library import as_rows
+
 from .. import checks
 from .backward import FILL_PROGRAMS, RUN_PROGRAMS, launch_backward_kernel
 from .config import DEFAULT_BACKWARD, BackwardConfig, BackwardTiles
@@ -41,7 +43,7 @@ def embedding_backward(
     """
     config = config or DEFAULT_BACKWARD
     dim = grad.shape[-1]
-    flat_grad = grad.reshape(-1, dim)  # a view, also for stride-0 (expanded) grads
+    flat_grad = as_rows(grad)  # a view, also for stride-0 (expanded) grads
     flat_ids = checks.flatten_ids(ids)
     n_tokens = flat_ids.numel()
     if out is None:
