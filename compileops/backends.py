@@ -122,3 +122,33 @@ class use_backend(contextlib.ContextDecorator):
 
     def __exit__(self, *exc) -> None:
         _forced.reset(self._tokens.pop())
+
+
+def keep_forward_backend(backward, setup_context):
+    """``(backward, setup_context)`` for ``register_autograd`` that run the backward under the
+    backend the forward was forced to with :func:`use_backend`.
+
+    The forced backend is a context variable, and autograd runs the backward of CUDA tensors on
+    its own device thread, which does not see it: without this, a backward run inside ``with
+    use_backend("reference"):`` got the Triton kernels.
+    """
+
+    def setup(ctx, inputs, output):
+        ctx.forward_backend = _forced.get()
+        setup_context(ctx, inputs, output)
+
+    def run_backward(ctx, *grads):
+        forced = getattr(ctx, "forward_backend", None)
+        if forced is None or _forced.get() == forced:
+            return backward(ctx, *grads)
+        with use_backend(forced):
+            return backward(ctx, *grads)
+
+    return run_backward, setup
+
+
+def register_autograd(op, backward, setup_context) -> None:
+    """``op.register_autograd(backward, setup_context=...)`` through
+    :func:`keep_forward_backend`: what every compileops op registers."""
+    run_backward, setup = keep_forward_backend(backward, setup_context)
+    op.register_autograd(run_backward, setup_context=setup)

@@ -460,13 +460,10 @@ def known_bug(reason: str, raises=None):
     return mark
 
 
-# Known bug found by this fuzzing (GPU; strict xfail: test_use_backend_reaches_cuda_backward
-# in tests/embedding/test_fuzz.py): use_backend() is a ContextVar, and autograd runs the
-# backward of CUDA tensors on its device thread, which does not see it, so a backward run
-# inside ``with use_backend("reference"):`` still gets the triton kernels. While it is open,
-# :func:`use` also pins the backend of CUDA devices process-wide, so that the properties'
-# backward runs on the backend they name. Set to False together with the fix.
-PIN_CUDA_BACKEND = True
+# A bug this fuzzing found (use_backend() did not reach the backward of CUDA tensors, which
+# autograd runs on its device thread) is fixed by backends.keep_forward_backend; pinning the
+# CUDA priority list process-wide (True) was the work-around while it was open.
+PIN_CUDA_BACKEND = False
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ __all__ = ["embedding", "set_strict_index_checks", "strict_index_checks"]
 # Forward
 
 
+
 @custom_op("embedding")
 def embedding_op(
     ids: torch.Tensor,
@@ -68,7 +69,7 @@ def _embedding_autograd(ctx, grad_out):
     return None, grad_weight, None, None
 
 
-embedding_op.register_autograd(_embedding_autograd, setup_context=_embedding_setup_context)
+backends.register_autograd(embedding_op, _embedding_autograd, _embedding_setup_context)
 
 
 # ---------------------------------------------------------------------------------------

@@ -77,6 +77,7 @@ def _forward(x, weight, offsets, bias, swiglu: bool) -> torch.Tensor:
     return fn(x, weight, offsets, bias)
 
 
+
 @custom_op("grouped_linear")
 def grouped_linear_op(
     x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
@@ -130,7 +131,7 @@ def _linear_backward(ctx, grad, x, weight, offsets, bias):
     return dx, dw, None, db
 
 
-grouped_linear_op.register_autograd(_grouped_linear_backward, setup_context=_setup_context)
+backends.register_autograd(grouped_linear_op, _grouped_linear_backward, _setup_context)
 
 
 @custom_op("grouped_linear_swiglu")
@@ -168,8 +169,7 @@ def _swiglu_recompute_backward(ctx, grad):
         return _linear_backward(ctx, _swiglu_derivative(preact, grad), x, weight, offsets, bias)
 
 
-grouped_linear_swiglu_op.register_autograd(_swiglu_recompute_backward,
-                                           setup_context=_setup_context)
+backends.register_autograd(grouped_linear_swiglu_op, _swiglu_recompute_backward, _setup_context)
 
 
 @custom_op("grouped_linear_swiglu_with_preact")
@@ -210,8 +210,8 @@ def _swiglu_saved_backward(ctx, grad, _grad_preact):
         return _linear_backward(ctx, _swiglu_derivative(preact, grad), x, weight, offsets, bias)
 
 
-grouped_linear_swiglu_with_preact_op.register_autograd(_swiglu_saved_backward,
-                                                       setup_context=_setup_preact_context)
+backends.register_autograd(grouped_linear_swiglu_with_preact_op, _swiglu_saved_backward,
+                           _setup_preact_context)
 
 
 # ---------------------------------------------------------------------------------------

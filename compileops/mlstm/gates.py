@@ -19,6 +19,7 @@ def _use_triton(op: str, t: torch.Tensor) -> bool:
     return backends.select(op, t.device) == "triton"
 
 
+
 @custom_op("mlstm_log_forget")
 def log_forget_op(fgate: torch.Tensor) -> torch.Tensor:
     """``fgate [B, NH, S]`` -> ``cumsum(log sigmoid(fgate), -1)`` in the accumulation dtype."""
@@ -45,7 +46,7 @@ def _backward(ctx, grad):
     return log_forget_backward_op(grad, fgate)
 
 
-log_forget_op.register_autograd(_backward, setup_context=_setup_context)
+backends.register_autograd(log_forget_op, _backward, _setup_context)
 
 
 @custom_op("mlstm_log_forget_backward")

@@ -58,6 +58,7 @@ def _out_shape(q, v, normed):
     return (b, s, nh * dv) if normed else (b, nh, s, dv)
 
 
+
 @custom_op("mlstm_parallel")
 def mlstm_parallel_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, igate: torch.Tensor,
@@ -123,7 +124,7 @@ def _backward(ctx, grad_out, _grad_h, _grad_m, _grad_b):
     return dq, dk, dv, digate, dlogf, dweight, dbias, None, None, None, None, None
 
 
-mlstm_parallel_op.register_autograd(_backward, setup_context=_setup_context)
+backends.register_autograd(mlstm_parallel_op, _backward, _setup_context)
 
 
 @custom_op("mlstm_parallel_backward")

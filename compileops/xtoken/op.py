@@ -39,6 +39,7 @@ from compileops.xtoken.checks import (
 # Projection
 
 
+
 @custom_op("xtoken_project")
 def project_op(
     p: torch.Tensor,
@@ -98,7 +99,7 @@ def _project_autograd(ctx, grad):
     return grad_p, None, None, None, None, None, None, None
 
 
-project_op.register_autograd(_project_autograd, setup_context=_project_setup_context)
+backends.register_autograd(project_op, _project_autograd, _project_setup_context)
 
 
 @custom_op("xtoken_project_backward")
@@ -190,7 +191,7 @@ def _chunk_sums_autograd(ctx, grad_sums, _grad_sizes):
     return chunk_sums_backward_op(grad_sums, chunk_id, ctx.lp_dtype), None, None
 
 
-chunk_sums_op.register_autograd(_chunk_sums_autograd, setup_context=_chunk_sums_setup_context)
+backends.register_autograd(chunk_sums_op, _chunk_sums_autograd, _chunk_sums_setup_context)
 
 
 @custom_op("xtoken_chunk_sums_backward")
