@@ -103,10 +103,10 @@ class TinyLM(torch.nn.Module):
 FAMILIES = {
     "all": (lambda lm: lm, {
         "embedding", "grouped_linear_swiglu", "grouped_linear", "mlstm_parallel",
-        "xtoken_project", "xtoken_chunk_sums"}),
+        "mlstm_log_forget", "xtoken_project", "xtoken_chunk_sums"}),
     "embedding": (lambda lm: lm.embed, {"embedding"}),
     "grouped_linear": (lambda lm: lm.moe, {"grouped_linear_swiglu", "grouped_linear"}),
-    "mlstm": (lambda lm: lm.mlstm, {"mlstm_parallel"}),
+    "mlstm": (lambda lm: lm.mlstm, {"mlstm_parallel", "mlstm_log_forget"}),
     "xtoken": (lambda lm: lm.xtoken, {"xtoken_project", "xtoken_chunk_sums"}),
 }
 
