@@ -23,16 +23,12 @@ model compiles with a graph break at each hook.
 """
 from __future__ import annotations
 
-import datetime
-import socket
-import traceback
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import compileops
 from compileops.grouped_linear import permute_by_expert, unpermute_and_combine
+from tests.gloo import run_ranks
 
 VOCAB, DIM, HIDDEN, EXPERTS, TOP_K = 64, 32, 32, 4, 2
 BATCH, SEQ, STEPS, LR, WORLD = 4, 8, 3, 0.5, 2
@@ -86,12 +82,6 @@ CHECKED = {
     "moe.down.weight": (EXPERTS, DIM, HIDDEN),
     "moe.down.bias": (EXPERTS, DIM),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batches():
@@ -180,38 +170,15 @@ def _train(rank: int) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, port: int, results) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=90),
-    )
-    try:
-        results[rank] = _train(rank)
-    except BaseException:
-        results[rank] = {"error": traceback.format_exc()}
-        raise
-    finally:
-        dist.destroy_process_group()
+def _rank_train(rank: int, world: int):
+    return _train(rank)
 
 
 def test_fully_shard_compiled_matches_unsharded():
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        results = manager.dict()
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, WORLD, port, results))
-                 for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=240)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        results = dict(results)
+    results, exit_codes = run_ranks(_rank_train, WORLD, timeout_s=240, group_timeout_s=90)
     errors = {r: v["error"] for r, v in results.items() if "error" in v}
     assert not errors, "\n".join(f"rank {r}:\n{e}" for r, e in errors.items())
-    assert [p.exitcode for p in procs] == [0] * WORLD
+    assert exit_codes == [0] * WORLD
     assert sorted(results) == list(range(WORLD))
 
     for rank, res in results.items():

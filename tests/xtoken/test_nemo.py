@@ -6,17 +6,15 @@ cover the inputs where NeMo-RL would return a silently wrong answer.
 """
 from __future__ import annotations
 
-import datetime
 import inspect
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import compileops
 from compileops.xtoken import nemo
+from tests.gloo import run_ranks
 
 BACKENDS = ("reference", "triton")
 
@@ -345,39 +343,17 @@ def test_dp_all_reduce_sum_without_process_group(backend):
     assert x.item() == 2.5  # a fresh tensor, input untouched
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _dp_worker(rank, world, port, results):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=30))
-    try:
-        local = torch.tensor(rank + 3, dtype=torch.int64)  # a count
-        out = nemo.dp_all_reduce_sum(local)
-        results[rank] = (out.item(), out.dtype == torch.float32, local.item())
-    finally:
-        dist.destroy_process_group()
+def _dp_all_reduce(rank: int, world: int):
+    local = torch.tensor(rank + 3, dtype=torch.int64)  # a count
+    out = nemo.dp_all_reduce_sum(local)
+    return (out.item(), out.dtype == torch.float32, local.item())
 
 
 def test_dp_all_reduce_sum_two_ranks():
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        results = manager.dict()
-        port = _free_port()
-        procs = [ctx.Process(target=_dp_worker, args=(r, 2, port, results)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=90)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        assert [p.exitcode for p in procs] == [0, 0]
-        # oracle: the sum of the ranks' counts, on every rank; inputs unchanged
-        assert dict(results) == {0: (7.0, True, 3), 1: (7.0, True, 4)}
+    results, exit_codes = run_ranks(_dp_all_reduce, 2)
+    assert exit_codes == [0, 0]
+    # oracle: the sum of the ranks' counts, on every rank; inputs unchanged
+    assert results == {0: (7.0, True, 3), 1: (7.0, True, 4)}
 
 
 # ---------------------------------------------------------------------------------------
