@@ -22,7 +22,7 @@ Passes: ``fw`` (the training forward: inputs require grad, so it saves what the 
 needs) and ``fwbw`` (``autograd.grad`` of the output against the fixed cotangent, for q, k,
 v, both gates and the norm weight). Time: ``harness.bench_ms`` (``do_bench`` median, L2
 flushed); peak: ``max_memory_allocated`` over one call minus what was allocated before it
-(inputs excluded). TFLOP/s (compileops rows): causal forward ``B * NH * S^2 * (DQK + DV)``,
+(inputs excluded). TFLOP/s (the compileops[parallel] rows only; the chunkwise form does fewer FLOPs): causal forward ``B * NH * S^2 * (DQK + DV)``,
 backward 2.5x that (fw+bw 3.5x).
 
 Each implementation runs in its own subprocess (a compiler abort or a hang ends that
@@ -63,7 +63,11 @@ ANCHORS = {  # impl -> (mlstm_kernels name, chunk size, extra environment)
     "xl_chunk": ("chunkwise--triton_xl_chunk", 128, {}),
     "xl_chunk[DISABLE_LLVM_OPT=1]": ("chunkwise--triton_xl_chunk", 128, {"DISABLE_LLVM_OPT": "1"}),
 }
-IMPLS = ["compileops", "limit_chunk", "xl_chunk", "xl_chunk[DISABLE_LLVM_OPT=1]", "reference"]
+# compileops[parallel] / compileops[chunkwise<N>]: one form forced (kernel=, chunk_size=);
+# plain compileops is kernel="auto".
+OURS = ["compileops", "compileops[parallel]", "compileops[chunkwise64]",
+        "compileops[chunkwise128]", "compileops[chunkwise256]"]
+IMPLS = OURS + ["limit_chunk", "xl_chunk", "xl_chunk[DISABLE_LLVM_OPT=1]", "reference"]
 DEFAULT_IMPLS = ["compileops", "limit_chunk", "xl_chunk", "reference"]
 MODES = ["eager", "static", "dynamic"]
 PASSES = ["fw", "fwbw"]
@@ -215,8 +219,13 @@ def child_main(cfg: dict) -> None:
         except BaseException as exc:
             build_error = "import-failed: " + _short(exc)
 
+        form = impl[len("compileops["):-1] if impl.startswith("compileops[") else "auto"
+        kernel = "chunkwise" if form.startswith("chunkwise") else form
+        chunk = int(form[len("chunkwise"):]) if form.startswith("chunkwise") else None
+
         def plain(q, k, v, ig, fg, w):
-            return compileops.mlstm(q, k, v, ig, fg, norm_weight=w, norm_eps=norm_eps, eps=eps)
+            return compileops.mlstm(q, k, v, ig, fg, norm_weight=w, norm_eps=norm_eps, eps=eps,
+                                    kernel=kernel, chunk_size=chunk)
 
     compiled = {}
     last_mode = None
@@ -324,7 +333,7 @@ class Collector:
     def add(self, r: dict) -> None:
         key = (r["impl"], r["mode"], r["S"], r["pass"])
         r["tflops"] = (flops(r["S"], r["B"], self.cfg, r["pass"]) / (r["ms"] * 1e-3) / 1e12
-                       if r["impl"] == "compileops" and r.get("ms") else None)
+                       if r["impl"] == "compileops[parallel]" and r.get("ms") else None)
         self.rows[key] = r
         ms = f"{r['ms']:.3f} ms" if r.get("ms") is not None else ""
         tf = f", {r['tflops']:.1f} TFLOP/s" if r["tflops"] is not None else ""
@@ -582,7 +591,7 @@ def main(argv=None) -> int:
 
 def run_all(impls, modes, seqs, cfg, args, col, order) -> None:
     for impl in impls:
-        if impl == "compileops":
+        if impl.startswith("compileops"):
             jobs = [(impl, m, s) for m in modes for s in seqs]
         elif impl == "reference":
             jobs = [(impl, "static", s) for s in seqs]

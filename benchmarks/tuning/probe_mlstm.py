@@ -68,7 +68,7 @@ def bench(seq, tokens, cfgs_fw, cfgs_bw):
             def fn():
                 dh, r, beta, dm, pw, pb = kernels.norm_backward(go, h, w, m, rs, True, 1e-6,
                                                                 1e-6, False, cfg)
-                return kernels.cell_backward(q, k, v, dh, ig, logf, m, r, beta, dm, cfg)
+                return kernels.cell_backward(q, k, v, dh, ig, logf, m, r, beta, cfg)
             ms = triton.testing.do_bench(fn, warmup=25, rep=100)
             print(f"bw S={seq} {cfg}: {ms:.3f} ms {2.5 * flops / ms / 1e9:.0f} TFLOP/s (2.5x count)",
                   flush=True)
@@ -94,17 +94,16 @@ def breakdown(seq, tokens):
     t_norm = triton.testing.do_bench(
         lambda: kernels.norm_backward(go, h, w, m, rs, True, 1e-6, 1e-6, False, cfg), rep=50)
     common = dict(DQK=dqk, DV=dv, BLOCK_DQK=dqk, BLOCK_DV=dv, BLOCK_M=cfg.block_m,
-                  BLOCK_N=cfg.block_n, ACC=tl.float32, INPUT_PRECISION="tf32", UPCAST=False,
+                  BLOCK_N=cfg.block_n, ACC=tl.float32, INPUT_PRECISION="tf32", UPCAST=False, HAS_STATE=False,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     rg, cg = torch.empty_like(logf), torch.empty_like(logf)
-    am = torch.empty(logf.shape, dtype=torch.int32, device="cuda")
     strides = (*q.stride(), *k.stride(), *v.stride(), *dh.stride())
     scale = 1 / math.sqrt(dqk)
     t_dq = triton.testing.do_bench(lambda: bwk.mlstm_dq_kernel[(b * nh, triton.cdiv(seq, cfg.block_m))](
-        q, k, v, dh, ig, logf, m, r, beta, dq, rg, am, seq, nh, *strides, scale, **common), rep=50)
+        q, k, v, dh, ig, logf, m, r, beta, r, r, r, dq, rg, seq, seq, nh, *strides, scale, **common), rep=50)
     t_dkv = triton.testing.do_bench(lambda: bwk.mlstm_dkv_kernel[(b * nh, triton.cdiv(seq, cfg.block_n))](
-        q, k, v, dh, ig, logf, m, r, beta, am, dm, dk, dvv, cg, seq, nh, *strides, scale, **common),
+        q, k, v, dh, ig, logf, m, r, beta, r, r, r, dk, dvv, cg, seq, seq, nh, *strides, scale, **common),
         rep=50)
     # Causal FLOPs per pass: dQ 2*(DQK + DV + DQK), dK/dV 2*(DQK + DV + DV + DQK) per entry.
     entries = b * nh * seq * seq / 2

@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 
 from compileops.mlstm.checks import check_gates_floating, check_kernel
+from compileops.mlstm.chunkwise import check_chunk, mlstm_chunkwise_op
 from compileops.mlstm.op import mlstm_parallel_op
 from compileops.mlstm.gates import log_forget_op
 from compileops.mlstm.reference import gate_dtype
@@ -16,34 +17,77 @@ def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
         t is not None and t.requires_grad for t in tensors)
 
 
+#: ``kernel="auto"`` runs the parallel form up to these sequence lengths (with a gradient
+#: to compute / without) and the chunkwise form above them, and whenever states go in or
+#: out. Measured on an H100 (bf16, DQK 128, DV 256, 65,536 tokens; benchmarks/RESULTS.md,
+#: mLSTM): forward+backward, parallel 10.6 ms vs chunkwise 12.4 at S=512, 14.5 vs 12.1 at
+#: 1024; forward only, 2.42 vs 3.15 at 1024, 3.62 vs 3.11 at 2048.
+AUTO_PARALLEL_MAX_SEQ = 512
+AUTO_PARALLEL_MAX_SEQ_INFERENCE = 1024
+#: The chunkwise form's default chunk length (benchmarks/RESULTS.md, mLSTM).
+DEFAULT_CHUNK = 128
+
+
+def choose_kernel(kernel: str, seq: int, with_state: bool, training: bool = True) -> str:
+    """``"parallel"`` or ``"chunkwise"`` for :func:`mlstm`'s ``kernel`` argument."""
+    check_kernel(kernel)
+    if kernel == "parallel" and with_state:
+        raise ValueError("kernel='parallel' takes no initial_state and returns no last state: "
+                         "use kernel='chunkwise' or 'auto'")
+    if kernel != "auto":
+        return kernel
+    limit = AUTO_PARALLEL_MAX_SEQ if training else AUTO_PARALLEL_MAX_SEQ_INFERENCE
+    return "chunkwise" if with_state or seq > limit else "parallel"
+
+
 def mlstm_with_stats(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, igate: torch.Tensor,
     fgate: torch.Tensor, *, norm_weight: Optional[torch.Tensor] = None,
     norm_bias: Optional[torch.Tensor] = None, norm_eps: float = 1e-6, eps: float = 1e-6,
-    residual_weight: bool = False, kernel: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    residual_weight: bool = False, kernel: str = "auto", chunk_size: Optional[int] = None,
+    initial_state: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    return_last_state: bool = False,
+):
     """:func:`mlstm`, also returning the normaliser and the stabiliser: ``(out, n [B, NH, S],
-    m [B, NH, S])`` in fp32 (fp64 for fp64 inputs). ``n`` and ``m`` carry no gradient."""
-    check_kernel(kernel)
+    m [B, NH, S])`` in fp32 (fp64 for fp64 inputs), then the last state when
+    ``return_last_state``. ``n`` and ``m`` carry no gradient."""
     normed = norm_weight is not None or norm_bias is not None
-    save_h = normed and _needs_grad(q, k, v, igate, fgate, norm_weight, norm_bias)
+    with_state = initial_state is not None or return_last_state
+    training = _needs_grad(q, k, v, igate, fgate, norm_weight, norm_bias,
+                           *(initial_state or ()))
+    form = choose_kernel(kernel, q.shape[-2], with_state, training)
+    save_h = normed and training
     check_gates_floating(igate, fgate)  # the rest is checked by the op, eagerly and traced
     acc = gate_dtype(q.dtype)
-    logf = log_forget_op(fgate.to(acc))
-    out, _, m_log2, b = mlstm_parallel_op(q, k, v, igate.to(acc), logf, norm_weight, norm_bias,
-                                          normed, float(norm_eps), float(eps),
-                                          bool(residual_weight), save_h)
+    if form == "parallel":
+        logf = log_forget_op(fgate.to(acc))
+        out, _, m_log2, b = mlstm_parallel_op(
+            q, k, v, igate.to(acc), logf, norm_weight, norm_bias, normed, float(norm_eps),
+            float(eps), bool(residual_weight), save_h)
+        last = None
+    else:
+        chunk = int(chunk_size) if chunk_size is not None else DEFAULT_CHUNK
+        check_chunk(chunk)
+        c0, n0, m0 = initial_state if initial_state is not None else (None, None, None)
+        logf = log_forget_op(fgate.to(acc), chunk)
+        out, _, m_log2, b, _, _, _, c_last, n_last, m_last = mlstm_chunkwise_op(
+            q, k, v, igate.to(acc), logf, norm_weight, norm_bias, c0, n0, m0, chunk, normed,
+            float(norm_eps), float(eps), bool(residual_weight), save_h)
+        last = (c_last, n_last, m_last)
     n = torch.maximum(b.abs(), torch.exp2(-m_log2))
     # ln 2 as a literal here: a module-level float becomes a symbolic input under dynamic=True.
-    return out, n, m_log2 * 0.6931471805599453
+    stats = (out, n, m_log2 * 0.6931471805599453)
+    return stats + (last,) if return_last_state else stats
 
 
 def mlstm(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, igate: torch.Tensor,
     fgate: torch.Tensor, *, norm_weight: Optional[torch.Tensor] = None,
     norm_bias: Optional[torch.Tensor] = None, norm_eps: float = 1e-6, eps: float = 1e-6,
-    residual_weight: bool = False, kernel: str = "auto",
-) -> torch.Tensor:
+    residual_weight: bool = False, kernel: str = "auto", chunk_size: Optional[int] = None,
+    initial_state: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    return_last_state: bool = False,
+):
     """The mLSTM cell (stabilised, parallel form), with the multi-head layernorm fused when
     ``norm_weight`` or ``norm_bias`` is given.
 
@@ -65,13 +109,33 @@ def mlstm(
     Precision (axis B, against the fp64 reference; tests/mlstm): fp64 and fp32 (IEEE dots)
     within 1e-5 relative (L2), except the fp32 forget-gate gradient without a norm, within
     3e-5 (its reverse cumulative sum cancels large fp32 row and column sums); bf16 within a
-    relative L2 error of 2e-2 for the output and 4e-2 for the gradients; fp16 within a
+    relative L2 error of 2e-2 for the output and 4e-2 for the gradients (8e-2 chunkwise: its
+    states enter the MMAs in bf16); fp16 within a
     relative L2 error of 1e-3 for the output and 4e-3 for the gradients. Deterministic and batch-invariant bitwise, forward and backward.
 
-    ``kernel``: ``"auto"`` or ``"parallel"`` (the only form in this version). Memory: the
-    forward keeps the raw h ``[B, NH, S, DV]`` for the norm's backward when a gradient is
-    needed (one extra activation of the output's size); nothing ``S x S`` is stored.
+    ``kernel``: ``"parallel"`` (tiles over the causal ``S x S`` square: quadratic in S),
+    ``"chunkwise"`` (the parallel kernels within chunks of ``chunk_size`` rows, default 128,
+    a power of two >= 16, plus a ``[DQK, DV]`` fp32 state carried between chunks: linear
+    in S), or ``"auto"``: parallel up to ``AUTO_PARALLEL_MAX_SEQ`` rows (512) when a
+    gradient is needed and ``AUTO_PARALLEL_MAX_SEQ_INFERENCE`` (1024) when not, chunkwise
+    above and whenever a state goes in or out (the crossover measured on an H100). Under ``torch.compile(dynamic=True)`` the
+    choice guards on S on one side of that length (one recompile when S crosses it).
+
+    States (chunkwise): ``initial_state=(C [B, NH, DQK, DV], n [B, NH, DQK], m [B, NH])``
+    in fp32 (fp64 for fp64 inputs), stabilised as in ``compileops.mlstm.recurrent``
+    (``C = exp(-m) sum_j exp(F - F_j + igate_j) k_j v_j^T``); ``return_last_state=True``
+    returns ``(out, (C, n, m))``. Both carry gradients. A sequence cut in two calls at a
+    chunk boundary, the state carried, gives the one call's result bitwise.
+
+    Memory: the forward keeps the raw h ``[B, NH, S, DV]`` for the norm's backward when a
+    gradient is needed (one extra activation of the output's size); nothing ``S x S`` is
+    stored. The chunkwise form also keeps the state entering each chunk, ``[DQK, DV]`` in
+    the inputs' dtype per (batch, head, chunk): ``DQK / chunk_size`` of v's size, and the
+    backward holds the same again for the states' gradients.
     """
-    return mlstm_with_stats(q, k, v, igate, fgate, norm_weight=norm_weight, norm_bias=norm_bias,
-                            norm_eps=norm_eps, eps=eps, residual_weight=residual_weight,
-                            kernel=kernel)[0]
+    result = mlstm_with_stats(
+        q, k, v, igate, fgate, norm_weight=norm_weight, norm_bias=norm_bias,
+        norm_eps=norm_eps, eps=eps, residual_weight=residual_weight, kernel=kernel,
+        chunk_size=chunk_size, initial_state=initial_state,
+        return_last_state=return_last_state)
+    return (result[0], result[3]) if return_last_state else result[0]

@@ -14,7 +14,7 @@ from compileops._library import check_same_device
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 #: Head dims the Triton kernels hold in registers (a program owns whole rows).
 MAX_KERNEL_HEAD_DIM = 256
-KERNELS = ("auto", "parallel")
+KERNELS = ("auto", "parallel", "chunkwise")
 
 
 def check_inputs(
@@ -67,8 +67,7 @@ def check_gates_floating(igate: torch.Tensor, fgate: torch.Tensor) -> None:
 
 def check_kernel(kernel: str) -> None:
     if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r} (the chunkwise "
-                         "kernels are not in this version)")
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
 
 
 def check_kernel_head_dims(q: torch.Tensor, v: torch.Tensor) -> None:

@@ -20,49 +20,70 @@ def _use_triton(op: str, t: torch.Tensor) -> bool:
 
 
 
+def _chunked(t: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``[..., S]`` -> ``[..., NC, chunk]``, zero-padded at the end."""
+    seq = t.shape[-1]
+    pad = -seq % chunk
+    return torch.nn.functional.pad(t, (0, pad)).reshape(*t.shape[:-1], -1, chunk)
+
+
 @custom_op("mlstm_log_forget")
-def log_forget_op(fgate: torch.Tensor) -> torch.Tensor:
-    """``fgate [B, NH, S]`` -> ``cumsum(log sigmoid(fgate), -1)`` in the accumulation dtype."""
+def log_forget_op(fgate: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+    """``fgate [B, NH, S]`` -> ``cumsum(log sigmoid(fgate), -1)`` in the accumulation dtype;
+    with ``chunk`` > 0 (a power of two) the sums restart every ``chunk`` elements, as the
+    chunkwise kernels read them."""
     acc = gate_dtype(fgate.dtype)
     if _use_triton("mlstm_log_forget", fgate):
         from compileops.mlstm.kernels import gates
 
-        return gates.log_forget(fgate, acc)
+        return gates.log_forget(fgate, acc, chunk)
+    if chunk:
+        terms = torch.nn.functional.logsigmoid(fgate.to(acc))
+        sums = torch.cumsum(_chunked(terms, chunk), dim=-1)
+        return sums.reshape(*fgate.shape[:-1], -1)[..., :fgate.shape[-1]].contiguous()
     return log_forget_cumsum(fgate.to(acc)).contiguous()
 
 
 @log_forget_op.register_fake
-def _log_forget_fake(fgate):
+def _log_forget_fake(fgate, chunk=0):
     return fgate.new_empty(fgate.shape, dtype=gate_dtype(fgate.dtype))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    (fgate,) = inputs
+    fgate, chunk = inputs
     ctx.save_for_backward(fgate)
+    ctx.chunk = chunk
 
 
 def _backward(ctx, grad):
     (fgate,) = ctx.saved_tensors
-    return log_forget_backward_op(grad, fgate)
+    return log_forget_backward_op(grad, fgate, ctx.chunk), None
 
 
 backends.register_autograd(log_forget_op, _backward, _setup_context)
 
 
 @custom_op("mlstm_log_forget_backward")
-def log_forget_backward_op(grad: torch.Tensor, fgate: torch.Tensor) -> torch.Tensor:
-    """``sigmoid(-fgate) * revcumsum(grad)`` ``[B, NH, S]`` in fgate's dtype."""
+def log_forget_backward_op(grad: torch.Tensor, fgate: torch.Tensor,
+                           chunk: int = 0) -> torch.Tensor:
+    """``sigmoid(-fgate) * revcumsum(grad)`` ``[B, NH, S]`` in fgate's dtype (the reverse
+    sums restarted every ``chunk`` elements when ``chunk`` > 0)."""
     if _use_triton("mlstm_log_forget_backward", fgate):
         from compileops.mlstm.kernels import gates
 
-        return gates.log_forget_backward(grad.to(gate_dtype(fgate.dtype)), fgate)
+        return gates.log_forget_backward(grad.to(gate_dtype(fgate.dtype)), fgate, chunk)
     g = grad.to(gate_dtype(fgate.dtype))
-    rev = torch.flip(torch.cumsum(torch.flip(g, dims=(-1,)), dim=-1), dims=(-1,))
+    if chunk:
+        blocks = _chunked(g, chunk)
+        rev = torch.flip(torch.cumsum(torch.flip(blocks, dims=(-1,)), dim=-1), dims=(-1,))
+        rev = rev.reshape(*g.shape[:-1], -1)[..., :g.shape[-1]]
+    else:
+        rev = torch.flip(torch.cumsum(torch.flip(g, dims=(-1,)), dim=-1), dims=(-1,))
     return (torch.sigmoid(-fgate.to(g.dtype)) * rev).to(fgate.dtype).contiguous()
 
 
 @log_forget_backward_op.register_fake
-def _log_forget_backward_fake(grad, fgate):
+def _log_forget_backward_fake(grad, fgate, chunk=0):
     return fgate.new_empty(fgate.shape)
 
 

@@ -19,7 +19,8 @@ graph holds a compileops op too.
 Gradient: exact, as autograd through the reference gives it: the normaliser
 ``max(|b|, exp(-m))`` through its live branch, and the stabiliser ``m_i = max_j logD_ij``
 (``h`` depends on it through ``eps`` only: ``dm_i = -eps / (n_i + eps) * (dh_i . h_i)``),
-routed to the row's first maximal column, as ``torch.max`` routes it.
+routed to the row's maximal column (on exact ties, the latest:
+:func:`stabiliser_column_grad`).
 """
 from __future__ import annotations
 
@@ -168,7 +169,8 @@ def _kernel_backward(grad_out, q, k, v, igate, logf, norm_weight, h, m, b, norme
         grad_out, h, _dense(norm_weight), m.contiguous(), b.contiguous(), normed, norm_eps,
         eps, residual_weight, cfg)
     dq, dk, dv, row_grad, col_grad = kernels.cell_backward(
-        q, k, v, dh, igate.contiguous(), logf.contiguous(), m, r, beta, dm, cfg)
+        q, k, v, dh, igate.contiguous(), logf.contiguous(), m, r, beta, cfg)
+    col_grad = col_grad + stabiliser_column_grad(igate - logf, dm)
     # logD_ij = F_i - F_j + igate_j: dF gets the row sums of dlogD minus its column sums
     # (dm: the stabiliser's share, which sits in row i too).
     dlogf = row_grad + dm - col_grad
@@ -178,6 +180,25 @@ def _kernel_backward(grad_out, q, k, v, igate, logf, norm_weight, h, m, b, norme
     else:
         dweight, dbias = q.new_empty((0,), dtype=acc), q.new_empty((0,), dtype=acc)
     return dq, dk, dv, col_grad, dlogf, dweight, dbias
+
+
+def stabiliser_column_grad(keys: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """Where the stabiliser's gradient lands among the columns: ``[..., S]``.
+
+    ``m_i = max_{j<=i} logD_ij = F_i + max_{j<=i} (igate_j - F_j)``, so row i's maximal
+    column is the running argmax of ``keys = igate - F``; it never decreases along i, so
+    the rows sharing a column are a contiguous run, and each column's share of ``dm`` is a
+    difference of two prefix sums (no scatter: deterministic on every device)."""
+    seq = keys.shape[-1]
+    if seq == 0:
+        return torch.zeros_like(dm)
+    argmax = torch.cummax(keys, dim=-1).indices.contiguous()
+    columns = torch.arange(seq, device=keys.device).expand_as(argmax).contiguous()
+    # rows_upto[j] = the number of rows whose maximal column is <= j.
+    rows_upto = torch.searchsorted(argmax, columns, right=True)
+    prefix = torch.nn.functional.pad(torch.cumsum(dm, dim=-1), (1, 0))
+    below = torch.gather(prefix, -1, rows_upto)
+    return torch.diff(below, dim=-1, prepend=torch.zeros_like(below[..., :1]))
 
 
 def normaliser_terms(m_log2: torch.Tensor, b: torch.Tensor, hdot: torch.Tensor, eps: float):

@@ -220,16 +220,16 @@ def test_bad_scalars(case):
 
 
 def test_unknown_kernel_raises_value_error():
-    with pytest.raises(ValueError, match="kernel must be one of .*'chunkwise'"):
-        _call(_good(), kernel="chunkwise")
-    with pytest.raises(ValueError, match="kernel must be one of .*'chunkwise'"):
+    with pytest.raises(ValueError, match="kernel must be one of .*'chunkwise'.*got 'flash'"):
+        _call(_good(), kernel="flash")
+    with pytest.raises(ValueError, match="kernel must be one of"):
         compileops.mlstm_with_stats(*[_good()[n] for n in ("q", "k", "v", "igate", "fgate")],
-                                    kernel="chunkwise")
-    compiled = torch.compile(lambda a: _call(a, kernel="chunkwise"), backend="aot_eager",
+                                    kernel="flash")
+    compiled = torch.compile(lambda a: _call(a, kernel="flash"), backend="aot_eager",
                              fullgraph=True)
     with pytest.raises(Exception, match="kernel must be one of"):
         compiled(_good())
-    _call(_good(), kernel="parallel")  # the one form there is
+    _call(_good(), kernel="parallel")
 
 
 @pytest.mark.parametrize("big", ["q", "v"])

@@ -128,15 +128,16 @@ def norm_backward_kernel(
 
 @triton.jit
 def _dq_step(
-    dq, row_grad, first_max, best_max, q, dh, logf_i, m2_i, r_i, beta_i, rows, start_n, k_base, v_base,
-    logf_ptr, igate_ptr, seq_len, stride_ks, stride_kd, stride_vs, stride_vd, scale,
+    dq, dh, logf_i, m2_i, r_i, beta_i, rows, start_n, k_base, v_base,
+    logf_ptr, igate_ptr, seq_len, stride_ks, stride_kd, stride_vs, stride_vd,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACC: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Key tile ``[start_n, start_n + BLOCK_N)`` into the dQ accumulator ``[BLOCK_M,
-    BLOCK_DQK]``, the row sums of ``dlogD`` and each row's running first argmax of ``logD``
-    (``MASKED``: causal and bounds masks)."""
+    """Key tile ``[start_n, start_n + BLOCK_N)`` into the unscaled dQ accumulator
+    ``[BLOCK_M, BLOCK_DQK]`` (``MASKED``: causal and bounds masks). No ``q k^T``: dQ needs
+    only ``dS = dC * decay``; the row sums of ``dlogD = dS * S`` come from ``q . dq`` at
+    the end."""
     cols = start_n + tl.arange(0, BLOCK_N)
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
@@ -149,53 +150,44 @@ def _dq_step(
         live = (cols[None, :] <= rows[:, None]) & col_ok[None, :] & (rows[:, None] < seq_len)
         log_d = tl.where(live, logf_i[:, None] - logf_j[None, :] + igate_j[None, :],
                          float("-inf"))
-        # The row's first maximal column so far (the stabiliser's gradient goes there).
-        tile_max = tl.max(log_d, axis=1)
-        tile_arg = start_n + tl.argmax(log_d, axis=1, tie_break_left=True).to(tl.int32)
         decay = tl.exp2(log_d - m2_i[:, None])
     else:
         # Left of the diagonal the decay factorises (see the forward): logD_ij = logf_i +
-        # col_j with col_j = igate_j - logf_j, so each row's tile max sits at the same column.
+        # col_j with col_j = igate_j - logf_j.
         col_term = (tl.load(igate_ptr + cols) - tl.load(logf_ptr + cols)) * LOG2E
         tile_ref = tl.max(col_term, axis=0)
-        tile_max = logf_i + tile_ref
-        tile_arg = start_n + tl.argmax(col_term, axis=0, tie_break_left=True).to(tl.int32)
-        decay = (tl.exp2(tile_max - m2_i)[:, None]
+        decay = (tl.exp2(logf_i + tile_ref - m2_i)[:, None]
                  * tl.exp2(col_term - tile_ref)[None, :])
-    first_max = tl.where(tile_max > best_max, tile_arg, first_max)
-    best_max = tl.maximum(best_max, tile_max)
-    scores = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
-                 INPUT_PRECISION, UPCAST)  # q k^T, unscaled: the caller applies 1/sqrt(DQK)
     d_c = mma(dh, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
               INPUT_PRECISION, UPCAST) * r_i[:, None] + beta_i[:, None]
     d_s = d_c * decay
-    dq = mma(d_s.to(k.dtype), k, dq, INPUT_PRECISION, UPCAST)
-    row_grad = row_grad + tl.sum(d_s * scores, axis=1)
-    return dq, row_grad, first_max, best_max
+    return mma(d_s.to(k.dtype), k, dq, INPUT_PRECISION, UPCAST)
 
 
 @triton.jit
 def mlstm_dq_kernel(
     q_ptr, k_ptr, v_ptr, dh_ptr, igate_ptr, logf_ptr, m2_ptr, r_ptr, beta_ptr,
-    dq_ptr, row_grad_ptr, argmax_ptr, seq_len, num_heads,
+    cstate_ptr, nstate_ptr, mstate_ptr, dq_ptr, row_grad_ptr, seq_len, chunk_len, num_heads,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_hb, stride_hh, stride_hs, stride_hd,
     scale,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_STATE: tl.constexpr, ACC: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Grid ``(B * NH, cdiv(S, BLOCK_M))``, the longest rows first. Writes ``dq_ptr [B, NH,
-    S, DQK]`` contiguous, ``row_grad_ptr [B * NH, S]`` (``sum_j dlogD_ij``) and
-    ``argmax_ptr [B * NH, S]`` int32 (the first column holding the row's max of ``logD``).
+    S, DQK]`` contiguous and ``row_grad_ptr [B * NH, S]`` (``sum_j dlogD_ij = q_i . dq_i``).
 
     ``dh_ptr``: the raw h's gradient, (batch, head, seq, channel) strides given;
     ``igate_ptr``, ``logf_ptr`` (the forward's gates), ``m2_ptr`` (the forward's stabiliser,
-    log2 units), ``r_ptr``, ``beta_ptr``: ``[B * NH, S]`` contiguous, ``ACC``."""
+    log2 units), ``r_ptr``, ``beta_ptr``: ``[B * NH, S]`` contiguous, ``ACC``. Chunks and
+    ``HAS_STATE`` (the states entering each chunk) as in the forward tile: the state's
+    share of dq is ``a_i (C (r_i dh_i) + beta_i n)`` with ``a_i = exp(logf_i + m - m_i)``."""
     bh = tl.program_id(0)
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    window = (start_m // chunk_len) * chunk_len
     batch64 = (bh // num_heads).to(tl.int64)
     head64 = (bh % num_heads).to(tl.int64)
     gate_off = bh.to(tl.int64) * seq_len
@@ -203,10 +195,8 @@ def mlstm_dq_kernel(
     row_ok = rows < seq_len
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
-    q = load_tile(q_ptr + batch64 * stride_qb + head64 * stride_qh, rows, stride_qs, dqk,
-                  stride_qd, seq_len, DQK, BLOCK_DQK, True)
     dh = load_tile(dh_ptr + batch64 * stride_hb + head64 * stride_hh, rows, stride_hs, dv,
-                   stride_hd, seq_len, DV, BLOCK_DV, True).to(q.dtype)
+                   stride_hd, seq_len, DV, BLOCK_DV, True).to(k_ptr.dtype.element_ty)
     logf_i = tl.load(logf_ptr + gate_off + rows, mask=row_ok, other=0.0) * LOG2E
     m2_i = tl.load(m2_ptr + gate_off + rows, mask=row_ok, other=0.0)
     r_i = tl.load(r_ptr + gate_off + rows, mask=row_ok, other=0.0)
@@ -214,43 +204,51 @@ def mlstm_dq_kernel(
     k_base = k_ptr + batch64 * stride_kb + head64 * stride_kh
     v_base = v_ptr + batch64 * stride_vb + head64 * stride_vh
     dq = tl.zeros((BLOCK_M, BLOCK_DQK), dtype=ACC)
-    row_grad = tl.zeros((BLOCK_M,), dtype=ACC)
-    first_max = tl.zeros((BLOCK_M,), dtype=tl.int32)
-    best_max = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
-    for start_n in range(0, start_m, BLOCK_N):
-        dq, row_grad, first_max, best_max = _dq_step(
-            dq, row_grad, first_max, best_max, q, dh, logf_i, m2_i, r_i, beta_i, rows, start_n, k_base, v_base,
+    for start_n in range(window, start_m, BLOCK_N):
+        dq = _dq_step(
+            dq, dh, logf_i, m2_i, r_i, beta_i, rows, start_n, k_base, v_base,
             logf_ptr + gate_off, igate_ptr + gate_off, seq_len,
-            stride_ks, stride_kd, stride_vs, stride_vd, scale,
+            stride_ks, stride_kd, stride_vs, stride_vd,
             DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, False, ACC, INPUT_PRECISION, UPCAST)
     for start_n in range(start_m, tl.minimum(start_m + BLOCK_M, seq_len), BLOCK_N):
-        dq, row_grad, first_max, best_max = _dq_step(
-            dq, row_grad, first_max, best_max, q, dh, logf_i, m2_i, r_i, beta_i, rows, start_n, k_base, v_base,
+        dq = _dq_step(
+            dq, dh, logf_i, m2_i, r_i, beta_i, rows, start_n, k_base, v_base,
             logf_ptr + gate_off, igate_ptr + gate_off, seq_len,
-            stride_ks, stride_kd, stride_vs, stride_vd, scale,
+            stride_ks, stride_kd, stride_vs, stride_vd,
             DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, True, ACC, INPUT_PRECISION, UPCAST)
+    if HAS_STATE:
+        chunk = start_m // chunk_len
+        slots = tl.maximum(tl.cdiv(seq_len, chunk_len), 1)
+        slot = bh.to(tl.int64) * (slots + 1) + chunk
+        c = tl.load(cstate_ptr + (bh.to(tl.int64) * slots + chunk) * DQK * DV
+                    + dqk[:, None] * DV + dv[None, :],
+                    mask=(dqk[:, None] < DQK) & (dv[None, :] < DV), other=0.0)
+        n = tl.load(nstate_ptr + slot * DQK + dqk, mask=dqk < DQK, other=0.0)
+        a = tl.where(row_ok, tl.exp2(logf_i + tl.load(mstate_ptr + slot) * LOG2E - m2_i), 0.0)
+        weighted = (dh.to(ACC) * (a * r_i)[:, None]).to(dh.dtype)
+        dq = mma(weighted, tl.trans(c.to(dh.dtype)), dq, INPUT_PRECISION, UPCAST)
+        dq = dq + (a * beta_i)[:, None] * n[None, :]
     dq = dq * scale
-    row_grad = row_grad * scale
+    q = load_tile(q_ptr + batch64 * stride_qb + head64 * stride_qh, rows, stride_qs, dqk,
+                  stride_qd, seq_len, DQK, BLOCK_DQK, True)
     out = dq_ptr + gate_off * DQK + rows[:, None] * DQK + dqk[None, :]
     tl.store(out, dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None] & (dqk[None, :] < DQK))
-    tl.store(row_grad_ptr + gate_off + rows, row_grad, mask=row_ok)
-    tl.store(argmax_ptr + gate_off + rows, first_max, mask=row_ok)
+    tl.store(row_grad_ptr + gate_off + rows, tl.sum(q.to(ACC) * dq, axis=1), mask=row_ok)
 
 
 @triton.jit
 def _dkv_step(
-    dk, dv_acc, col_grad, k, v, logf_j, igate_j, col_scale, tile_ref, cols, start_m, q_base,
-    h_base,
-    logf_ptr, m2_ptr, r_ptr, beta_ptr, argmax_ptr, dm_ptr, seq_len,
+    dk, dv_acc, k, v, col_scale, tile_ref, cols, start_m, q_base, h_base,
+    logf_ptr, m2_ptr, r_ptr, beta_ptr, seq_len, logf_j, igate_j,
     stride_qs, stride_qd, stride_hs, stride_hd, scale,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACC: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Query tile ``[start_m, start_m + BLOCK_M)`` into the dK ``[BLOCK_N, BLOCK_DQK]`` and dV
-    ``[BLOCK_N, BLOCK_DV]`` accumulators and the column sums of ``dlogD`` (``MASKED``: the
-    causal and bounds masks, on the transposed ``[BLOCK_N, BLOCK_M]`` tile). Unmasked tiles
-    use the factorised decay: ``col_scale = exp2(igate_j - logf_j - tile_ref)`` (log2 units,
+    """Query tile ``[start_m, start_m + BLOCK_M)`` into the unscaled dK ``[BLOCK_N,
+    BLOCK_DQK]`` and the dV ``[BLOCK_N, BLOCK_DV]`` accumulators (``MASKED``: the causal and
+    bounds masks, on the transposed ``[BLOCK_N, BLOCK_M]`` tile). Unmasked tiles use the
+    factorised decay: ``col_scale = exp2(igate_j - logf_j - tile_ref)`` (log2 units,
     ``tile_ref`` the largest column term of the key tile) times a per-row factor."""
     rows = start_m + tl.arange(0, BLOCK_M)
     dqk = tl.arange(0, BLOCK_DQK)
@@ -264,8 +262,6 @@ def _dkv_step(
         m2_i = tl.load(m2_ptr + rows, mask=row_ok, other=0.0)
         r_i = tl.load(r_ptr + rows, mask=row_ok, other=0.0)
         beta_i = tl.load(beta_ptr + rows, mask=row_ok, other=0.0)
-        argmax_i = tl.load(argmax_ptr + rows, mask=row_ok, other=-1)
-        dm_i = tl.load(dm_ptr + rows, mask=row_ok, other=0.0)
         live = (cols[:, None] <= rows[None, :]) & row_ok[None, :] & (cols[:, None] < seq_len)
         log_d = tl.where(live, logf_i[None, :] - logf_j[:, None] + igate_j[:, None]
                          - m2_i[None, :], float("-inf"))
@@ -275,8 +271,6 @@ def _dkv_step(
         m2_i = tl.load(m2_ptr + rows)
         r_i = tl.load(r_ptr + rows)
         beta_i = tl.load(beta_ptr + rows)
-        argmax_i = tl.load(argmax_ptr + rows)
-        dm_i = tl.load(dm_ptr + rows)
         decay = col_scale[:, None] * tl.exp2(logf_i + tile_ref - m2_i)[None, :]
     scores = mma(k, tl.trans(q), tl.zeros((BLOCK_N, BLOCK_M), dtype=ACC),
                  INPUT_PRECISION, UPCAST) * scale
@@ -284,32 +278,32 @@ def _dkv_step(
     dv_acc = mma(c_scaled.to(dh.dtype), dh, dv_acc, INPUT_PRECISION, UPCAST)
     d_c = mma(v, tl.trans(dh), tl.zeros((BLOCK_N, BLOCK_M), dtype=ACC),
               INPUT_PRECISION, UPCAST) * r_i[None, :] + beta_i[None, :]
-    d_s = d_c * decay
-    dk = mma(d_s.to(q.dtype), q, dk, INPUT_PRECISION, UPCAST)
-    # The stabiliser's gradient dm_i enters dlogD at the row's max column.
-    stab = tl.where(argmax_i[None, :] == cols[:, None], dm_i[None, :], 0.0)
-    col_grad = col_grad + tl.sum(d_s * scores + stab, axis=1)
-    return dk, dv_acc, col_grad
+    dk = mma((d_c * decay).to(q.dtype), q, dk, INPUT_PRECISION, UPCAST)
+    return dk, dv_acc
 
 
 @triton.jit
 def mlstm_dkv_kernel(
     q_ptr, k_ptr, v_ptr, dh_ptr, igate_ptr, logf_ptr, m2_ptr, r_ptr, beta_ptr,
-    argmax_ptr, dm_ptr, dk_ptr, dv_ptr, col_grad_ptr, seq_len, num_heads,
+    dcstate_ptr, dnstate_ptr, mstate_ptr, dk_ptr, dv_ptr, col_grad_ptr, seq_len, chunk_len,
+    num_heads,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_hb, stride_hh, stride_hs, stride_hd,
     scale,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_STATE: tl.constexpr, ACC: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Grid ``(B * NH, cdiv(S, BLOCK_N))``, the earliest keys (most query tiles) first.
     Writes ``dk_ptr [B, NH, S, DQK]``, ``dv_ptr [B, NH, S, DV]`` contiguous and
-    ``col_grad_ptr [B * NH, S]`` (``sum_i dlogD_ij``, the stabiliser's gradient ``dm_ptr``
-    included at each row's ``argmax_ptr`` column). Other arguments as
-    :func:`mlstm_dq_kernel`."""
+    ``col_grad_ptr [B * NH, S]`` (``sum_i dlogD_ij = k_j . dk_j``). Query tiles run to the
+    end of the keys' chunk; with ``HAS_STATE`` the gradient of the state leaving the chunk
+    (``dcstate_ptr [B * NH, NC, DQK, DV]`` in k's dtype, ``dnstate_ptr [B * NH, NC + 1,
+    DQK]``; the state's ``mstate_ptr``) adds the later chunks' share: with ``w_j =
+    exp(logf_end - logf_j + igate_j - m)``, ``dk_j += w_j (dC v_j + dn)``, ``dv_j += w_j
+    dC^T k_j``. Other arguments as :func:`mlstm_dq_kernel`."""
     bh = tl.program_id(0)
     start_n = tl.program_id(1) * BLOCK_N
     batch64 = (bh // num_heads).to(tl.int64)
@@ -333,45 +327,59 @@ def mlstm_dkv_kernel(
     h_base = dh_ptr + batch64 * stride_hb + head64 * stride_hh
     dk = tl.zeros((BLOCK_N, BLOCK_DQK), dtype=ACC)
     dv_acc = tl.zeros((BLOCK_N, BLOCK_DV), dtype=ACC)
-    col_grad = tl.zeros((BLOCK_N,), dtype=ACC)
-    # Per-row inputs of this head.
     logf_h = logf_ptr + gate_off
     m2_h = m2_ptr + gate_off
     r_h = r_ptr + gate_off
     beta_h = beta_ptr + gate_off
-    argmax_h = argmax_ptr + gate_off
-    dm_h = dm_ptr + gate_off
+    chunk = start_n // chunk_len
+    window_end = tl.minimum((chunk + 1) * chunk_len, seq_len)
     # The query tile holding the diagonal, masked; the full tiles below it; the ragged end.
     first_m = (start_n // BLOCK_M) * BLOCK_M
     full_end = (first_m + BLOCK_M
-                + tl.maximum(seq_len - first_m - BLOCK_M, 0) // BLOCK_M * BLOCK_M)
-    dk, dv_acc, col_grad = _dkv_step(
-        dk, dv_acc, col_grad, k, v, logf_j, igate_j, col_scale, tile_ref, cols, first_m,
-        q_base, h_base,
-        logf_h, m2_h, r_h, beta_h, argmax_h, dm_h, seq_len,
+                + tl.maximum(window_end - first_m - BLOCK_M, 0) // BLOCK_M * BLOCK_M)
+    dk, dv_acc = _dkv_step(
+        dk, dv_acc, k, v, col_scale, tile_ref, cols, first_m, q_base, h_base,
+        logf_h, m2_h, r_h, beta_h, seq_len, logf_j, igate_j,
         stride_qs, stride_qd, stride_hs, stride_hd, scale,
         DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, True, ACC, INPUT_PRECISION, UPCAST)
     for start_m in range(first_m + BLOCK_M, full_end, BLOCK_M):
-        dk, dv_acc, col_grad = _dkv_step(
-            dk, dv_acc, col_grad, k, v, logf_j, igate_j, col_scale, tile_ref, cols, start_m,
-            q_base, h_base,
-            logf_h, m2_h, r_h, beta_h, argmax_h, dm_h, seq_len,
+        dk, dv_acc = _dkv_step(
+            dk, dv_acc, k, v, col_scale, tile_ref, cols, start_m, q_base, h_base,
+            logf_h, m2_h, r_h, beta_h, seq_len, logf_j, igate_j,
             stride_qs, stride_qd, stride_hs, stride_hd, scale,
             DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, False, ACC, INPUT_PRECISION, UPCAST)
-    if full_end < seq_len:
-        dk, dv_acc, col_grad = _dkv_step(
-            dk, dv_acc, col_grad, k, v, logf_j, igate_j, col_scale, tile_ref, cols, full_end,
-            q_base, h_base,
-            logf_h, m2_h, r_h, beta_h, argmax_h, dm_h, seq_len,
+    if full_end < window_end:
+        dk, dv_acc = _dkv_step(
+            dk, dv_acc, k, v, col_scale, tile_ref, cols, full_end, q_base, h_base,
+            logf_h, m2_h, r_h, beta_h, seq_len, logf_j, igate_j,
             stride_qs, stride_qd, stride_hs, stride_hd, scale,
             DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, True, ACC, INPUT_PRECISION, UPCAST)
     dk = dk * scale
+    if HAS_STATE:
+        slots = tl.maximum(tl.cdiv(seq_len, chunk_len), 1)
+        slot = bh.to(tl.int64) * (slots + 1) + chunk + 1
+        dc = tl.load(dcstate_ptr + (bh.to(tl.int64) * slots + chunk) * DQK * DV
+                     + dqk[:, None] * DV + dv[None, :],
+                     mask=(dqk[:, None] < DQK) & (dv[None, :] < DV), other=0.0).to(k.dtype)
+        dn = tl.load(dnstate_ptr + slot * DQK + dqk, mask=dqk < DQK, other=0.0)
+        # Natural-log units, with the state kernels' expression for the same weight.
+        logf_end = tl.load(logf_h + window_end - 1)
+        lf_nat = tl.load(logf_h + cols, mask=col_ok, other=0.0)
+        ig_nat = tl.load(igate_ptr + gate_off + cols, mask=col_ok, other=0.0)
+        w = tl.where(col_ok, tl.exp(logf_end - lf_nat + ig_nat - tl.load(mstate_ptr + slot)),
+                     0.0)
+        dk_state = mma(v, tl.trans(dc), tl.zeros((BLOCK_N, BLOCK_DQK), dtype=ACC),
+                       INPUT_PRECISION, UPCAST) + dn[None, :]
+        dk = dk + w[:, None] * dk_state
+        dv_state = mma(k, dc, tl.zeros((BLOCK_N, BLOCK_DV), dtype=ACC),
+                       INPUT_PRECISION, UPCAST)
+        dv_acc = dv_acc + w[:, None] * dv_state
     mask = col_ok[:, None]
     tl.store(dk_ptr + gate_off * DQK + cols[:, None] * DQK + dqk[None, :],
              dk.to(dk_ptr.dtype.element_ty), mask=mask & (dqk[None, :] < DQK))
     tl.store(dv_ptr + gate_off * DV + cols[:, None] * DV + dv[None, :],
              dv_acc.to(dv_ptr.dtype.element_ty), mask=mask & (dv[None, :] < DV))
-    tl.store(col_grad_ptr + gate_off + cols, col_grad, mask=col_ok)
+    tl.store(col_grad_ptr + gate_off + cols, tl.sum(k.to(ACC) * dk, axis=1), mask=col_ok)
 
 
 def _dims(t: torch.Tensor, normed: bool, dv: int) -> tuple[int, int, int, int]:
@@ -422,15 +430,20 @@ def norm_backward(
 def cell_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dh: torch.Tensor,
     igate: torch.Tensor, logf: torch.Tensor, m_log2: torch.Tensor,
-    r: torch.Tensor, beta: torch.Tensor, dm: torch.Tensor,
-    config: Optional[BackwardConfig] = None,
+    r: torch.Tensor, beta: torch.Tensor,
+    config: Optional[BackwardConfig] = None, chunk: int = 0,
+    states: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    state_grads: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, row_grad, col_grad)``: the cell's gradients for the raw h's gradient
     ``dh [B, NH, S, DV]`` (any strides). Per-row ``[B, NH, S]`` contiguous inputs in the
     accumulation dtype: the gates, the stabiliser in log2 units, ``r = 1 / (n + eps)``
-    and ``beta`` (module docstring), and ``dm``, the stabiliser's gradient.
-    ``row_grad``/``col_grad``: ``sum_j dlogD_ij`` and ``sum_i dlogD_ij``, with ``dm`` in
-    ``dlogD`` at each row's max column (its row share is the caller's: ``row_grad + dm``)."""
+    and ``beta`` (module docstring). ``row_grad``/``col_grad``: ``sum_j dlogD_ij`` and
+    ``sum_i dlogD_ij`` with the stabiliser held constant (its gradient is the caller's).
+
+    ``chunk`` > 0: the chunkwise form (``logf`` restarted at each chunk), with the forward's
+    ``states`` ``(C, n, m)`` entering each chunk and ``state_grads`` ``(dC, dn)``, the
+    gradients of the states leaving each chunk (:func:`.chunkwise.chunk_state_grads`)."""
     batch, heads, seq, dqk = q.shape
     dvh = v.shape[-1]
     cfg = config or choose_backward_config(q, dqk, dvh)
@@ -439,23 +452,26 @@ def cell_backward(
     dv = torch.empty((batch, heads, seq, dvh), dtype=v.dtype, device=q.device)
     row_grad = torch.empty_like(logf)
     col_grad = torch.empty_like(logf)
-    argmax = torch.empty(logf.shape, dtype=torch.int32, device=q.device)
     if batch * heads == 0 or seq == 0:
         return dq, dk, dv, row_grad, col_grad
+    if chunk and chunk % cfg.block_m:
+        raise ValueError(f"chunk ({chunk}) must be a multiple of block_m ({cfg.block_m})")
     common = dict(
         DQK=dqk, DV=dvh, BLOCK_DQK=max(16, triton.next_power_of_2(dqk)),
         BLOCK_DV=max(16, triton.next_power_of_2(dvh)), BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, ACC=accumulation_dtype(q.dtype),
+        BLOCK_N=cfg.block_n, HAS_STATE=states is not None, ACC=accumulation_dtype(q.dtype),
         INPUT_PRECISION=input_precision(q.dtype), UPCAST=upcast_dots(q),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    cstates, nstates, mstates = states if states is not None else (r, r, r)
+    dcstates, dnstates = state_grads if state_grads is not None else (r, r)
+    chunk_len = chunk if chunk else seq
     strides = (*q.stride(), *k.stride(), *v.stride(), *dh.stride())
     scale = 1.0 / math.sqrt(dqk)
     mlstm_dq_kernel[(batch * heads, triton.cdiv(seq, cfg.block_m))](
-        q, k, v, dh, igate, logf, m_log2, r, beta, dq, row_grad, argmax, seq, heads,
-        *strides, scale, **common)
+        q, k, v, dh, igate, logf, m_log2, r, beta, cstates, nstates, mstates, dq, row_grad,
+        seq, chunk_len, heads, *strides, scale, **common)
     mlstm_dkv_kernel[(batch * heads, triton.cdiv(seq, cfg.block_n))](
-        q, k, v, dh, igate, logf, m_log2, r, beta, argmax, dm, dk, dv, col_grad,
-        seq, heads,
-        *strides, scale, **common)
+        q, k, v, dh, igate, logf, m_log2, r, beta, dcstates, dnstates, mstates, dk, dv,
+        col_grad, seq, chunk_len, heads, *strides, scale, **common)
     return dq, dk, dv, row_grad, col_grad

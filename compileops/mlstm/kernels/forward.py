@@ -35,7 +35,8 @@ LOG2E = tl.constexpr(1.4426950408889634)
 @triton.jit
 def mlstm_forward_tile(
     q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, weight_ptr, bias_ptr, h_ptr, m_ptr, b_ptr,
-    bh, start_m, seq_len, num_heads,
+    cstate_ptr, nstate_ptr, mstate_ptr,
+    bh, start_m, seq_len, chunk_len, num_heads,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -43,7 +44,7 @@ def mlstm_forward_tile(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    RESIDUAL_WEIGHT: tl.constexpr, SAVE_H: tl.constexpr,
+    RESIDUAL_WEIGHT: tl.constexpr, SAVE_H: tl.constexpr, HAS_STATE: tl.constexpr,
     ACC: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """``[BLOCK_M, BLOCK_DV]`` output rows ``start_m + arange(BLOCK_M)`` of head ``bh``: the
@@ -60,6 +61,12 @@ def mlstm_forward_tile(
       row sum ``sum_j C_ij``); ``h_ptr [B * NH, S, DV]`` contiguous, the
       raw h in v's dtype, when ``SAVE_H`` (the norm's backward reads it).
     * ``scale = 1 / sqrt(DQK)``; ``eps``: the cell's; ``norm_eps``: the layernorm's.
+    * Chunks (:mod:`.chunkwise`): keys are read from the start of the query rows' chunk of
+      ``chunk_len`` (a multiple of ``BLOCK_M``; the parallel form passes ``chunk_len >=
+      seq_len``, one chunk), and ``logf`` holds the forget-gate sums restarted at each chunk.
+      With ``HAS_STATE`` the state entering the chunk adds ``q C`` (the earlier chunks):
+      ``cstate_ptr [B * NH, NC, DQK, DV]`` (q's dtype), ``nstate_ptr [B * NH, NC + 1, DQK]``
+      and ``mstate_ptr [B * NH, NC + 1]`` (``ACC``, m in natural-log units), contiguous.
     """
     batch = bh // num_heads
     head = bh % num_heads
@@ -77,16 +84,23 @@ def mlstm_forward_tile(
     q = load_tile(q_base, rows, stride_qs, dqk, stride_qd, seq_len, DQK, BLOCK_DQK, True)
     logf_i = tl.load(logf_ptr + gate_off + rows, mask=row_ok, other=0.0) * LOG2E
 
-    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=ACC)
-    row_sum = tl.zeros((BLOCK_M,), dtype=ACC)
-    row_max = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
+    window = (start_m // chunk_len) * chunk_len
+    if HAS_STATE:
+        acc, row_sum, row_max = _state_rows(
+            q, logf_i, cstate_ptr, nstate_ptr, mstate_ptr, bh, start_m // chunk_len,
+            seq_len, chunk_len, scale, DQK, DV, BLOCK_DQK, BLOCK_DV, ACC, INPUT_PRECISION,
+            UPCAST)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=ACC)
+        row_sum = tl.zeros((BLOCK_M,), dtype=ACC)
+        row_max = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
 
     # Key tiles left of this query tile: every entry is causal and in range, and the decay
     # factorises: logD_ij = logf_i + (igate_j - logf_j). With the tile's largest column term
     # c = max_j (igate_j - logf_j), exp2(logD_ij - m_i) = exp2(logf_i + c - m_i) *
     # exp2(igate_j - logf_j - c): a row factor and a column factor, both <= 1 once m_i has
     # taken the tile in (no [BLOCK_M, BLOCK_N] exponentials, sums or maxima for the decay).
-    for start_n in range(0, start_m, BLOCK_N):
+    for start_n in range(window, start_m, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, cols, stride_ks, dqk, stride_kd, seq_len, DQK, BLOCK_DQK, False)
         v = load_tile(v_base, cols, stride_vs, dv, stride_vd, seq_len, DV, BLOCK_DV, False)
@@ -136,6 +150,38 @@ def mlstm_forward_tile(
 
 
 @triton.jit
+def num_state_chunks(seq_len, chunk_len):
+    """Chunks of a row: at least one, so that an empty row still has its state slots."""
+    return tl.maximum(tl.cdiv(seq_len, chunk_len), 1)
+
+
+@triton.jit
+def _state_rows(q, logf_i, cstate_ptr, nstate_ptr, mstate_ptr, bh, chunk, seq_len, chunk_len,
+                scale, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                BLOCK_DV: tl.constexpr, ACC: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                UPCAST: tl.constexpr):
+    """The online state ``(acc, row_sum, row_max)`` of query rows ``q [BLOCK_M, BLOCK_DQK]``
+    (chunk-local log forget sums ``logf_i``, log2 units) after the state entering ``chunk``:
+    ``acc = q C / sqrt(DQK)``, ``row_sum = q . n / sqrt(DQK)``, relative to ``row_max =
+    logf_i + m`` (log2 units). An empty state (``m = -inf``, C and n zero) gives zeros and
+    ``-inf``, the start of a row with nothing before its chunk."""
+    slots = num_state_chunks(seq_len, chunk_len)
+    dqk = tl.arange(0, BLOCK_DQK)
+    dv = tl.arange(0, BLOCK_DV)
+    c_base = cstate_ptr + (bh.to(tl.int64) * slots + chunk) * DQK * DV
+    c = tl.load(c_base + dqk[:, None] * DV + dv[None, :],
+                mask=(dqk[:, None] < DQK) & (dv[None, :] < DV), other=0.0)
+    slot = bh.to(tl.int64) * (slots + 1) + chunk
+    n = tl.load(nstate_ptr + slot * DQK + dqk, mask=dqk < DQK, other=0.0)
+    m = tl.load(mstate_ptr + slot)
+    acc = mma(q, c.to(q.dtype), tl.zeros((q.shape[0], BLOCK_DV), dtype=ACC),
+              INPUT_PRECISION, UPCAST) * scale
+    row_sum = tl.sum(q.to(ACC) * n[None, :], axis=1) * scale
+    row_max = logf_i + m * LOG2E
+    return acc, row_sum, row_max
+
+
+@triton.jit
 def _layernorm_rows(h, weight_ptr, bias_ptr, head, norm_eps, DV: tl.constexpr,
                     BLOCK_DV: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                     RESIDUAL_WEIGHT: tl.constexpr):
@@ -160,7 +206,7 @@ def _layernorm_rows(h, weight_ptr, bias_ptr, head, norm_eps, DV: tl.constexpr,
 @triton.jit
 def mlstm_forward_kernel(
     q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, weight_ptr, bias_ptr, h_ptr, m_ptr, b_ptr,
-    out_ptr, seq_len, num_heads,
+    cstate_ptr, nstate_ptr, mstate_ptr, out_ptr, seq_len, chunk_len, num_heads,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -169,7 +215,7 @@ def mlstm_forward_kernel(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    RESIDUAL_WEIGHT: tl.constexpr, SAVE_H: tl.constexpr,
+    RESIDUAL_WEIGHT: tl.constexpr, SAVE_H: tl.constexpr, HAS_STATE: tl.constexpr,
     ACC: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Grid ``(B * NH, cdiv(S, BLOCK_M))``; the last query tiles (the longest rows) start
@@ -179,12 +225,13 @@ def mlstm_forward_kernel(
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     out = mlstm_forward_tile(
         q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, weight_ptr, bias_ptr, h_ptr, m_ptr, b_ptr,
-        bh, start_m, seq_len, num_heads,
+        cstate_ptr, nstate_ptr, mstate_ptr, bh, start_m, seq_len, chunk_len, num_heads,
         stride_qb, stride_qh, stride_qs, stride_qd,
         stride_kb, stride_kh, stride_ks, stride_kd,
         stride_vb, stride_vh, stride_vs, stride_vd,
         scale, eps, norm_eps, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N,
-        HAS_NORM, HAS_WEIGHT, HAS_BIAS, RESIDUAL_WEIGHT, SAVE_H, ACC, INPUT_PRECISION, UPCAST,
+        HAS_NORM, HAS_WEIGHT, HAS_BIAS, RESIDUAL_WEIGHT, SAVE_H, HAS_STATE, ACC,
+        INPUT_PRECISION, UPCAST,
     )
     rows = start_m + tl.arange(0, BLOCK_M)
     dv = tl.arange(0, BLOCK_DV)
@@ -200,9 +247,14 @@ def mlstm_forward(
     igate: torch.Tensor, logf: torch.Tensor,
     norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
     normed: bool, norm_eps: float, eps: float, residual_weight: bool, save_h: bool,
-    config: Optional[ForwardConfig] = None,
+    config: Optional[ForwardConfig] = None, chunk: int = 0,
+    states: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Eager launch: ``(out, h_raw or None, m_log2 [B, NH, S], b [B, NH, S])``.
+
+    ``chunk`` > 0: the chunkwise form's within-chunk part, plus the ``states`` entering each
+    chunk (``(C, n, m)`` as :func:`.chunkwise.chunk_states` returns them); ``logf`` then holds
+    the sums restarted at each chunk. ``chunk`` must be a multiple of the config's ``block_m``.
 
     ``igate``, ``logf``: ``[B, NH, S]`` contiguous in the accumulation dtype (the input gate
     and the cumulative log forget gate). ``out`` is ``[B, S, NH * DV]`` when ``normed`` else ``[B, NH, S, DV]``, in v's
@@ -225,19 +277,23 @@ def mlstm_forward(
     b = torch.empty_like(m)
     if batch * heads == 0 or seq == 0:
         return out, h_raw, m, b
+    if chunk and chunk % cfg.block_m:
+        raise ValueError(f"chunk ({chunk}) must be a multiple of block_m ({cfg.block_m})")
+    cstates, nstates, mstates = states if states is not None else (m, m, m)
     grid = (batch * heads, triton.cdiv(seq, cfg.block_m))
     mlstm_forward_kernel[grid](
         q, k, v, igate, logf,
         norm_weight if norm_weight is not None else m,
         norm_bias if norm_bias is not None else m,
-        h_raw if save_h else m, m, b, out, seq, heads,
+        h_raw if save_h else m, m, b, cstates, nstates, mstates, out, seq,
+        chunk if chunk else seq, heads,
         *q.stride(), *k.stride(), *v.stride(), *out_strides,
         1.0 / math.sqrt(dqk), eps, norm_eps,
         DQK=dqk, DV=dv, BLOCK_DQK=max(16, triton.next_power_of_2(dqk)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HAS_NORM=normed, HAS_WEIGHT=norm_weight is not None, HAS_BIAS=norm_bias is not None,
-        RESIDUAL_WEIGHT=residual_weight, SAVE_H=save_h,
+        RESIDUAL_WEIGHT=residual_weight, SAVE_H=save_h, HAS_STATE=states is not None,
         ACC=accumulation_dtype(q.dtype), INPUT_PRECISION=input_precision(q.dtype),
         UPCAST=upcast_dots(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

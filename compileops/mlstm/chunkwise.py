@@ -1,0 +1,390 @@
+"""The chunkwise mLSTM ops: linear in S, with states in and out.
+
+* ``compileops::mlstm_chunkwise(q, k, v, igate, logf, norm_weight?, norm_bias?, c0?, n0?,
+  m0?, chunk, normed, norm_eps, eps, residual_weight, save_h) -> (out, h, m_log2, b,
+  c_states, n_states, m_states, c_last, n_last, m_last)``. As ``mlstm_parallel`` (op.py),
+  except: ``logf`` is the forget-gate sum restarted every ``chunk`` rows
+  (``log_forget_op(fgate, chunk)``); the optional initial state ``c0 [B, NH, DQK, DV]``,
+  ``n0 [B, NH, DQK]``, ``m0 [B, NH]`` (accumulation dtype; all three or none); the
+  states entering each chunk (kept for the backward, layout of ``kernels.chunkwise``) and
+  the last state ``(c_last, n_last, m_last)``, with m in natural-log units.
+* ``compileops::mlstm_chunkwise_backward(...)``: the gradients, the initial state's and
+  the last state's included.
+
+Gradient: the chunkwise output is the parallel form's function (the same ``logD`` under a
+different summation order), so the same identities hold: ``sum_j dlogD_ij = q_i . dq_i``,
+``sum_i dlogD_ij = k_j . dk_j``, and the stabiliser's gradient goes to each row's maximal
+column (``op.stabiliser_column_grad``; the initial state is a column before the first).
+The returned ``C = exp(-m) C~`` depends on m, so the last state's gradient adds
+``dm_last - <dC_last, C_last> - <dn_last, n_last>`` to the last row's stabiliser gradient.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from compileops import backends
+from compileops._library import custom_op
+from compileops.mlstm import reference
+from compileops.mlstm.checks import (
+    check_backward_grad,
+    check_inputs,
+    check_kernel_head_dims,
+    check_log_gates,
+)
+from compileops.mlstm.gates import _chunked
+from compileops.mlstm.op import (
+    _dense,
+    _layernorm_backward,
+    _out_shape,
+    normaliser_terms,
+    stabiliser_column_grad,
+)
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+def _num_chunks(seq: int, chunk: int) -> int:
+    return max(1, -(-seq // chunk))
+
+
+def check_chunk(chunk: int) -> None:
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk}")
+
+
+def check_state(q: torch.Tensor, v: torch.Tensor, c0, n0, m0) -> None:
+    given = [t is not None for t in (c0, n0, m0)]
+    if any(given) and not all(given):
+        raise ValueError("initial_state must be a (C, n, m) triple: got a partial state")
+    if c0 is None:
+        return
+    b, nh, _, dqk = q.shape
+    dv = v.shape[-1]
+    for name, t, shape in (("initial_state C", c0, (b, nh, dqk, dv)),
+                           ("initial_state n", n0, (b, nh, dqk)),
+                           ("initial_state m", m0, (b, nh))):
+        torch._check(tuple(t.shape) == shape,
+                     lambda: f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+        torch._check(t.dtype == reference.gate_dtype(q.dtype),
+                     lambda: f"{name} must be {reference.gate_dtype(q.dtype)} (the "
+                             f"accumulation dtype), got {t.dtype}")
+        torch._check(t.device == q.device,
+                     lambda: f"{name} is on {t.device}, q on {q.device}")
+
+
+def global_log_forget(logf: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The running forget sums over the whole row, from the chunk-restarted ones."""
+    blocks = _chunked(logf, chunk)
+    ends = blocks[..., -1]  # a chunk's total (the last chunk's is not used)
+    offsets = torch.cumsum(ends, dim=-1) - ends
+    full = blocks + offsets[..., None]
+    return full.reshape(*logf.shape[:-1], -1)[..., :logf.shape[-1]]
+
+
+def _reference_forward(q, k, v, igate, logf, c0, n0, m0, chunk, eps):
+    """Plain PyTorch, chunk by chunk (differentiable: the reference backward's autograd)."""
+    acc = reference.gate_dtype(q.dtype)
+    b, nh, seq, dqk = q.shape
+    dv = v.shape[-1]
+    scale = 1.0 / math.sqrt(dqk)
+    c = c0 if c0 is not None else q.new_zeros((b, nh, dqk, dv), dtype=acc)
+    n = n0 if n0 is not None else q.new_zeros((b, nh, dqk), dtype=acc)
+    m = m0 if m0 is not None else q.new_full((b, nh), float("-inf"), dtype=acc)
+    hs, bs, ms, cs, ns, mstates = [], [], [], [], [], []
+    for start in range(0, max(seq, 1), chunk):
+        cs.append(c.to(q.dtype))
+        ns.append(n)
+        mstates.append(m)
+        if seq == 0:
+            break
+        sl = slice(start, min(start + chunk, seq))
+        f, ig = logf[..., sl], igate[..., sl]
+        qc, kc, vc = q[..., sl, :].to(acc), k[..., sl, :].to(acc), v[..., sl, :].to(acc)
+        length = f.shape[-1]
+        log_d = f[..., :, None] - f[..., None, :] + ig[..., None, :]
+        causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+        log_d = log_d.masked_fill(~causal, float("-inf"))
+        m_row = torch.maximum(f + m[..., None], log_d.amax(dim=-1))
+        cmat = (qc @ kc.transpose(-1, -2)) * scale * torch.exp(log_d - m_row[..., None])
+        from_state = torch.exp(f + m[..., None] - m_row)
+        num = cmat @ vc + from_state[..., None] * (qc @ c) * scale
+        row_sum = cmat.sum(-1) + from_state * (qc @ n[..., None]).squeeze(-1) * scale
+        nrm = torch.maximum(row_sum.abs(), torch.exp(-m_row))
+        hs.append(num / (nrm + eps)[..., None])
+        bs.append(row_sum)
+        ms.append(m_row)
+        f_end = f[..., -1]
+        u = f_end[..., None] - f + ig
+        m_new = torch.maximum(m + f_end, u.amax(dim=-1))
+        w = torch.exp(u - m_new[..., None])
+        decay = torch.exp(m + f_end - m_new)
+        c = decay[..., None, None] * c + (kc * w[..., None]).transpose(-1, -2) @ vc
+        n = decay[..., None] * n + (kc * w[..., None]).sum(dim=-2)
+        m = m_new
+    if seq == 0:
+        h = v.new_zeros(v.shape, dtype=acc)
+        row_sum = m_rows = logf.new_zeros(logf.shape)
+    else:
+        h, row_sum, m_rows = torch.cat(hs, -2), torch.cat(bs, -1), torch.cat(ms, -1)
+    ns.append(n)
+    mstates.append(m)
+    states = (torch.stack(cs, 2).reshape(b * nh, -1, dqk, dv),
+              torch.stack(ns, 2).reshape(b * nh, -1, dqk),
+              torch.stack(mstates, 2).reshape(b * nh, -1))
+    return h, row_sum, m_rows, states, (c, n, m)
+
+
+@custom_op("mlstm_chunkwise")
+def mlstm_chunkwise_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, igate: torch.Tensor,
+    logf: torch.Tensor, norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
+    c0: Optional[torch.Tensor], n0: Optional[torch.Tensor], m0: Optional[torch.Tensor],
+    chunk: int, normed: bool, norm_eps: float, eps: float, residual_weight: bool,
+    save_h: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See the module docstring."""
+    check_inputs(q, k, v, igate, logf, norm_weight, norm_bias, norm_eps, eps)
+    check_log_gates(q, igate, logf)
+    check_chunk(chunk)
+    check_state(q, v, c0, n0, m0)
+    b, nh = q.shape[:2]
+    initial = (c0, n0, m0) if c0 is not None else None
+    if backends.select("mlstm_chunkwise", q.device) == "triton":
+        check_kernel_head_dims(q, v)
+        from compileops.mlstm.kernels import chunkwise, forward
+
+        ig, lf = igate.contiguous(), logf.contiguous()
+        cst, nst, mst, c_last = chunkwise.chunk_states(k, v, ig, lf, chunk, initial)
+        out, h, m2, row_sum = forward.mlstm_forward(
+            q, k, v, ig, lf, _dense(norm_weight), _dense(norm_bias), normed, norm_eps, eps,
+            residual_weight, save_h and normed, config=_forward_config(q, v, chunk),
+            chunk=chunk, states=(cst, nst, mst))
+        h = h if h is not None else v.new_empty((0,))
+        return (out, h, m2, row_sum, cst, nst, mst, c_last,
+                nst[:, -1].reshape(b, nh, -1).clone(), mst[:, -1].reshape(b, nh).clone())
+    h, row_sum, m_rows, (cst, nst, mst), (c_last, n_last, m_last) = _reference_forward(
+        q, k, v, igate, logf, c0, n0, m0, chunk, eps)
+    if normed:
+        out = reference.multihead_layernorm(h, norm_weight, norm_bias, norm_eps,
+                                            residual_weight, v.dtype)
+    else:
+        out = h.to(v.dtype)
+    kept = h.to(v.dtype) if (save_h and normed) else v.new_empty((0,))
+    return (out, kept, (m_rows * LOG2E).contiguous(), row_sum.contiguous(), cst.contiguous(),
+            nst.contiguous(), mst.contiguous(), c_last.contiguous(), n_last.contiguous(),
+            m_last.contiguous())
+
+
+def _forward_config(q, v, chunk):
+    from compileops.mlstm.kernels import config
+
+    cfg = config.choose_forward_config(q, q.shape[-1], v.shape[-1])
+    if chunk < cfg.block_m:
+        cfg = config.ForwardConfig(block_m=chunk, block_n=min(cfg.block_n, chunk),
+                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return cfg
+
+
+def _backward_config(q, v, chunk):
+    from compileops.mlstm.kernels import config
+
+    cfg = config.choose_backward_config(q, q.shape[-1], v.shape[-1])
+    if chunk < cfg.block_m:
+        cfg = config.BackwardConfig(block_m=chunk, block_n=min(cfg.block_n, chunk),
+                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                    block_rows=cfg.block_rows)
+    return cfg
+
+
+@mlstm_chunkwise_op.register_fake
+def _mlstm_chunkwise_fake(q, k, v, igate, logf, norm_weight, norm_bias, c0, n0, m0, chunk,
+                          normed, norm_eps, eps, residual_weight, save_h):
+    check_inputs(q, k, v, igate, logf, norm_weight, norm_bias, norm_eps, eps)
+    check_log_gates(q, igate, logf)
+    check_chunk(chunk)
+    check_state(q, v, c0, n0, m0)
+    acc = reference.gate_dtype(q.dtype)
+    b, nh, seq, dqk = q.shape
+    dv = v.shape[-1]
+    nc = (seq + chunk - 1) // chunk
+    nc = torch.sym_max(nc, 1)
+    out = v.new_empty(_out_shape(q, v, normed))
+    h = v.new_empty(v.shape) if (save_h and normed) else v.new_empty((0,))
+    rows = q.new_empty(q.shape[:3], dtype=acc)
+    return (out, h, rows, torch.empty_like(rows), q.new_empty((b * nh, nc, dqk, dv)),
+            q.new_empty((b * nh, nc + 1, dqk), dtype=acc),
+            q.new_empty((b * nh, nc + 1), dtype=acc),
+            q.new_empty((b, nh, dqk, dv), dtype=acc), q.new_empty((b, nh, dqk), dtype=acc),
+            q.new_empty((b, nh), dtype=acc))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    (q, k, v, igate, logf, norm_weight, norm_bias, c0, n0, m0, chunk, normed, norm_eps, eps,
+     residual, _) = inputs
+    out, h, m2, row_sum, cst, nst, mst, c_last, n_last, _m_last = output
+    ctx.mark_non_differentiable(h, m2, row_sum, cst, nst, mst)
+    kept_h = h if normed else out
+    ctx.save_for_backward(q, k, v, igate, logf, norm_weight, c0, n0, m0, kept_h, m2, row_sum,
+                          cst, nst, mst, c_last, n_last)
+    ctx.chunk = chunk
+    ctx.normed = normed
+    ctx.norm_eps = norm_eps
+    ctx.eps = eps
+    ctx.residual_weight = residual
+    ctx.bias_dtype = norm_bias.dtype if norm_bias is not None else None
+
+
+def _backward(ctx, grad_out, _gh, _gm, _gb, _gc, _gn, _gms, grad_c, grad_n, grad_m):
+    (q, k, v, igate, logf, norm_weight, c0, n0, m0, h, m2, row_sum, cst, nst, mst, c_last,
+     n_last) = ctx.saved_tensors
+    if ctx.normed and h.numel() == 0 and q.numel():
+        raise RuntimeError("mlstm_chunkwise was called with save_h=False but a gradient is "
+                           "needed: call compileops.mlstm, which keeps h when it must")
+    if grad_out is None:
+        grad_out = torch.zeros(_out_shape(q, v, ctx.normed), dtype=v.dtype, device=v.device)
+    acc = logf.dtype
+    b, nh, _, dqk = q.shape
+    dv_len = v.shape[-1]
+    grad_c = grad_c if grad_c is not None else q.new_zeros((b, nh, dqk, dv_len), dtype=acc)
+    grad_n = grad_n if grad_n is not None else q.new_zeros((b, nh, dqk), dtype=acc)
+    grad_m = grad_m if grad_m is not None else q.new_zeros((b, nh), dtype=acc)
+    grads = mlstm_chunkwise_backward_op(
+        grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf, norm_weight, c0, n0, m0, h,
+        m2, row_sum, cst, nst, mst, c_last, n_last, ctx.chunk, ctx.normed, ctx.norm_eps,
+        ctx.eps, ctx.residual_weight)
+    dq, dk, dv, digate, dlogf, dweight, dbias, dc0, dn0, dm0 = grads
+    dweight = dweight.to(norm_weight.dtype) if norm_weight is not None else None
+    dbias = dbias.to(ctx.bias_dtype) if ctx.bias_dtype is not None else None
+    has_state = c0 is not None
+    return (dq, dk, dv, digate, dlogf, dweight, dbias, dc0 if has_state else None,
+            dn0 if has_state else None, dm0 if has_state else None,
+            None, None, None, None, None, None)
+
+
+backends.register_autograd(mlstm_chunkwise_op, _backward, _setup_context)
+
+
+@custom_op("mlstm_chunkwise_backward")
+def mlstm_chunkwise_backward_op(
+    grad_out: torch.Tensor, grad_c: torch.Tensor, grad_n: torch.Tensor, grad_m: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, igate: torch.Tensor,
+    logf: torch.Tensor, norm_weight: Optional[torch.Tensor], c0: Optional[torch.Tensor],
+    n0: Optional[torch.Tensor], m0: Optional[torch.Tensor], h: torch.Tensor,
+    m2: torch.Tensor, row_sum: torch.Tensor, cst: torch.Tensor, nst: torch.Tensor,
+    mst: torch.Tensor, c_last: torch.Tensor, n_last: torch.Tensor, chunk: int, normed: bool,
+    norm_eps: float, eps: float, residual_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, digate, dlogf, dweight, dbias, dc0, dn0, dm0)`` for the output's and
+    the last state's gradients (``grad_c [B, NH, DQK, DV]``, ``grad_n [B, NH, DQK]``,
+    ``grad_m [B, NH]``); ``dlogf`` is for the chunk-restarted ``logf``."""
+    check_backward_grad(grad_out, _out_shape(q, v, normed), "grad_out")
+    acc = reference.gate_dtype(q.dtype)
+    b, nh, seq, dqk = q.shape
+    dv_len = v.shape[-1]
+    if backends.select("mlstm_chunkwise_backward", q.device) != "triton":
+        return _reference_backward(grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf,
+                                   norm_weight, c0, n0, m0, chunk, normed, norm_eps, eps,
+                                   residual_weight, acc)
+    check_kernel_head_dims(q, v)
+    from compileops.mlstm import kernels
+    from compileops.mlstm.kernels import chunkwise
+
+    cfg = _backward_config(q, v, chunk)
+    dh, r, beta, dm, parts_w, parts_b = kernels.norm_backward(
+        grad_out, h, _dense(norm_weight), m2.contiguous(), row_sum.contiguous(), normed,
+        norm_eps, eps, residual_weight, cfg)
+    # The last state is one more reader of the row S-1: C~ = sum_j exp(F_{S-1} - F_j +
+    # igate_j) k_j v_j^T puts <dC, C> + <dn, n> on F_{S-1}, its columns come through k . dk;
+    # and the returned C = exp(-m) C~ depends on m, the last row's stabiliser.
+    read_last = (grad_c * c_last).sum(dim=(-2, -1)) + (grad_n * n_last).sum(dim=-1)
+    dm_last = grad_m - read_last
+    if seq:
+        dm = torch.cat([dm[..., :-1], dm[..., -1:] + dm_last[..., None]], dim=-1).contiguous()
+    ig, lf = igate.contiguous(), logf.contiguous()
+    dcs, dns, dc0 = chunkwise.chunk_state_grads(q, dh, lf, m2, r, beta, mst, chunk,
+                                                (grad_c, grad_n))
+    dq, dk, dv, row_grad, col_grad = kernels.cell_backward(
+        q, k, v, dh, ig, lf, m2, r, beta, cfg, chunk=chunk, states=(cst, nst, mst),
+        state_grads=(dcs, dns))
+    keys = ig - global_log_forget(lf, chunk)
+    has_state = c0 is not None
+    if has_state:  # the initial state: a column before the first, with logD = F_i + m0
+        shares = stabiliser_column_grad(torch.cat([m0[..., None], keys], -1),
+                                        torch.cat([torch.zeros_like(dm[..., :1]), dm], -1))
+        col_grad = col_grad + shares[..., 1:]
+        dn0 = dns[:, 0].reshape(b, nh, dqk)
+        dm0 = ((dc0 * c0).sum(dim=(-2, -1)) + (dn0 * n0).sum(dim=-1) + shares[..., 0])
+    else:
+        col_grad = col_grad + stabiliser_column_grad(keys, dm)
+        dn0 = q.new_zeros((b, nh, dqk), dtype=acc)
+        dm0 = q.new_zeros((b, nh), dtype=acc)
+    row_grad = row_grad + dm
+    if seq:
+        row_grad = torch.cat([row_grad[..., :-1], row_grad[..., -1:] + read_last[..., None]], -1)
+    dlogf = _local_log_forget_grad(row_grad - col_grad, chunk)
+    if normed:
+        dweight = parts_w.sum(dim=(0, 1)).reshape(-1)
+        dbias = parts_b.sum(dim=(0, 1)).reshape(-1)
+    else:
+        dweight, dbias = q.new_empty((0,), dtype=acc), q.new_empty((0,), dtype=acc)
+    return dq, dk, dv, col_grad, dlogf, dweight, dbias, dc0, dn0, dm0
+
+
+def _local_log_forget_grad(d_global: torch.Tensor, chunk: int) -> torch.Tensor:
+    """From the gradient of the whole-row forget sums to the chunk-restarted ones: a
+    chunk's last sum also carries into every later row."""
+    seq = d_global.shape[-1]
+    if seq == 0:
+        return d_global
+    blocks = _chunked(d_global, chunk)
+    totals = blocks.sum(dim=-1)
+    later = torch.flip(torch.cumsum(torch.flip(totals, (-1,)), -1), (-1,)) - totals
+    last = torch.zeros_like(blocks)
+    last[..., -1] = later
+    out = (blocks + last).reshape(*d_global.shape[:-1], -1)
+    # A partial last chunk has no later rows: its (padded) last slot carries 0.
+    return out[..., :seq].contiguous()
+
+
+@mlstm_chunkwise_backward_op.register_fake
+def _mlstm_chunkwise_backward_fake(grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf,
+                                   norm_weight, c0, n0, m0, h, m2, row_sum, cst, nst, mst,
+                                   c_last, n_last, chunk, normed, norm_eps, eps,
+                                   residual_weight):
+    check_backward_grad(grad_out, _out_shape(q, v, normed), "grad_out")
+    acc = reference.gate_dtype(q.dtype)
+    b, nh, _, dqk = q.shape
+    dv = v.shape[-1]
+    channels = nh * dv if normed else 0
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            igate.new_empty(igate.shape), logf.new_empty(logf.shape),
+            q.new_empty((channels,), dtype=acc), q.new_empty((channels,), dtype=acc),
+            q.new_empty((b, nh, dqk, dv), dtype=acc), q.new_empty((b, nh, dqk), dtype=acc),
+            q.new_empty((b, nh), dtype=acc))
+
+
+def _reference_backward(grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf, norm_weight,
+                        c0, n0, m0, chunk, normed, norm_eps, eps, residual_weight, acc):
+    """Without states the chunkwise output is the parallel form's function of the whole-row
+    forget sums: the parallel reference backward (op.py), then the chunk-restarted sums'
+    gradient. The reference backend has no backward through states (the Triton kernels,
+    also under the interpreter on CPU, have)."""
+    from compileops.mlstm.op import _reference_backward as parallel_backward
+
+    if c0 is not None or bool((grad_c != 0).any() | (grad_n != 0).any() | (grad_m != 0).any()):
+        raise NotImplementedError(
+            "mlstm_chunkwise_backward: the reference backend has no gradient through "
+            "initial or last states; use the triton backend")
+    dq, dk, dv, dig, dlf, dweight, dbias = parallel_backward(
+        grad_out, q, k, v, igate, global_log_forget(logf, chunk), norm_weight, normed,
+        norm_eps, eps, residual_weight, acc)
+    b, nh, _, dqk = q.shape
+    dv_len = v.shape[-1]
+    return (dq, dk, dv, dig, _local_log_forget_grad(dlf, chunk), dweight, dbias,
+            q.new_zeros((b, nh, dqk, dv_len), dtype=acc), q.new_zeros((b, nh, dqk), dtype=acc),
+            q.new_zeros((b, nh), dtype=acc))
