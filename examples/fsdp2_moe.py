@@ -76,15 +76,25 @@ class GroupedMMMoELayer(MoELayer):
 
 
 class Block(torch.nn.Module):
-    """``x + moe(rmsnorm(x))`` on ``x [T, D]``."""
+    """``x + moe(rmsnorm(x))`` on ``x [T, D]``; with ``--xlstm``, first ``x +
+    mLSTMLayer(rmsnorm(x))`` over the ``[B, S, D]`` view of the same tokens."""
 
     def __init__(self, args, dtype):
         super().__init__()
+        self.seq = args.seq
+        self.mlstm = None
+        if args.xlstm:
+            self.mlstm_norm = torch.nn.RMSNorm(args.dim, dtype=dtype)
+            self.mlstm = compileops.nn.mLSTMLayer(compileops.nn.mLSTMLayerConfig(
+                embedding_dim=args.dim, num_heads=args.xlstm_heads)).to(dtype)
         self.norm = torch.nn.RMSNorm(args.dim, dtype=dtype)
         layer = GroupedMMMoELayer if args.anchor == "grouped_mm" else MoELayer
         self.moe = layer(args.dim, args.hidden, args.experts, args.top_k, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mlstm is not None:
+            seqs = x.view(-1, self.seq, x.shape[-1])
+            x = (seqs + self.mlstm(self.mlstm_norm(seqs))).view(-1, x.shape[-1])
         return x + self.moe(self.norm(x))
 
 
@@ -108,6 +118,9 @@ class MoEModel(torch.nn.Module):
         self.embed = compileops.nn.Embedding(args.vocab, args.dim, dtype=dtype)
         self.layers = torch.nn.ModuleList(Block(args, dtype) for _ in range(args.layers))
         self.head = Head(args, dtype)
+        #: ``--check-grads``: a dict that receives the gradient of the embedding's output, the
+        #: result of every block's backward (the compileops ops' included) on this rank's data.
+        self.capture = None
 
     def units(self) -> list[torch.nn.Module]:
         """The modules that are sharded (and compiled) one by one."""
@@ -115,6 +128,9 @@ class MoEModel(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids.reshape(-1))
+        if self.capture is not None and x.requires_grad:
+            x.register_hook(lambda g: self.capture.setdefault("d_embedding_out",
+                                                              g.detach().clone()))
         for layer in self.layers:
             x = layer(x)
         return self.head(x, labels)
@@ -168,6 +184,8 @@ def train_sharded(args, device, dtype, rank: int, world: int) -> list[float]:
     cuda = device.type == "cuda"
     mine = slice(rank * args.batch, (rank + 1) * args.batch)
     losses, times = [], []
+    step0 = None
+    model.capture = {} if args.check_grads else None
     for step, (ids, labels) in enumerate(batches(args, world, device)):
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
@@ -175,6 +193,9 @@ def train_sharded(args, device, dtype, rank: int, world: int) -> list[float]:
         start = time.perf_counter()
         loss = run(ids[mine], labels[mine])
         loss.backward()
+        if model.capture is not None:
+            step0 = (loss.detach().clone(), model.capture["d_embedding_out"])
+            model.capture = None
         opt.step()
         opt.zero_grad(set_to_none=True)
         if cuda:
@@ -203,7 +224,31 @@ def train_sharded(args, device, dtype, rank: int, world: int) -> list[float]:
             tokens = world * args.batch * args.seq
             print(f"anchor={args.anchor}: median step {ms:.2f} ms over {len(steady)} steps "
                   f"(slowest rank), {tokens / ms * 1e3:,.0f} tokens/s", flush=True)
-    return losses
+    return losses, step0
+
+
+def check_against_single(args, device, dtype, rank: int, world: int, step0) -> None:
+    """``--check-grads``: this rank's step-0 loss and the gradient of the embedding's output
+    (the result of every block's backward, the compileops ops' included) under FSDP2,
+    against the same unsharded model on this one GPU and the same shard of data: bitwise."""
+    model = build(args, device, dtype)
+    run = compile_model(model, args.compile)
+    model.capture = {}
+    ids, labels = next(iter(batches(args, world, device)))
+    mine = slice(rank * args.batch, (rank + 1) * args.batch)
+    loss = run(ids[mine], labels[mine])
+    loss.backward()
+    sharded_loss, sharded_grad = step0
+    grad = model.capture["d_embedding_out"]
+    result = (rank, torch.equal(loss.detach(), sharded_loss), torch.equal(grad, sharded_grad),
+              (grad.float() - sharded_grad.float()).abs().max().item())
+    results = [None] * world
+    dist.all_gather_object(results, result)
+    if rank == 0:
+        for r, same_loss, same_grad, diff in results:
+            print(f"rank {r}: step-0 loss bitwise equal to one GPU: {same_loss}; gradient of "
+                  f"the embedding output bitwise equal: {same_grad} (max |diff| {diff:.3e})",
+                  flush=True)
 
 
 def train_single(args, device, dtype) -> list[float]:
@@ -245,10 +290,17 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--xlstm", action="store_true",
+                   help="each block also runs an mLSTM layer (compileops.nn.mLSTMLayer)")
+    p.add_argument("--xlstm-heads", type=int, default=8,
+                   help="mLSTM heads (head dims dim / 2 / heads and dim / heads: <= 256)")
+    p.add_argument("--check-grads", action="store_true",
+                   help="compare each rank's step-0 loss and gradients with one GPU, bitwise")
     args = p.parse_args(argv)
     if args.tiny:
         args.vocab, args.dim, args.hidden, args.experts, args.top_k = 64, 32, 32, 4, 2
         args.layers, args.batch, args.seq, args.lr = 2, 2, 8, 1e-2
+        args.xlstm_heads = 2
     return args
 
 
@@ -273,7 +325,10 @@ def main(argv=None) -> None:
         if rank == 0:
             print(f"world {world} on {device.type} ({dist.get_backend()}), {dtype}, "
                   f"anchor={args.anchor}, compile={args.compile}", flush=True)
-        losses = train_sharded(args, device, dtype, rank, world)
+        losses, step0 = train_sharded(args, device, dtype, rank, world)
+        if args.check_grads:
+            torch._dynamo.reset()
+            check_against_single(args, device, dtype, rank, world, step0)
         if args.compare_single:
             if rank == 0:
                 torch._dynamo.reset()
