@@ -23,7 +23,7 @@ from compileops.grouped_linear import (
     grouped_linear_splits,
     grouped_linear_swiglu,
 )
-from compileops.mlstm import mlstm, mlstm_with_stats
+from compileops.mlstm import mlstm, mlstm_step, mlstm_with_stats
 from compileops import nn  # noqa: E402  (registers modules; cheap)
 from compileops import testing  # noqa: E402  (imports Inductor only when its helpers run)
 
@@ -42,6 +42,7 @@ __all__ = [
     "grouped_linear_splits",
     "grouped_linear_swiglu",
     "mlstm",
+    "mlstm_step",
     "mlstm_with_stats",
     "nn",
     "set_batch_invariant",
