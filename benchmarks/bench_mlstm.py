@@ -65,8 +65,10 @@ ANCHORS = {  # impl -> (mlstm_kernels name, chunk size, extra environment)
 }
 # compileops[parallel] / compileops[chunkwise<N>]: one form forced (kernel=, chunk_size=);
 # plain compileops is kernel="auto".
+# compileops[packed16]: kernel="auto" with cu_seqlens, 16 documents of random lengths
+# (fixed seed) packed in the row (B must be 1: S = 65536).
 OURS = ["compileops", "compileops[parallel]", "compileops[chunkwise64]",
-        "compileops[chunkwise128]", "compileops[chunkwise256]"]
+        "compileops[chunkwise128]", "compileops[chunkwise256]", "compileops[packed16]"]
 IMPLS = OURS + ["limit_chunk", "xl_chunk", "xl_chunk[DISABLE_LLVM_OPT=1]", "reference"]
 DEFAULT_IMPLS = ["compileops", "limit_chunk", "xl_chunk", "reference"]
 MODES = ["eager", "static", "dynamic"]
@@ -220,12 +222,24 @@ def child_main(cfg: dict) -> None:
             build_error = "import-failed: " + _short(exc)
 
         form = impl[len("compileops["):-1] if impl.startswith("compileops[") else "auto"
-        kernel = "chunkwise" if form.startswith("chunkwise") else form
+        kernel = "chunkwise" if form.startswith("chunkwise") else (
+            "auto" if form == "packed16" else form)
         chunk = int(form[len("chunkwise"):]) if form.startswith("chunkwise") else None
+        packing = {}
+
+        def documents(seq, device):
+            """16 random document ends in the row, the same for every call."""
+            if seq not in packing:
+                gen = torch.Generator().manual_seed(0)
+                cuts = torch.randperm(seq - 1, generator=gen)[:15].add(1).sort().values
+                packing[seq] = torch.cat([torch.tensor([0]), cuts, torch.tensor([seq])]).to(
+                    device, torch.int32)
+            return packing[seq]
 
         def plain(q, k, v, ig, fg, w):
+            cu = documents(q.shape[2], q.device) if form == "packed16" else None
             return compileops.mlstm(q, k, v, ig, fg, norm_weight=w, norm_eps=norm_eps, eps=eps,
-                                    kernel=kernel, chunk_size=chunk)
+                                    kernel=kernel, chunk_size=chunk, cu_seqlens=cu)
 
     compiled = {}
     last_mode = None

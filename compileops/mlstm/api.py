@@ -40,18 +40,54 @@ def choose_kernel(kernel: str, seq: int, with_state: bool, training: bool = True
     return "chunkwise" if with_state or seq > limit else "parallel"
 
 
+#: The log forget gate at a packed document's first token (``cu_seqlens``): ``log sigmoid(x)
+#: = x`` there, and ``exp(-200)`` is 0 in fp32 and 1e-87 in fp64, so nothing from an earlier
+#: document reaches it, its stabiliser included, as long as input gates within a pack stay
+#: within 150 of each other (the layer soft-caps them at 15).
+DOCUMENT_RESET = -200.0
+
+
+def reset_at_documents(fgate: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``fgate [1, NH, S]`` with ``DOCUMENT_RESET`` at each document's first token, from the
+    cumulative document ends ``cu_seqlens [N + 1]`` (int32, on fgate's device; no host sync:
+    the starts are scattered into a mask). The replaced entries get no gradient, as the first
+    forget gate of a document run alone gets none."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor of cumulative document ends, "
+                         f"got shape {tuple(cu_seqlens.shape)} and {cu_seqlens.dtype}")
+    if cu_seqlens.device != fgate.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, fgate on {fgate.device}")
+    if fgate.shape[0] != 1:
+        raise ValueError(f"with cu_seqlens the documents are packed in one row: B must be 1, "
+                         f"got {fgate.shape[0]}")
+    seq = fgate.shape[-1]
+    starts = torch.zeros(seq + 1, dtype=torch.bool, device=fgate.device)
+    # Each document's start; an empty document's start equals the next one's (harmless), and
+    # the final end lands in the extra slot.
+    starts = starts.index_put((cu_seqlens[:-1].long().clamp(0, seq),),
+                              torch.ones((), dtype=torch.bool, device=fgate.device))[:seq]
+    return torch.where(starts, torch.full_like(fgate, DOCUMENT_RESET), fgate)
+
+
 def mlstm_with_stats(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, igate: torch.Tensor,
     fgate: torch.Tensor, *, norm_weight: Optional[torch.Tensor] = None,
     norm_bias: Optional[torch.Tensor] = None, norm_eps: float = 1e-6, eps: float = 1e-6,
     residual_weight: bool = False, kernel: str = "auto", chunk_size: Optional[int] = None,
     initial_state: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-    return_last_state: bool = False,
+    return_last_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
 ):
     """:func:`mlstm`, also returning the normaliser and the stabiliser: ``(out, n [B, NH, S],
     m [B, NH, S])`` in fp32 (fp64 for fp64 inputs), then the last state when
     ``return_last_state``. ``n`` and ``m`` carry no gradient."""
     normed = norm_weight is not None or norm_bias is not None
+    if cu_seqlens is not None:
+        if initial_state is not None or return_last_state:
+            raise ValueError("cu_seqlens takes no initial_state and returns no last state "
+                             "(each document starts empty)")
+        fgate = reset_at_documents(fgate, cu_seqlens)
+        if kernel == "auto":  # the chunkwise form restarts its forget sums every chunk,
+            kernel = "chunkwise"  # so the resets cost no fp32 precision beyond their chunk
     with_state = initial_state is not None or return_last_state
     training = _needs_grad(q, k, v, igate, fgate, norm_weight, norm_bias,
                            *(initial_state or ()))
@@ -86,7 +122,7 @@ def mlstm(
     norm_bias: Optional[torch.Tensor] = None, norm_eps: float = 1e-6, eps: float = 1e-6,
     residual_weight: bool = False, kernel: str = "auto", chunk_size: Optional[int] = None,
     initial_state: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-    return_last_state: bool = False,
+    return_last_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
 ):
     """The mLSTM cell (stabilised, parallel form), with the multi-head layernorm fused when
     ``norm_weight`` or ``norm_bias`` is given.
@@ -127,6 +163,13 @@ def mlstm(
     returns ``(out, (C, n, m))``. Both carry gradients. A sequence cut in two calls at a
     chunk boundary, the state carried, gives the one call's result bitwise.
 
+    Packed documents: ``cu_seqlens [N + 1]`` (int32 cumulative ends, on the device; B = 1):
+    no document sees another's state, as if each ran alone (to rounding: fp64 1e-13). It
+    resets the forget gate at each document's start (``DOCUMENT_RESET``), so it costs what
+    the unpacked row costs and compiles once for every packing; ``kernel="auto"`` then takes
+    the chunkwise form (the parallel form's whole-row forget sums lose fp32 precision past
+    each reset).
+
     Memory: the forward keeps the raw h ``[B, NH, S, DV]`` for the norm's backward when a
     gradient is needed (one extra activation of the output's size); nothing ``S x S`` is
     stored. The chunkwise form also keeps the state entering each chunk, ``[DQK, DV]`` in
@@ -137,5 +180,5 @@ def mlstm(
         q, k, v, igate, fgate, norm_weight=norm_weight, norm_bias=norm_bias,
         norm_eps=norm_eps, eps=eps, residual_weight=residual_weight, kernel=kernel,
         chunk_size=chunk_size, initial_state=initial_state,
-        return_last_state=return_last_state)
+        return_last_state=return_last_state, cu_seqlens=cu_seqlens)
     return (result[0], result[3]) if return_last_state else result[0]

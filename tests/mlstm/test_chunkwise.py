@@ -239,3 +239,100 @@ def test_gpu_deterministic_and_split_bitwise():
     assert torch.equal(joined, whole), f"split differs by {(joined - whole).abs().max()}"
     for name, p, q in zip("Cnm", last2, last):
         assert torch.equal(p, q), f"last {name} differs by {(p - q).abs().max()}"
+
+
+# ------------------------------------------------------------------ packed documents
+
+
+def _packed(lengths, seed=0, dtype=torch.float64, device="cpu"):
+    x = make_inputs(1, 2, sum(lengths), 16, 24, dtype=dtype, seed=seed, device=device)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                      device=device)
+    return x, cu
+
+
+def _doc(x, start, end):
+    def cut(t):
+        if t.dim() == 4:
+            return t[..., start:end, :]
+        return t[..., start:end] if t.dim() == 3 else t
+    return x.map(cut)
+
+
+@pytest.mark.parametrize("kernel,backend", [("chunkwise", "triton"), ("parallel", "triton"),
+                                            ("chunkwise", "reference")])
+def test_packed_documents_equal_each_document_alone(kernel, backend):
+    """fp64 forward and every gradient: the packed row against each document run alone."""
+    lengths = [5, 40, 1, 23, 18]
+    x, cu = _packed(lengths)
+    gen = torch.Generator().manual_seed(9)
+    g_out = torch.randn(out_shape(x), generator=gen, dtype=torch.float64)
+    with compileops.use_backend(backend):
+        out, grads = fw_bw(lambda a: compileops.mlstm(
+            a.q, a.k, a.v, a.igate, a.fgate, norm_weight=a.norm_weight, norm_bias=a.norm_bias,
+            kernel=kernel, chunk_size=16, cu_seqlens=cu), x, g_out)
+        for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            doc = _doc(x, start, end)
+            want_out, want = fw_bw(lambda a: compileops.mlstm(
+                a.q, a.k, a.v, a.igate, a.fgate, norm_weight=a.norm_weight,
+                norm_bias=a.norm_bias, kernel=kernel, chunk_size=16), doc,
+                g_out[:, start:end])
+            torch.testing.assert_close(out[:, start:end], want_out, atol=1e-10, rtol=1e-10)
+            for name, g, w in zip(x.names()[:5], grads[:5], want[:5]):
+                cut = g[..., start:end, :] if g.dim() == 4 else g[..., start:end]
+                torch.testing.assert_close(cut, w, atol=1e-10, rtol=1e-10,
+                                           msg=lambda m: f"doc {start}:{end} d{name}: {m}")
+
+
+def test_packed_compiles_once_for_every_packing():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+    def fn(x, cu):
+        return compileops.mlstm(x.q, x.k, x.v, x.igate, x.fgate, norm_weight=x.norm_weight,
+                                chunk_size=16, cu_seqlens=cu)
+
+    # Same token count, any packing: new document lengths change values only; a new
+    # document count changes cu_seqlens' length, symbolic under dynamic=True.
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    with compileops.use_backend("triton"):
+        for lengths in ([10, 22], [3, 3, 26], [1, 30, 1], [16, 16], [2, 5, 9, 16]):
+            x, cu = _packed(lengths, dtype=torch.float32)
+            torch.testing.assert_close(compiled(x, cu), fn(x, cu), atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_packed_bad_input_is_named():
+    x, cu = _packed([4, 4])
+    with pytest.raises(ValueError, match="cu_seqlens must be a 1-D int32"):
+        chunk_out(x, cu_seqlens=cu.float())
+    with pytest.raises(ValueError, match="B must be 1"):
+        y = x.map(lambda t: torch.cat([t, t]) if t.dim() > 1 else t)
+        chunk_out(y, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="cu_seqlens takes no initial_state"):
+        chunk_out(x, cu_seqlens=cu, return_last_state=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gpu_prompt_then_steps_equal_the_whole_sequence(dtype):
+    """Generation: a chunkwise prompt with its last state, then compileops.mlstm_step one
+    token at a time, against one call on the whole sequence (normed, xLSTM-7B head dims)."""
+    x = make_inputs(2, 4, 300, 128, 256, dtype=dtype, device="cuda", seed=8)
+    whole = chunk_out(x, chunk_size=64)
+    prompt = x.map(lambda t: t[..., :256, :] if t.dim() == 4 else (
+        t[..., :256] if t.dim() == 3 else t))
+    out, state = chunk_out(prompt, chunk_size=64, return_last_state=True)
+    steps = [out]
+    for t in range(256, 300):
+        o, state = compileops.mlstm_step(
+            x.q[:, :, t], x.k[:, :, t], x.v[:, :, t], x.igate[..., t], x.fgate[..., t], state,
+            norm_weight=x.norm_weight, norm_bias=x.norm_bias)
+        steps.append(o[:, None])
+    got = torch.cat(steps, dim=1)
+    assert_close_to_reference(got, whole.double(),
+                              max_relative_error=1e-5 if dtype == torch.float32 else 2e-2,
+                              what=f"{dtype} prompt + steps")
