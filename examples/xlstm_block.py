@@ -14,6 +14,11 @@ memorises the batch).
     python examples/xlstm_block.py                  # CPU, tiny (Triton's interpreter)
     python examples/xlstm_block.py --device cuda    # bf16 autocast, realistic widths
     python examples/xlstm_block.py --device cuda --dim 2048 --heads 8 --blocks 4 --seq 2048
+    python examples/xlstm_block.py --device cuda --long-seq 65536 --generate 32
+
+After training it greedy-decodes ``--generate`` tokens: one chunkwise pass over a prompt
+returns each layer's state, then ``compileops.mlstm_step`` runs one token at a time, checked
+against the full forward. ``--long-seq`` adds one compiled forward+backward at that length.
 
 On CPU the mLSTM kernels run under Triton's interpreter (``--backend reference`` uses the
 plain-PyTorch path instead); keep the sizes small there. Head dims (``qk_factor * dim /
@@ -77,6 +82,17 @@ class mLSTMBlock(torch.nn.Module):  # noqa: N801  (xlstm's name)
         x = x + self.mlstm_layer(self.norm_mlstm(x))
         return x + self.ffn(self.norm_ffn(x))
 
+    def prefill(self, x: torch.Tensor):
+        y, state = self.mlstm_layer.prefill(self.norm_mlstm(x))
+        x = x + y
+        return x + self.ffn(self.norm_ffn(x)), state
+
+    def step(self, x: torch.Tensor, state):
+        """``x [B, D]``, one token, with the layer's recurrent state."""
+        y, state = self.mlstm_layer.step(self.norm_mlstm(x), state)
+        x = x + y
+        return x + self.ffn(self.norm_ffn(x)), state
+
 
 class BlockStack(torch.nn.Module):
     def __init__(self, config, num_blocks: int):
@@ -88,6 +104,20 @@ class BlockStack(torch.nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.out_norm(x)
+
+    def prefill(self, x: torch.Tensor):
+        states = []
+        for block in self.blocks:
+            x, state = block.prefill(x)
+            states.append(state)
+        return self.out_norm(x), states
+
+    def step(self, x: torch.Tensor, states):
+        new = []
+        for block, state in zip(self.blocks, states):
+            x, state = block.step(x, state)
+            new.append(state)
+        return self.out_norm(x), new
 
 
 class xLSTMLM(torch.nn.Module):  # noqa: N801
@@ -101,8 +131,27 @@ class xLSTMLM(torch.nn.Module):  # noqa: N801
         self.logit_cap = logit_cap
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.backbone(self.embedding(ids)))
+        return self.logits(self.backbone(self.embedding(ids)))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(x)
         return self.logit_cap * torch.tanh(logits / self.logit_cap)
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, new_tokens: int):
+        """Greedy decoding: the prompt ``[B, P]`` in one chunkwise pass that returns each
+        layer's state, then one token at a time on ``compileops.mlstm_step``. Returns the ids
+        ``[B, P + new_tokens]`` and the logits of every generated position."""
+        x, states = self.backbone.prefill(self.embedding(prompt))
+        logits = self.logits(x[:, -1])
+        ids, seen = [prompt], []
+        for _ in range(new_tokens):
+            seen.append(logits)
+            token = logits.argmax(-1)
+            ids.append(token[:, None])
+            x, states = self.backbone.step(self.embedding(token), states)
+            logits = self.logits(x)
+        return torch.cat(ids, 1), torch.stack(seen, 1)
 
 
 def main(argv=None) -> None:
@@ -119,6 +168,12 @@ def main(argv=None) -> None:
     parser.add_argument("--vocab", type=int, help="vocabulary size (CPU 64, CUDA 32000)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--generate", type=int, default=8,
+                        help="after training, greedy-decode this many tokens on mlstm_step "
+                             "and check them against the full forward")
+    parser.add_argument("--long-seq", type=int, default=0,
+                        help="then one compiled forward+backward at this length (kernel="
+                             "'auto' takes the chunkwise form), with its time and peak memory")
     args = parser.parse_args(argv)
 
     on_gpu = args.device.startswith("cuda")
@@ -172,6 +227,40 @@ def main(argv=None) -> None:
             torch.cuda.synchronize(device)
         note = " (includes compiling)" if i == 0 else ""
         print(f"step {i}: loss {loss:.4f}  {1e3 * (time.perf_counter() - start):.1f} ms{note}")
+
+    if args.generate:
+        prompt = inputs[:, : max(1, size["seq"] // 2)]
+        with autocast:
+            ids_out, step_logits = model.generate(prompt, args.generate)
+            with torch.no_grad():
+                full = model(ids_out[:, :-1])[:, prompt.shape[1] - 1:]
+        gap = (step_logits.float() - full.float()).abs().max().item()
+        same = bool((step_logits.argmax(-1) == full.argmax(-1)).all())
+        print(f"generated {args.generate} tokens on mlstm_step after a {prompt.shape[1]}-token "
+              f"chunkwise prefill: logits within {gap:.2e} of the full forward, same greedy "
+              f"tokens: {same}")
+
+    if args.long_seq:
+        from compileops.mlstm.api import choose_kernel
+
+        long_ids = torch.randint(0, size["vocab"], (1, args.long_seq + 1), device=device)
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats(device)
+        for attempt in range(2):  # the first compiles for the new length
+            start = time.perf_counter()
+            with autocast:
+                logits = compiled(long_ids[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
+                                                     long_ids[0, 1:])
+            loss.backward()
+            optimizer.zero_grad(set_to_none=True)
+            if on_gpu:
+                torch.cuda.synchronize(device)
+        peak = f", peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if on_gpu \
+            else ""
+        print(f"long sequence S={args.long_seq}: forward+backward "
+              f"{1e3 * (time.perf_counter() - start):.1f} ms{peak} (kernel='auto': "
+              f"{choose_kernel('auto', args.long_seq, True)})")
 
 
 if __name__ == "__main__":

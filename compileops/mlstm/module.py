@@ -267,6 +267,25 @@ class mLSTMLayer(torch.nn.Module):  # noqa: N801  (xlstm's name)
                   **self.multihead_norm.mlstm_kwargs(v))  # [B, S, v_dim], normed
         return self.out_proj(torch.sigmoid(o) * h)
 
+    def prefill(self, x: torch.Tensor):
+        """``x [B, S, D]`` -> ``(y [B, S, D], state)``: :meth:`forward` (always the chunkwise
+        form) also returning the cell's last state ``(C, n, m)`` for :meth:`step`."""
+        q, k, v, o, i, f = self.projections(x)
+        h, state = mlstm(q, k, v, i, f, eps=self.eps, kernel="chunkwise",
+                         return_last_state=True, **self.multihead_norm.mlstm_kwargs(v))
+        return self.out_proj(torch.sigmoid(o) * h), state
+
+    def step(self, x: torch.Tensor, state=None):
+        """One token for generation: ``x [B, D]`` and the state from :meth:`prefill` or the
+        previous step (None: empty) -> ``(y [B, D], state)``, via
+        :func:`compileops.mlstm_step`; equals :meth:`forward` on the whole sequence."""
+        from compileops.mlstm.step import mlstm_step
+
+        q, k, v, o, i, f = self.projections(x[:, None])
+        h, state = mlstm_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], i[..., 0], f[..., 0], state,
+                              eps=self.eps, **self.multihead_norm.mlstm_kwargs(v))
+        return self.out_proj(torch.sigmoid(o[:, 0]) * h), state
+
     def extra_repr(self) -> str:
         c = self.config
         return (f"embedding_dim={c.embedding_dim}, num_heads={c.num_heads}, "
