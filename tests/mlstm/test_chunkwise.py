@@ -49,6 +49,7 @@ def _contract(x, backend, chunk, atol=1e-5, rtol=1e-5):
 @pytest.mark.parametrize("normed", [True, False], ids=["normed", "raw"])
 @pytest.mark.parametrize("backend,chunk,seq", [
     ("triton", 16, 8), ("triton", 16, 100), ("triton", 32, 77), ("triton", 64, 200),
+    ("triton", 128, 512),
     ("reference", 16, 100), ("reference", 64, 200)])
 def test_contract_fp64(backend, chunk, seq, normed):
     x = make_inputs(1, 2, seq, 16, 24, weight=normed, bias=normed, seed=seq)
@@ -121,6 +122,56 @@ def test_two_calls_with_the_carried_state_equal_one_call_bitwise(dtype):
     assert torch.equal(torch.cat([a, b], dim=1), whole)
     for got, want in zip(last2, last):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_states_and_packing_keep_the_fp64_contract(packed):
+    """The seed's contract with an initial state (its gradient too) or with cu_seqlens, at
+    S = 300 and chunk 64, against the plain-PyTorch references with states."""
+    from compileops.mlstm import recurrent, reference
+
+    x = make_inputs(1, 2, 300, 16, 24, seed=21)
+    gen = torch.Generator().manual_seed(7)
+    offset = 3.0 * torch.randn(out_shape(x), generator=gen, dtype=torch.float64)
+    cu = torch.tensor([0, 37, 38, 190, 300], dtype=torch.int32)
+    state = None if packed else _states(1, 2, 16, 24)
+
+    def run(fn):
+        leaves = x.leaves()
+        st = [t.clone().requires_grad_(True) for t in state] if state else []
+        out = fn(leaves, st)
+        loss = ((out + offset) ** 2).sum()
+        return out, torch.autograd.grad(loss, leaves.tensors() + st)
+
+    def ours(a, st):
+        with compileops.use_backend("triton"):
+            return chunk_out(a, chunk_size=64, initial_state=tuple(st) if st else None,
+                             cu_seqlens=cu if packed else None)
+
+    def truth(a, st):
+        h, _, _, _ = recurrent.parallel_reference_with_state(
+            a.q, a.k, a.v, a.igate, a.fgate, initial_state=tuple(st) if st else None,
+            cu_seqlens=cu if packed else None)
+        return reference.multihead_layernorm(h, a.norm_weight, a.norm_bias, 1e-6)
+
+    got, got_grads = run(ours)
+    want, want_grads = run(truth)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for i, (g, w) in enumerate(zip(got_grads, want_grads)):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=lambda m: f"grad {i}: {m}")
+
+
+def test_chunkwise_is_batch_invariant_fp32():
+    from compileops.testing import assert_batch_invariant
+
+    x = make_inputs(3, 2, 70, 16, 24, dtype=torch.float32, seed=12)
+
+    def fn(q, k, v, ig, fg):
+        return compileops.mlstm(q, k, v, ig, fg, norm_weight=x.norm_weight, kernel="chunkwise",
+                                chunk_size=16)
+
+    with compileops.use_backend("triton"):
+        assert_batch_invariant(fn, [x.q, x.k, x.v, x.igate, x.fgate])
 
 
 def test_chunkwise_agrees_with_parallel_fp32():
