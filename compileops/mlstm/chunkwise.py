@@ -35,19 +35,9 @@ from compileops.mlstm.checks import (
     check_log_gates,
 )
 from compileops.mlstm.gates import _chunked
-from compileops.mlstm.op import (
-    _dense,
-    _layernorm_backward,
-    _out_shape,
-    normaliser_terms,
-    stabiliser_column_grad,
-)
+from compileops.mlstm.op import _dense, _out_shape, stabiliser_column_grad
 
 LOG2E = 1.0 / math.log(2.0)
-
-
-def _num_chunks(seq: int, chunk: int) -> int:
-    return max(1, -(-seq // chunk))
 
 
 def check_chunk(chunk: int) -> None:
@@ -285,7 +275,6 @@ def mlstm_chunkwise_backward_op(
     check_backward_grad(grad_out, _out_shape(q, v, normed), "grad_out")
     acc = reference.gate_dtype(q.dtype)
     b, nh, seq, dqk = q.shape
-    dv_len = v.shape[-1]
     if backends.select("mlstm_chunkwise_backward", q.device) != "triton":
         return _reference_backward(grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf,
                                    norm_weight, c0, n0, m0, chunk, normed, norm_eps, eps,

@@ -14,7 +14,7 @@ from compileops.mlstm.api import AUTO_PARALLEL_MAX_SEQ, AUTO_PARALLEL_MAX_SEQ_IN
 from compileops.mlstm.gates import log_forget_op
 from compileops.mlstm.reference import gate_dtype
 from compileops.testing import assert_close_to_reference
-from tests.mlstm._helpers import GRAD_TOL, OUT_TOL, cotangent, fw_bw, make_inputs, \
+from tests.mlstm._helpers import OUT_TOL, cotangent, fw_bw, make_inputs, \
     out_shape, reference_out
 
 CUDA = torch.cuda.is_available()
