@@ -138,7 +138,7 @@ class mLSTMLayerConfig:  # noqa: N801  (xlstm's name)
     eps: float = 1e-6
     #: "single" (separate q, k, v, o, i, f projections) or "fused" (qkv_opreact, ifgate_preact).
     weight_mode: str = "single"
-    #: Passed to :func:`compileops.mlstm` (``"auto"`` or ``"parallel"``).
+    #: Passed to :func:`compileops.mlstm` (``"auto"``, ``"parallel"`` or ``"chunkwise"``).
     kernel: str = "auto"
 
     @property

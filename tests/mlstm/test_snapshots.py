@@ -85,6 +85,63 @@ class GraphModule(torch.nn.Module):
         return (getitem_9, getitem_4, getitem_7, mlstm_log_forget_backward, getitem_5, getitem_6)""")
 
     @needs_213
+    def test_chunkwise_aot_graphs(self):
+        """The chunkwise form with a state in and out: the chunk-restarted forget sums, the
+        chunkwise op and its backward op (the states' gradients included), no graph break."""
+        q, k, v, igate, fgate, weight, _ = _inputs()
+        acc = torch.float32
+        state = (torch.zeros(B, NH, DQK, DV, dtype=acc), torch.zeros(B, NH, DQK, dtype=acc),
+                 torch.zeros(B, NH, dtype=acc))
+        for t in (q, k, v, igate, fgate, weight, *state):
+            t.requires_grad_()
+
+        def fn(q, k, v, igate, fgate, weight, c, n, m):
+            out, (c2, n2, m2) = compileops.mlstm(q, k, v, igate, fgate, norm_weight=weight,
+                                                 kernel="chunkwise", chunk_size=16,
+                                                 initial_state=(c, n, m),
+                                                 return_last_state=True)
+            return out, c2, n2, m2
+
+        fw, bw = aot_graph_text(fn, q, k, v, igate, fgate, weight, *state)
+        self.assertExpectedInline(fw, """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[64]", primals_2: "f32[2, 2, 16, 32]", primals_3: "f32[2, 2, 40, 16]", primals_4: "f32[2, 2, 40]", primals_5: "f32[2, 2, 40]", primals_6: "f32[2, 2, 40, 16]", primals_7: "f32[2, 2, 40, 32]", primals_8: "f32[2, 2, 16]", primals_9: "f32[2, 2]"):
+        mlstm_log_forget: "f32[2, 2, 40]" = torch.ops.compileops.mlstm_log_forget.default(primals_5, 16)
+
+        mlstm_chunkwise = torch.ops.compileops.mlstm_chunkwise.default(primals_3, primals_6, primals_7, primals_4, mlstm_log_forget, primals_1, None, primals_2, primals_8, primals_9, 16, True, 1e-06, 1e-06, False, True)
+        getitem: "f32[2, 40, 64]" = mlstm_chunkwise[0]
+        getitem_1: "f32[2, 2, 40, 32]" = mlstm_chunkwise[1]
+        getitem_2: "f32[2, 2, 40]" = mlstm_chunkwise[2]
+        getitem_3: "f32[2, 2, 40]" = mlstm_chunkwise[3]
+        getitem_4: "f32[4, 3, 16, 32]" = mlstm_chunkwise[4]
+        getitem_5: "f32[4, 4, 16]" = mlstm_chunkwise[5]
+        getitem_6: "f32[4, 4]" = mlstm_chunkwise[6]
+        getitem_7: "f32[2, 2, 16, 32]" = mlstm_chunkwise[7]
+        getitem_8: "f32[2, 2, 16]" = mlstm_chunkwise[8]
+        getitem_9: "f32[2, 2]" = mlstm_chunkwise[9];  mlstm_chunkwise = None
+        detach: "f32[2, 2, 16, 32]" = torch.ops.aten.detach.default(getitem_7)
+        detach_1: "f32[2, 2, 16]" = torch.ops.aten.detach.default(getitem_8)
+        detach_2: "f32[2, 2, 16, 32]" = torch.ops.aten.detach.default(detach);  detach = None
+        detach_3: "f32[2, 2, 16]" = torch.ops.aten.detach.default(detach_1);  detach_1 = None
+        return (getitem, getitem_7, getitem_8, getitem_9, primals_1, primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, mlstm_log_forget, getitem_1, getitem_2, getitem_3, getitem_4, getitem_5, getitem_6, detach_2, detach_3)""")
+        self.assertExpectedInline(bw, """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_1: "f32[64]", primals_2: "f32[2, 2, 16, 32]", primals_3: "f32[2, 2, 40, 16]", primals_4: "f32[2, 2, 40]", primals_5: "f32[2, 2, 40]", primals_6: "f32[2, 2, 40, 16]", primals_7: "f32[2, 2, 40, 32]", primals_8: "f32[2, 2, 16]", primals_9: "f32[2, 2]", mlstm_log_forget: "f32[2, 2, 40]", getitem_1: "f32[2, 2, 40, 32]", getitem_2: "f32[2, 2, 40]", getitem_3: "f32[2, 2, 40]", getitem_4: "f32[4, 3, 16, 32]", getitem_5: "f32[4, 4, 16]", getitem_6: "f32[4, 4]", detach_2: "f32[2, 2, 16, 32]", detach_3: "f32[2, 2, 16]", tangents_1: "f32[2, 40, 64]", tangents_2: "f32[2, 2, 16, 32]", tangents_3: "f32[2, 2, 16]", tangents_4: "f32[2, 2]"):
+        mlstm_chunkwise_backward = torch.ops.compileops.mlstm_chunkwise_backward.default(tangents_1, tangents_2, tangents_3, tangents_4, primals_3, primals_6, primals_7, primals_4, mlstm_log_forget, primals_1, primals_2, primals_8, primals_9, getitem_1, getitem_2, getitem_3, getitem_4, getitem_5, getitem_6, detach_2, detach_3, 16, True, 1e-06, 1e-06, False);  tangents_1 = tangents_2 = tangents_3 = tangents_4 = primals_3 = primals_6 = primals_7 = primals_4 = mlstm_log_forget = primals_1 = primals_2 = primals_8 = primals_9 = getitem_1 = getitem_2 = getitem_3 = getitem_4 = getitem_5 = getitem_6 = detach_2 = detach_3 = None
+        getitem_10: "f32[2, 2, 40, 16]" = mlstm_chunkwise_backward[0]
+        getitem_11: "f32[2, 2, 40, 16]" = mlstm_chunkwise_backward[1]
+        getitem_12: "f32[2, 2, 40, 32]" = mlstm_chunkwise_backward[2]
+        getitem_13: "f32[2, 2, 40]" = mlstm_chunkwise_backward[3]
+        getitem_14: "f32[2, 2, 40]" = mlstm_chunkwise_backward[4]
+        getitem_15: "f32[64]" = mlstm_chunkwise_backward[5]
+        getitem_17: "f32[2, 2, 16, 32]" = mlstm_chunkwise_backward[7]
+        getitem_18: "f32[2, 2, 16]" = mlstm_chunkwise_backward[8]
+        getitem_19: "f32[2, 2]" = mlstm_chunkwise_backward[9];  mlstm_chunkwise_backward = None
+
+        mlstm_log_forget_backward: "f32[2, 2, 40]" = torch.ops.compileops.mlstm_log_forget_backward.default(getitem_14, primals_5, 16);  getitem_14 = primals_5 = None
+        return (getitem_15, getitem_17, getitem_10, getitem_13, mlstm_log_forget_backward, getitem_11, getitem_12, getitem_18, getitem_19)""")
+
+    @needs_213
     def test_template_fuses_the_output_gate(self):
         args = _inputs()
         with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
