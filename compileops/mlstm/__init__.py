@@ -1,8 +1,10 @@
-"""The mLSTM with its multi-head layernorm fused (the parallel form).
+"""The mLSTM with its multi-head layernorm fused: the parallel form, the chunkwise form
+(states in and out, packed documents) and the one-token step for generation.
 
-Importing this package registers ``compileops::mlstm_parallel``,
-``compileops::mlstm_parallel_backward`` and ``compileops::mlstm_step`` (the recurrent
-step, :mod:`compileops.mlstm.step`). Triton is imported only when a kernel runs.
+Importing this package registers ``compileops::mlstm_parallel``, ``compileops::mlstm_chunkwise``
+(:mod:`compileops.mlstm.chunkwise`), their backward ops, ``compileops::mlstm_log_forget`` and
+``compileops::mlstm_step`` (:mod:`compileops.mlstm.step`). Triton is imported only when a
+kernel runs.
 """
 from compileops.mlstm.api import mlstm, mlstm_with_stats
 from compileops.mlstm.step import mlstm_step
