@@ -172,11 +172,8 @@ def mlstm_chunkwise_op(
 def _forward_config(q, v, chunk):
     from compileops.mlstm.kernels import config
 
-    cfg = config.choose_forward_config(q, q.shape[-1], v.shape[-1])
-    if chunk < cfg.block_m:
-        cfg = config.ForwardConfig(block_m=chunk, block_n=min(cfg.block_n, chunk),
-                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return cfg
+    return config.choose_forward_config(q, q.shape[-1], v.shape[-1], with_state=True,
+                                        max_block_m=chunk)
 
 
 def _backward_config(q, v, chunk):

@@ -50,19 +50,63 @@ INTERPRETER_BACKWARD = BackwardConfig(block_m=16, block_n=16, num_warps=1, num_s
                                       block_rows=16)
 
 
-def choose_forward_config(q: torch.Tensor, dqk: int, dv: int) -> ForwardConfig:
-    """The forward's config for head dims ``dqk``, ``dv`` on q's device."""
+#: Bytes of shared memory a 16-bit forward config may plan for its tiles (the H100 allows 227
+#: KB per block; the rest is Triton's scratch for layout conversions and reductions).
+_SHARED_MEMORY_BUDGET = 190_000
+
+
+def _padded(dim: int) -> int:
+    """The tile width of a head dim, as the launchers pad it."""
+    return max(16, 1 << (max(dim, 1) - 1).bit_length())
+
+
+def forward_shared_bytes(cfg: ForwardConfig, dqk: int, dv: int, with_state: bool) -> int:
+    """Estimated shared memory of a 16-bit forward config: the q tile, ``num_stages``
+    buffers of k and v tiles, and the ``[DQK, DV]`` state tile of the chunkwise form."""
+    block_dqk, block_dv = _padded(dqk), _padded(dv)
+    tiles = cfg.block_m * block_dqk + cfg.num_stages * cfg.block_n * (block_dqk + block_dv)
+    return 2 * (tiles + (block_dqk * block_dv if with_state else 0))
+
+
+# H100, bf16, DQK=128 / DV=256, 65k tokens, training forward (h saved), stabiliser from the
+# gates' prefix max (benchmarks/tuning/probe_mlstm_forward.py): 128 x 64 tiles on 8 warps, 3
+# stages: 2.12 / 3.18 / 5.34 ms at S = 1024 / 2048 / 4096, against 2.25 / 3.42 / 5.74 for
+# 128 x 32 (3 stages) and 2.17 / 3.28 / 5.59 for 128 x 32 (4 stages); 64-row tiles are
+# 1.5-1.8x slower, 128 x 128 spills. The first candidate whose tiles fit
+# (:func:`forward_shared_bytes`) is taken: wider heads, and the chunkwise form's state tile,
+# take the smaller ones.
+_FORWARD_16BIT_CANDIDATES = (
+    ForwardConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    ForwardConfig(block_m=128, block_n=32, num_warps=8, num_stages=3),
+    ForwardConfig(block_m=128, block_n=32, num_warps=8, num_stages=2),
+    ForwardConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
+    ForwardConfig(block_m=64, block_n=16, num_warps=4, num_stages=2),
+)
+
+
+def choose_forward_config(q: torch.Tensor, dqk: int, dv: int, *, with_state: bool = False,
+                          max_block_m: int = 0) -> ForwardConfig:
+    """The forward's config for head dims ``dqk``, ``dv`` on q's device. ``with_state``: the
+    chunkwise form (a state tile per program); ``max_block_m``: the chunk length, when it
+    caps the query tile."""
     if q.device.type == "cpu":
-        return INTERPRETER_FORWARD
-    if q.dtype == torch.float64:
-        return ForwardConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
-    if q.dtype == torch.float32:
-        return ForwardConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    # H100, bf16, DQK=128 / DV=256, 65k tokens (benchmarks/tuning/probe_mlstm.py, factorised
-    # decay): 128 x 32 tiles on 8 warps, 3 stages: 2.39 ms at S=1024 and 6.23 at S=4096,
-    # against 2.95 / 9.38 for 64 x 64 (8 warps, 3 stages) and 3.34 / 7.00 for 128 x 64
-    # (2 stages); 128 x 64 with 4 stages and 128 x 128 need more than 227 KB shared memory.
-    return ForwardConfig(block_m=128, block_n=32, num_warps=8, num_stages=3)
+        cfg = INTERPRETER_FORWARD
+    elif q.dtype == torch.float64:
+        cfg = ForwardConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    elif q.dtype == torch.float32:
+        cfg = ForwardConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    else:
+        fitting = [c for c in map(lambda c: _capped(c, max_block_m), _FORWARD_16BIT_CANDIDATES)
+                   if forward_shared_bytes(c, dqk, dv, with_state) <= _SHARED_MEMORY_BUDGET]
+        return fitting[0] if fitting else _capped(_FORWARD_16BIT_CANDIDATES[-1], max_block_m)
+    return _capped(cfg, max_block_m)
+
+
+def _capped(cfg: ForwardConfig, max_block_m: int) -> ForwardConfig:
+    """``cfg`` with its query tile (and key tile) no longer than ``max_block_m`` when given."""
+    if not max_block_m or cfg.block_m <= max_block_m:
+        return cfg
+    return dataclasses.replace(cfg, block_m=max_block_m, block_n=min(cfg.block_n, max_block_m))
 
 
 def choose_backward_config(q: torch.Tensor, dqk: int, dv: int) -> BackwardConfig:

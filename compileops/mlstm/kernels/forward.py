@@ -1,10 +1,10 @@
 """The parallel mLSTM forward with the multi-head layernorm fused: tile body, kernel, launcher.
 
-One program owns ``BLOCK_M`` query rows of one (batch, head) and all DV columns of them. It
-walks the key tiles left of the diagonal unmasked, then the diagonal tiles masked, keeping
-FlashAttention-style running state per row: the stabiliser ``m`` (a running max of
-``logD``), the signed row sum ``b = sum_j C_ij`` and the unnormalised ``sum_j C_ij v_j``, all
-rescaled by ``exp(m_old - m_new)`` when ``m`` grows. The ``S x S`` matrices never leave the
+One program owns ``BLOCK_M`` query rows of one (batch, head) and all DV columns of them. The
+stabiliser comes first, from the gates alone (``m_i = logf_i + max_{j<=i} (igate_j -
+logf_j)``, a prefix max), so the key loop accumulates the signed row sum ``b = sum_j C_ij``
+and the unnormalised ``sum_j C_ij v_j`` without FlashAttention's rescaling: left of the
+diagonal unmasked, then the diagonal tiles masked. The ``S x S`` matrices never leave the
 tile. At the end ``h = acc / (max(|b|, exp(-m)) + eps)``, and the per-head layernorm over DV
 runs on the fp32 ``h`` in registers, which is why a program holds whole rows.
 
@@ -57,7 +57,7 @@ def mlstm_forward_tile(
     * ``weight_ptr``, ``bias_ptr``: ``[NH * DV]`` norm affine (read when ``HAS_WEIGHT`` /
       ``HAS_BIAS``; ``RESIDUAL_WEIGHT``: the scale is ``1 + weight``).
     * Written here: ``m_ptr`` and ``b_ptr`` ``[B * NH, S]`` ``ACC`` (the stabiliser in log2
-      units, bitwise the max of the ``logD`` values the backward recomputes, and the signed
+      units, the max of the ``logD`` values up to rounding, and the signed
       row sum ``sum_j C_ij``); ``h_ptr [B * NH, S, DV]`` contiguous, the
       raw h in v's dtype, when ``SAVE_H`` (the norm's backward reads it).
     * ``scale = 1 / sqrt(DQK)``; ``eps``: the cell's; ``norm_eps``: the layernorm's.
@@ -85,37 +85,45 @@ def mlstm_forward_tile(
     logf_i = tl.load(logf_ptr + gate_off + rows, mask=row_ok, other=0.0) * LOG2E
 
     window = (start_m // chunk_len) * chunk_len
+    # The stabiliser comes first, from the gates alone: m_i = max_{j<=i} logD_ij = logf_i +
+    # max_{j<=i} (igate_j - logf_j), a prefix max over the row's window. Knowing m_i before
+    # the key loop means the accumulators never need rescaling (FlashAttention's online
+    # max rescales a [BLOCK_M, DV] tile per key tile; here DV = 256 made that a large share).
+    row_max = logf_i + _prefix_max_column_term(igate_ptr, logf_ptr, gate_off, rows, window,
+                                               start_m, seq_len, BLOCK_M, ACC)
     if HAS_STATE:
-        acc, row_sum, row_max = _state_rows(
+        acc, row_sum, state_max = _state_rows(
             q, logf_i, cstate_ptr, nstate_ptr, mstate_ptr, bh, start_m // chunk_len,
             seq_len, chunk_len, scale, DQK, DV, BLOCK_DQK, BLOCK_DV, ACC, INPUT_PRECISION,
             UPCAST)
+        row_max = tl.maximum(row_max, state_max)
+        to_row_max = tl.exp2(state_max - row_max)
+        acc = acc * to_row_max[:, None]
+        row_sum = row_sum * to_row_max
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=ACC)
         row_sum = tl.zeros((BLOCK_M,), dtype=ACC)
-        row_max = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
 
     # Key tiles left of this query tile: every entry is causal and in range, and the decay
     # factorises: logD_ij = logf_i + (igate_j - logf_j). With the tile's largest column term
     # c = max_j (igate_j - logf_j), exp2(logD_ij - m_i) = exp2(logf_i + c - m_i) *
-    # exp2(igate_j - logf_j - c): a row factor and a column factor, both <= 1 once m_i has
-    # taken the tile in (no [BLOCK_M, BLOCK_N] exponentials, sums or maxima for the decay).
+    # exp2(igate_j - logf_j - c): a row factor and a column factor, both <= 1 since m_i
+    # covers the tile (no [BLOCK_M, BLOCK_N] exponentials for the decay, and no underflow of
+    # a column factor against a far larger reference: a document reset in packed sequences
+    # lifts the column terms by 200 / ln 2).
     for start_n in range(window, start_m, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, cols, stride_ks, dqk, stride_kd, seq_len, DQK, BLOCK_DQK, False)
         v = load_tile(v_base, cols, stride_vs, dv, stride_vd, seq_len, DV, BLOCK_DV, False)
         col_term = (tl.load(igate_ptr + gate_off + cols) - tl.load(logf_ptr + gate_off + cols)) * LOG2E
         tile_ref = tl.max(col_term, axis=0)
-        new_max = tl.maximum(row_max, logf_i + tile_ref)
-        rescale = tl.exp2(row_max - new_max)
-        row_scale = tl.exp2(logf_i + tile_ref - new_max) * scale
+        row_scale = tl.exp2(logf_i + tile_ref - row_max) * scale
         col_scale = tl.exp2(col_term - tile_ref)
         scores = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
                      INPUT_PRECISION, UPCAST)
         c = scores * row_scale[:, None] * col_scale[None, :]
-        row_sum = row_sum * rescale + tl.sum(c, axis=1)
-        acc = mma(c.to(v.dtype), v, acc * rescale[:, None], INPUT_PRECISION, UPCAST)
-        row_max = new_max
+        row_sum += tl.sum(c, axis=1)
+        acc = mma(c.to(v.dtype), v, acc, INPUT_PRECISION, UPCAST)
     # The diagonal tiles: mask j > i and j past the sequence.
     for start_n in range(start_m, tl.minimum(start_m + BLOCK_M, seq_len), BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
@@ -129,12 +137,9 @@ def mlstm_forward_tile(
         live = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
         log_d = tl.where(live, logf_i[:, None] - logf_j[None, :] + igate_j[None, :],
                          float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(log_d, axis=1))
-        rescale = tl.exp2(row_max - new_max)
-        c = scores * tl.exp2(log_d - new_max[:, None])
-        row_sum = row_sum * rescale + tl.sum(c, axis=1)
-        acc = mma(c.to(v.dtype), v, acc * rescale[:, None], INPUT_PRECISION, UPCAST)
-        row_max = new_max
+        c = scores * tl.exp2(log_d - row_max[:, None])
+        row_sum += tl.sum(c, axis=1)
+        acc = mma(c.to(v.dtype), v, acc, INPUT_PRECISION, UPCAST)
 
     normaliser = tl.maximum(tl.abs(row_sum), tl.exp2(-row_max))
     h = acc / (normaliser + eps)[:, None]
@@ -147,6 +152,27 @@ def mlstm_forward_tile(
         h = _layernorm_rows(h, weight_ptr, bias_ptr, head, norm_eps, DV, BLOCK_DV,
                             HAS_WEIGHT, HAS_BIAS, RESIDUAL_WEIGHT)
     return h
+
+
+@triton.jit
+def _prefix_max_column_term(igate_ptr, logf_ptr, gate_off, rows, window, start_m, seq_len,
+                            BLOCK_M: tl.constexpr, ACC: tl.constexpr):
+    """``max_{window <= j <= i} (igate_j - logf_j)`` (log2 units) for each of ``rows`` (a tile
+    of ``BLOCK_M`` starting at ``start_m``): a scan of the gates before the tile, then a
+    masked ``[BLOCK_M, BLOCK_M]`` max within it. Rows past ``seq_len`` see only live columns."""
+    lanes = tl.arange(0, BLOCK_M)
+    before = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
+    for start in range(window, start_m, BLOCK_M):
+        cols = start + lanes
+        before = tl.maximum(before, (tl.load(igate_ptr + gate_off + cols)
+                                     - tl.load(logf_ptr + gate_off + cols)) * LOG2E)
+    cols = start_m + lanes
+    col_ok = cols < seq_len
+    term = (tl.load(igate_ptr + gate_off + cols, mask=col_ok, other=0.0)
+            - tl.load(logf_ptr + gate_off + cols, mask=col_ok, other=0.0)) * LOG2E
+    live = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
+    within = tl.max(tl.where(live, term[None, :], float("-inf")), axis=1)
+    return tl.maximum(within, tl.max(before, axis=0))
 
 
 @triton.jit
@@ -263,7 +289,8 @@ def mlstm_forward(
     batch, heads, seq, dqk = q.shape
     dv = v.shape[-1]
     acc_dtype = logf.dtype
-    cfg = config or choose_forward_config(q, dqk, dv)
+    cfg = config or choose_forward_config(q, dqk, dv, with_state=states is not None,
+                                          max_block_m=chunk)
     if normed:
         out = v.new_empty((batch, seq, heads * dv))
         so_b, so_s, so_c = out.stride()
