@@ -119,9 +119,22 @@ class MoEModel(torch.nn.Module):
         self.layers = torch.nn.ModuleList(Block(args, dtype) for _ in range(args.layers))
         self.head = Head(args, dtype)
         #: ``--check-grads``: a dict that receives the gradients of the blocks' input (the
-        #: embedding's output: every block's backward, the compileops ops' included) and of
-        #: their output (the head's backward alone) on this rank's data.
+        #: embedding's output: every block's backward, the compileops ops' included), of
+        #: each later block's input (``d_block{i}_in``: the backward of blocks ``i..``), and
+        #: of their output (the head's backward alone) on this rank's data; and, under
+        #: ``"alignment"``, each block parameter's address modulo 256 as the block's forward
+        #: saw it (FSDP2's all-gathered views, or the unsharded model's own tensors).
         self.capture = None
+        for i, layer in enumerate(self.layers):
+            layer.register_forward_pre_hook(self._record_alignment(i))
+
+    def _record_alignment(self, index: int):
+        def hook(module, _inputs):
+            if self.capture is not None:
+                seen = self.capture.setdefault("alignment", {})
+                for name, p in module.named_parameters():
+                    seen.setdefault(f"layers.{index}.{name}", p.data_ptr() % 256)
+        return hook
 
     def units(self) -> list[torch.nn.Module]:
         """The modules that are sharded (and compiled) one by one."""
@@ -132,7 +145,10 @@ class MoEModel(torch.nn.Module):
         if self.capture is not None and x.requires_grad:
             x.register_hook(lambda g: self.capture.setdefault("d_embedding_out",
                                                               g.detach().clone()))
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if i and self.capture is not None and x.requires_grad:
+                x.register_hook(lambda g, name=f"d_block{i}_in": self.capture.setdefault(
+                    name, g.detach().clone()))
             x = layer(x)
         if self.capture is not None and x.requires_grad:
             # Upstream of every block: the head's (cuBLAS, Inductor) gradient alone.
@@ -243,17 +259,27 @@ def check_against_single(args, device, dtype, rank: int, world: int, step0) -> N
     loss = run(ids[mine], labels[mine])
     loss.backward()
     sharded_loss, sharded = step0
+    single_alignment = model.capture.pop("alignment", {})
+    sharded_alignment = sharded.pop("alignment", {})
     grads = {name: (torch.equal(g, sharded[name]),
                     (g.float() - sharded[name].float()).abs().max().item())
              for name, g in model.capture.items()}
+    # Parameters whose address differs modulo 256 between the two runs (kernels such as
+    # cuBLAS's may choose by alignment): name -> (sharded, single).
+    moved = {name: (sharded_alignment[name], single_alignment.get(name))
+             for name in sorted(sharded_alignment)
+             if sharded_alignment[name] != single_alignment.get(name)}
     results = [None] * world
-    dist.all_gather_object(results, (rank, torch.equal(loss.detach(), sharded_loss), grads))
+    dist.all_gather_object(results, (rank, torch.equal(loss.detach(), sharded_loss), grads, moved))
     if rank == 0:
-        for r, same_loss, per_point in results:
+        for r, same_loss, per_point, moved_r in results:
             text = "; ".join(f"{name} bitwise equal: {same} (max |diff| {diff:.3e})"
                              for name, (same, diff) in sorted(per_point.items()))
             print(f"rank {r} against one GPU on its shard, step 0: loss bitwise equal: "
                   f"{same_loss}; {text}", flush=True)
+            where = ", ".join(f"{n} {a}/{b}" for n, (a, b) in moved_r.items()) or "none"
+            print(f"rank {r} block parameters at another address mod 256 (sharded/single): "
+                  f"{where}", flush=True)
 
 
 def train_single(args, device, dtype) -> list[float]:

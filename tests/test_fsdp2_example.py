@@ -1,0 +1,37 @@
+"""``examples/fsdp2_moe.py`` under ``torchrun --nproc-per-node 2`` on CPU (gloo), tiny sizes,
+with an mLSTM layer in each block: it trains, each rank's first step equals one process on
+the same shard bitwise (loss and the gradients entering, between and leaving the blocks), and the
+sharded loss curve equals the unsharded one. The two-GPU NCCL run is in benchmarks/RESULTS.md.
+"""
+import os
+import re
+import subprocess
+import sys
+
+from tests.gloo import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_fsdp2_example_on_two_cpu_processes():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+         os.path.join(ROOT, "examples", "fsdp2_moe.py"), "--device", "cpu", "--tiny",
+         "--steps", "3", "--xlstm", "--check-grads", "--compare-single"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = run.stdout
+    assert run.returncode == 0, out[-4000:] + run.stderr[-4000:]
+    assert "0 graph breaks" in out, out
+    checks = [line for line in out.splitlines() if "against one GPU on its shard" in line]
+    assert len(checks) == 2, out
+    for line in checks:
+        # The loss, the gradients entering the blocks (d_head_in), entering the second block
+        # (d_block1_in) and leaving the first (d_embedding_out).
+        assert line.count("bitwise equal: True") == 4, line
+        assert "bitwise equal: False" not in line, line
+    alignment = [line for line in out.splitlines() if "at another address mod 256" in line]
+    assert len(alignment) == 2, out
+    gap = float(re.search(r"max \|sharded - single\| loss difference: (\S+)", out).group(1))
+    assert gap < 1e-5, out
