@@ -27,6 +27,10 @@ Compilation (``--compile``):
 model (same parameters, state dict and routing; SwiGLU and the probability scaling as plain
 ops), for a throughput comparison. ``--compare-single`` then trains the unsharded model on
 rank 0 on the same global batches and prints the largest loss difference.
+``--check-grads`` compares each rank's first step with the unsharded model on the same shard
+(loss, the gradients at the units' boundaries, bitwise); ``--trace-ops`` (with ``--compile
+none``) also fingerprints every compileops op and aten matmul of that step in both runs and
+names the first op that returns different bits from equal inputs.
 
     torchrun --nproc-per-node 2 examples/fsdp2_moe.py --device cpu --steps 3 --tiny
     torchrun --nproc-per-node 8 examples/fsdp2_moe.py                   # CUDA, nccl, bf16
@@ -40,6 +44,7 @@ set (then Triton's interpreter: slow, for checking the kernels).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import statistics
@@ -55,6 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from moe_layer import MoELayer  # noqa: E402  (puts the repo root on sys.path too)
 
 import compileops  # noqa: E402
+from compileops.divergence import OpFingerprints, first_divergence  # noqa: E402
 from compileops.grouped_linear import permute_by_expert, unpermute_and_combine  # noqa: E402
 
 
@@ -211,10 +217,11 @@ def train_sharded(args, device, dtype, rank: int, world: int) -> list[float]:
             torch.cuda.reset_peak_memory_stats(device)
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        loss = run(ids[mine], labels[mine])
-        loss.backward()
+        with op_trace(args.trace_ops and step == 0) as trace:
+            loss = run(ids[mine], labels[mine])
+            loss.backward()
         if model.capture is not None:
-            step0 = (loss.detach().clone(), dict(model.capture))
+            step0 = (loss.detach().clone(), dict(model.capture), trace)
             model.capture = None
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -256,9 +263,10 @@ def check_against_single(args, device, dtype, rank: int, world: int, step0) -> N
     model.capture = {}
     ids, labels = next(iter(batches(args, world, device)))
     mine = slice(rank * args.batch, (rank + 1) * args.batch)
-    loss = run(ids[mine], labels[mine])
-    loss.backward()
-    sharded_loss, sharded = step0
+    with op_trace(args.trace_ops) as trace:
+        loss = run(ids[mine], labels[mine])
+        loss.backward()
+    sharded_loss, sharded, sharded_trace = step0
     single_alignment = model.capture.pop("alignment", {})
     sharded_alignment = sharded.pop("alignment", {})
     grads = {name: (torch.equal(g, sharded[name]),
@@ -269,10 +277,13 @@ def check_against_single(args, device, dtype, rank: int, world: int, step0) -> N
     moved = {name: (sharded_alignment[name], single_alignment.get(name))
              for name in sorted(sharded_alignment)
              if sharded_alignment[name] != single_alignment.get(name)}
+    ops = (first_divergence(sharded_trace.calls, trace.calls).summary()
+           if args.trace_ops else None)
     results = [None] * world
-    dist.all_gather_object(results, (rank, torch.equal(loss.detach(), sharded_loss), grads, moved))
+    dist.all_gather_object(results, (rank, torch.equal(loss.detach(), sharded_loss), grads, moved,
+                                     ops))
     if rank == 0:
-        for r, same_loss, per_point, moved_r in results:
+        for r, same_loss, per_point, moved_r, ops_r in results:
             text = "; ".join(f"{name} bitwise equal: {same} (max |diff| {diff:.3e})"
                              for name, (same, diff) in sorted(per_point.items()))
             print(f"rank {r} against one GPU on its shard, step 0: loss bitwise equal: "
@@ -280,6 +291,18 @@ def check_against_single(args, device, dtype, rank: int, world: int, step0) -> N
             where = ", ".join(f"{n} {a}/{b}" for n, (a, b) in moved_r.items()) or "none"
             print(f"rank {r} block parameters at another address mod 256 (sharded/single): "
                   f"{where}", flush=True)
+            if ops_r is not None:
+                print(f"rank {r} op trace, sharded against single: {ops_r}", flush=True)
+
+
+@contextlib.contextmanager
+def op_trace(enabled: bool):
+    """``--trace-ops``: fingerprints of every compileops op and aten matmul (eager only)."""
+    if not enabled:
+        yield None
+        return
+    with OpFingerprints() as trace:
+        yield trace
 
 
 def train_single(args, device, dtype) -> list[float]:
@@ -327,7 +350,14 @@ def parse_args(argv=None):
                    help="mLSTM heads (head dims dim / 2 / heads and dim / heads: <= 256)")
     p.add_argument("--check-grads", action="store_true",
                    help="compare each rank's step-0 loss and gradients with one GPU, bitwise")
+    p.add_argument("--trace-ops", action="store_true",
+                   help="with --check-grads and --compile none: fingerprint every compileops "
+                   "op and aten matmul of step 0 in both runs and name the first op that "
+                   "returns different results on equal inputs")
     args = p.parse_args(argv)
+    if args.trace_ops and (not args.check_grads or args.compile != "none"):
+        p.error("--trace-ops needs --check-grads and --compile none (dispatch modes see eager "
+                "ops only)")
     if args.tiny:
         args.vocab, args.dim, args.hidden, args.experts, args.top_k = 64, 32, 32, 4, 2
         args.layers, args.batch, args.seq, args.lr = 2, 2, 8, 1e-2

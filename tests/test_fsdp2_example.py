@@ -1,7 +1,8 @@
 """``examples/fsdp2_moe.py`` under ``torchrun --nproc-per-node 2`` on CPU (gloo), tiny sizes,
 with an mLSTM layer in each block: it trains, each rank's first step equals one process on
-the same shard bitwise (loss and the gradients entering, between and leaving the blocks), and the
-sharded loss curve equals the unsharded one. The two-GPU NCCL run is in benchmarks/RESULTS.md.
+the same shard bitwise (loss and the gradients entering, between and leaving the blocks),
+the sharded loss curve equals the unsharded one, and ``--trace-ops`` finds no op that
+differs. The two-GPU NCCL run is in benchmarks/RESULTS.md.
 """
 import os
 import re
@@ -13,16 +14,20 @@ from tests.gloo import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_fsdp2_example_on_two_cpu_processes():
+def _run_example(*flags: str) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
          os.path.join(ROOT, "examples", "fsdp2_moe.py"), "--device", "cpu", "--tiny",
-         "--steps", "3", "--xlstm", "--check-grads", "--compare-single"],
+         "--xlstm", "--check-grads", *flags],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    out = run.stdout
-    assert run.returncode == 0, out[-4000:] + run.stderr[-4000:]
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    return run.stdout
+
+
+def test_fsdp2_example_on_two_cpu_processes():
+    out = _run_example("--steps", "3", "--compare-single")
     assert "0 graph breaks" in out, out
     checks = [line for line in out.splitlines() if "against one GPU on its shard" in line]
     assert len(checks) == 2, out
@@ -35,3 +40,12 @@ def test_fsdp2_example_on_two_cpu_processes():
     assert len(alignment) == 2, out
     gap = float(re.search(r"max \|sharded - single\| loss difference: (\S+)", out).group(1))
     assert gap < 1e-5, out
+
+
+def test_fsdp2_example_op_trace_finds_no_divergence_on_cpu():
+    out = _run_example("--steps", "1", "--compile", "none", "--trace-ops")
+    traces = [line for line in out.splitlines() if "op trace, sharded against single" in line]
+    assert len(traces) == 2, out
+    for line in traces:
+        assert "no op differs on equal inputs" in line, line
+        assert "compileops::grouped_linear_dx" in line and "compileops::mlstm" in line, line
