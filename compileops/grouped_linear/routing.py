@@ -3,8 +3,11 @@
 Nothing here reads a group size on the host: the sort, the offsets (``searchsorted`` of
 the expert ids ``0..G-1`` in the sorted assignment list) and the inverse permutation all
 stay on the device, so the MoE layer compiles with ``fullgraph=True`` and captures in CUDA
-graphs. Both directions are gathers (their backwards scatter into a permutation: every
-destination gets exactly one contribution, so they are deterministic).
+graphs. Both directions are gathers, and so are both backwards: no scatter-add, whose
+atomics on a GPU would sum a token's ``k`` copies in a different order from run to run
+(autograd's own ``index_select`` backward). The combine's backward gathers by the inverse
+permutation (:class:`_PermuteRows`); the permute's gathers the ``k`` copies back into token
+order and sums them over the slots in order (:class:`_GatherTokenCopies`).
 """
 from __future__ import annotations
 
@@ -32,8 +35,54 @@ def permute_by_expert(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: in
     sorted_ids, order = torch.sort(flat, stable=True)
     experts = torch.arange(num_experts, device=flat.device, dtype=sorted_ids.dtype)
     offsets = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
-    x_sorted = x.index_select(0, order // top_k)
+    x_sorted = _GatherTokenCopies.apply(x, order, top_k)
     return x_sorted, order, offsets
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``rows [N, D]`` -> ``rows[perm]``; the backward gathers by ``inverse`` (``perm``'s
+    inverse), where autograd would zero-fill and ``index_add``."""
+
+    @staticmethod
+    def forward(rows, perm, inverse):
+        return rows.index_select(0, perm)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[2])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+class _GatherTokenCopies(torch.autograd.Function):
+    """``x [T, D]``, ``order [T*k]`` (a permutation of the flat assignments) -> ``x[order //
+    k]`` ``[T*k, D]``. Backward: ``dx[t] = sum_j dxs[inverse[t*k + j]]``, a gather by the
+    inverse permutation and a sum over the ``k`` slots in slot order, instead of autograd's
+    ``index_add`` (atomic adds on CUDA: the order of a token's ``k`` contributions, and so
+    the last bits of dx, changed from run to run)."""
+
+    @staticmethod
+    def forward(x, order, top_k):
+        return x.index_select(0, order // top_k)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, order, top_k = inputs
+        ctx.save_for_backward(order)
+        ctx.top_k = top_k
+        ctx.tokens = x.shape[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        # The inverse permutation by a scatter into distinct slots (no sort, no atomics).
+        inverse = torch.empty_like(order).scatter_(
+            0, order, torch.arange(order.numel(), device=order.device, dtype=order.dtype))
+        per_slot = grad.index_select(0, inverse).reshape(ctx.tokens, ctx.top_k, grad.shape[-1])
+        return per_slot.sum(1), None, None
 
 
 def unpermute_and_combine(y_sorted: torch.Tensor, order: torch.Tensor,
@@ -43,7 +92,7 @@ def unpermute_and_combine(y_sorted: torch.Tensor, order: torch.Tensor,
     checks.check_unpermute_args(y_sorted, order, weights)
     tokens, top_k = weights.shape
     inverse = torch.argsort(order)
-    y = y_sorted.index_select(0, inverse).reshape(tokens, top_k, y_sorted.shape[-1])
+    y = _PermuteRows.apply(y_sorted, inverse, order).reshape(tokens, top_k, y_sorted.shape[-1])
     return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)
 
 

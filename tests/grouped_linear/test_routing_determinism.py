@@ -1,0 +1,46 @@
+"""The routing helpers' backwards (permute and combine) are gathers: no atomic
+scatter-add, whose order (and so the last bits of the token gradient) changes from run to
+run on a GPU. ``permute_by_expert`` gives each token ``k`` copies; autograd's own
+``index_select`` backward would ``index_add`` them (it did, until the FSDP2 per-rank check
+found it)."""
+import pytest
+import torch
+
+from compileops.grouped_linear.routing import permute_by_expert, unpermute_and_combine
+from compileops.testing import aot_graph_text
+
+ACCUMULATING = ("index_add", "scatter_add", "index_put", "scatter_reduce", "_unsafe_index_put")
+
+
+def _moe_routing(x, ids, w, probs):
+    xs, order, offsets = permute_by_expert(x, ids, 4)
+    return unpermute_and_combine(xs * w, order, probs)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_backward_graph_has_no_accumulating_scatter(top_k):
+    torch.manual_seed(0)
+    x = torch.randn(6, 5, requires_grad=True)
+    ids = torch.randint(0, 4, (6, top_k))
+    w = torch.randn(1, 5, requires_grad=True)
+    probs = torch.rand(6, top_k, requires_grad=True)
+    _, backward = aot_graph_text(_moe_routing, x, ids, w, probs)
+    assert backward, "no backward graph was built"
+    for op in ACCUMULATING:
+        assert op not in backward, f"{op} in the routing backward:\n{backward}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_token_gradient_sums_the_copies_in_slot_order(dtype):
+    torch.manual_seed(1)
+    tokens, top_k, dim = 9, 3, 7
+    x = torch.randn(tokens, dim, dtype=dtype, requires_grad=True)
+    ids = torch.randint(0, 4, (tokens, top_k))
+    xs, order, _ = permute_by_expert(x, ids, 4)
+    assert torch.equal(xs, x.detach()[order // top_k])
+    grad = torch.randn_like(xs)
+    (dx,) = torch.autograd.grad(xs, x, grad)
+    per_slot = torch.empty_like(grad)
+    per_slot[order] = grad  # row t*k + j: the copy of token t in slot j
+    expected = per_slot.reshape(tokens, top_k, dim).sum(1)
+    assert torch.equal(dx, expected)
