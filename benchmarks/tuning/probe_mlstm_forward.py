@@ -1,7 +1,11 @@
-"""Probe the parallel mLSTM forward on a GPU: the tree's kernel against the previous one
-(``_forward_before.py``, when present), over tile configs, with registers and spills.
+"""Probe the parallel mLSTM forward on a GPU: the tree's kernel against an earlier one, over
+tile configs, with registers, spills and shared memory per config.
 
-    python3 benchmarks/tuning/probe_mlstm_forward.py [--seqs 1024 2048 4096]
+    git show REV:compileops/mlstm/kernels/forward.py > benchmarks/tuning/_forward_before.py
+    python3 benchmarks/tuning/probe_mlstm_forward.py [--seqs 1024 2048 4096] [--save-h 0]
+        [--configs 128,64,8,3 ...]
+
+Without ``_forward_before.py`` only the tree's kernel is timed.
 """
 import argparse
 import importlib
@@ -16,21 +20,12 @@ from compileops.mlstm.kernels import forward as fw_new
 from compileops.mlstm.kernels.config import ForwardConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from probe_mlstm import make  # noqa: E402  (same data: unit normal q, k, v, gates; f + 3)
+
 try:
     fw_old = importlib.import_module("_forward_before")
 except ImportError:
     fw_old = None
-
-
-def make(b, nh, s, dqk, dv, dtype, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(b, nh, s, dqk, device="cuda", dtype=dtype, generator=g)
-    k = torch.randn(b, nh, s, dqk, device="cuda", dtype=dtype, generator=g)
-    v = torch.randn(b, nh, s, dv, device="cuda", dtype=dtype, generator=g)
-    i = torch.randn(b, nh, s, device="cuda", dtype=dtype, generator=g)
-    f = torch.randn(b, nh, s, device="cuda", dtype=dtype, generator=g) + 3
-    w = (1 + 0.1 * torch.randn(nh * dv, device="cuda", generator=g)).to(dtype)
-    return q, k, v, i, f, w
 
 
 def spills(kernel):
