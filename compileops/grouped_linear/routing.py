@@ -39,22 +39,29 @@ def permute_by_expert(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: in
     return x_sorted, order, offsets
 
 
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """``inv`` with ``inv[perm[i]] = i``: a scatter into distinct slots (no sort, no atomics).
+    ``perm`` must be a permutation of ``0..n-1`` (here: one a sort produced)."""
+    return torch.empty_like(perm).scatter_(
+        0, perm, torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype))
+
+
 class _PermuteRows(torch.autograd.Function):
-    """``rows [N, D]`` -> ``rows[perm]``; the backward gathers by ``inverse`` (``perm``'s
-    inverse), where autograd would zero-fill and ``index_add``."""
+    """``rows [N, D]`` -> ``rows[perm]`` for a permutation ``perm`` of ``0..N-1``; the
+    backward gathers by its inverse, where autograd would zero-fill and ``index_add``."""
 
     @staticmethod
-    def forward(rows, perm, inverse):
+    def forward(rows, perm):
         return rows.index_select(0, perm)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[2])
+        ctx.save_for_backward(inputs[1])
 
     @staticmethod
     def backward(ctx, grad):
-        (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
+        (perm,) = ctx.saved_tensors
+        return grad.index_select(0, inverse_permutation(perm)), None
 
 
 class _GatherTokenCopies(torch.autograd.Function):
@@ -78,10 +85,7 @@ class _GatherTokenCopies(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (order,) = ctx.saved_tensors
-        # The inverse permutation by a scatter into distinct slots (no sort, no atomics).
-        inverse = torch.empty_like(order).scatter_(
-            0, order, torch.arange(order.numel(), device=order.device, dtype=order.dtype))
-        per_slot = grad.index_select(0, inverse).reshape(ctx.tokens, ctx.top_k, grad.shape[-1])
+        per_slot = grad.index_select(0, inverse_permutation(order)).reshape(ctx.tokens, ctx.top_k, grad.shape[-1])
         return per_slot.sum(1), None, None
 
 
@@ -91,8 +95,10 @@ def unpermute_and_combine(y_sorted: torch.Tensor, order: torch.Tensor,
     ``[T, D]``: ``out[t] = sum_j weights[t, j] * y[t*k + j]`` summed over slots in order."""
     checks.check_unpermute_args(y_sorted, order, weights)
     tokens, top_k = weights.shape
+    # argsort, not inverse_permutation: ``order`` comes from the caller, and a sort turns any
+    # values into a permutation (in-range indices) where a scatter would write out of bounds.
     inverse = torch.argsort(order)
-    y = _PermuteRows.apply(y_sorted, inverse, order).reshape(tokens, top_k, y_sorted.shape[-1])
+    y = _PermuteRows.apply(y_sorted, inverse).reshape(tokens, top_k, y_sorted.shape[-1])
     return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)
 
 

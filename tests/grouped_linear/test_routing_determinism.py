@@ -44,3 +44,15 @@ def test_token_gradient_sums_the_copies_in_slot_order(dtype):
     per_slot[order] = grad  # row t*k + j: the copy of token t in slot j
     expected = per_slot.reshape(tokens, top_k, dim).sum(1)
     assert torch.equal(dx, expected)
+
+
+def test_combine_never_indexes_with_the_callers_order_values():
+    # order comes from the caller: the combine sorts it (argsort) and only ever indexes with
+    # permutations derived from that sort, so values out of range cannot reach a gather or a
+    # scatter (on a GPU that would be an illegal memory access, not an error).
+    y = torch.randn(4, 3, requires_grad=True)
+    weights = torch.rand(2, 2, requires_grad=True)
+    order = torch.tensor([5, 0, 9, 1])
+    out = unpermute_and_combine(y, order, weights)
+    out.sum().backward()
+    assert y.grad.shape == y.shape and torch.isfinite(y.grad).all()
