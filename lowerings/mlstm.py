@@ -86,7 +86,7 @@ def lower_mlstm_parallel(q, k, v, igate, logf, norm_weight, norm_bias, normed, n
         choices, input_nodes=[*nodes, *extras], layout=layout, mutated_inputs=extras,
         call_sizes=q.get_size(), num_stages=cfg.num_stages, num_warps=cfg.num_warps,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DQK=dqk, DV=dv,
-        BLOCK_DQK=max(16, _next_power_of_2(dqk)), BLOCK_DV=max(16, _next_power_of_2(dv)),
+        BLOCK_DQK=kernels.head_tile(dqk), BLOCK_DV=kernels.head_tile(dv),
         HAS_NORM=bool(normed), HAS_WEIGHT=norm_weight is not None,
         HAS_BIAS=norm_bias is not None, RESIDUAL_WEIGHT=bool(residual_weight), SAVE_H=save_h,
         SCALE=1.0 / math.sqrt(dqk), EPS=float(eps), NORM_EPS=float(norm_eps),
@@ -99,10 +99,6 @@ def lower_mlstm_parallel(q, k, v, igate, logf, norm_weight, norm_bias, normed, n
                                             layout)
     h = extras[0] if save_h else _compat.empty_buffer(device, dtype, [0])
     return out, h, m_log2, row_sum
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << (int(n) - 1).bit_length()
 
 
 def register() -> None:

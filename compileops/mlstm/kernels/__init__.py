@@ -12,6 +12,7 @@ from compileops.mlstm.kernels.config import (
     ForwardConfig,
     choose_backward_config,
     choose_forward_config,
+    head_tile,
 )
 from compileops.mlstm.kernels.forward import mlstm_forward, mlstm_forward_tile
 
@@ -21,6 +22,7 @@ __all__ = [
     "cell_backward",
     "choose_backward_config",
     "choose_forward_config",
+    "head_tile",
     "mlstm_forward",
     "mlstm_forward_tile",
     "norm_backward",

@@ -32,7 +32,7 @@ from compileops.mlstm.kernels.common import (
     mma,
     upcast_dots,
 )
-from compileops.mlstm.kernels.config import BackwardConfig, choose_backward_config
+from compileops.mlstm.kernels.config import BackwardConfig, choose_backward_config, head_tile
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -419,7 +419,7 @@ def norm_backward(
             dh if normed else r, m_log2, row_sum, r, beta, dm,
             parts_w if normed else r, parts_b if normed else r,
             seq, heads, rows, *_dims(grad_out, normed, dv), norm_eps, eps,
-            DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK_ROWS=config.block_rows,
+            DV=dv, BLOCK_DV=head_tile(dv), BLOCK_ROWS=config.block_rows,
             HAS_NORM=normed, HAS_WEIGHT=norm_weight is not None,
             RESIDUAL_WEIGHT=residual_weight, ACC=accumulation_dtype(h.dtype),
             num_warps=config.num_warps,
@@ -457,8 +457,8 @@ def cell_backward(
     if chunk and chunk % cfg.block_m:
         raise ValueError(f"chunk ({chunk}) must be a multiple of block_m ({cfg.block_m})")
     common = dict(
-        DQK=dqk, DV=dvh, BLOCK_DQK=max(16, triton.next_power_of_2(dqk)),
-        BLOCK_DV=max(16, triton.next_power_of_2(dvh)), BLOCK_M=cfg.block_m,
+        DQK=dqk, DV=dvh, BLOCK_DQK=head_tile(dqk),
+        BLOCK_DV=head_tile(dvh), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, HAS_STATE=states is not None, ACC=accumulation_dtype(q.dtype),
         INPUT_PRECISION=input_precision(q.dtype), UPCAST=upcast_dots(q),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

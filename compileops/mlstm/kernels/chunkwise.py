@@ -37,6 +37,7 @@ from compileops.mlstm.kernels.common import (
     mma,
     upcast_dots,
 )
+from compileops.mlstm.kernels.config import head_tile
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -196,7 +197,7 @@ def _block_v(dv: int, device: torch.device) -> int:
 
 def _launch_opts(q: torch.Tensor, chunk: int, dqk: int) -> dict:
     return dict(
-        DQK=dqk, BLOCK_DQK=max(16, triton.next_power_of_2(dqk)), CHUNK=chunk,
+        DQK=dqk, BLOCK_DQK=head_tile(dqk), CHUNK=chunk,
         SUB=min(chunk, {torch.float64: 16, torch.float32: 32}.get(q.dtype, 64)),
         ACC=accumulation_dtype(q.dtype), INPUT_PRECISION=input_precision(q.dtype),
         UPCAST=upcast_dots(q), num_warps=4 if q.device.type == "cuda" else 1,

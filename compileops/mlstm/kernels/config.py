@@ -9,6 +9,8 @@ import dataclasses
 
 import torch
 
+from compileops._launch import next_power_of_2
+
 
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
@@ -55,15 +57,17 @@ INTERPRETER_BACKWARD = BackwardConfig(block_m=16, block_n=16, num_warps=1, num_s
 _SHARED_MEMORY_BUDGET = 190_000
 
 
-def _padded(dim: int) -> int:
-    """The tile width of a head dim, as the launchers pad it."""
-    return max(16, 1 << (max(dim, 1) - 1).bit_length())
+def head_tile(dim: int) -> int:
+    """The tile width of a head dim (``BLOCK_DQK`` / ``BLOCK_DV``): the next power of two, at
+    least 16 (the MMA's smallest). The launchers, the lowering and the shared-memory
+    estimate all pad with this."""
+    return max(16, next_power_of_2(int(dim)))
 
 
 def forward_shared_bytes(cfg: ForwardConfig, dqk: int, dv: int, with_state: bool) -> int:
     """Estimated shared memory of a 16-bit forward config: the q tile, ``num_stages``
     buffers of k and v tiles, and the ``[DQK, DV]`` state tile of the chunkwise form."""
-    block_dqk, block_dv = _padded(dqk), _padded(dv)
+    block_dqk, block_dv = head_tile(dqk), head_tile(dv)
     tiles = cfg.block_m * block_dqk + cfg.num_stages * cfg.block_n * (block_dqk + block_dv)
     return 2 * (tiles + (block_dqk * block_dv if with_state else 0))
 
@@ -96,9 +100,10 @@ def choose_forward_config(q: torch.Tensor, dqk: int, dv: int, *, with_state: boo
     elif q.dtype == torch.float32:
         cfg = ForwardConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     else:
-        fitting = [c for c in map(lambda c: _capped(c, max_block_m), _FORWARD_16BIT_CANDIDATES)
-                   if forward_shared_bytes(c, dqk, dv, with_state) <= _SHARED_MEMORY_BUDGET]
-        return fitting[0] if fitting else _capped(_FORWARD_16BIT_CANDIDATES[-1], max_block_m)
+        candidates = [_capped(c, max_block_m) for c in _FORWARD_16BIT_CANDIDATES]
+        return next((c for c in candidates
+                     if forward_shared_bytes(c, dqk, dv, with_state) <= _SHARED_MEMORY_BUDGET),
+                    candidates[-1])
     return _capped(cfg, max_block_m)
 
 

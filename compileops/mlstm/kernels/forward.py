@@ -28,7 +28,7 @@ from compileops.mlstm.kernels.common import (
     mma,
     upcast_dots,
 )
-from compileops.mlstm.kernels.config import ForwardConfig, choose_forward_config
+from compileops.mlstm.kernels.config import ForwardConfig, choose_forward_config, head_tile
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -316,8 +316,8 @@ def mlstm_forward(
         chunk if chunk else seq, heads,
         *q.stride(), *k.stride(), *v.stride(), *out_strides,
         1.0 / math.sqrt(dqk), eps, norm_eps,
-        DQK=dqk, DV=dv, BLOCK_DQK=max(16, triton.next_power_of_2(dqk)),
-        BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+        DQK=dqk, DV=dv, BLOCK_DQK=head_tile(dqk),
+        BLOCK_DV=head_tile(dv),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HAS_NORM=normed, HAS_WEIGHT=norm_weight is not None, HAS_BIAS=norm_bias is not None,
         RESIDUAL_WEIGHT=residual_weight, SAVE_H=save_h, HAS_STATE=states is not None,
