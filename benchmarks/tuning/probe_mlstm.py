@@ -2,6 +2,11 @@
 (one head-batch slice), then forward / backward kernel times for a few tile configs.
 
     python3 benchmarks/tuning/probe_mlstm.py [--seq 1024] [--quick]
+
+``--breakdown`` times the backward's parts; the dQ and dK/dV kernels of every
+``_backward_<name>.py`` beside this file (a copy of the module, edited; e.g. ``git show
+REV:compileops/mlstm/kernels/backward.py > benchmarks/tuning/_backward_before.py``) are
+timed too, in the same process.
 """
 import argparse
 import math
@@ -100,16 +105,26 @@ def breakdown(seq, tokens):
     rg, cg = torch.empty_like(logf), torch.empty_like(logf)
     strides = (*q.stride(), *k.stride(), *v.stride(), *dh.stride())
     scale = 1 / math.sqrt(dqk)
-    t_dq = triton.testing.do_bench(lambda: bwk.mlstm_dq_kernel[(b * nh, triton.cdiv(seq, cfg.block_m))](
-        q, k, v, dh, ig, logf, m, r, beta, r, r, r, dq, rg, seq, seq, nh, *strides, scale, **common), rep=50)
-    t_dkv = triton.testing.do_bench(lambda: bwk.mlstm_dkv_kernel[(b * nh, triton.cdiv(seq, cfg.block_n))](
-        q, k, v, dh, ig, logf, m, r, beta, r, r, r, dk, dvv, cg, seq, seq, nh, *strides, scale, **common),
-        rep=50)
-    # Causal FLOPs per pass: dQ 2*(DQK + DV + DQK), dK/dV 2*(DQK + DV + DV + DQK) per entry.
-    entries = b * nh * seq * seq / 2
-    print(f"breakdown S={seq} {cfg}: norm {t_norm:.3f} ms, dQ {t_dq:.3f} ms "
-          f"({entries * 2 * (2 * dqk + dv) / t_dq / 1e9:.0f} TFLOP/s), dK/dV {t_dkv:.3f} ms "
-          f"({entries * 2 * (2 * dqk + 2 * dv) / t_dkv / 1e9:.0f} TFLOP/s)", flush=True)
+    import importlib
+    import os
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    versions = [("tree", bwk)] + [
+        (name[len("_backward_"):-3], importlib.import_module(name[:-3]))
+        for name in sorted(os.listdir(here))
+        if name.startswith("_backward_") and name.endswith(".py")]
+    for name, mod in versions:
+        t_dq = triton.testing.do_bench(lambda: mod.mlstm_dq_kernel[(b * nh, triton.cdiv(seq, cfg.block_m))](
+            q, k, v, dh, ig, logf, m, r, beta, r, r, r, dq, rg, seq, seq, nh, *strides, scale, **common), rep=50)
+        t_dkv = triton.testing.do_bench(lambda: mod.mlstm_dkv_kernel[(b * nh, triton.cdiv(seq, cfg.block_n))](
+            q, k, v, dh, ig, logf, m, r, beta, r, r, r, dk, dvv, cg, seq, seq, nh, *strides, scale, **common),
+            rep=50)
+        # Causal FLOPs per pass: dQ 2*(DQK + DV + DQK), dK/dV 2*(DQK + DV + DV + DQK) per entry.
+        entries = b * nh * seq * seq / 2
+        print(f"breakdown [{name}] S={seq} {cfg}: norm {t_norm:.3f} ms, dQ {t_dq:.3f} ms "
+              f"({entries * 2 * (2 * dqk + dv) / t_dq / 1e9:.0f} TFLOP/s), dK/dV {t_dkv:.3f} ms "
+              f"({entries * 2 * (2 * dqk + 2 * dv) / t_dkv / 1e9:.0f} TFLOP/s)", flush=True)
 
 
 def main():

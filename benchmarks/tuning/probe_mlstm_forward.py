@@ -1,11 +1,12 @@
-"""Probe the parallel mLSTM forward on a GPU: the tree's kernel against an earlier one, over
-tile configs, with registers, spills and shared memory per config.
+"""Probe the parallel mLSTM forward on a GPU: the tree's kernel against other versions of
+``forward.py``, over tile configs, with registers, spills and shared memory per config.
 
     git show REV:compileops/mlstm/kernels/forward.py > benchmarks/tuning/_forward_before.py
     python3 benchmarks/tuning/probe_mlstm_forward.py [--seqs 1024 2048 4096] [--save-h 0]
         [--configs 128,64,8,3 ...]
 
-Without ``_forward_before.py`` only the tree's kernel is timed.
+Every ``_forward_<name>.py`` beside this file (a whole copy of the module, edited) is timed
+in the same process as the tree's; without any, only the tree's kernel is.
 """
 import argparse
 import importlib
@@ -22,10 +23,10 @@ from compileops.mlstm.kernels.config import ForwardConfig
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from probe_mlstm import make  # noqa: E402  (same data: unit normal q, k, v, gates; f + 3)
 
-try:
-    fw_old = importlib.import_module("_forward_before")
-except ImportError:
-    fw_old = None
+_HERE = os.path.dirname(os.path.abspath(__file__))
+VERSIONS = [("tree", fw_new)] + [
+    (name[len("_forward_"):-3], importlib.import_module(name[:-3]))
+    for name in sorted(os.listdir(_HERE)) if name.startswith("_forward_") and name.endswith(".py")]
 
 
 def spills(kernel):
@@ -57,10 +58,8 @@ def main():
         ig = i.float().contiguous()
         flops = b * nh * seq * seq * (dqk + dv)
         ref_out = None
-        for name, mod in (("new", fw_new), ("before", fw_old)):
-            if mod is None:
-                continue
-            for cfg in (cfgs if name == "new" else cfgs[:3]):
+        for name, mod in VERSIONS:
+            for cfg in cfgs:
                 try:
                     fn = lambda: mod.mlstm_forward(q, k, v, ig, logf, w, None, True, 1e-6, 1e-6,
                                                    False, bool(args.save_h), config=cfg)

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from compileops.mlstm.kernels.common import (
+    LOG2E,
     accumulation_dtype,
     input_precision,
     load_tile,
@@ -38,8 +39,6 @@ from compileops.mlstm.kernels.common import (
     upcast_dots,
 )
 from compileops.mlstm.kernels.config import head_tile
-
-LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit

@@ -22,15 +22,15 @@ import triton
 import triton.language as tl
 
 from compileops.mlstm.kernels.common import (
+    LOG2E,
     accumulation_dtype,
+    column_term_max,
     input_precision,
     load_tile,
     mma,
     upcast_dots,
 )
 from compileops.mlstm.kernels.config import ForwardConfig, choose_forward_config, head_tile
-
-LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def mlstm_forward_tile(
@@ -89,42 +89,53 @@ def mlstm_forward_tile(
     # max_{j<=i} (igate_j - logf_j), a prefix max over the row's window. Knowing m_i before
     # the key loop means the accumulators never need rescaling (FlashAttention's online
     # max rescales a [BLOCK_M, DV] tile per key tile; here DV = 256 made that a large share).
-    row_max = logf_i + _prefix_max_column_term(igate_ptr, logf_ptr, gate_off, rows, window,
-                                               start_m, seq_len, BLOCK_M, ACC)
+    before = column_term_max(igate_ptr + gate_off, logf_ptr + gate_off, window, start_m,
+                             8 * BLOCK_M, ACC)
+    row_max = logf_i + tl.maximum(before, _diagonal_column_term_max(
+        igate_ptr, logf_ptr, gate_off, rows, start_m, seq_len, BLOCK_M, ACC))
+    # Left of the diagonal the decay factorises: logD_ij = logf_i + (igate_j - logf_j). One
+    # reference per program, ref >= every column term left of the tile (and >= the state's
+    # m), splits exp2(logD_ij - m_i) = exp2(logf_i + ref - m_i) * exp2(col_j - ref): both
+    # factors <= 1, so one underflows only where the product is below 2**-126 of the row's
+    # largest term, which is 1. The column factor (with 1/sqrt(DQK)) scales the scores in the
+    # loop; the row factor is applied once after it. No per-tile max, no per-tile row
+    # exponentials, no rescaling.
     if HAS_STATE:
-        acc, row_sum, state_max = _state_rows(
-            q, logf_i, cstate_ptr, nstate_ptr, mstate_ptr, bh, start_m // chunk_len,
-            seq_len, chunk_len, scale, DQK, DV, BLOCK_DQK, BLOCK_DV, ACC, INPUT_PRECISION,
-            UPCAST)
-        row_max = tl.maximum(row_max, state_max)
-        to_row_max = tl.exp2(state_max - row_max)
-        acc = acc * to_row_max[:, None]
-        row_sum = row_sum * to_row_max
+        acc, row_sum, state_ref = _state_rows(
+            q, cstate_ptr, nstate_ptr, mstate_ptr, bh, start_m // chunk_len,
+            seq_len, chunk_len, DQK, DV, BLOCK_DQK, BLOCK_DV, ACC, INPUT_PRECISION, UPCAST)
+        row_max = tl.maximum(row_max, logf_i + state_ref)
+        ref = tl.maximum(before, state_ref)
+        state_scale = tl.where(ref > float("-inf"), tl.exp2(state_ref - ref), 0.0) * scale
+        acc = acc * state_scale
+        row_sum = row_sum * state_scale
     else:
+        ref = before
         acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=ACC)
         row_sum = tl.zeros((BLOCK_M,), dtype=ACC)
+    has_ref = ref > float("-inf")
+    # ref = -inf only where every column term left of the tile is -inf (or there is none):
+    # then every column factor must be 0, not exp2(-inf - -inf).
+    col_ref = tl.where(has_ref, ref, 0.0)
 
-    # Key tiles left of this query tile: every entry is causal and in range, and the decay
-    # factorises: logD_ij = logf_i + (igate_j - logf_j). With the tile's largest column term
-    # c = max_j (igate_j - logf_j), exp2(logD_ij - m_i) = exp2(logf_i + c - m_i) *
-    # exp2(igate_j - logf_j - c): a row factor and a column factor, both <= 1 since m_i
-    # covers the tile (no [BLOCK_M, BLOCK_N] exponentials for the decay, and no underflow of
-    # a column factor against a far larger reference: a document reset in packed sequences
-    # lifts the column terms by 200 / ln 2).
     for start_n in range(window, start_m, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, cols, stride_ks, dqk, stride_kd, seq_len, DQK, BLOCK_DQK, False)
         v = load_tile(v_base, cols, stride_vs, dv, stride_vd, seq_len, DV, BLOCK_DV, False)
         col_term = (tl.load(igate_ptr + gate_off + cols) - tl.load(logf_ptr + gate_off + cols)) * LOG2E
-        tile_ref = tl.max(col_term, axis=0)
-        row_scale = tl.exp2(logf_i + tile_ref - row_max) * scale
-        col_scale = tl.exp2(col_term - tile_ref)
+        col_scale = tl.exp2(col_term - col_ref) * scale
         scores = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
                      INPUT_PRECISION, UPCAST)
-        c = scores * row_scale[:, None] * col_scale[None, :]
+        c = scores * col_scale[None, :]
         row_sum += tl.sum(c, axis=1)
         acc = mma(c.to(v.dtype), v, acc, INPUT_PRECISION, UPCAST)
-    # The diagonal tiles: mask j > i and j past the sequence.
+    row_factor = tl.where(has_ref, tl.exp2(logf_i + col_ref - row_max), 0.0)
+    acc = acc * row_factor[:, None]
+    row_sum = row_sum * row_factor
+    # The diagonal tiles: mask j > i and j past the sequence. Both loops are software-pipelined
+    # although ptxas then serialises the kernel's wgmma (its warning C7515): on an H100 one
+    # stage here (which avoids that) was 3-8% slower at S = 1024-2048 (the backward's dQ,
+    # where it gains, does it).
     for start_n in range(start_m, tl.minimum(start_m + BLOCK_M, seq_len), BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
         col_ok = cols < seq_len
@@ -155,24 +166,17 @@ def mlstm_forward_tile(
 
 
 @triton.jit
-def _prefix_max_column_term(igate_ptr, logf_ptr, gate_off, rows, window, start_m, seq_len,
-                            BLOCK_M: tl.constexpr, ACC: tl.constexpr):
-    """``max_{window <= j <= i} (igate_j - logf_j)`` (log2 units) for each of ``rows`` (a tile
-    of ``BLOCK_M`` starting at ``start_m``): a scan of the gates before the tile, then a
-    masked ``[BLOCK_M, BLOCK_M]`` max within it. Rows past ``seq_len`` see only live columns."""
-    lanes = tl.arange(0, BLOCK_M)
-    before = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
-    for start in range(window, start_m, BLOCK_M):
-        cols = start + lanes
-        before = tl.maximum(before, (tl.load(igate_ptr + gate_off + cols)
-                                     - tl.load(logf_ptr + gate_off + cols)) * LOG2E)
-    cols = start_m + lanes
+def _diagonal_column_term_max(igate_ptr, logf_ptr, gate_off, rows, start_m, seq_len,
+                              BLOCK_M: tl.constexpr, ACC: tl.constexpr):
+    """``max_{start_m <= j <= i} (igate_j - logf_j)`` (log2 units) for each of ``rows`` (the
+    ``BLOCK_M`` rows from ``start_m``): a masked ``[BLOCK_M, BLOCK_M]`` max. Rows past
+    ``seq_len`` see only live columns."""
+    cols = start_m + tl.arange(0, BLOCK_M)
     col_ok = cols < seq_len
     term = (tl.load(igate_ptr + gate_off + cols, mask=col_ok, other=0.0)
             - tl.load(logf_ptr + gate_off + cols, mask=col_ok, other=0.0)) * LOG2E
     live = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
-    within = tl.max(tl.where(live, term[None, :], float("-inf")), axis=1)
-    return tl.maximum(within, tl.max(before, axis=0))
+    return tl.max(tl.where(live, term[None, :], float("-inf")), axis=1)
 
 
 @triton.jit
@@ -182,15 +186,15 @@ def num_state_chunks(seq_len, chunk_len):
 
 
 @triton.jit
-def _state_rows(q, logf_i, cstate_ptr, nstate_ptr, mstate_ptr, bh, chunk, seq_len, chunk_len,
-                scale, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr,
+def _state_rows(q, cstate_ptr, nstate_ptr, mstate_ptr, bh, chunk, seq_len, chunk_len,
+                DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr,
                 BLOCK_DV: tl.constexpr, ACC: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                 UPCAST: tl.constexpr):
-    """The online state ``(acc, row_sum, row_max)`` of query rows ``q [BLOCK_M, BLOCK_DQK]``
-    (chunk-local log forget sums ``logf_i``, log2 units) after the state entering ``chunk``:
-    ``acc = q C / sqrt(DQK)``, ``row_sum = q . n / sqrt(DQK)``, relative to ``row_max =
-    logf_i + m`` (log2 units). An empty state (``m = -inf``, C and n zero) gives zeros and
-    ``-inf``, the start of a row with nothing before its chunk."""
+    """The contribution of the state entering ``chunk`` to query rows ``q [BLOCK_M,
+    BLOCK_DQK]``: ``(q C, q . n, m)``, unscaled (no ``1 / sqrt(DQK)``) and relative to
+    ``logf_i + m`` (``m`` the state's stabiliser, log2 units). An empty state (``m = -inf``,
+    C and n zero) gives zeros and ``-inf``, the start of a row with nothing before its
+    chunk."""
     slots = num_state_chunks(seq_len, chunk_len)
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
@@ -201,10 +205,9 @@ def _state_rows(q, logf_i, cstate_ptr, nstate_ptr, mstate_ptr, bh, chunk, seq_le
     n = tl.load(nstate_ptr + slot * DQK + dqk, mask=dqk < DQK, other=0.0)
     m = tl.load(mstate_ptr + slot)
     acc = mma(q, c.to(q.dtype), tl.zeros((q.shape[0], BLOCK_DV), dtype=ACC),
-              INPUT_PRECISION, UPCAST) * scale
-    row_sum = tl.sum(q.to(ACC) * n[None, :], axis=1) * scale
-    row_max = logf_i + m * LOG2E
-    return acc, row_sum, row_max
+              INPUT_PRECISION, UPCAST)
+    row_sum = tl.sum(q.to(ACC) * n[None, :], axis=1)
+    return acc, row_sum, m * LOG2E
 
 
 @triton.jit
