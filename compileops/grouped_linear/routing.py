@@ -90,14 +90,20 @@ class _GatherTokenCopies(torch.autograd.Function):
 
 
 def unpermute_and_combine(y_sorted: torch.Tensor, order: torch.Tensor,
-                          weights: torch.Tensor) -> torch.Tensor:
+                          weights: torch.Tensor, *,
+                          order_is_permutation: bool = False) -> torch.Tensor:
     """y_sorted ``[T*k, D]`` (rows in expert order), order ``[T*k]``, weights ``[T, k]`` ->
-    ``[T, D]``: ``out[t] = sum_j weights[t, j] * y[t*k + j]`` summed over slots in order."""
+    ``[T, D]``: ``out[t] = sum_j weights[t, j] * y[t*k + j]`` summed over slots in order.
+
+    ``order_is_permutation=True`` (``order`` is the one :func:`permute_by_expert` returned):
+    the un-permutation is its inverse, a scatter into distinct slots, so the layer sorts once.
+    The default accepts any caller's values and inverts them with a second sort (``argsort``),
+    where a scatter of a non-permutation would write out of bounds. Same bits either way,
+    forward and backward.
+    """
     checks.check_unpermute_args(y_sorted, order, weights)
     tokens, top_k = weights.shape
-    # argsort, not inverse_permutation: ``order`` comes from the caller, and a sort turns any
-    # values into a permutation (in-range indices) where a scatter would write out of bounds.
-    inverse = torch.argsort(order)
+    inverse = inverse_permutation(order) if order_is_permutation else torch.argsort(order)
     y = _PermuteRows.apply(y_sorted, inverse).reshape(tokens, top_k, y_sorted.shape[-1])
     return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)
 

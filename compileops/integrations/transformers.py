@@ -179,7 +179,9 @@ def experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
     Route (stable sort by expert, int32 offsets, all on the device: no host sync, CUDA-graph
     capturable), gate/up grouped GEMM (SwiGLU fused in its kernel when the gate is the default
     one), down grouped GEMM, un-permute and combine with the router weights (differentiable:
-    the router gets its gradient).
+    the router gets its gradient). One sort per call: the un-permutation is the sort's
+    inverse, a scatter (``order_is_permutation=True``), as in transformers' ``grouped_mm``
+    backend.
     """
     reason = unservable_reason(self)
     if reason is not None:
@@ -199,7 +201,8 @@ def experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
     y = grouped_linear(h.to(down.dtype), down, offsets, down_bias)
     if _flag(self, "has_post_expert_norm", False):
         y = self.post_expert_norm(y)
-    out = unpermute_and_combine(y, order, top_k_weights.reshape(x.shape[0], -1))
+    out = unpermute_and_combine(y, order, top_k_weights.reshape(x.shape[0], -1),
+                                order_is_permutation=True)
     return out.to(hidden_states.dtype).reshape(shape)
 
 

@@ -56,3 +56,29 @@ def test_combine_never_indexes_with_the_callers_order_values():
     out = unpermute_and_combine(y, order, weights)
     out.sum().backward()
     assert y.grad.shape == y.shape and torch.isfinite(y.grad).all()
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+def test_combine_of_a_permutation_sorts_once_with_the_same_bits(top_k):
+    # order_is_permutation=True inverts permute_by_expert's order with a scatter into distinct
+    # slots instead of a second sort: same outputs and gradients, bitwise, and no argsort.
+    torch.manual_seed(2)
+    tokens, dim = 11, 6
+    x = torch.randn(tokens, dim, requires_grad=True)
+    ids = torch.randint(0, 5, (tokens, top_k))
+    probs = torch.rand(tokens, top_k, requires_grad=True)
+    results = []
+    for trusted in (False, True):
+        xs, order, _ = permute_by_expert(x, ids, 5)
+        out = unpermute_and_combine(xs * 2, order, probs, order_is_permutation=trusted)
+        grads = torch.autograd.grad(out, (x, probs), torch.linspace(-1, 1, out.numel()).view_as(out))
+        results.append((out, *grads))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+    def trusted_routing(x, probs):
+        xs, order, _ = permute_by_expert(x, ids, 5)
+        return unpermute_and_combine(xs, order, probs, order_is_permutation=True)
+
+    forward, _ = aot_graph_text(trusted_routing, x, probs)
+    assert "argsort" not in forward and forward.count("aten.sort") == 1, forward

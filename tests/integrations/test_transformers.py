@@ -214,6 +214,38 @@ def test_transposed_interleaved_biased_experts_through_a_view():
         assert g1[n].shape == getattr(experts, n).shape
 
 
+def test_backend_sorts_once_and_combines_as_unpermute_and_combine(monkeypatch):
+    """One sort per experts call (the un-permutation is the sort's inverse, a scatter, not a
+    second argsort), with the same bits as the argsort form, forward and backward."""
+    from compileops.grouped_linear import routing
+
+    def run():
+        model = _build("qwen3_moe")
+        model.set_experts_implementation("compileops")
+        out = model(IDS, labels=IDS)
+        out.loss.backward()
+        return out.logits, _grads(model)
+
+    logits, grads = run()
+    monkeypatch.setattr(routing, "inverse_permutation", torch.argsort)
+    ref_logits, ref_grads = run()
+    monkeypatch.undo()
+    assert torch.equal(logits, ref_logits)
+    assert grads.keys() == ref_grads.keys()
+    for n in grads:
+        assert torch.equal(grads[n], ref_grads[n]), n
+
+    # The Dynamo graph of the whole model: one sort per MoE layer, no argsort.
+    model = _build("qwen3_moe")
+    model.set_experts_implementation("compileops")
+    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
+    torch.compile(model, fullgraph=True, backend=counter)(IDS, labels=IDS)
+    targets = [n.target for g in counter.graphs for n in g.graph.nodes]
+    sorts = [t for t in targets if getattr(t, "__name__", str(t)) in ("sort", "argsort")]
+    layers = model.config.num_hidden_layers
+    assert len(sorts) == layers, sorts
+
+
 def test_whole_model_compiles_fullgraph_with_the_backend_and_embedding():
     """Qwen3-MoE with the experts backend and the compileops embedding: one graph (no graph
     break anywhere), forward and backward, holding the compileops ops; same loss as eager."""
