@@ -62,6 +62,15 @@ def lower_mlstm_parallel(q, k, v, igate, logf, norm_weight, norm_bias, normed, n
     if max(dqk, dv) > MAX_KERNEL_HEAD_DIM:
         return _compat.fallback(op)(*args)
     batch, heads, seq, _ = q.get_size()
+    # Under dynamic=True the sequence length is a kernel argument, and the per-row gate loads
+    # and stabiliser / row-sum stores sit at offsets bh * S. When S's first value is a
+    # multiple of 16 a guard keeps it so and the template shows Triton the factor, so
+    # those accesses stay aligned and vectorised: without it an H100 ran the dynamic forward
+    # 6-12% slower than the static one (narrower loads, register spills). A later S that is
+    # not a multiple recompiles once rather than run that form; a first S that is not one
+    # keeps the unaligned form for every length (no guard, no recompile).
+    symbolic_seq = not (isinstance(seq, int) or getattr(seq, "is_number", False))
+    seq_aligned = symbolic_seq and _compat.multiple_of(seq, 16)
     # The kernel indexes the per-row gates and the norm's affine densely.
     igate, logf = _compat.require_contiguous(igate), _compat.require_contiguous(logf)
     affine = [_compat.require_contiguous(p) for p in (norm_weight, norm_bias) if p is not None]
@@ -92,6 +101,7 @@ def lower_mlstm_parallel(q, k, v, igate, logf, norm_weight, norm_bias, normed, n
         SCALE=1.0 / math.sqrt(dqk), EPS=float(eps), NORM_EPS=float(norm_eps),
         ACC_FP64=acc == torch.float64, TF32=input_precision(dtype) == "tf32",
         UPCAST=device.type == "cpu" and dtype in (torch.bfloat16, torch.float16),
+        SEQ_ALIGNED=seq_aligned,
     )
     if not choices:  # the template could not be built: the op itself, as an extern call
         return _compat.fallback(op)(*args)

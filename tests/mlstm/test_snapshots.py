@@ -177,3 +177,43 @@ def test_template_keeps_the_sequence_symbolic():
             want = gated_op(q, k, v, igate, logf, weight, o)
             torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
     assert counter.frame_count == 1
+
+
+def test_template_keeps_a_symbolic_length_aligned_when_it_is_a_multiple_of_16():
+    # dynamic=True from S = 48: the lowering guards S % 16 == 0 and the template shows Triton
+    # the factor (SEQ = (S // 16) * 16), so the per-row gate accesses stay vectorised; S = 64
+    # reuses the frame, S = 40 recompiles once (the unaligned form) and is still right. From
+    # S = 40 there is no guard: one frame for every length. (16 and 32 are this test's head
+    # dims, and a length equal to one would be specialised: avoided.)
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def run(seqs):
+        counter = CompileCounterWithBackend("inductor")
+        compiled = torch.compile(gated_op, backend=counter, fullgraph=True, dynamic=True)
+        frames = []
+        for seq in seqs:
+            q, k, v, igate, fgate, weight, o = _inputs(seq=seq, seed=seq)
+            logf = reference.log_forget_cumsum(fgate)
+            got = compiled(q, k, v, igate, logf, weight, o)
+            want = gated_op(q, k, v, igate, logf, weight, o)
+            torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
+            frames.append(counter.frame_count)
+        return frames
+
+    def first_code(seq):
+        torch._dynamo.reset()
+        q, k, v, igate, fgate, weight, o = _inputs(seq=seq)
+        logf = reference.log_forget_cumsum(fgate)
+        _, code = _compat.run_and_get_code(torch.compile(gated_op, fullgraph=True, dynamic=True),
+                                           q, k, v, igate, logf, weight, o)
+        return "\n".join(code)
+
+    # A fresh cache each time: Inductor's graph cache would hand a later compile the first
+    # one's kernel whenever its guards still hold.
+    for check in (lambda: run((48, 64, 40)) == [1, 1, 2],
+                  lambda: run((40, 48, 64)) == [1, 1, 1],
+                  lambda: "SEQ = (ks0 // 16) * 16" in first_code(48),
+                  lambda: "SEQ = ks0\n" in first_code(40)):
+        torch._dynamo.reset()
+        with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
+            assert check()
