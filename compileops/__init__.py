@@ -5,7 +5,7 @@ automatic installation of the Inductor lowerings (``lowerings.install``), which 
 moment Inductor's lowering table is imported, i.e. before the first Inductor compile. The
 import itself stays cheap: nothing here imports ``torch._inductor``.
 """
-from compileops import backends
+from compileops import _log, backends
 from compileops._version import __version__
 from compileops.backends import BackendUnavailableError, use_backend
 from compileops.embedding import embedding
@@ -29,6 +29,7 @@ from compileops import testing  # noqa: E402  (imports Inductor only when its he
 
 import lowerings as _lowerings
 
+_log.configure_from_env()  # COMPILEOPS_LOG; silent without it
 _lowerings.install_on_inductor_import()
 
 

@@ -21,9 +21,14 @@ import contextlib
 import contextvars
 import functools
 import importlib.util
+import logging
 import os
 
 import torch
+
+from compileops import _log
+
+logger = _log.get_logger("backends")
 
 BACKENDS = ("reference", "triton")
 
@@ -94,12 +99,34 @@ def select(op: str, device: torch.device | str) -> str:
                 f"compileops::{op}: backend {forced!r} was forced by use_backend() but "
                 f"cannot run on {torch.device(device)}: {reason}"
             )
+        _log_choice(op, device, forced, forced_by_user=True)
         return forced
     kind = device_kind(device)
     for name in PRIORITY.get(kind, ("reference",)):
         if available(name, device):
+            _log_choice(op, device, name)
             return name
     raise BackendUnavailableError(f"compileops::{op}: no backend can run on {device}")
+
+
+def _log_choice(op: str, device: torch.device | str, name: str, *,
+                forced_by_user: bool = False) -> None:
+    """One line per op, backend and reason, not per call. The reference backend is a fallback
+    from the kernels (INFO); the kernels are the expected pick (DEBUG). The reason is worked
+    out only when the line will be printed: this runs on every eager call."""
+    level = logging.INFO if name == "reference" else logging.DEBUG
+    if not logger.isEnabledFor(level):
+        return
+    why = "forced by use_backend()" if forced_by_user else _why_picked(name, device)
+    _log.log_once(logger, level, "%s: %s backend on %s (%s)", op, name, device_kind(device), why)
+
+
+def _why_picked(name: str, device: torch.device | str) -> str:
+    """The backends ahead of ``name`` in the device's priority list, and why each cannot run."""
+    ahead = PRIORITY.get(device_kind(device), ("reference",))
+    skipped = [f"{other}: {why_unavailable(other, device)}"
+               for other in ahead[:ahead.index(name)]]
+    return "; ".join(skipped) if skipped else "first in priority"
 
 
 class use_backend(contextlib.ContextDecorator):

@@ -13,6 +13,12 @@ from unittest import mock
 
 import torch
 
+from compileops import _log
+
+# Dynamic-shape guards installed by the lowerings, in one place: a later value that breaks
+# one recompiles, so this is where a user chasing a recompile looks.
+guard_log = _log.get_logger("guards")
+
 
 # ---------------------------------------------------------------------------------------
 # Lowering registration and IR construction
@@ -191,6 +197,15 @@ def emits_triton_for(device: torch.device) -> bool:
     return device.type == "cpu" and config.cpu_backend == "triton"
 
 
+def why_no_triton(device: torch.device) -> str | None:
+    """None when Inductor generates Triton for ``device``, else why not (for log lines)."""
+    if emits_triton_for(device):
+        return None
+    if emits_cpp(device):
+        return "Inductor emits C++ for CPU tensors (cpu_backend='cpp'), no Triton template"
+    return f"Inductor emits no Triton for {device.type} tensors"
+
+
 def autotune_select_algorithm(name: str, choices, input_nodes, layout, *, input_gen_fns=None):
     """The chosen node: 2.11 returns a ``TensorBox``, 2.13 a ``(node, choice)`` tuple."""
     from torch._inductor.select_algorithm import autotune_select_algorithm as _select
@@ -201,7 +216,7 @@ def autotune_select_algorithm(name: str, choices, input_nodes, layout, *, input_
     return out
 
 
-def multiple_of(expr, divisor: int) -> bool:
+def multiple_of(expr, divisor: int, *, what: str = "a size") -> bool:
     """Whether a size or stride (an int or a sympy expression) is a multiple of ``divisor``.
 
     Statically known: no guard. Symbolic (``dynamic=True``, or automatic dynamic after a shape
@@ -209,7 +224,8 @@ def multiple_of(expr, divisor: int) -> bool:
     answer is yes, so the kernel keeps its aligned (vectorised, TMA) form; a later size that
     breaks the guard recompiles instead of running a slow path. Otherwise no. After the guard,
     Inductor also marks the kernel's size arguments divisible (``tt.divisibility``), which is
-    what lets Triton vectorise the loads behind a symbolic row stride.
+    what lets Triton vectorise the loads behind a symbolic row stride. ``what`` names the size
+    in the guard's log line.
     """
     import sympy
     from torch._inductor.virtualized import V
@@ -223,8 +239,13 @@ def multiple_of(expr, divisor: int) -> bool:
         return False
     condition = sympy.Eq(sympy.Mod(expr, divisor), 0)
     if hasattr(sizevars, "guard_or_false"):
-        return bool(sizevars.guard_or_false(condition))
-    return bool(sizevars.evaluate_expr(condition))
+        guarded = bool(sizevars.guard_or_false(condition))
+    else:
+        guarded = bool(sizevars.evaluate_expr(condition))
+    if guarded:
+        guard_log.info("%s %% %d == 0 on %s (first value %d): aligned form; a value that "
+                       "breaks it recompiles", expr, divisor, what, size_hint(expr))
+    return guarded
 
 
 def statically_one(expr) -> bool:
@@ -244,11 +265,15 @@ def empty_buffer(device, dtype, size) -> Any:
     return empty_strided(list(size), None, dtype=dtype, device=device)
 
 
-def specialize(expr) -> int:
+def specialize(expr, *, what: str = "a size") -> int:
     """A symbolic size made static: guard it equal to its hint and return that int (a later
-    call with another value recompiles). For sizes that are model constants, not data sizes."""
+    call with another value recompiles). For sizes that are model constants, not data sizes.
+    ``what`` names the size in the guard's log line."""
     from torch._inductor.virtualized import V
 
     if isinstance(expr, int) or getattr(expr, "is_number", False):
         return int(expr)
-    return int(V.graph.sizevars.guard_int(expr))
+    value = int(V.graph.sizevars.guard_int(expr))
+    guard_log.info("%s == %d on %s: specialised (a model constant); another value recompiles",
+                   expr, value, what)
+    return value

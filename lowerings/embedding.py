@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import torch
 
+from compileops import _log
 from lowerings import _compat
+
+logger = _log.get_logger("embedding")
 
 
 def lower_embedding(ids, weight, out_dtype=None, padding_idx=None):
@@ -38,6 +41,11 @@ def lower_embedding(ids, weight, out_dtype=None, padding_idx=None):
     on_cpu = _compat.emits_cpp(weight.get_device())
     if on_cpu:
         _assert_ids_in_range(ids, num_embeddings)
+    logger.info("embedding: pointwise gather for ids %s %s, weight %s %s -> %s: %s",
+                _log.shape(ids.get_size()), _log.dtype(ids.get_dtype()),
+                _log.shape(weight.get_size()), _log.dtype(weight_dtype), _log.dtype(dtype),
+                "C++: ids checked by one assert outside the loop, the gather clamped"
+                if on_cpu else "Triton: ids bounds-checked in the kernel")
 
     def gather(index):
         id_value = load_id(index[:n_id_dims])

@@ -10,12 +10,15 @@ computes the gate and up tiles together and stores ``silu(gate) * up`` ``[M, H]`
 fuse after it.
 
 * Default mode: one heuristic config (no compile-time benchmarking), through TMA
-  descriptors where the GPU and the strides allow (``_template_tma_applies``).
+  descriptors where the GPU and the strides allow (``_why_no_template_tma``).
 * ``max_autotune``: a bounded config list (on sm90+ each also as a TMA-descriptor variant)
   plus the extern eager op, benchmarked on Dirichlet(1) skewed offsets (``input_gen_fns``). On sm90+ in bf16 without bias, ``torch._grouped_mm``
   (CUTLASS, with its uninitialised tail rows zeroed: :func:`grouped_mm_anchor`) is a choice
   too, for the forward and dX.
 * Without Triton codegen for the device (CPU C++ backend): an extern call of the op.
+
+Each lowering logs what it chose and why on ``compileops.grouped_linear`` (``COMPILEOPS_LOG``,
+``compileops/_log.py``), and the guards it installs on ``compileops.guards``.
 
 ``grouped_linear_dx`` (the backward's ``dY_g @ W_g``) uses the same template with W's axes
 swapped, so consumers of dX (e.g. a residual-gradient add, a cast) fuse too.
@@ -25,11 +28,15 @@ persistent K-jagged kernel (a [G, N, K] product has no pointwise neighbours wort
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
 
+from compileops import _log
 from lowerings import _compat
+
+logger = _log.get_logger("grouped_linear")
 
 _TEMPLATE_PATH = os.path.join(os.path.dirname(__file__), "templates", "grouped_linear.py.jinja")
 
@@ -125,14 +132,23 @@ def _configs(m_hint: int, groups: int, n_out: int, k: int, dtype, device, tma: b
     return configs, True
 
 
-def _template_tma_applies(device, strides_aligned: bool) -> bool:
-    """TMA descriptors in the template: sm90+ and aligned strides (:func:`_strides_aligned`).
-    Base pointers: Inductor copies misaligned graph inputs and aligns its buffers."""
+def _why_no_template_tma(device, strides_aligned: bool) -> str | None:
+    """None when the template may load through TMA descriptors (sm90+ and aligned strides,
+    :func:`_strides_aligned`), else why not (for the log). Base pointers: Inductor copies
+    misaligned graph inputs and aligns its buffers."""
     import triton.language as tl
 
-    if device.type != "cuda" or torch.version.hip or not hasattr(tl, "make_tensor_descriptor"):
-        return False
-    return strides_aligned and torch.cuda.get_device_capability(device) >= (9, 0)
+    if device.type != "cuda":
+        return f"no TMA on {device.type}"
+    if torch.version.hip:
+        return "no TMA on ROCm"
+    if not hasattr(tl, "make_tensor_descriptor"):
+        return "no TMA: this Triton has no tensor descriptors"
+    if not strides_aligned:
+        return "no TMA: strides not unit-inner with 16-byte rows"
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return "no TMA below sm90"
+    return None
 
 
 def _strides_aligned(x, weight, dtype) -> tuple[bool, bool]:
@@ -147,9 +163,11 @@ def _strides_aligned(x, weight, dtype) -> tuple[bool, bool]:
     xs, ws = x.get_stride(), weight.get_stride()
     rows = (xs[0], ws[0], ws[1])
     per_16_bytes = max(1, 16 // dtype.itemsize)
-    by_16 = all(_compat.multiple_of(s, 16) for s in rows)
+    names = ("grouped linear input row stride", "weight group stride", "weight row stride")
+    by_16 = all(_compat.multiple_of(s, 16, what=name) for s, name in zip(rows, names))
     unit_inner = _compat.statically_one(xs[1]) and _compat.statically_one(ws[2])
-    tma_ok = unit_inner and (by_16 or all(_compat.multiple_of(s, per_16_bytes) for s in rows))
+    tma_ok = unit_inner and (by_16 or all(_compat.multiple_of(s, per_16_bytes, what=name)
+                                          for s, name in zip(rows, names)))
     symbolic = not all(isinstance(s, int) or getattr(s, "is_number", False) for s in rows)
     return tma_ok, unit_inner and by_16 and symbolic
 
@@ -164,7 +182,88 @@ def _output_rows_aligned(weight, dx: bool, swiglu: bool) -> bool:
     size = weight.get_size()[2 if dx else 1]
     if not isinstance(size, sympy.Symbol):
         return False
-    return _compat.multiple_of(size, 32 if swiglu else 16)
+    return _compat.multiple_of(size, 32 if swiglu else 16, what="grouped linear output width")
+
+
+# ---------------------------------------------------------------------------------------
+# The log lines ("compileops.grouped_linear"): what each lowering chose, and why
+
+
+def _why_no_template(device, dtype) -> str | None:
+    """None when the template applies, else why the op stays an extern call."""
+    if not _compat.emits_triton_for(device):
+        return _compat.why_no_triton(device)
+    if dtype == torch.float64:
+        return "fp64 (the reference backend's dtype) has no template"
+    return None
+
+
+def _describe_inputs(x, weight) -> str:
+    return (f"x {_log.shape(x.get_size())} {_log.dtype(x.get_dtype())}, "
+            f"weight {_log.shape(weight.get_size())}")
+
+
+def _describe_config(cfg, device) -> str:
+    from compileops.grouped_linear import kernels
+
+    return _log.settings(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                         GROUP_M=cfg.group_m, FLATTEN=cfg.flatten, num_warps=cfg.num_warps,
+                         num_stages=cfg.num_stages, NUM_PROGS=kernels.grid_size(device, cfg))
+
+
+def _why_config(device, save_preact: bool, m_hint: int, g_hint: int) -> str:
+    """Why the one config (outside max-autotune) is the one :func:`_configs` picked."""
+    from compileops.modes import is_batch_invariant
+
+    if device.type == "cpu":
+        return "the interpreter's small tiles (CPU)"
+    if is_batch_invariant():
+        return "batch-invariant mode: one fixed config"
+    if save_preact and _compat.max_autotune_enabled():
+        return "one heuristic config: the pre-activation output has no extern alternative"
+    return f"heuristic for {m_hint / max(g_hint, 1):.0f} rows per group, no benchmarking"
+
+
+def _why_pointer_loads(no_tma: str | None) -> str:
+    return no_tma or "no TMA in batch-invariant mode (one code path)"
+
+
+def _log_extern_call(op_name: str, x, weight, why: str) -> None:
+    logger.info("%s: extern call of the eager op for %s: %s", op_name,
+                _describe_inputs(x, weight), why)
+
+
+def _log_decision(op_name: str, x, weight, device, configs, errors, *, built: bool,
+                  autotune: bool, grouped_mm: bool, no_tma: str | None, flags: str,
+                  why_config: str) -> None:
+    """The lowering's one INFO line (template and config, autotuning, or extern call), with
+    DEBUG lines for the autotuning candidates and any config the template rejected."""
+    for cfg, tma, error in errors:
+        logger.debug("%s: template rejected (%s, TMA=%s): %s", op_name,
+                     _describe_config(cfg, device), tma, error)
+    if not built:
+        why = "; ".join(str(error) for _, _, error in errors)
+        _log_extern_call(op_name, x, weight, f"the template could not be built ({why})")
+        return
+    if autotune:
+        with_tma = sum(tma for _, tma in configs) - sum(tma for _, tma, _ in errors)
+        extra = " + torch._grouped_mm" if grouped_mm else ""
+        logger.info("%s: max-autotune over %d template configs (%d with TMA) + the eager op%s "
+                    "for %s; %s; %s", op_name, len(configs) - len(errors), with_tma, extra,
+                    _describe_inputs(x, weight), _why_pointer_loads(no_tma) if not with_tma
+                    else "TMA and pointer loads", flags)
+        for cfg, tma in configs:
+            logger.debug("%s: candidate (%s, TMA=%s)", op_name, _describe_config(cfg, device), tma)
+        return
+    cfg, tma = configs[0]
+    logger.info("%s: template %s (%s, %s) for %s: %s; %s", op_name, template().name,
+                _describe_config(cfg, device), "TMA loads" if tma else "pointer loads",
+                _describe_inputs(x, weight), why_config,
+                flags if tma else f"{_why_pointer_loads(no_tma)}; {flags}")
+
+
+# ---------------------------------------------------------------------------------------
+# The lowerings
 
 
 def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: bool = False,
@@ -174,9 +273,11 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
     mutated input, and the lowering returns ``(out, preact)``."""
     op = getattr(torch.ops.compileops, op_name).default
     device = x.get_device()
-    if not _compat.emits_triton_for(device) or x.get_dtype() == torch.float64:
+    no_template = _why_no_template(device, x.get_dtype())
+    if no_template is not None:
         # No Triton template (C++ backend), or fp64 (the reference backend's dtype): the op
         # itself, as an extern call.
+        _log_extern_call(op_name, x, weight, no_template)
         extra = () if dx else (bias,)
         return _compat.fallback(op)(x, weight, offsets, *extra)
     from compileops.grouped_linear import kernels
@@ -190,16 +291,16 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
     # The number of groups (experts) is a model constant: keep it static under dynamic=True.
     # With a symbolic G the H100 build of the template gave wrong rows for groups >= 16 (G > 16;
     # tests/grouped_linear/test_gpu.py), a miscompile not reproduced under the interpreter.
-    groups = _compat.specialize(groups)
+    groups = _compat.specialize(groups, what="the number of groups G")
     n_out = weight.get_size()[2] if dx else (n // 2 if swiglu else n)
     dtype = x.get_dtype()
     layout = _compat.fixed_layout(device, dtype, [m, n_out], [n_out, 1])
     m_hint = _compat.size_hint(m)
     g_hint, n_hint, k_hint = (_compat.size_hint(s) for s in (groups, n_out, k))
     tma_ok, aligned_rows = _strides_aligned(x, weight, dtype)
+    no_tma = _why_no_template_tma(device, tma_ok)
     configs, autotune = _configs(m_hint, g_hint, n_hint, k_hint, dtype, device,
-                                 tma=_template_tma_applies(device, tma_ok),
-                                 swiglu=swiglu, heuristic_only=save_preact)
+                                 tma=no_tma is None, swiglu=swiglu, heuristic_only=save_preact)
     constexprs = dict(
         HAS_BIAS=bias is not None,
         SWIGLU=swiglu,
@@ -218,13 +319,22 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
         nodes = [*nodes, preact]
         extra = dict(mutated_inputs=[preact])
     choices: list = []
+    errors = []
     for cfg, tma in configs:
-        template().maybe_append_choice(
+        error = template().maybe_append_choice(
             choices, input_nodes=nodes, layout=layout, num_stages=cfg.num_stages,
             num_warps=cfg.num_warps, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, USE_TMA=tma, FLATTEN=cfg.flatten, GROUP_M=cfg.group_m,
             NUM_PROGS=kernels.grid_size(device, cfg), **constexprs, **extra,
         )
+        if error is not None:
+            errors.append((cfg, tma, error))
+    grouped_mm = autotune and _grouped_mm_applies(device, dtype, bias is not None, swiglu, g_hint)
+    if logger.isEnabledFor(logging.INFO):
+        flags = _log.settings(ALIGNED_ROWS=aligned_rows, ALIGNED_OUT=constexprs["ALIGNED_OUT"])
+        _log_decision(op_name, x, weight, device, configs, errors, built=bool(choices),
+                      autotune=autotune, grouped_mm=grouped_mm, no_tma=no_tma, flags=flags,
+                      why_config=_why_config(device, save_preact, m_hint, g_hint))
     if save_preact:
         if not choices:  # the template could not be built: the op itself, as an extern call
             return _compat.fallback(op)(*nodes[:3], nodes[3] if bias is not None else None)
@@ -232,7 +342,7 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
         return out, preact
     if autotune or not choices:
         choices.append(extern_choice(op_name).bind(nodes, layout))
-    if autotune and _grouped_mm_applies(device, dtype, bias is not None, swiglu, g_hint):
+    if grouped_mm:
         choices.append(grouped_mm_choice(dx).bind(nodes, layout))
     input_gen_fns = {2: lambda node: skewed_offsets(g_hint, m_hint, node.get_device())}
     return _compat.autotune_select_algorithm(
