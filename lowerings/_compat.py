@@ -222,10 +222,11 @@ def multiple_of(expr, divisor: int, *, what: str = "a size") -> bool:
     Statically known: no guard. Symbolic (``dynamic=True``, or automatic dynamic after a shape
     change) with a hint that is a multiple: a guard ``expr % divisor == 0`` is installed and the
     answer is yes, so the kernel keeps its aligned (vectorised, TMA) form; a later size that
-    breaks the guard recompiles instead of running a slow path. Otherwise no. After the guard,
-    Inductor also marks the kernel's size arguments divisible (``tt.divisibility``), which is
-    what lets Triton vectorise the loads behind a symbolic row stride. ``what`` names the size
-    in the guard's log line.
+    breaks the guard recompiles instead of running a slow path. Otherwise no. The template
+    must then show Triton the factor itself, as ``(x // divisor) * divisor`` (the same value
+    under the guard): ``tl.multiple_of`` on a scalar kernel argument does not reach Triton
+    3.6's alignment analysis, and Inductor's kernel signature (torch 2.13, Triton on CPU) did
+    not mark the guarded size divisible. ``what`` names the size in the guard's log line.
     """
     import sympy
     from torch._inductor.virtualized import V

@@ -266,5 +266,70 @@ def test_codegen_defaults_are_choose_wgrad_config(groups, kind):
         dict.fromkeys(VARIANT_FLAGS, False), **flat)
 
 
+def _dynamic_template_source(tmp_path):
+    """The grouped-linear template as Inductor writes it under ``dynamic=True`` (Triton
+    codegen on this CPU), saved as a module: ``(path, kernel name, signature)``."""
+    import re
+
+    import compileops
+    from lowerings import _compat
+
+    x, w = torch.randn(64, 128), torch.randn(4, 256, 128)
+    offs = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
+
+    def f(a, b, o):
+        return compileops.grouped_linear(a, b, o) * 2
+
+    torch._dynamo.reset()
+    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
+        _, sources = _compat.run_and_get_code(torch.compile(f, fullgraph=True, dynamic=True),
+                                              x, w, offs)
+    code = "\n".join(sources)
+    start = code.index("def triton_tem_")
+    body = code[code.rindex("'''", 0, start) + 3:code.index("''', device_str", start)]
+    signature = re.search(r"'signature': (\{[^}]*\})", body).group(1)
+    body = body[:body.index("@triton_heuristics.template(")] + body[body.index("@triton.jit"):]
+    path = tmp_path / "dynamic_template.py"
+    path.write_text(body)
+    return path, re.search(r"def (triton_tem_\w+)\(", body).group(1), signature
+
+
+def _compile_saved_template(path, name, signature):  # subprocess: no TRITON_INTERPRET
+    import ast
+    import importlib.util
+    import re
+
+    spec = importlib.util.spec_from_file_location("dynamic_template", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    signature = ast.literal_eval(signature)
+    pointers = [i for i, t in enumerate(signature.values()) if t.startswith("*")]
+    src = ASTSource(fn=getattr(module, name), signature=signature, constexprs={},
+                    attrs={(i,): [["tt.divisibility", 16]] for i in pointers})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=4, num_stages=2)).asm["ptx"]
+    print(json.dumps(re.findall(r"st\.global(?:\.\w+)*", ptx)))
+
+
+def test_dynamic_template_stores_vectorise_on_sm90(tmp_path):
+    """Under dynamic=True the output's row stride is a kernel argument the lowering guarded to
+    a multiple of 16; the template shows Triton the factor ((N // 16) * 16), so the fused
+    epilogue's stores compile to 16-byte vector stores for an H100. (tl.multiple_of on the
+    scalar argument, the earlier form, left them 4-byte scalar stores.)"""
+    path, name, signature = _dynamic_template_source(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--compile-template",
+                           str(path), name, signature], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stores = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert stores and all(".v4" in s for s in stores), stores
+
+
 if __name__ == "__main__":
-    _main()
+    if sys.argv[1:2] == ["--compile-template"]:
+        _compile_saved_template(*sys.argv[2:5])
+    else:
+        _main()
