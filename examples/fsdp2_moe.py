@@ -28,9 +28,11 @@ model (same parameters, state dict and routing; SwiGLU and the probability scali
 ops), for a throughput comparison. ``--compare-single`` then trains the unsharded model on
 rank 0 on the same global batches and prints the largest loss difference.
 ``--check-grads`` compares each rank's first step with the unsharded model on the same shard
-(loss, the gradients at the units' boundaries, bitwise); ``--trace-ops`` (with ``--compile
-none``) also fingerprints every compileops op and aten matmul of that step in both runs and
-names the first op that returns different bits from equal inputs.
+(loss, the gradients at the units' boundaries, bitwise), and that unsharded step with itself
+run again from a fresh model and compile (a run-to-run difference, not a sharding one);
+``--trace-ops`` (with ``--compile none``) also fingerprints every compileops op and aten
+matmul of that step in both runs and names the first op that returns different bits from
+equal inputs.
 
     torchrun --nproc-per-node 2 examples/fsdp2_moe.py --device cpu --steps 3 --tiny
     torchrun --nproc-per-node 8 examples/fsdp2_moe.py                   # CUDA, nccl, bf16
@@ -254,24 +256,40 @@ def train_sharded(args, device, dtype, rank: int, world: int) -> list[float]:
     return losses, step0
 
 
-def check_against_single(args, device, dtype, rank: int, world: int, step0) -> None:
-    """``--check-grads``: this rank's step-0 loss and the gradient of the embedding's output
-    (the result of every block's backward, the compileops ops' included) under FSDP2,
-    against the same unsharded model on this one GPU and the same shard of data: bitwise."""
+def single_step(args, device, dtype, rank: int, world: int, trace_ops: bool):
+    """Step 0 of the unsharded model on this one GPU and this rank's shard of the batch:
+    ``(loss, captured gradients and alignment, op trace or None)``."""
     model = build(args, device, dtype)
     run = compile_model(model, args.compile)
     model.capture = {}
     ids, labels = next(iter(batches(args, world, device)))
     mine = slice(rank * args.batch, (rank + 1) * args.batch)
-    with op_trace(args.trace_ops) as trace:
+    with op_trace(trace_ops) as trace:
         loss = run(ids[mine], labels[mine])
         loss.backward()
+    return loss.detach(), model.capture, trace
+
+
+def compare_captures(ours: dict, theirs: dict) -> dict:
+    """name -> (bitwise equal, max |diff|) for every captured gradient."""
+    return {name: (torch.equal(g, theirs[name]),
+                   (g.float() - theirs[name].float()).abs().max().item())
+            for name, g in ours.items() if name != "alignment"}
+
+
+def check_against_single(args, device, dtype, rank: int, world: int, step0) -> None:
+    """``--check-grads``: this rank's step-0 loss and the gradient of the embedding's output
+    (the result of every block's backward, the compileops ops' included) under FSDP2,
+    against the same unsharded model on this one GPU and the same shard of data: bitwise.
+    Then the unsharded step once more (a fresh model and compile): whether two unsharded
+    runs agree tells a sharding difference from a run-to-run one."""
+    loss, single, trace = single_step(args, device, dtype, rank, world, args.trace_ops)
+    again_loss, again, _ = single_step(args, device, dtype, rank, world, False)
     sharded_loss, sharded, sharded_trace = step0
-    single_alignment = model.capture.pop("alignment", {})
+    single_alignment = single.pop("alignment", {})
     sharded_alignment = sharded.pop("alignment", {})
-    grads = {name: (torch.equal(g, sharded[name]),
-                    (g.float() - sharded[name].float()).abs().max().item())
-             for name, g in model.capture.items()}
+    grads = compare_captures(single, sharded)
+    repeat = compare_captures(again, single)
     # Parameters whose address differs modulo 256 between the two runs (kernels such as
     # cuBLAS's may choose by alignment): name -> (sharded, single).
     moved = {name: (sharded_alignment[name], single_alignment.get(name))
@@ -280,19 +298,24 @@ def check_against_single(args, device, dtype, rank: int, world: int, step0) -> N
     ops = (first_divergence(sharded_trace.calls, trace.calls).summary()
            if args.trace_ops else None)
     results = [None] * world
-    dist.all_gather_object(results, (rank, torch.equal(loss.detach(), sharded_loss), grads, moved,
-                                     ops))
+    dist.all_gather_object(results, (rank, torch.equal(loss, sharded_loss), grads, moved, ops,
+                                     torch.equal(again_loss, loss), repeat))
     if rank == 0:
-        for r, same_loss, per_point, moved_r, ops_r in results:
-            text = "; ".join(f"{name} bitwise equal: {same} (max |diff| {diff:.3e})"
-                             for name, (same, diff) in sorted(per_point.items()))
+        for r, same_loss, per_point, moved_r, ops_r, same_again, per_point_again in results:
             print(f"rank {r} against one GPU on its shard, step 0: loss bitwise equal: "
-                  f"{same_loss}; {text}", flush=True)
+                  f"{same_loss}; {_points(per_point)}", flush=True)
+            print(f"rank {r} the one-GPU step again (a fresh model and compile): loss "
+                  f"bitwise equal: {same_again}; {_points(per_point_again)}", flush=True)
             where = ", ".join(f"{n} {a}/{b}" for n, (a, b) in moved_r.items()) or "none"
             print(f"rank {r} block parameters at another address mod 256 (sharded/single): "
                   f"{where}", flush=True)
             if ops_r is not None:
                 print(f"rank {r} op trace, sharded against single: {ops_r}", flush=True)
+
+
+def _points(per_point: dict) -> str:
+    return "; ".join(f"{name} bitwise equal: {same} (max |diff| {diff:.3e})"
+                     for name, (same, diff) in sorted(per_point.items()))
 
 
 @contextlib.contextmanager

@@ -36,6 +36,10 @@ def test_fsdp2_example_on_two_cpu_processes():
         # (d_block1_in) and leaving the first (d_embedding_out).
         assert line.count("bitwise equal: True") == 4, line
         assert "bitwise equal: False" not in line, line
+    repeats = [line for line in out.splitlines() if "the one-GPU step again" in line]
+    assert len(repeats) == 2, out
+    for line in repeats:
+        assert line.count("bitwise equal: True") == 4 and "False" not in line, line
     alignment = [line for line in out.splitlines() if "at another address mod 256" in line]
     assert len(alignment) == 2, out
     gap = float(re.search(r"max \|sharded - single\| loss difference: (\S+)", out).group(1))
