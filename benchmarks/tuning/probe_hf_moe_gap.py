@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import compileops  # noqa: E402,F401
 import compileops.integrations.transformers as cit  # noqa: E402  (registers "compileops")
+from benchmarks.bench_hf_moe import sync, time_steps  # noqa: E402
 
 BACKENDS = ("compileops", "grouped_mm")
 
@@ -51,30 +52,9 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def median_ms(fn, device, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    """The median of ``bench_hf_moe.time_steps`` (CUDA events, or wall clock)."""
+    return statistics.median(time_steps(fn, device, warmup, iters))
 
 
 def implementation(name: str):

@@ -106,3 +106,20 @@ def sweep_configs(kind):
     from compileops.grouped_linear.kernels import Config
 
     return [(Config(**e["config"]), e["label"]) for e in sweep_listing()[kind]]
+
+
+def template_source(fn, *args, dynamic, with_imports=False):
+    """The grouped-linear template kernel Inductor writes for ``fn(*args)`` (Triton codegen on
+    this CPU): its decorator and body as in the generated module, after the imports it needs
+    when ``with_imports``."""
+    from lowerings import _compat
+
+    torch._dynamo.reset()
+    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
+        _, sources = _compat.run_and_get_code(torch.compile(fn, fullgraph=True, dynamic=dynamic),
+                                              *args)
+    code = "\n".join(sources)
+    start = code.index("def triton_tem_")
+    begin = (code.rindex("'''", 0, start) + 3 if with_imports
+             else code.rindex("@triton_heuristics", 0, start))
+    return code[begin:code.index("''', device_str", start)]

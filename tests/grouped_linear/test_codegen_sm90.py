@@ -272,7 +272,7 @@ def _dynamic_template_source(tmp_path):
     import re
 
     import compileops
-    from lowerings import _compat
+    from tests.grouped_linear._helpers import template_source
 
     x, w = torch.randn(64, 128), torch.randn(4, 256, 128)
     offs = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
@@ -280,14 +280,9 @@ def _dynamic_template_source(tmp_path):
     def f(a, b, o):
         return compileops.grouped_linear(a, b, o) * 2
 
-    torch._dynamo.reset()
-    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
-        _, sources = _compat.run_and_get_code(torch.compile(f, fullgraph=True, dynamic=True),
-                                              x, w, offs)
-    code = "\n".join(sources)
-    start = code.index("def triton_tem_")
-    body = code[code.rindex("'''", 0, start) + 3:code.index("''', device_str", start)]
+    body = template_source(f, x, w, offs, dynamic=True, with_imports=True)
     signature = re.search(r"'signature': (\{[^}]*\})", body).group(1)
+    # The module without Inductor's launcher decorator: the bare @triton.jit kernel.
     body = body[:body.index("@triton_heuristics.template(")] + body[body.index("@triton.jit"):]
     path = tmp_path / "dynamic_template.py"
     path.write_text(body)

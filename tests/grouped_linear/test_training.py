@@ -11,7 +11,7 @@ from compileops.grouped_linear import permute_by_expert, unpermute_and_combine
 from compileops.grouped_linear.kernels import choose_config
 from compileops.testing import aot_graph_text, assert_close_to_reference, assert_deterministic
 from lowerings import _compat
-from tests.grouped_linear._helpers import offsets_of
+from tests.grouped_linear._helpers import offsets_of, template_source
 
 
 def _swiglu_inputs(sizes, k=32, hidden=24, dtype=torch.float32, seed=0):
@@ -146,16 +146,6 @@ def test_compiled_moe_layer_dynamic_one_frame_no_graph_break():
     assert sum(counters["graph_break"].values()) == 0
 
 
-def _template_source(fn, *args, dynamic):
-    torch._dynamo.reset()
-    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
-        _, sources = _compat.run_and_get_code(torch.compile(fn, fullgraph=True, dynamic=dynamic),
-                                              *args)
-    code = "\n".join(sources)
-    start = code.index("def triton_tem_")
-    return code[code.rindex("@triton_heuristics", 0, start):code.index("''', device_str", start)]
-
-
 def test_dynamic_compile_keeps_the_static_variant():
     """With every size symbolic (dynamic=True) the lowering must pick the config it picks
     statically, and tell Triton that the row strides are 16-divisible (guarded on K and N), so
@@ -169,8 +159,8 @@ def test_dynamic_compile_keeps_the_static_variant():
     def f(a, b, o):
         return compileops.grouped_linear(a, b, o) * 2
 
-    static = _template_source(f, x, w, offs, dynamic=False)
-    dynamic = _template_source(f, x, w, offs, dynamic=True)
+    static = template_source(f, x, w, offs, dynamic=False)
+    dynamic = template_source(f, x, w, offs, dynamic=True)
 
     def constants(src, names=("BLOCK_M", "BLOCK_N", "BLOCK_K", "NUM_PROGS", "USE_TMA")):
         return {name: re.search(rf"{name} : tl.constexpr = (\w+)", src).group(1)
