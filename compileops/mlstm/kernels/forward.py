@@ -132,10 +132,10 @@ def mlstm_forward_tile(
     row_factor = tl.where(has_ref, tl.exp2(logf_i + col_ref - row_max), 0.0)
     acc = acc * row_factor[:, None]
     row_sum = row_sum * row_factor
-    # The diagonal tiles: mask j > i and j past the sequence. Both loops are software-pipelined
-    # although ptxas then serialises the kernel's wgmma (its warning C7515): on an H100 one
-    # stage here (which avoids that) was 3-8% slower at S = 1024-2048 (the backward's dQ,
-    # where it gains, does it).
+    # The diagonal tiles: mask j > i and j past the sequence. This loop stays software-
+    # pipelined although ptxas then serialises the kernel's wgmma (its warning C7515):
+    # unpipelined it was 3-8% slower on an H100 at S = 1024-2048. (dQ's diagonal loop is
+    # unpipelined: there it gains.)
     for start_n in range(start_m, tl.minimum(start_m + BLOCK_M, seq_len), BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
         col_ok = cols < seq_len
