@@ -216,6 +216,12 @@ def autotune_select_algorithm(name: str, choices, input_nodes, layout, *, input_
     return out
 
 
+def is_static(expr) -> bool:
+    """Whether a size or stride is a concrete number (an int, or a sympy number), not a
+    symbol of ``dynamic=True``."""
+    return isinstance(expr, int) or bool(getattr(expr, "is_number", False))
+
+
 def multiple_of(expr, divisor: int, *, what: str = "a size") -> bool:
     """Whether a size or stride (an int or a sympy expression) is a multiple of ``divisor``.
 
@@ -231,7 +237,7 @@ def multiple_of(expr, divisor: int, *, what: str = "a size") -> bool:
     import sympy
     from torch._inductor.virtualized import V
 
-    if isinstance(expr, int) or getattr(expr, "is_number", False):
+    if is_static(expr):
         return int(expr) % divisor == 0
     sizevars = V.graph.sizevars
     if sizevars.statically_known_multiple_of(expr, divisor):
@@ -253,7 +259,7 @@ def statically_one(expr) -> bool:
     """Whether a stride is the literal 1 (unit inner stride), with no guard."""
     from torch._inductor.virtualized import V
 
-    if isinstance(expr, int) or getattr(expr, "is_number", False):
+    if is_static(expr):
         return int(expr) == 1
     return bool(V.graph.sizevars.statically_known_equals(expr, 1))
 
@@ -272,7 +278,7 @@ def specialize(expr, *, what: str = "a size") -> int:
     ``what`` names the size in the guard's log line."""
     from torch._inductor.virtualized import V
 
-    if isinstance(expr, int) or getattr(expr, "is_number", False):
+    if is_static(expr):
         return int(expr)
     value = int(V.graph.sizevars.guard_int(expr))
     guard_log.info("%s == %d on %s: specialised (a model constant); another value recompiles",

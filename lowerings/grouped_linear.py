@@ -168,7 +168,7 @@ def _strides_aligned(x, weight, dtype) -> tuple[bool, bool]:
     unit_inner = _compat.statically_one(xs[1]) and _compat.statically_one(ws[2])
     tma_ok = unit_inner and (by_16 or all(_compat.multiple_of(s, per_16_bytes, what=name)
                                           for s, name in zip(rows, names)))
-    symbolic = not all(isinstance(s, int) or getattr(s, "is_number", False) for s in rows)
+    symbolic = not all(_compat.is_static(s) for s in rows)
     return tma_ok, unit_inner and by_16 and symbolic
 
 

@@ -80,8 +80,8 @@ def lower_mlstm_parallel(q, k, v, igate, logf, norm_weight, norm_bias, normed, n
     # 6-12% slower than the static one (narrower loads, register spills). A later S that is
     # not a multiple recompiles once rather than run that form; a first S that is not one
     # keeps the unaligned form for every length (no guard, no recompile).
-    symbolic_seq = not (isinstance(seq, int) or getattr(seq, "is_number", False))
-    seq_aligned = symbolic_seq and _compat.multiple_of(seq, 16, what="the mLSTM sequence length")
+    seq_aligned = (not _compat.is_static(seq)
+                   and _compat.multiple_of(seq, 16, what="the mLSTM sequence length"))
     # The kernel indexes the per-row gates and the norm's affine densely.
     igate, logf = _compat.require_contiguous(igate), _compat.require_contiguous(logf)
     affine = [_compat.require_contiguous(p) for p in (norm_weight, norm_bias) if p is not None]
