@@ -41,7 +41,8 @@ _TEMPLATE_PATH = os.path.join(os.path.dirname(__file__), "templates", "mlstm.py.
 
 
 def _grid(batch, heads, seq, _dqk, meta, *, cdiv):
-    return (batch * heads, cdiv(seq, meta["BLOCK_M"]), 1)
+    # Flat and head-major, as the eager launcher's (kernels.common.head_major_tile).
+    return (batch * heads * cdiv(seq, meta["BLOCK_M"]), 1, 1)
 
 
 @functools.lru_cache(maxsize=None)

@@ -204,8 +204,8 @@ def test_more_than_2_31_elements(normed):
 
 @pytest.mark.parametrize("normed", [True, False], ids=["normed", "raw"])
 def test_65536_programs_on_the_first_grid_axis(normed):
-    """B * NH = 65,536 (one program per head and query tile: more than the 65,535 a grid's
-    second or third axis may hold), with S spanning two tiles."""
+    """B * NH = 65,536 heads (more than the 65,535 a grid's second or third axis may hold;
+    the kernels' grids are flat, a program per head and tile), with S spanning two tiles."""
     x = make_inputs(128, 512, 72, 16, 16, weight=normed, bias=normed, seed=7, device="cuda")
     check_precision(x, torch.bfloat16)
 

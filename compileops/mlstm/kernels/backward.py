@@ -29,6 +29,7 @@ from compileops.mlstm.kernels.common import (
     LOG2E,
     accumulation_dtype,
     column_term_max,
+    head_major_tile,
     input_precision,
     load_tile,
     mma,
@@ -176,7 +177,8 @@ def mlstm_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_STATE: tl.constexpr, ACC: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Grid ``(B * NH, cdiv(S, BLOCK_M))``, the longest rows first. Writes ``dq_ptr [B, NH,
+    """Grid ``(B * NH * cdiv(S, BLOCK_M),)``, head-major (:func:`.common.head_major_tile`),
+    within a head the longest rows first. Writes ``dq_ptr [B, NH,
     S, DQK]`` contiguous and ``row_grad_ptr [B * NH, S]`` (``sum_j dlogD_ij = q_i . dq_i``).
 
     ``dh_ptr``: the raw h's gradient, (batch, head, seq, channel) strides given;
@@ -184,8 +186,9 @@ def mlstm_dq_kernel(
     log2 units), ``r_ptr``, ``beta_ptr``: ``[B * NH, S]`` contiguous, ``ACC``. Chunks and
     ``HAS_STATE`` (the states entering each chunk) as in the forward tile: the state's
     share of dq is ``a_i (C (r_i dh_i) + beta_i n)`` with ``a_i = exp(logf_i + m - m_i)``."""
-    bh = tl.program_id(0)
-    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    num_tiles = tl.cdiv(seq_len, BLOCK_M)
+    bh, tile = head_major_tile(num_tiles)
+    start_m = (num_tiles - 1 - tile) * BLOCK_M
     window = (start_m // chunk_len) * chunk_len
     batch64 = (bh // num_heads).to(tl.int64)
     head64 = (bh % num_heads).to(tl.int64)
@@ -309,7 +312,8 @@ def mlstm_dkv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_STATE: tl.constexpr, ACC: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Grid ``(B * NH, cdiv(S, BLOCK_N))``, the earliest keys (most query tiles) first.
+    """Grid ``(B * NH * cdiv(S, BLOCK_N),)``, head-major (:func:`.common.head_major_tile`),
+    within a head the earliest keys (most query tiles) first.
     Writes ``dk_ptr [B, NH, S, DQK]``, ``dv_ptr [B, NH, S, DV]`` contiguous and
     ``col_grad_ptr [B * NH, S]`` (``sum_i dlogD_ij = k_j . dk_j``). Query tiles run to the
     end of the keys' chunk; with ``HAS_STATE`` the gradient of the state leaving the chunk
@@ -317,8 +321,8 @@ def mlstm_dkv_kernel(
     DQK]``; the state's ``mstate_ptr``) adds the later chunks' share: with ``w_j =
     exp(logf_end - logf_j + igate_j - m)``, ``dk_j += w_j (dC v_j + dn)``, ``dv_j += w_j
     dC^T k_j``. Other arguments as :func:`mlstm_dq_kernel`."""
-    bh = tl.program_id(0)
-    start_n = tl.program_id(1) * BLOCK_N
+    bh, tile = head_major_tile(tl.cdiv(seq_len, BLOCK_N))
+    start_n = tile * BLOCK_N
     batch64 = (bh // num_heads).to(tl.int64)
     head64 = (bh % num_heads).to(tl.int64)
     gate_off = bh.to(tl.int64) * seq_len
@@ -481,10 +485,10 @@ def cell_backward(
     chunk_len = chunk if chunk else seq
     strides = (*q.stride(), *k.stride(), *v.stride(), *dh.stride())
     scale = 1.0 / math.sqrt(dqk)
-    mlstm_dq_kernel[(batch * heads, triton.cdiv(seq, cfg.block_m))](
+    mlstm_dq_kernel[(batch * heads * triton.cdiv(seq, cfg.block_m),)](
         q, k, v, dh, igate, logf, m_log2, r, beta, cstates, nstates, mstates, dq, row_grad,
         seq, chunk_len, heads, *strides, scale, **common)
-    mlstm_dkv_kernel[(batch * heads, triton.cdiv(seq, cfg.block_n))](
+    mlstm_dkv_kernel[(batch * heads * triton.cdiv(seq, cfg.block_n),)](
         q, k, v, dh, igate, logf, m_log2, r, beta, dcstates, dnstates, mstates, dk, dv,
         col_grad, seq, chunk_len, heads, *strides, scale, **common)
     return dq, dk, dv, row_grad, col_grad

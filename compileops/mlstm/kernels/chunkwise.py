@@ -33,6 +33,7 @@ import triton.language as tl
 from compileops.mlstm.kernels.common import (
     LOG2E,
     accumulation_dtype,
+    head_major_tile,
     input_precision,
     load_tile,
     mma,
@@ -51,12 +52,11 @@ def chunk_states_kernel(
     CHUNK: tl.constexpr, SUB: tl.constexpr, HAS_INITIAL: tl.constexpr, ACC: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Grid ``(B * NH, cdiv(DV, BLOCK_V))``. ``igate_ptr``, ``logf_ptr [B * NH, S]``
-    (``logf`` restarted at each chunk), ``ACC``, contiguous; ``c0_ptr [B * NH, DQK, DV]``,
-    ``n0_ptr [B * NH, DQK]``, ``m0_ptr [B * NH]`` (``ACC``): the initial state when
+    """Grid ``(B * NH * cdiv(DV, BLOCK_V),)``, head-major. ``igate_ptr``, ``logf_ptr [B *
+    NH, S]`` (``logf`` restarted at each chunk), ``ACC``, contiguous; ``c0_ptr [B * NH, DQK,
+    DV]``, ``n0_ptr [B * NH, DQK]``, ``m0_ptr [B * NH]`` (``ACC``): the initial state when
     ``HAS_INITIAL``. Writes the layout of the module docstring."""
-    bh = tl.program_id(0)
-    pv = tl.program_id(1)
+    bh, pv = head_major_tile(tl.cdiv(DV, BLOCK_V))
     batch64 = (bh // num_heads).to(tl.int64)
     head64 = (bh % num_heads).to(tl.int64)
     gate_off = bh.to(tl.int64) * seq_len
@@ -126,9 +126,9 @@ def chunk_state_grads_kernel(
     CHUNK: tl.constexpr, SUB: tl.constexpr, HAS_LAST_GRAD: tl.constexpr, ACC: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Grid ``(B * NH, cdiv(DV, BLOCK_V))``, chunks in reverse. The gradient of the state
-    leaving chunk c: the later chunks' rows read it as ``a_i q_i C / sqrt(DQK)`` with
-    ``a_i = exp(logf_i + m - m_i)`` (``m_i`` the row's stabiliser ``m2_ptr``, log2 units),
+    """Grid ``(B * NH * cdiv(DV, BLOCK_V),)``, head-major, chunks in reverse. The gradient of
+    the state leaving chunk c: the later chunks' rows read it as ``a_i q_i C / sqrt(DQK)``
+    with ``a_i = exp(logf_i + m - m_i)`` (``m_i`` the row's stabiliser ``m2_ptr``, log2 units),
     so ``dC += sum_i a_i r_i q_i dh_i^T / sqrt(DQK)`` and ``dn += sum_i a_i beta_i q_i /
     sqrt(DQK)`` (``r``, ``beta``: the norm preprocess's per-row terms), carried back
     through ``exp(m + f_end - m')``. Writes ``dc_ptr [B * NH, NC, DQK, DV]`` (q's dtype;
@@ -136,8 +136,7 @@ def chunk_state_grads_kernel(
     c; slot 0: the initial state's) and ``dc0_ptr [B * NH, DQK, DV]`` (``ACC``: the initial
     state's). ``HAS_LAST_GRAD``: start from ``dc_last_ptr``/``dn_last_ptr`` (the returned
     last state's gradient, ``ACC``)."""
-    bh = tl.program_id(0)
-    pv = tl.program_id(1)
+    bh, pv = head_major_tile(tl.cdiv(DV, BLOCK_V))
     batch64 = (bh // num_heads).to(tl.int64)
     head64 = (bh % num_heads).to(tl.int64)
     gate_off = bh.to(tl.int64) * seq_len
@@ -230,7 +229,7 @@ def chunk_states(
         return c, n, m, c_last
     c0, n0, m0 = (t.contiguous() for t in initial) if initial is not None else (m, m, m)
     block_v = _block_v(dv, dev)
-    chunk_states_kernel[(batch * heads, triton.cdiv(dv, block_v))](
+    chunk_states_kernel[(batch * heads * triton.cdiv(dv, block_v),)](
         k, v, igate, logf, c0, n0, m0, c, n, m, c_last, seq, heads, nc,
         *k.stride(), *v.stride(), DV=dv, BLOCK_V=block_v, HAS_INITIAL=initial is not None,
         **_launch_opts(k, chunk, dqk))
@@ -260,7 +259,7 @@ def chunk_state_grads(
     dc_last, dn_last = ((t.contiguous() for t in last_grad) if last_grad is not None
                         else (dn, dn))
     block_v = _block_v(dv, dev)
-    chunk_state_grads_kernel[(batch * heads, triton.cdiv(dv, block_v))](
+    chunk_state_grads_kernel[(batch * heads * triton.cdiv(dv, block_v),)](
         q, dh, logf, m_log2, r, beta, m_states, dc_last, dn_last, dc, dn, dc0, seq, heads, nc,
         1.0 / math.sqrt(dqk), *q.stride(), *dh.stride(), DV=dv, BLOCK_V=block_v,
         HAS_LAST_GRAD=last_grad is not None, **_launch_opts(q, chunk, dqk))

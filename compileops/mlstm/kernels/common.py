@@ -68,3 +68,18 @@ def input_precision(dtype: torch.dtype) -> str:
 def upcast_dots(t: torch.Tensor) -> bool:
     """16-bit tiles under Triton's interpreter (CPU tensors) are multiplied in fp32."""
     return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def head_major_tile(num_tiles):
+    """``(bh, i)`` of this program in a flat grid of ``B * NH * num_tiles`` programs, ``i`` in
+    ``[0, num_tiles)``: the tiles of one (batch, head) are consecutive programs.
+
+    Why flat and head-major: a head's query tiles all read its keys and values (its key tiles
+    its queries, in the backward). Launched together, they read them from L2; with the head
+    on the fastest grid axis, as before, the programs in flight belonged to ~132 different
+    heads, and each tile of a head came a wave of ``B * NH`` programs later, long after its
+    K and V had left L2, so every tile re-read them from HBM. One grid axis (up to 2**31 - 1
+    programs) also keeps any ``B * NH`` and S launchable; a second axis stops at 65,535."""
+    pid = tl.program_id(0)
+    return pid // num_tiles, pid % num_tiles

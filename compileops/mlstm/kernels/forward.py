@@ -25,6 +25,7 @@ from compileops.mlstm.kernels.common import (
     LOG2E,
     accumulation_dtype,
     column_term_max,
+    head_major_tile,
     input_precision,
     load_tile,
     mma,
@@ -247,11 +248,13 @@ def mlstm_forward_kernel(
     RESIDUAL_WEIGHT: tl.constexpr, SAVE_H: tl.constexpr, HAS_STATE: tl.constexpr,
     ACC: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Grid ``(B * NH, cdiv(S, BLOCK_M))``; the last query tiles (the longest rows) start
-    first. ``out_ptr``: ``[B, S, NH * DV]`` (normed) or ``[B, NH, S, DV]`` (raw), addressed by
-    the strides of its (batch, head, seq, channel) dimensions."""
-    bh = tl.program_id(0)
-    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    """Grid ``(B * NH * cdiv(S, BLOCK_M),)``, head-major (:func:`.common.head_major_tile`);
+    within a head the last query tiles (the longest rows) start first. ``out_ptr``: ``[B, S,
+    NH * DV]`` (normed) or ``[B, NH, S, DV]`` (raw), addressed by the strides of its
+    (batch, head, seq, channel) dimensions."""
+    num_tiles = tl.cdiv(seq_len, BLOCK_M)
+    bh, tile = head_major_tile(num_tiles)
+    start_m = (num_tiles - 1 - tile) * BLOCK_M
     out = mlstm_forward_tile(
         q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, weight_ptr, bias_ptr, h_ptr, m_ptr, b_ptr,
         cstate_ptr, nstate_ptr, mstate_ptr, bh, start_m, seq_len, chunk_len, num_heads,
@@ -310,7 +313,7 @@ def mlstm_forward(
     if chunk and chunk % cfg.block_m:
         raise ValueError(f"chunk ({chunk}) must be a multiple of block_m ({cfg.block_m})")
     cstates, nstates, mstates = states if states is not None else (m, m, m)
-    grid = (batch * heads, triton.cdiv(seq, cfg.block_m))
+    grid = (batch * heads * triton.cdiv(seq, cfg.block_m),)
     mlstm_forward_kernel[grid](
         q, k, v, igate, logf,
         norm_weight if norm_weight is not None else m,
