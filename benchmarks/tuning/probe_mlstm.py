@@ -9,6 +9,8 @@ REV:compileops/mlstm/kernels/backward.py > benchmarks/tuning/_backward_before.py
 timed too, in the same process.
 """
 import argparse
+import dataclasses
+import itertools
 import math
 import time
 
@@ -81,9 +83,9 @@ def bench(seq, tokens, cfgs_fw, cfgs_bw):
             print(f"bw S={seq} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
 
 
-def breakdown(seq, tokens):
-    """The backward's parts timed apart at the default configs: the norm preprocess, the
-    dQ programs and the dK/dV programs."""
+def breakdown(seq, tokens, configs=()):
+    """The backward's parts timed apart: the norm preprocess, the dQ programs and the dK/dV
+    programs, at the default config and at each of ``configs`` (BackwardConfig)."""
     from compileops.mlstm.kernels import backward as bwk
 
     b, nh, dqk, dv = tokens // seq, 16, 128, 256
@@ -93,14 +95,22 @@ def breakdown(seq, tokens):
     out, h, m, rs = kernels.mlstm_forward(q, k, v, ig, logf, w, None, True, 1e-6, 1e-6, False,
                                           True)
     go = torch.randn_like(out)
-    cfg = kernels.choose_backward_config(q, dqk, dv)
-    dh, r, beta, dm, _, _ = kernels.norm_backward(go, h, w, m, rs, True, 1e-6, 1e-6, False, cfg)
-    flops = b * nh * seq * seq * (dqk + dv)
+    default = kernels.choose_backward_config(q, dqk, dv)
+    dh, r, beta, dm, _, _ = kernels.norm_backward(go, h, w, m, rs, True, 1e-6, 1e-6, False,
+                                                  default)
     t_norm = triton.testing.do_bench(
-        lambda: kernels.norm_backward(go, h, w, m, rs, True, 1e-6, 1e-6, False, cfg), rep=50)
-    common = dict(DQK=dqk, DV=dv, BLOCK_DQK=dqk, BLOCK_DV=dv, BLOCK_M=cfg.block_m,
-                  BLOCK_N=cfg.block_n, ACC=tl.float32, INPUT_PRECISION="tf32", UPCAST=False, HAS_STATE=False,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        lambda: kernels.norm_backward(go, h, w, m, rs, True, 1e-6, 1e-6, False, default),
+        rep=50)
+    # The norm preprocess streams grad, h and dh (3 x 2 bytes per element): its bandwidth.
+    stream = 3 * out.numel() * out.element_size()
+    for rows, warps, programs in itertools.product((8, 16, 32), (1, 2, 4), (4096, 8192, 32768)):
+        cfg = dataclasses.replace(default, block_rows=rows, norm_warps=warps,
+                                  norm_programs=programs)
+        t = triton.testing.do_bench(
+            lambda: kernels.norm_backward(go, h, w, m, rs, True, 1e-6, 1e-6, False, cfg),
+            rep=50)
+        print(f"norm S={seq} rows={rows} warps={warps} programs={programs}: {t:.3f} ms "
+              f"({stream / t / 1e6:.0f} GB/s)", flush=True)
     dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     rg, cg = torch.empty_like(logf), torch.empty_like(logf)
     strides = (*q.stride(), *k.stride(), *v.stride(), *dh.stride())
@@ -114,12 +124,30 @@ def breakdown(seq, tokens):
         (name[len("_backward_"):-3], importlib.import_module(name[:-3]))
         for name in sorted(os.listdir(here))
         if name.startswith("_backward_") and name.endswith(".py")]
-    for name, mod in versions:
-        t_dq = triton.testing.do_bench(lambda: mod.mlstm_dq_kernel[(b * nh, triton.cdiv(seq, cfg.block_m))](
-            q, k, v, dh, ig, logf, m, r, beta, r, r, r, dq, rg, seq, seq, nh, *strides, scale, **common), rep=50)
-        t_dkv = triton.testing.do_bench(lambda: mod.mlstm_dkv_kernel[(b * nh, triton.cdiv(seq, cfg.block_n))](
-            q, k, v, dh, ig, logf, m, r, beta, r, r, r, dk, dvv, cg, seq, seq, nh, *strides, scale, **common),
-            rep=50)
+    for (name, mod), cfg in itertools.product(versions, [default, *configs]):
+        common = dict(DQK=dqk, DV=dv, BLOCK_DQK=dqk, BLOCK_DV=dv, BLOCK_M=cfg.block_m,
+                      ACC=tl.float32, INPUT_PRECISION="tf32", UPCAST=False, HAS_STATE=False)
+        dq_tiles = dict(BLOCK_N=cfg.dq_tile, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)
+        dkv_tiles = dict(BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                         num_stages=cfg.num_stages)
+        # Kernels with head_major_tile take a flat grid; older copies (bh, tile).
+        flat = "head_major_tile" in vars(mod)
+
+        def grid(block):
+            tiles = triton.cdiv(seq, block)
+            return (b * nh * tiles,) if flat else (b * nh, tiles)
+
+        try:
+            t_dq = triton.testing.do_bench(lambda: mod.mlstm_dq_kernel[grid(cfg.block_m)](
+                q, k, v, dh, ig, logf, m, r, beta, r, r, r, dq, rg, seq, seq, nh, *strides,
+                scale, **common, **dq_tiles), rep=50)
+            t_dkv = triton.testing.do_bench(lambda: mod.mlstm_dkv_kernel[grid(cfg.block_n)](
+                q, k, v, dh, ig, logf, m, r, beta, r, r, r, dk, dvv, cg, seq, seq, nh, *strides,
+                scale, **common, **dkv_tiles), rep=50)
+        except Exception as e:  # noqa: BLE001  (a config past the shared memory, say)
+            print(f"breakdown [{name}] S={seq} {cfg}: FAILED {type(e).__name__}: "
+                  f"{str(e)[:120]}", flush=True)
+            continue
         # Causal FLOPs per pass: dQ 2*(DQK + DV + DQK), dK/dV 2*(DQK + DV + DV + DQK) per entry.
         entries = b * nh * seq * seq / 2
         print(f"breakdown [{name}] S={seq} {cfg}: norm {t_norm:.3f} ms, dQ {t_dq:.3f} ms "
@@ -132,12 +160,15 @@ def main():
     p.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--breakdown", action="store_true", help="only the backward's parts")
+    p.add_argument("--bw-configs", nargs="*", default=[],
+                   help="BM,BN,WARPS,STAGES: more backward configs for --breakdown")
     a = p.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     t0 = time.time()
     if a.breakdown:
+        extra = [kernels.BackwardConfig(*map(int, c.split(","))) for c in a.bw_configs]
         for s in a.seqs:
-            breakdown(s, 65536)
+            breakdown(s, 65536, extra)
         return
     check(300, torch.float32)
     check(300, torch.bfloat16)

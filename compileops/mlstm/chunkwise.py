@@ -179,12 +179,7 @@ def _forward_config(q, v, chunk):
 def _backward_config(q, v, chunk):
     from compileops.mlstm.kernels import config
 
-    cfg = config.choose_backward_config(q, q.shape[-1], v.shape[-1])
-    if chunk < cfg.block_m:
-        cfg = config.BackwardConfig(block_m=chunk, block_n=min(cfg.block_n, chunk),
-                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                    block_rows=cfg.block_rows)
-    return cfg
+    return config.choose_backward_config(q, q.shape[-1], v.shape[-1]).capped(chunk)
 
 
 @mlstm_chunkwise_op.register_fake

@@ -279,3 +279,54 @@ def test_inputs_not_modified(backend, normed):
     for t, b in zip(op_inputs + list(fw), op_before + fw_before):
         assert torch.equal(t, b)
     assert torch.equal(grad, grad_before)
+
+
+# --------------------------------------------------------------------------- norm preprocess
+
+
+def test_norm_rows_per_program():
+    """The span of rows a norm-preprocess program walks: whole tiles of ``block_rows``, about
+    ``norm_programs`` programs in all, never fewer than one tile each."""
+    from compileops.mlstm.kernels import BackwardConfig, norm_rows_per_program
+
+    cfg = BackwardConfig(block_rows=8, norm_programs=8192)
+    assert norm_rows_per_program(1024, 1024, cfg) == 128  # 8 programs per head
+    assert norm_rows_per_program(65536, 1024, cfg) == 1024  # the heads alone fill the grid
+    assert norm_rows_per_program(64, 1024, cfg) == 8  # one tile per program
+    assert norm_rows_per_program(1, 100, cfg) == 8  # 13 programs, the last ragged
+    assert norm_rows_per_program(3, 1000, BackwardConfig(block_rows=8, norm_programs=1)) == 1000
+    assert norm_rows_per_program(2, 0, cfg) == 8
+
+
+@pytest.mark.parametrize("normed", [True, False], ids=["normed", "raw"])
+def test_norm_preprocess_span_changes_no_row(normed):
+    """One program walking all of a head's rows and one program per tile give bitwise the same
+    per-row outputs (dh, r, beta, dm), and the same weight and bias gradients up to the order
+    of their sums."""
+    from compileops.mlstm import kernels
+
+    gen = torch.Generator().manual_seed(11)
+    b, nh, s, dv = 2, 3, 45, 32
+    h = torch.randn(b, nh, s, dv, generator=gen, dtype=torch.float64)
+    grad = torch.randn(b, s, nh * dv, generator=gen, dtype=torch.float64)
+    if not normed:
+        grad = grad.view(b, s, nh, dv).transpose(1, 2)
+    weight = torch.randn(nh * dv, generator=gen, dtype=torch.float64) if normed else None
+    m_log2 = torch.randn(b, nh, s, generator=gen, dtype=torch.float64)
+    row_sum = torch.randn(b, nh, s, generator=gen, dtype=torch.float64)
+    grad_before = grad.clone()
+
+    def run(norm_programs):
+        cfg = kernels.BackwardConfig(block_m=16, block_n=16, num_warps=1, num_stages=1,
+                                     block_rows=16, norm_warps=1, norm_programs=norm_programs)
+        return kernels.norm_backward(grad, h, weight, m_log2, row_sum, normed, 1e-5, 1e-6,
+                                     False, cfg)
+
+    walked, tiled = run(1), run(10_000)
+    for name, got, want in zip(("dh", "r", "beta", "dm"), walked[:4], tiled[:4]):
+        assert torch.equal(got, want), name
+    if normed:
+        assert walked[4].shape[0] == 1 and tiled[4].shape[0] == 3
+        for got, want in zip(walked[4:], tiled[4:]):
+            torch.testing.assert_close(got.sum((0, 1)), want.sum((0, 1)), rtol=1e-12, atol=1e-12)
+    assert torch.equal(grad, grad_before)

@@ -13,6 +13,7 @@ from compileops.mlstm.kernels.config import (
     choose_backward_config,
     choose_forward_config,
     head_tile,
+    norm_rows_per_program,
 )
 from compileops.mlstm.kernels.forward import mlstm_forward, mlstm_forward_tile
 
@@ -26,4 +27,5 @@ __all__ = [
     "mlstm_forward",
     "mlstm_forward_tile",
     "norm_backward",
+    "norm_rows_per_program",
 ]

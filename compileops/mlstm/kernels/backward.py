@@ -35,20 +35,27 @@ from compileops.mlstm.kernels.common import (
     mma,
     upcast_dots,
 )
-from compileops.mlstm.kernels.config import BackwardConfig, choose_backward_config, head_tile
+from compileops.mlstm.kernels.config import (
+    BackwardConfig,
+    choose_backward_config,
+    head_tile,
+    norm_rows_per_program,
+)
 
 
 @triton.jit
 def norm_backward_rows(
     grad_ptr, h_ptr, weight_ptr, dh_ptr, m2_ptr, rowsum_ptr, r_ptr, beta_ptr, dm_ptr,
-    dweight_ptr, dbias_ptr, bh, start_s, seq_len, num_heads, num_row_blocks,
+    bh, start_s, seq_len, num_heads,
     stride_gb, stride_gh, stride_gs, stride_gd,
     norm_eps, eps,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_ROWS: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, RESIDUAL_WEIGHT: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    """Rows ``start_s + arange(BLOCK_ROWS)`` of head ``bh``.
+    """Rows ``start_s + arange(BLOCK_ROWS)`` of head ``bh``; returns their sums of ``dy *
+    yhat`` and ``dy`` per channel (``[BLOCK_DV]`` ``ACC``; zeros without ``HAS_NORM``), the
+    norm's weight and bias gradients over these rows.
 
     * ``grad_ptr``: the output's gradient, (batch, head, seq, channel) strides given.
     * ``h_ptr [B * NH, S, DV]``: contiguous raw h (or, without a norm, the output itself).
@@ -58,9 +65,7 @@ def norm_backward_rows(
       ``dm_ptr`` (the stabiliser's gradient), all ``[B * NH, S]`` ``ACC``. Computed here, one
       row at a time, so they are bitwise batch-invariant.
     * With ``HAS_NORM`` also ``dh_ptr [B * NH, S, DV]`` contiguous (h's dtype), the gradient
-      of the raw h, and the partial sums ``dweight_ptr``/``dbias_ptr [R, B * NH, DV]``
-      (``ACC``, R = row blocks) of ``dy * yhat`` and ``dy`` over this program's rows (the op
-      sums over R and B).
+      of the raw h.
     """
     batch = bh // num_heads
     head = bh % num_heads
@@ -91,11 +96,12 @@ def norm_backward_rows(
                       (g - g_mean[:, None] - y_hat * gy_mean[:, None]) * rstd[:, None], 0.0)
         tl.store(dh_ptr + h_off + rows[:, None] * DV + dv[None, :],
                  dh.to(dh_ptr.dtype.element_ty), mask=mask)
-        part = (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + bh) * DV + dv
-        tl.store(dweight_ptr + part, tl.sum(dy * y_hat, axis=0), mask=live)
-        tl.store(dbias_ptr + part, tl.sum(dy, axis=0), mask=live)
+        dweight = tl.sum(dy * y_hat, axis=0)
+        dbias = tl.sum(dy, axis=0)
     else:
         dh = dy
+        dweight = tl.zeros((BLOCK_DV,), dtype=ACC)
+        dbias = tl.zeros((BLOCK_DV,), dtype=ACC)
     hdot = tl.sum(dh * h, axis=1)
     row_off = bh.to(tl.int64) * seq_len + rows
     m2 = tl.load(m2_ptr + row_off, mask=row_ok, other=0.0)
@@ -107,24 +113,43 @@ def norm_backward_rows(
     tl.store(r_ptr + row_off, r, mask=row_ok)
     tl.store(beta_ptr + row_off, beta, mask=row_ok)
     tl.store(dm_ptr + row_off, -eps * r * hdot, mask=row_ok)
+    return dweight, dbias
 
 
 @triton.jit
 def norm_backward_kernel(
     grad_ptr, h_ptr, weight_ptr, dh_ptr, m2_ptr, rowsum_ptr, r_ptr, beta_ptr, dm_ptr,
-    dweight_ptr, dbias_ptr, seq_len, num_heads, num_row_blocks,
+    dweight_ptr, dbias_ptr, seq_len, num_heads, rows_per_program,
     stride_gb, stride_gh, stride_gs, stride_gd, norm_eps, eps,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_ROWS: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, RESIDUAL_WEIGHT: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    """Grid ``(B * NH, cdiv(S, BLOCK_ROWS))``: :func:`norm_backward_rows`."""
-    norm_backward_rows(
-        grad_ptr, h_ptr, weight_ptr, dh_ptr, m2_ptr, rowsum_ptr, r_ptr, beta_ptr, dm_ptr,
-        dweight_ptr, dbias_ptr, tl.program_id(0), tl.program_id(1) * BLOCK_ROWS, seq_len,
-        num_heads, num_row_blocks, stride_gb, stride_gh, stride_gs, stride_gd, norm_eps, eps,
-        DV, BLOCK_DV, BLOCK_ROWS, HAS_NORM, HAS_WEIGHT, RESIDUAL_WEIGHT, ACC,
-    )
+    """Grid ``(B * NH, cdiv(S, rows_per_program))``: rows ``[p * rows_per_program, (p + 1) *
+    rows_per_program)`` of head ``bh`` (``p = program_id(1)``, ``bh = program_id(0)``) in
+    blocks of ``BLOCK_ROWS`` (:func:`norm_backward_rows`; ``rows_per_program`` a multiple of
+    it). With ``HAS_NORM``, the program's partial sums of the weight and bias gradients, in
+    row order, go to slot ``[p, bh]`` of ``dweight_ptr``/``dbias_ptr [R, B * NH, DV]``
+    (``ACC``; the op sums over R and B): small tiles for bandwidth, one slot per program
+    for little partial-sum traffic."""
+    bh = tl.program_id(0)
+    first = tl.program_id(1) * rows_per_program
+    last = tl.minimum(first + rows_per_program, seq_len)
+    dweight = tl.zeros((BLOCK_DV,), dtype=ACC)
+    dbias = tl.zeros((BLOCK_DV,), dtype=ACC)
+    for start_s in range(first, last, BLOCK_ROWS):
+        rows_dweight, rows_dbias = norm_backward_rows(
+            grad_ptr, h_ptr, weight_ptr, dh_ptr, m2_ptr, rowsum_ptr, r_ptr, beta_ptr, dm_ptr,
+            bh, start_s, seq_len, num_heads, stride_gb, stride_gh, stride_gs, stride_gd,
+            norm_eps, eps, DV, BLOCK_DV, BLOCK_ROWS, HAS_NORM, HAS_WEIGHT, RESIDUAL_WEIGHT, ACC,
+        )
+        dweight += rows_dweight
+        dbias += rows_dbias
+    if HAS_NORM:
+        dv = tl.arange(0, BLOCK_DV)
+        part = (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + bh) * DV + dv
+        tl.store(dweight_ptr + part, dweight, mask=dv < DV)
+        tl.store(dbias_ptr + part, dbias, mask=dv < DV)
 
 
 @triton.jit
@@ -419,7 +444,8 @@ def norm_backward(
     the forward's ``m_log2`` and ``row_sum`` (contiguous), and, when normed, partial sums of
     the norm's weight and bias gradients to reduce."""
     batch, heads, seq, dv = h.shape
-    rows = triton.cdiv(seq, config.block_rows)
+    span = norm_rows_per_program(batch * heads, seq, config)
+    rows = triton.cdiv(seq, span)
     r = torch.empty_like(m_log2)
     beta = torch.empty_like(m_log2)
     dm = torch.empty_like(m_log2)
@@ -435,11 +461,11 @@ def norm_backward(
             grad_out, h, norm_weight if norm_weight is not None else r,
             dh if normed else r, m_log2, row_sum, r, beta, dm,
             parts_w if normed else r, parts_b if normed else r,
-            seq, heads, rows, *_dims(grad_out, normed, dv), norm_eps, eps,
+            seq, heads, span, *_dims(grad_out, normed, dv), norm_eps, eps,
             DV=dv, BLOCK_DV=head_tile(dv), BLOCK_ROWS=config.block_rows,
             HAS_NORM=normed, HAS_WEIGHT=norm_weight is not None,
             RESIDUAL_WEIGHT=residual_weight, ACC=accumulation_dtype(h.dtype),
-            num_warps=config.num_warps,
+            num_warps=config.norm_warps,
         )
     return dh, r, beta, dm, parts_w, parts_b
 
@@ -474,11 +500,9 @@ def cell_backward(
     if chunk and chunk % cfg.block_m:
         raise ValueError(f"chunk ({chunk}) must be a multiple of block_m ({cfg.block_m})")
     common = dict(
-        DQK=dqk, DV=dvh, BLOCK_DQK=head_tile(dqk),
-        BLOCK_DV=head_tile(dvh), BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, HAS_STATE=states is not None, ACC=accumulation_dtype(q.dtype),
+        DQK=dqk, DV=dvh, BLOCK_DQK=head_tile(dqk), BLOCK_DV=head_tile(dvh),
+        BLOCK_M=cfg.block_m, HAS_STATE=states is not None, ACC=accumulation_dtype(q.dtype),
         INPUT_PRECISION=input_precision(q.dtype), UPCAST=upcast_dots(q),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     cstates, nstates, mstates = states if states is not None else (r, r, r)
     dcstates, dnstates = state_grads if state_grads is not None else (r, r)
@@ -487,8 +511,10 @@ def cell_backward(
     scale = 1.0 / math.sqrt(dqk)
     mlstm_dq_kernel[(batch * heads * triton.cdiv(seq, cfg.block_m),)](
         q, k, v, dh, igate, logf, m_log2, r, beta, cstates, nstates, mstates, dq, row_grad,
-        seq, chunk_len, heads, *strides, scale, **common)
+        seq, chunk_len, heads, *strides, scale, BLOCK_N=cfg.dq_tile, **common,
+        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)
     mlstm_dkv_kernel[(batch * heads * triton.cdiv(seq, cfg.block_n),)](
         q, k, v, dh, igate, logf, m_log2, r, beta, dcstates, dnstates, mstates, dk, dv,
-        col_grad, seq, chunk_len, heads, *strides, scale, **common)
+        col_grad, seq, chunk_len, heads, *strides, scale, BLOCK_N=cfg.block_n, **common,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dq, dk, dv, row_grad, col_grad

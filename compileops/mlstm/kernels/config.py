@@ -6,6 +6,7 @@ Why the defaults are what they are: ``benchmarks/RESULTS.md`` (mLSTM), swept wit
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 
@@ -30,26 +31,66 @@ class ForwardConfig:
 
 @dataclasses.dataclass(frozen=True)
 class BackwardConfig:
-    """dQ programs: ``block_m`` query rows, key tiles of ``block_n``. dK/dV programs:
-    ``block_n`` key rows, query tiles of ``block_m``. ``block_m`` a multiple of ``block_n``."""
+    """dK/dV programs: ``block_n`` key rows, query tiles of ``block_m``, on ``num_warps`` /
+    ``num_stages``. dQ programs: ``block_m`` query rows, key tiles of ``dq_block_n``, on
+    ``dq_num_warps`` / ``dq_num_stages`` (each None: the dK/dV value). ``block_m`` a multiple
+    of both key tiles. The norm preprocess: tiles of ``block_rows`` rows on ``norm_warps``,
+    each program looping over a span of rows so that about ``norm_programs`` programs run
+    (:func:`norm_rows_per_program`)."""
 
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
-    #: Rows per program of the norm-backward preprocess.
+    #: Rows per tile of the norm-backward preprocess.
     block_rows: int = 16
+    dq_block_n: Optional[int] = None
+    dq_num_warps: Optional[int] = None
+    dq_num_stages: Optional[int] = None
+    norm_warps: int = 4
+    norm_programs: int = 8192
 
     def __post_init__(self):
-        if self.block_m % self.block_n:
-            raise ValueError(f"block_m ({self.block_m}) must be a multiple of block_n "
-                             f"({self.block_n})")
+        for name, tile in (("block_n", self.block_n), ("dq_block_n", self.dq_tile)):
+            if self.block_m % tile:
+                raise ValueError(f"block_m ({self.block_m}) must be a multiple of {name} "
+                                 f"({tile})")
+
+    @property
+    def dq_tile(self) -> int:
+        return self.block_n if self.dq_block_n is None else self.dq_block_n
+
+    @property
+    def dq_warps(self) -> int:
+        return self.num_warps if self.dq_num_warps is None else self.dq_num_warps
+
+    @property
+    def dq_stages(self) -> int:
+        return self.num_stages if self.dq_num_stages is None else self.dq_num_stages
+
+    def capped(self, max_block_m: int) -> "BackwardConfig":
+        """This config with its query tile (and key tiles) no longer than ``max_block_m``."""
+        if self.block_m <= max_block_m:
+            return self
+        return dataclasses.replace(self, block_m=max_block_m,
+                                   block_n=min(self.block_n, max_block_m),
+                                   dq_block_n=min(self.dq_tile, max_block_m))
+
+
+def norm_rows_per_program(batch_heads: int, seq: int, cfg: BackwardConfig) -> int:
+    """Rows each norm-preprocess program walks: a multiple of ``cfg.block_rows``, so that
+    the grid ``(B * NH, cdiv(S, span))`` has about ``cfg.norm_programs`` programs (at least
+    one block of rows each). A function of the shape only: the partial sums' order, and so
+    the weight and bias gradients, are reproducible."""
+    blocks = max(1, -(-seq // cfg.block_rows))
+    per_head = max(1, min(blocks, cfg.norm_programs // max(1, batch_heads)))
+    return cfg.block_rows * -(-blocks // per_head)
 
 
 # Triton's interpreter runs one numpy op per tile statement: small tiles keep CPU tests fast.
 INTERPRETER_FORWARD = ForwardConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
 INTERPRETER_BACKWARD = BackwardConfig(block_m=16, block_n=16, num_warps=1, num_stages=1,
-                                      block_rows=16)
+                                      block_rows=16, norm_warps=1)
 
 
 #: Bytes of shared memory a 16-bit forward config may plan for its tiles (the H100 allows 227
@@ -122,7 +163,11 @@ def choose_backward_config(q: torch.Tensor, dqk: int, dv: int) -> BackwardConfig
         return BackwardConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
     if q.dtype == torch.float32:
         return BackwardConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    # H100, bf16, DQK=128 / DV=256 (probe_mlstm.py, factorised decay): 64 x 64 on 8 warps,
-    # 2 stages: 13.7 ms at S=1024, 37.9 at S=4096; 64 x 32 on 4 warps 14.1 / 40.9; 128 x 32
-    # on 8 warps 16.7 / 36.9; 3 stages are slower; 128 x 64 needs 338 KB of shared memory.
-    return BackwardConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
+    # H100, bf16, DQK=128 / DV=256, 65k tokens, head-major grids (probe_mlstm.py
+    # --breakdown): dK/dV 64 x 64 on 8 warps, 2 stages: 4.71 / 13.93 ms at S = 1024 / 4096
+    # (64 x 32 on 4 warps 5.38 / 15.52, 3 stages slower); dQ 64 x 32 on 4 warps, 3 stages:
+    # 1.41 / 4.06 ms against 2.67 / 8.14 on dK/dV's config. Norm preprocess: see
+    # benchmarks/RESULTS.md (mLSTM).
+    return BackwardConfig(block_m=64, block_n=64, num_warps=8, num_stages=2,
+                          dq_block_n=32, dq_num_warps=4, dq_num_stages=3,
+                          block_rows=8, norm_warps=1)
