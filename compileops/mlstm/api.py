@@ -19,11 +19,12 @@ def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
 
 #: ``kernel="auto"`` runs the parallel form up to these sequence lengths (with a gradient
 #: to compute / without) and the chunkwise form above them, and whenever states go in or
-#: out. Measured on an H100 (bf16, DQK 128, DV 256, 65,536 tokens; benchmarks/RESULTS.md,
-#: mLSTM): forward+backward, parallel 10.6 ms vs chunkwise 12.4 at S=512, 14.5 vs 12.1 at
-#: 1024; forward only, 2.42 vs 3.15 at 1024, 3.62 vs 3.11 at 2048.
-AUTO_PARALLEL_MAX_SEQ = 512
-AUTO_PARALLEL_MAX_SEQ_INFERENCE = 1024
+#: out. Measured on an H100 (bf16, DQK 128, DV 256, 65,536 tokens, compiled; benchmarks/
+#: RESULTS.md, mLSTM, 2026-11-26): forward+backward, parallel 8.69 ms vs chunkwise 9.01 at
+#: S=1024, 13.29 vs 8.86 at 2048; forward only, 2.51 vs 2.49 at 2048 (the parallel form's
+#: peak memory 1.02 GiB vs 1.59), 4.13 vs 2.50 at 4096.
+AUTO_PARALLEL_MAX_SEQ = 1024
+AUTO_PARALLEL_MAX_SEQ_INFERENCE = 2048
 #: The chunkwise form's default chunk length (benchmarks/RESULTS.md, mLSTM).
 DEFAULT_CHUNK = 128
 
@@ -152,8 +153,8 @@ def mlstm(
     ``kernel``: ``"parallel"`` (tiles over the causal ``S x S`` square: quadratic in S),
     ``"chunkwise"`` (the parallel kernels within chunks of ``chunk_size`` rows, default 128,
     a power of two >= 16, plus a ``[DQK, DV]`` fp32 state carried between chunks: linear
-    in S), or ``"auto"``: parallel up to ``AUTO_PARALLEL_MAX_SEQ`` rows (512) when a
-    gradient is needed and ``AUTO_PARALLEL_MAX_SEQ_INFERENCE`` (1024) when not, chunkwise
+    in S), or ``"auto"``: parallel up to ``AUTO_PARALLEL_MAX_SEQ`` rows (1024) when a
+    gradient is needed and ``AUTO_PARALLEL_MAX_SEQ_INFERENCE`` (2048) when not, chunkwise
     above and whenever a state goes in or out (the crossover measured on an H100). Under ``torch.compile(dynamic=True)`` the
     choice guards on S on one side of that length (one recompile when S crosses it).
 
