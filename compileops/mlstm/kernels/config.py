@@ -28,6 +28,14 @@ class ForwardConfig:
             raise ValueError(f"block_m ({self.block_m}) must be a multiple of block_n "
                              f"({self.block_n})")
 
+    def capped(self, max_block_m: int) -> "ForwardConfig":
+        """This config with its query tile (and key tile) no longer than ``max_block_m``
+        (0: no cap)."""
+        if not max_block_m or self.block_m <= max_block_m:
+            return self
+        return dataclasses.replace(self, block_m=max_block_m,
+                                   block_n=min(self.block_n, max_block_m))
+
 
 @dataclasses.dataclass(frozen=True)
 class BackwardConfig:
@@ -69,8 +77,9 @@ class BackwardConfig:
         return self.num_stages if self.dq_num_stages is None else self.dq_num_stages
 
     def capped(self, max_block_m: int) -> "BackwardConfig":
-        """This config with its query tile (and key tiles) no longer than ``max_block_m``."""
-        if self.block_m <= max_block_m:
+        """This config with its query tile (and key tiles) no longer than ``max_block_m``
+        (0: no cap)."""
+        if not max_block_m or self.block_m <= max_block_m:
             return self
         return dataclasses.replace(self, block_m=max_block_m,
                                    block_n=min(self.block_n, max_block_m),
@@ -141,18 +150,11 @@ def choose_forward_config(q: torch.Tensor, dqk: int, dv: int, *, with_state: boo
     elif q.dtype == torch.float32:
         cfg = ForwardConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     else:
-        candidates = [_capped(c, max_block_m) for c in _FORWARD_16BIT_CANDIDATES]
+        candidates = [c.capped(max_block_m) for c in _FORWARD_16BIT_CANDIDATES]
         return next((c for c in candidates
                      if forward_shared_bytes(c, dqk, dv, with_state) <= _SHARED_MEMORY_BUDGET),
                     candidates[-1])
-    return _capped(cfg, max_block_m)
-
-
-def _capped(cfg: ForwardConfig, max_block_m: int) -> ForwardConfig:
-    """``cfg`` with its query tile (and key tile) no longer than ``max_block_m`` when given."""
-    if not max_block_m or cfg.block_m <= max_block_m:
-        return cfg
-    return dataclasses.replace(cfg, block_m=max_block_m, block_n=min(cfg.block_n, max_block_m))
+    return cfg.capped(max_block_m)
 
 
 def choose_backward_config(q: torch.Tensor, dqk: int, dv: int) -> BackwardConfig:
