@@ -1,5 +1,7 @@
 """The forget-gate prefix sum as ops: ``compileops::mlstm_log_forget(fgate) -> logf`` and
-``compileops::mlstm_log_forget_backward(grad, fgate) -> dfgate``.
+``compileops::mlstm_log_forget_backward(grad, fgate) -> dfgate``; and
+``compileops::mlstm_column_terms(igate, logf) -> (terms, colmax)``, the forward's column terms
+and their running max, which the forward's lowering uses.
 
 ``logf = cumsum(log sigmoid(fgate))`` ``[B, NH, S]`` in the accumulation dtype (fp32, fp64 for
 fp64). On the Triton backend one program sums one row in a fixed order, so the result is
@@ -7,6 +9,8 @@ bitwise batch-invariant, which ``torch.cumsum`` on CUDA is not (it picks its sca
 count). Under ``torch.compile`` both stay extern calls of these kernels.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -87,4 +91,35 @@ def _log_forget_backward_fake(grad, fgate, chunk=0):
     return fgate.new_empty(fgate.shape)
 
 
-__all__ = ["log_forget_backward_op", "log_forget_op"]
+@custom_op("mlstm_column_terms")
+def column_terms_op(igate: torch.Tensor, logf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``igate``, ``logf`` ``[B, NH, S]`` (the accumulation dtype) -> ``(terms, colmax)``, both
+    ``[B, NH, S]``: the parallel forward's column terms ``(igate - logf) * log2(e)`` and their
+    running max along S (its stabiliser less ``logf``, log2 units). Internal: the Inductor
+    lowering of ``mlstm_parallel`` calls it ahead of its template, as the eager launcher calls
+    the kernel ahead of its own. Not differentiable (nothing differentiates through it: the
+    stabiliser's gradient is the forward op's)."""
+    _check_column_terms_inputs(igate, logf)
+    if _use_triton("mlstm_column_terms", logf):
+        from compileops.mlstm.kernels import stabiliser
+
+        return stabiliser.column_terms(igate.contiguous(), logf.contiguous())
+    terms = ((igate - logf) * (1.0 / math.log(2.0))).contiguous()
+    if terms.shape[-1] == 0:
+        return terms, terms.clone()
+    return terms, torch.cummax(terms, dim=-1).values.contiguous()
+
+
+def _check_column_terms_inputs(igate, logf) -> None:
+    if igate.shape != logf.shape or igate.dtype != logf.dtype:
+        raise ValueError(f"igate ({tuple(igate.shape)}, {igate.dtype}) and logf "
+                         f"({tuple(logf.shape)}, {logf.dtype}) must match")
+
+
+@column_terms_op.register_fake
+def _column_terms_fake(igate, logf):
+    _check_column_terms_inputs(igate, logf)
+    return logf.new_empty(logf.shape), logf.new_empty(logf.shape)
+
+
+__all__ = ["column_terms_op", "log_forget_backward_op", "log_forget_op"]

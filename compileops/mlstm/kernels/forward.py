@@ -2,11 +2,13 @@
 
 One program owns ``BLOCK_M`` query rows of one (batch, head) and all DV columns of them. The
 stabiliser comes first, from the gates alone (``m_i = logf_i + max_{j<=i} (igate_j -
-logf_j)``, a prefix max), so the key loop accumulates the signed row sum ``b = sum_j C_ij``
-and the unnormalised ``sum_j C_ij v_j`` without FlashAttention's rescaling: left of the
-diagonal unmasked, then the diagonal tiles masked. The ``S x S`` matrices never leave the
-tile. At the end ``h = acc / (max(|b|, exp(-m)) + eps)``, and the per-head layernorm over DV
-runs on the fp32 ``h`` in registers, which is why a program holds whole rows.
+logf_j)``, a running max the launcher computes beforehand, :mod:`.stabiliser`), so the key
+loop accumulates the signed row sum ``b = sum_j C_ij`` and the unnormalised ``sum_j C_ij
+v_j`` without FlashAttention's rescaling, in one pass over every key tile with the diagonal
+ones masked (or, for gates that jump inside one tile, left of the diagonal and then the
+diagonal tiles with the exact exponential). The ``S x S`` matrices never leave the tile. At
+the end ``h = acc / (max(|b|, exp(-m)) + eps)``, and the per-head layernorm over DV runs on
+the fp32 rows in registers, which is why a program holds whole rows.
 
 Exponentials are ``exp2``: the gates are multiplied by ``log2(e)`` as they load, so ``logD``
 and the stabiliser are in log2 units (the backward recomputes ``logD`` with the same
@@ -24,18 +26,26 @@ import triton.language as tl
 from compileops.mlstm.kernels.common import (
     LOG2E,
     accumulation_dtype,
-    column_term_max,
-    head_major_tile,
+        head_major_tile,
     input_precision,
     load_tile,
     mma,
     upcast_dots,
 )
 from compileops.mlstm.kernels.config import ForwardConfig, choose_forward_config, head_tile
+from compileops.mlstm.kernels.stabiliser import column_terms
+
+#: The widest spread of a query tile's column terms (``high - low``, log2 units) that runs
+#: the one-loop form; fp16's tighter bound keeps the column-scaled scores it feeds the second
+#: MMA above its subnormals.
+ONE_LOOP_SPREAD = tl.constexpr(64.0)
+ONE_LOOP_SPREAD_FP16 = tl.constexpr(8.0)
+
 
 @triton.jit
 def mlstm_forward_tile(
-    q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, weight_ptr, bias_ptr, h_ptr, m_ptr, b_ptr,
+    q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, term_ptr, colmax_ptr, weight_ptr, bias_ptr, h_ptr,
+    m_ptr, b_ptr,
     cstate_ptr, nstate_ptr, mstate_ptr,
     bh, start_m, seq_len, chunk_len, num_heads,
     stride_qb, stride_qh, stride_qs, stride_qd,
@@ -53,8 +63,10 @@ def mlstm_forward_tile(
 
     * ``q_ptr [B, NH, S, DQK]``, ``k_ptr [B, NH, S, DQK]``, ``v_ptr [B, NH, S, DV]``: any
       strides, given per dimension; ``bh = b * num_heads + head``.
-    * ``igate_ptr``, ``logf_ptr``: ``[B * NH, S]`` contiguous, ``ACC``: the input-gate
-      pre-activation and the cumulative log forget gate ``sum_{tau<=t} log sigmoid(f)``.
+    * ``igate_ptr``, ``logf_ptr``, ``term_ptr``, ``colmax_ptr``: ``[B * NH, S]`` contiguous,
+      ``ACC``: the input-gate pre-activation, the cumulative log forget gate ``sum_{tau<=t}
+      log sigmoid(f)``, the column terms ``(igate - logf) * log2(e)`` and their running max
+      (:func:`.stabiliser.column_terms`, restarted with ``logf``).
     * ``weight_ptr``, ``bias_ptr``: ``[NH * DV]`` norm affine (read when ``HAS_WEIGHT`` /
       ``HAS_BIAS``; ``RESIDUAL_WEIGHT``: the scale is ``1 + weight``).
     * Written here: ``m_ptr`` and ``b_ptr`` ``[B * NH, S]`` ``ACC`` (the stabiliser in log2
@@ -87,97 +99,126 @@ def mlstm_forward_tile(
 
     window = (start_m // chunk_len) * chunk_len
     # The stabiliser comes first, from the gates alone: m_i = max_{j<=i} logD_ij = logf_i +
-    # max_{j<=i} (igate_j - logf_j), a prefix max over the row's window. Knowing m_i before
-    # the key loop means the accumulators never need rescaling (FlashAttention's online
-    # max rescales a [BLOCK_M, DV] tile per key tile; here DV = 256 made that a large share).
-    before = column_term_max(igate_ptr + gate_off, logf_ptr + gate_off, window, start_m,
-                             8 * BLOCK_M, ACC)
-    row_max = logf_i + tl.maximum(before, _diagonal_column_term_max(
-        igate_ptr, logf_ptr, gate_off, rows, start_m, seq_len, BLOCK_M, ACC))
-    # Left of the diagonal the decay factorises: logD_ij = logf_i + (igate_j - logf_j). One
-    # reference per program, ref >= every column term left of the tile (and >= the state's
-    # m), splits exp2(logD_ij - m_i) = exp2(logf_i + ref - m_i) * exp2(col_j - ref): both
-    # factors <= 1, so one underflows only where the product is below 2**-126 of the row's
-    # largest term, which is 1. The column factor (with 1/sqrt(DQK)) scales the scores in the
-    # loop; the row factor is applied once after it. No per-tile max, no per-tile row
-    # exponentials, no rescaling.
+    # colmax_i, the running max of the column terms (igate_j - logf_j) over the row's window
+    # (:mod:`.stabiliser`). Knowing m_i before the key loop means the accumulators never need
+    # rescaling (FlashAttention's online max rescales a [BLOCK_M, DV] tile per key tile; here
+    # DV = 256 made that a large share).
+    colmax_i = tl.load(colmax_ptr + gate_off + rows, mask=row_ok, other=0.0)
+    row_max = logf_i + colmax_i
+    # colmax never decreases along a window, and a tile's rows share one: `low` is its first
+    # row's, `high` its last live row's, >= every column term up to the tile's end.
+    low = tl.load(colmax_ptr + gate_off + start_m)
+    high = tl.load(colmax_ptr + gate_off + tl.minimum(start_m + BLOCK_M, seq_len) - 1)
+    before = tl.load(colmax_ptr + gate_off + tl.maximum(start_m - 1, window),
+                     mask=start_m > window, other=float("-inf"))
+    # The decay factorises: logD_ij = logf_i + (igate_j - logf_j). A reference `ref` >= every
+    # column term a loop sees splits exp2(logD_ij - m_i) = exp2(logf_i + ref - m_i) *
+    # exp2(col_j - ref): the column factor (with 1/sqrt(DQK)) scales the scores in the loop,
+    # the row factor is applied once after it. No per-tile max, no per-tile row exponentials,
+    # no rescaling.
     if HAS_STATE:
         acc, row_sum, state_ref = _state_rows(
             q, cstate_ptr, nstate_ptr, mstate_ptr, bh, start_m // chunk_len,
             seq_len, chunk_len, DQK, DV, BLOCK_DQK, BLOCK_DV, ACC, INPUT_PRECISION, UPCAST)
         row_max = tl.maximum(row_max, logf_i + state_ref)
-        ref = tl.maximum(before, state_ref)
-        state_scale = tl.where(ref > float("-inf"), tl.exp2(state_ref - ref), 0.0) * scale
+        low = tl.maximum(low, state_ref)
+        high = tl.maximum(high, state_ref)
+        before = tl.maximum(before, state_ref)
+    # One loop over every key tile, the diagonal ones masked, with ref = high: then each
+    # column factor is <= 1 and each row factor <= 2**(high - low), and a row's largest term
+    # is >= 2**-(high - low) before its row factor. That is exact while high - low stays far
+    # from the exponent range of the tiles fed to the second MMA (fp16's is narrow).
+    # Otherwise (gates that jump inside one tile: strong forgetting, a spike of the input
+    # gate) two loops: left of the diagonal with ref = before (>= those columns: factors
+    # <= 1), then the diagonal tiles with the exact exponential.
+    if v_ptr.dtype.element_ty == tl.float16:
+        one_loop = high - low <= ONE_LOOP_SPREAD_FP16
+    else:
+        one_loop = high - low <= ONE_LOOP_SPREAD
+    ref = tl.where(one_loop, high, before)
+    has_ref = ref > float("-inf")
+    # ref = -inf only where every column term it bounds is -inf (or there is none): then
+    # every column factor must be 0, not exp2(-inf - -inf).
+    col_ref = tl.where(has_ref, ref, 0.0)
+    if HAS_STATE:
+        state_scale = tl.where(has_ref, tl.exp2(state_ref - col_ref), 0.0) * scale
         acc = acc * state_scale
         row_sum = row_sum * state_scale
     else:
-        ref = before
         acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=ACC)
         row_sum = tl.zeros((BLOCK_M,), dtype=ACC)
-    has_ref = ref > float("-inf")
-    # ref = -inf only where every column term left of the tile is -inf (or there is none):
-    # then every column factor must be 0, not exp2(-inf - -inf).
-    col_ref = tl.where(has_ref, ref, 0.0)
-
-    for start_n in range(window, start_m, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
-        k = load_tile(k_base, cols, stride_ks, dqk, stride_kd, seq_len, DQK, BLOCK_DQK, False)
-        v = load_tile(v_base, cols, stride_vs, dv, stride_vd, seq_len, DV, BLOCK_DV, False)
-        col_term = (tl.load(igate_ptr + gate_off + cols) - tl.load(logf_ptr + gate_off + cols)) * LOG2E
-        col_scale = tl.exp2(col_term - col_ref) * scale
-        scores = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
-                     INPUT_PRECISION, UPCAST)
-        c = scores * col_scale[None, :]
-        row_sum += tl.sum(c, axis=1)
-        acc = mma(c.to(v.dtype), v, acc, INPUT_PRECISION, UPCAST)
     row_factor = tl.where(has_ref, tl.exp2(logf_i + col_ref - row_max), 0.0)
-    acc = acc * row_factor[:, None]
-    row_sum = row_sum * row_factor
-    # The diagonal tiles: mask j > i and j past the sequence. This loop stays software-
-    # pipelined although ptxas then serialises the kernel's wgmma (its warning C7515):
-    # unpipelined it was 3-8% slower on an H100 at S = 1024-2048. (dQ's diagonal loop is
-    # unpipelined: there it gains.)
-    for start_n in range(start_m, tl.minimum(start_m + BLOCK_M, seq_len), BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
-        col_ok = cols < seq_len
-        k = load_tile(k_base, cols, stride_ks, dqk, stride_kd, seq_len, DQK, BLOCK_DQK, True)
-        v = load_tile(v_base, cols, stride_vs, dv, stride_vd, seq_len, DV, BLOCK_DV, True)
-        logf_j = tl.load(logf_ptr + gate_off + cols, mask=col_ok, other=0.0) * LOG2E
-        igate_j = tl.load(igate_ptr + gate_off + cols, mask=col_ok, other=0.0) * LOG2E
-        scores = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
-                     INPUT_PRECISION, UPCAST) * scale
-        live = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
-        log_d = tl.where(live, logf_i[:, None] - logf_j[None, :] + igate_j[None, :],
-                         float("-inf"))
-        c = scores * tl.exp2(log_d - row_max[:, None])
-        row_sum += tl.sum(c, axis=1)
-        acc = mma(c.to(v.dtype), v, acc, INPUT_PRECISION, UPCAST)
+    if one_loop:
+        # One software pipeline through the diagonal tiles: against two loops (the diagonal
+        # tiles' own prologue, their exact exponentials) 4-7% faster on an H100.
+        for start_n in range(window, tl.minimum(start_m + BLOCK_M, seq_len), BLOCK_N):
+            cols = start_n + tl.arange(0, BLOCK_N)
+            col_ok = cols < seq_len
+            k = load_tile(k_base, cols, stride_ks, dqk, stride_kd, seq_len, DQK, BLOCK_DQK,
+                          True)
+            v = load_tile(v_base, cols, stride_vs, dv, stride_vd, seq_len, DV, BLOCK_DV, True)
+            col_term = tl.load(term_ptr + gate_off + cols, mask=col_ok, other=float("-inf"))
+            col_scale = tl.exp2(col_term - col_ref) * scale
+            scores = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
+                         INPUT_PRECISION, UPCAST)
+            c = tl.where(cols[None, :] <= rows[:, None], scores * col_scale[None, :], 0.0)
+            row_sum += tl.sum(c, axis=1)
+            acc = mma(c.to(v.dtype), v, acc, INPUT_PRECISION, UPCAST)
+        acc = acc * row_factor[:, None]
+        row_sum = row_sum * row_factor
+    else:
+        # Rare (gates that jump inside a tile), so unpipelined: pipelined, these loops made
+        # ptxas serialise every wgmma of the kernel (C7515) once S is a compile-time constant
+        # (the static template), and spill more.
+        for start_n in tl.range(window, start_m, BLOCK_N, num_stages=1):
+            cols = start_n + tl.arange(0, BLOCK_N)
+            k = load_tile(k_base, cols, stride_ks, dqk, stride_kd, seq_len, DQK, BLOCK_DQK,
+                          False)
+            v = load_tile(v_base, cols, stride_vs, dv, stride_vd, seq_len, DV, BLOCK_DV, False)
+            col_term = tl.load(term_ptr + gate_off + cols)
+            col_scale = tl.exp2(col_term - col_ref) * scale
+            scores = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
+                         INPUT_PRECISION, UPCAST)
+            c = scores * col_scale[None, :]
+            row_sum += tl.sum(c, axis=1)
+            acc = mma(c.to(v.dtype), v, acc, INPUT_PRECISION, UPCAST)
+        acc = acc * row_factor[:, None]
+        row_sum = row_sum * row_factor
+        # The diagonal tiles: mask j > i and j past the sequence.
+        for start_n in tl.range(start_m, tl.minimum(start_m + BLOCK_M, seq_len), BLOCK_N,
+                                num_stages=1):
+            cols = start_n + tl.arange(0, BLOCK_N)
+            col_ok = cols < seq_len
+            k = load_tile(k_base, cols, stride_ks, dqk, stride_kd, seq_len, DQK, BLOCK_DQK,
+                          True)
+            v = load_tile(v_base, cols, stride_vs, dv, stride_vd, seq_len, DV, BLOCK_DV, True)
+            logf_j = tl.load(logf_ptr + gate_off + cols, mask=col_ok, other=0.0) * LOG2E
+            igate_j = tl.load(igate_ptr + gate_off + cols, mask=col_ok, other=0.0) * LOG2E
+            scores = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
+                         INPUT_PRECISION, UPCAST) * scale
+            live = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
+            # logf_i - logf_j first: it cancels exactly where the two are close, which the
+            # column terms (large when the forget gates close) would not.
+            log_d = tl.where(live, logf_i[:, None] - logf_j[None, :] + igate_j[None, :],
+                             float("-inf"))
+            c = scores * tl.exp2(log_d - row_max[:, None])
+            row_sum += tl.sum(c, axis=1)
+            acc = mma(c.to(v.dtype), v, acc, INPUT_PRECISION, UPCAST)
 
+    # h = acc / (n + eps): one reciprocal per row, and the norm takes acc with it (a
+    # [BLOCK_M, DV] division and pass fewer in the epilogue, which nothing overlaps).
     normaliser = tl.maximum(tl.abs(row_sum), tl.exp2(-row_max))
-    h = acc / (normaliser + eps)[:, None]
+    inv = 1.0 / (normaliser + eps)
     tl.store(m_ptr + gate_off + rows, row_max, mask=row_ok)
     tl.store(b_ptr + gate_off + rows, row_sum, mask=row_ok)
     if SAVE_H:
         h_rows = h_ptr + gate_off * DV + rows[:, None] * DV + dv[None, :]
-        tl.store(h_rows, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+        tl.store(h_rows, (acc * inv[:, None]).to(h_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (dv[None, :] < DV))
     if HAS_NORM:
-        h = _layernorm_rows(h, weight_ptr, bias_ptr, head, norm_eps, DV, BLOCK_DV,
-                            HAS_WEIGHT, HAS_BIAS, RESIDUAL_WEIGHT)
-    return h
-
-
-@triton.jit
-def _diagonal_column_term_max(igate_ptr, logf_ptr, gate_off, rows, start_m, seq_len,
-                              BLOCK_M: tl.constexpr, ACC: tl.constexpr):
-    """``max_{start_m <= j <= i} (igate_j - logf_j)`` (log2 units) for each of ``rows`` (the
-    ``BLOCK_M`` rows from ``start_m``): a masked ``[BLOCK_M, BLOCK_M]`` max. Rows past
-    ``seq_len`` see only live columns."""
-    cols = start_m + tl.arange(0, BLOCK_M)
-    col_ok = cols < seq_len
-    term = (tl.load(igate_ptr + gate_off + cols, mask=col_ok, other=0.0)
-            - tl.load(logf_ptr + gate_off + cols, mask=col_ok, other=0.0)) * LOG2E
-    live = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
-    return tl.max(tl.where(live, term[None, :], float("-inf")), axis=1)
+        return _layernorm_rows(acc, inv, weight_ptr, bias_ptr, head, norm_eps, DV, BLOCK_DV,
+                               HAS_WEIGHT, HAS_BIAS, RESIDUAL_WEIGHT)
+    return acc * inv[:, None]
 
 
 @triton.jit
@@ -212,30 +253,33 @@ def _state_rows(q, cstate_ptr, nstate_ptr, mstate_ptr, bh, chunk, seq_len, chunk
 
 
 @triton.jit
-def _layernorm_rows(h, weight_ptr, bias_ptr, head, norm_eps, DV: tl.constexpr,
+def _layernorm_rows(acc, inv, weight_ptr, bias_ptr, head, norm_eps, DV: tl.constexpr,
                     BLOCK_DV: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                     RESIDUAL_WEIGHT: tl.constexpr):
-    """Layernorm of each row of ``h [BLOCK_M, BLOCK_DV]`` over its DV live columns (mean and
-    biased variance in h's dtype), then the affine of channels ``head * DV + d``."""
+    """Layernorm of each row of ``h = acc * inv[:, None]`` (``acc [BLOCK_M, BLOCK_DV]``, ``inv
+    [BLOCK_M]``) over its DV live columns, without forming h: the statistics of acc, scaled
+    (h's variance is ``inv**2`` acc's), in acc's dtype; then the affine of channels ``head *
+    DV + d``."""
     dv = tl.arange(0, BLOCK_DV)
     live = dv < DV
-    mean = tl.sum(h, axis=1) / DV
-    centred = tl.where(live[None, :], h - mean[:, None], 0.0)
+    mean = tl.sum(acc, axis=1) / DV
+    centred = tl.where(live[None, :], acc - mean[:, None], 0.0)
     var = tl.sum(centred * centred, axis=1) / DV
-    y = centred * (1.0 / tl.sqrt(var + norm_eps))[:, None]
+    y = centred * (inv / tl.sqrt(var * inv * inv + norm_eps))[:, None]
     if HAS_WEIGHT:
-        w = tl.load(weight_ptr + head * DV + dv, mask=live, other=0.0).to(h.dtype)
+        w = tl.load(weight_ptr + head * DV + dv, mask=live, other=0.0).to(acc.dtype)
         if RESIDUAL_WEIGHT:
             w = w + 1.0
         y = y * w[None, :]
     if HAS_BIAS:
-        y = y + tl.load(bias_ptr + head * DV + dv, mask=live, other=0.0).to(h.dtype)[None, :]
+        y = y + tl.load(bias_ptr + head * DV + dv, mask=live, other=0.0).to(acc.dtype)[None, :]
     return y
 
 
 @triton.jit
 def mlstm_forward_kernel(
-    q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, weight_ptr, bias_ptr, h_ptr, m_ptr, b_ptr,
+    q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, term_ptr, colmax_ptr, weight_ptr, bias_ptr, h_ptr,
+    m_ptr, b_ptr,
     cstate_ptr, nstate_ptr, mstate_ptr, out_ptr, seq_len, chunk_len, num_heads,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -256,7 +300,8 @@ def mlstm_forward_kernel(
     bh, tile = head_major_tile(num_tiles)
     start_m = (num_tiles - 1 - tile) * BLOCK_M
     out = mlstm_forward_tile(
-        q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, weight_ptr, bias_ptr, h_ptr, m_ptr, b_ptr,
+        q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, term_ptr, colmax_ptr, weight_ptr, bias_ptr, h_ptr,
+        m_ptr, b_ptr,
         cstate_ptr, nstate_ptr, mstate_ptr, bh, start_m, seq_len, chunk_len, num_heads,
         stride_qb, stride_qh, stride_qs, stride_qd,
         stride_kb, stride_kh, stride_ks, stride_kd,
@@ -313,9 +358,10 @@ def mlstm_forward(
     if chunk and chunk % cfg.block_m:
         raise ValueError(f"chunk ({chunk}) must be a multiple of block_m ({cfg.block_m})")
     cstates, nstates, mstates = states if states is not None else (m, m, m)
+    terms, colmax = column_terms(igate, logf, chunk)
     grid = (batch * heads * triton.cdiv(seq, cfg.block_m),)
     mlstm_forward_kernel[grid](
-        q, k, v, igate, logf,
+        q, k, v, igate, logf, terms, colmax,
         norm_weight if norm_weight is not None else m,
         norm_bias if norm_bias is not None else m,
         h_raw if save_h else m, m, b, cstates, nstates, mstates, out, seq,

@@ -119,8 +119,10 @@ def mlstm_step_kernel(
     h = numerator * scale / (normaliser + eps)
     out = out_ptr + bh64 * DV + cols
     if HAS_NORM:
-        y = _layernorm_rows(h[None, :], weight_ptr, bias_ptr, head, norm_eps, DV, BLOCK_DV,
-                            HAS_WEIGHT, HAS_BIAS, RESIDUAL_WEIGHT)
+        # The parallel forward's norm takes rows and their scale; h is already scaled.
+        y = _layernorm_rows(h[None, :], tl.full((1,), 1.0, dtype=h.dtype), weight_ptr,
+                            bias_ptr, head, norm_eps, DV, BLOCK_DV, HAS_WEIGHT, HAS_BIAS,
+                            RESIDUAL_WEIGHT)
         tl.store(out[None, :], y.to(out_ptr.dtype.element_ty), mask=col_ok[None, :])
     else:
         tl.store(out, h.to(out_ptr.dtype.element_ty), mask=col_ok)
