@@ -2,7 +2,8 @@
 (states in and out, packed documents) and the one-token step for generation.
 
 Importing this package registers ``compileops::mlstm_parallel``, ``compileops::mlstm_chunkwise``
-(:mod:`compileops.mlstm.chunkwise`), their backward ops, ``compileops::mlstm_log_forget`` and
+(:mod:`compileops.mlstm.chunkwise`), their backward ops, ``compileops::mlstm_log_forget``,
+``compileops::mlstm_column_terms`` (the forward's stabiliser, for its lowering) and
 ``compileops::mlstm_step`` (:mod:`compileops.mlstm.step`). Triton is imported only when a
 kernel runs.
 """
