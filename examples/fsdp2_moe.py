@@ -32,7 +32,14 @@ rank 0 on the same global batches and prints the largest loss difference.
 run again from a fresh model and compile (a run-to-run difference, not a sharding one);
 ``--trace-ops`` (with ``--compile none``) also fingerprints every compileops op and aten
 matmul of that step in both runs and names the first op that returns different bits from
-equal inputs.
+equal inputs. ``--deterministic`` runs everything under ``torch.use_deterministic_algorithms``.
+
+Bitwise per-rank gradients under FSDP2 + compile need ``CUBLAS_WORKSPACE_CONFIG=:4096:8``
+(``--check-grads`` and ``--deterministic`` set it unless it is set): without it, about one sharded compiled run in three gave
+a rank's block-input gradient 1e-8 off the one-GPU step (not from a compileops op: the same
+happens with the experts on ``torch._grouped_mm``); with it, every run was equal, so the
+cuBLAS workspace is what varied (cuBLAS documents run-to-run reproducibility across streams
+only with a fixed workspace configuration). 2 x H200, benchmarks/RESULTS.md.
 
     torchrun --nproc-per-node 2 examples/fsdp2_moe.py --device cpu --steps 3 --tiny
     torchrun --nproc-per-node 8 examples/fsdp2_moe.py                   # CUDA, nccl, bf16
@@ -377,6 +384,10 @@ def parse_args(argv=None):
                    help="with --check-grads and --compile none: fingerprint every compileops "
                    "op and aten matmul of step 0 in both runs and name the first op that "
                    "returns different results on equal inputs")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms(True), with "
+                   "CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set: an op without a deterministic "
+                   "implementation raises, and Inductor generates no atomic scatter")
     args = p.parse_args(argv)
     if args.trace_ops and (not args.check_grads or args.compile != "none"):
         p.error("--trace-ops needs --check-grads and --compile none (dispatch modes see eager "
@@ -390,6 +401,13 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.deterministic or args.check_grads:
+        # Before the first cuBLAS handle: with FSDP2's collectives on concurrent streams,
+        # cuBLAS reproduces its results run to run only with a fixed workspace (module
+        # docstring), and --check-grads compares bits.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
