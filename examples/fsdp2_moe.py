@@ -35,11 +35,11 @@ matmul of that step in both runs and names the first op that returns different b
 equal inputs. ``--deterministic`` runs everything under ``torch.use_deterministic_algorithms``.
 
 Bitwise per-rank gradients under FSDP2 + compile need ``CUBLAS_WORKSPACE_CONFIG=:4096:8``
-(``--check-grads`` and ``--deterministic`` set it unless it is set): without it, about one sharded compiled run in three gave
-a rank's block-input gradient 1e-8 off the one-GPU step (not from a compileops op: the same
-happens with the experts on ``torch._grouped_mm``); with it, every run was equal, so the
-cuBLAS workspace is what varied (cuBLAS documents run-to-run reproducibility across streams
-only with a fixed workspace configuration). 2 x H200, benchmarks/RESULTS.md.
+(``--check-grads`` and ``--deterministic`` set it unless it is set). Without it, about one
+sharded compiled run in three gave a rank's block-input gradient 1e-8 off the one-GPU step
+(not from a compileops op: the same happens with the experts on ``torch._grouped_mm``); with
+it, every run was equal. cuBLAS documents run-to-run reproducibility with concurrent streams
+only under a fixed workspace configuration. 2 x H200, benchmarks/RESULTS.md.
 
     torchrun --nproc-per-node 2 examples/fsdp2_moe.py --device cpu --steps 3 --tiny
     torchrun --nproc-per-node 8 examples/fsdp2_moe.py                   # CUDA, nccl, bf16

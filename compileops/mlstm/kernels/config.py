@@ -127,9 +127,9 @@ def forward_shared_bytes(cfg: ForwardConfig, dqk: int, dv: int, with_state: bool
 # stages: 2.12 / 3.18 / 5.34 ms at S = 1024 / 2048 / 4096, against 2.25 / 3.42 / 5.74 for
 # 128 x 32 (3 stages) and 2.17 / 3.28 / 5.59 for 128 x 32 (4 stages); 64-row tiles are
 # 1.5-1.8x slower, 128 x 128 spills. Still the best with the one-loop forward (2026-11-26,
-# S = 1024): 1.65 ms against 1.70-1.74 for 128 x 32 and 1.82 for 128 x 64 on 2 stages. The first candidate whose tiles fit
-# (:func:`forward_shared_bytes`) is taken: wider heads, and the chunkwise form's state tile,
-# take the smaller ones.
+# S = 1024): 1.65 ms against 1.70-1.74 for 128 x 32 and 1.82 for 128 x 64 on 2 stages. The
+# first candidate whose tiles fit (:func:`forward_shared_bytes`) is taken: wider heads, and
+# the chunkwise form's state tile, take the smaller ones.
 _FORWARD_16BIT_CANDIDATES = (
     ForwardConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
     ForwardConfig(block_m=128, block_n=32, num_warps=8, num_stages=3),

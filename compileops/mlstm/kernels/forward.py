@@ -26,7 +26,7 @@ import triton.language as tl
 from compileops.mlstm.kernels.common import (
     LOG2E,
     accumulation_dtype,
-        head_major_tile,
+    head_major_tile,
     input_precision,
     load_tile,
     mma,
@@ -47,9 +47,8 @@ ONE_LOOP_SPREAD_FP16 = tl.constexpr(8.0)
 
 @triton.jit
 def mlstm_forward_tile(
-    q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, term_ptr, colmax_ptr, weight_ptr, bias_ptr, h_ptr,
-    m_ptr, b_ptr,
-    cstate_ptr, nstate_ptr, mstate_ptr,
+    q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, term_ptr, colmax_ptr, weight_ptr, bias_ptr,
+    h_ptr, m_ptr, b_ptr, cstate_ptr, nstate_ptr, mstate_ptr,
     bh, start_m, seq_len, chunk_len, num_heads,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -134,10 +133,10 @@ def mlstm_forward_tile(
     # Otherwise (gates that jump inside one tile: strong forgetting, a spike of the input
     # gate) two loops: left of the diagonal with ref = before (>= those columns: factors
     # <= 1), then the diagonal tiles with the exact exponential.
-    if v_ptr.dtype.element_ty == tl.float16:
+    if v_ptr.dtype.element_ty == tl.float32:
+        one_loop = False  # fp32 inputs keep the exact diagonal tiles (ONE_LOOP_SPREAD)
+    elif v_ptr.dtype.element_ty == tl.float16:
         one_loop = high - low <= ONE_LOOP_SPREAD_FP16
-    elif v_ptr.dtype.element_ty == tl.float32:
-        one_loop = high - low < 0.0  # never: fp32 inputs keep the exact diagonal tiles
     else:
         one_loop = high - low <= ONE_LOOP_SPREAD
     ref = tl.where(one_loop, high, before)
@@ -171,44 +170,21 @@ def mlstm_forward_tile(
             acc = mma(c.to(v.dtype), v, acc, INPUT_PRECISION, UPCAST)
         acc = acc * row_factor[:, None]
         row_sum = row_sum * row_factor
+    elif v_ptr.dtype.element_ty == tl.float32:
+        acc, row_sum = _left_then_diagonal(
+            acc, row_sum, row_factor, q, k_base, v_base, igate_ptr, logf_ptr, term_ptr,
+            gate_off, rows, logf_i, row_max, col_ref, window, start_m, seq_len, scale,
+            stride_ks, stride_kd, stride_vs, stride_vd, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+            BLOCK_N, ACC, INPUT_PRECISION, UPCAST, None)
     else:
-        # Rare (gates that jump inside a tile), so unpipelined: pipelined, these loops made
-        # ptxas serialise every wgmma of the kernel (C7515) once S is a compile-time constant
-        # (the static template), and spill more.
-        for start_n in tl.range(window, start_m, BLOCK_N, num_stages=1):
-            cols = start_n + tl.arange(0, BLOCK_N)
-            k = load_tile(k_base, cols, stride_ks, dqk, stride_kd, seq_len, DQK, BLOCK_DQK,
-                          False)
-            v = load_tile(v_base, cols, stride_vs, dv, stride_vd, seq_len, DV, BLOCK_DV, False)
-            col_term = tl.load(term_ptr + gate_off + cols)
-            col_scale = tl.exp2(col_term - col_ref) * scale
-            scores = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
-                         INPUT_PRECISION, UPCAST)
-            c = scores * col_scale[None, :]
-            row_sum += tl.sum(c, axis=1)
-            acc = mma(c.to(v.dtype), v, acc, INPUT_PRECISION, UPCAST)
-        acc = acc * row_factor[:, None]
-        row_sum = row_sum * row_factor
-        # The diagonal tiles: mask j > i and j past the sequence.
-        for start_n in tl.range(start_m, tl.minimum(start_m + BLOCK_M, seq_len), BLOCK_N,
-                                num_stages=1):
-            cols = start_n + tl.arange(0, BLOCK_N)
-            col_ok = cols < seq_len
-            k = load_tile(k_base, cols, stride_ks, dqk, stride_kd, seq_len, DQK, BLOCK_DQK,
-                          True)
-            v = load_tile(v_base, cols, stride_vs, dv, stride_vd, seq_len, DV, BLOCK_DV, True)
-            logf_j = tl.load(logf_ptr + gate_off + cols, mask=col_ok, other=0.0) * LOG2E
-            igate_j = tl.load(igate_ptr + gate_off + cols, mask=col_ok, other=0.0) * LOG2E
-            scores = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
-                         INPUT_PRECISION, UPCAST) * scale
-            live = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
-            # logf_i - logf_j first: it cancels exactly where the two are close, which the
-            # column terms (large when the forget gates close) would not.
-            log_d = tl.where(live, logf_i[:, None] - logf_j[None, :] + igate_j[None, :],
-                             float("-inf"))
-            c = scores * tl.exp2(log_d - row_max[:, None])
-            row_sum += tl.sum(c, axis=1)
-            acc = mma(c.to(v.dtype), v, acc, INPUT_PRECISION, UPCAST)
+        # Rare here (gates that jump inside a tile), so unpipelined: pipelined, these loops
+        # made ptxas serialise every wgmma of the kernel (C7515) once S is a compile-time
+        # constant (the static template), and spill more.
+        acc, row_sum = _left_then_diagonal(
+            acc, row_sum, row_factor, q, k_base, v_base, igate_ptr, logf_ptr, term_ptr,
+            gate_off, rows, logf_i, row_max, col_ref, window, start_m, seq_len, scale,
+            stride_ks, stride_kd, stride_vs, stride_vd, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+            BLOCK_N, ACC, INPUT_PRECISION, UPCAST, 1)
 
     # h = acc / (n + eps): one reciprocal per row, and the norm takes acc with it (a
     # [BLOCK_M, DV] division and pass fewer in the epilogue, which nothing overlaps).
@@ -224,6 +200,54 @@ def mlstm_forward_tile(
         return _layernorm_rows(acc, inv, weight_ptr, bias_ptr, head, norm_eps, DV, BLOCK_DV,
                                HAS_WEIGHT, HAS_BIAS, RESIDUAL_WEIGHT)
     return acc * inv[:, None]
+
+
+@triton.jit
+def _left_then_diagonal(acc, row_sum, row_factor, q, k_base, v_base, igate_ptr, logf_ptr,
+                        term_ptr, gate_off, rows, logf_i, row_max, col_ref, window, start_m,
+                        seq_len, scale, stride_ks, stride_kd, stride_vs, stride_vd,
+                        DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                        BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        ACC: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                        UPCAST: tl.constexpr, STAGES: tl.constexpr):
+    """The two-loop form of :func:`mlstm_forward_tile`'s key loop, ``(acc, row_sum)``: left of
+    the diagonal factorised around ``col_ref`` (>= those columns' terms), then ``row_factor``
+    applied, then the diagonal tiles with the exact exponential, masked (j > i, j past the
+    sequence). ``STAGES``: the loops' software-pipeline depth (None: the launch's)."""
+    dqk = tl.arange(0, BLOCK_DQK)
+    dv = tl.arange(0, BLOCK_DV)
+    for start_n in tl.range(window, start_m, BLOCK_N, num_stages=STAGES):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k = load_tile(k_base, cols, stride_ks, dqk, stride_kd, seq_len, DQK, BLOCK_DQK, False)
+        v = load_tile(v_base, cols, stride_vs, dv, stride_vd, seq_len, DV, BLOCK_DV, False)
+        col_term = tl.load(term_ptr + gate_off + cols)
+        col_scale = tl.exp2(col_term - col_ref) * scale
+        scores = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
+                     INPUT_PRECISION, UPCAST)
+        c = scores * col_scale[None, :]
+        row_sum += tl.sum(c, axis=1)
+        acc = mma(c.to(v.dtype), v, acc, INPUT_PRECISION, UPCAST)
+    acc = acc * row_factor[:, None]
+    row_sum = row_sum * row_factor
+    for start_n in tl.range(start_m, tl.minimum(start_m + BLOCK_M, seq_len), BLOCK_N,
+                            num_stages=STAGES):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        col_ok = cols < seq_len
+        k = load_tile(k_base, cols, stride_ks, dqk, stride_kd, seq_len, DQK, BLOCK_DQK, True)
+        v = load_tile(v_base, cols, stride_vs, dv, stride_vd, seq_len, DV, BLOCK_DV, True)
+        logf_j = tl.load(logf_ptr + gate_off + cols, mask=col_ok, other=0.0) * LOG2E
+        igate_j = tl.load(igate_ptr + gate_off + cols, mask=col_ok, other=0.0) * LOG2E
+        scores = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
+                     INPUT_PRECISION, UPCAST) * scale
+        live = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
+        # logf_i - logf_j first: it cancels exactly where the two are close, which the column
+        # terms (large when the forget gates close) would not.
+        log_d = tl.where(live, logf_i[:, None] - logf_j[None, :] + igate_j[None, :],
+                         float("-inf"))
+        c = scores * tl.exp2(log_d - row_max[:, None])
+        row_sum += tl.sum(c, axis=1)
+        acc = mma(c.to(v.dtype), v, acc, INPUT_PRECISION, UPCAST)
+    return acc, row_sum
 
 
 @triton.jit
@@ -283,9 +307,8 @@ def _layernorm_rows(acc, inv, weight_ptr, bias_ptr, head, norm_eps, DV: tl.const
 
 @triton.jit
 def mlstm_forward_kernel(
-    q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, term_ptr, colmax_ptr, weight_ptr, bias_ptr, h_ptr,
-    m_ptr, b_ptr,
-    cstate_ptr, nstate_ptr, mstate_ptr, out_ptr, seq_len, chunk_len, num_heads,
+    q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, term_ptr, colmax_ptr, weight_ptr, bias_ptr,
+    h_ptr, m_ptr, b_ptr, cstate_ptr, nstate_ptr, mstate_ptr, out_ptr, seq_len, chunk_len, num_heads,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -305,9 +328,9 @@ def mlstm_forward_kernel(
     bh, tile = head_major_tile(num_tiles)
     start_m = (num_tiles - 1 - tile) * BLOCK_M
     out = mlstm_forward_tile(
-        q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, term_ptr, colmax_ptr, weight_ptr, bias_ptr, h_ptr,
-        m_ptr, b_ptr,
-        cstate_ptr, nstate_ptr, mstate_ptr, bh, start_m, seq_len, chunk_len, num_heads,
+        q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, term_ptr, colmax_ptr, weight_ptr, bias_ptr,
+        h_ptr, m_ptr, b_ptr, cstate_ptr, nstate_ptr, mstate_ptr, bh, start_m, seq_len,
+        chunk_len, num_heads,
         stride_qb, stride_qh, stride_qs, stride_qd,
         stride_kb, stride_kh, stride_ks, stride_kd,
         stride_vb, stride_vh, stride_vs, stride_vd,
@@ -339,8 +362,10 @@ def mlstm_forward(
     the sums restarted at each chunk. ``chunk`` must be a multiple of the config's ``block_m``.
 
     ``igate``, ``logf``: ``[B, NH, S]`` contiguous in the accumulation dtype (the input gate
-    and the cumulative log forget gate). ``out`` is ``[B, S, NH * DV]`` when ``normed`` else ``[B, NH, S, DV]``, in v's
-    dtype; ``h_raw [B, NH, S, DV]`` (v's dtype) only when ``save_h``.
+    and the cumulative log forget gate; the column terms and their running max are computed
+    from them here, :func:`.stabiliser.column_terms`). ``out`` is ``[B, S, NH * DV]`` when
+    ``normed`` else ``[B, NH, S, DV]``, in v's dtype; ``h_raw [B, NH, S, DV]`` (v's dtype)
+    only when ``save_h``.
     """
     batch, heads, seq, dqk = q.shape
     dv = v.shape[-1]

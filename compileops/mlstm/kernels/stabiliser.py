@@ -1,13 +1,13 @@
 """The parallel forward's column terms and their running max, from which its stabiliser comes.
 
-``term_j = (igate_j - logf_j) * log2(e)`` and ``colmax_j = max_{w <= t <= j} term_t``, ``w`` the start of j's
-window (the row's start, or its chunk's in the chunkwise form). The forward reads, per query
-tile, its rows' stabilisers ``m_i = logf_i + colmax_i`` and the two ends of the tile's range
-of ``colmax``; computing them in the tile itself (a scan of every gate left of it and a
-masked ``[BLOCK_M, BLOCK_M]`` max) was the largest part of a program's fixed cost, one
-program per SM with nothing to overlap it (benchmarks/RESULTS.md, mLSTM). The key loop reads
-the terms, one array where it read two (igate and logf: each a [BLOCK_N] vector that every
-thread of the MMA layout loads its share of, per key tile).
+``term_j = (igate_j - logf_j) * log2(e)`` and ``colmax_j = max_{w <= t <= j} term_t``, ``w``
+the start of j's window (the row's start, or its chunk's in the chunkwise form). The forward
+reads, per query tile, its rows' stabilisers ``m_i = logf_i + colmax_i`` and the two ends of
+the tile's range of ``colmax``. Computing them in the tile itself (a scan of every gate left
+of it and a masked ``[BLOCK_M, BLOCK_M]`` max) cost about 0.2 ms of a 1.65 ms forward at S =
+1024 on an H100: one program per SM, nothing overlaps a program's prologue. The key loop
+reads the terms, one array where it read two (igate and logf: each a ``[BLOCK_N]`` vector
+that every thread of the MMA layout loads its share of, per key tile).
 
 The terms are the expression the kernels use elsewhere, and a max is exact: the stabiliser is
 bitwise what a scan inside the tile gave.
