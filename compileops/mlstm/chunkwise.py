@@ -28,6 +28,7 @@ import torch
 from compileops import backends
 from compileops._library import custom_op
 from compileops.mlstm import reference
+from compileops.mlstm.reference import LOG2E
 from compileops.mlstm.checks import (
     check_backward_grad,
     check_inputs,
@@ -37,7 +38,6 @@ from compileops.mlstm.checks import (
 from compileops.mlstm.gates import _chunked
 from compileops.mlstm.op import _dense, _out_shape, stabiliser_column_grad
 
-LOG2E = 1.0 / math.log(2.0)
 
 
 def check_chunk(chunk: int) -> None:

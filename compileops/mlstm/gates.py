@@ -10,13 +10,11 @@ count). Under ``torch.compile`` both stay extern calls of these kernels.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from compileops import backends
 from compileops._library import custom_op
-from compileops.mlstm.reference import gate_dtype, log_forget_cumsum
+from compileops.mlstm.reference import LOG2E, gate_dtype, log_forget_cumsum
 
 
 def _use_triton(op: str, t: torch.Tensor) -> bool:
@@ -104,7 +102,7 @@ def column_terms_op(igate: torch.Tensor, logf: torch.Tensor) -> tuple[torch.Tens
         from compileops.mlstm.kernels import stabiliser
 
         return stabiliser.column_terms(igate.contiguous(), logf.contiguous())
-    terms = ((igate - logf) * (1.0 / math.log(2.0))).contiguous()
+    terms = ((igate - logf) * LOG2E).contiguous()
     if terms.shape[-1] == 0:
         return terms, terms.clone()
     return terms, torch.cummax(terms, dim=-1).values.contiguous()

@@ -32,6 +32,7 @@ import torch
 from compileops import backends
 from compileops._library import custom_op
 from compileops.mlstm import reference
+from compileops.mlstm.reference import LOG2E
 from compileops.mlstm.checks import (
     check_backward_grad,
     check_inputs,
@@ -39,7 +40,6 @@ from compileops.mlstm.checks import (
     check_log_gates,
 )
 
-LOG2E = 1.0 / math.log(2.0)
 
 
 def _use_triton(op: str, q: torch.Tensor, v: torch.Tensor) -> bool:

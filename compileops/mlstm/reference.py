@@ -16,6 +16,10 @@ import torch
 import torch.nn.functional as F
 
 
+#: Natural-log to log2 units: the kernels keep stabilisers and gate terms in log2 units.
+LOG2E = 1.0 / math.log(2.0)
+
+
 def gate_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of gate cumsums, stabilisers and norm statistics: fp32, or fp64 for fp64."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -4,8 +4,6 @@ by at most ``ONE_LOOP_SPREAD`` (log2 units), else two loops (left of the diagona
 diagonal tiles with the exact exponential). Gates that jump inside one tile, an input-gate
 spike or strongly closing forget gates, take each form; both keep the seed's fp64 contract
 and the bf16 output's precision bound (Triton under the interpreter, 16-row tiles)."""
-import math
-
 import pytest
 import torch
 
@@ -13,11 +11,9 @@ import compileops
 from compileops.mlstm.gates import column_terms_op, log_forget_op
 from compileops.mlstm.kernels.config import INTERPRETER_FORWARD
 from compileops.mlstm.kernels.forward import ONE_LOOP_SPREAD
+from compileops.mlstm.reference import LOG2E
 from compileops.testing import assert_close_to_reference
 from tests.mlstm._helpers import OUT_TOL, check_contract, make_inputs, op_out, reference_out
-
-LOG2E = 1.0 / math.log(2.0)
-
 
 @pytest.mark.parametrize("seq,chunk", [(2500, 0), (37, 0), (200, 64), (100, 16)])
 def test_running_max_equals_cummax_bitwise(seq, chunk):
