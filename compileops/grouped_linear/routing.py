@@ -6,8 +6,9 @@ stay on the device, so the MoE layer compiles with ``fullgraph=True`` and captur
 graphs. Both directions are gathers, and so are both backwards: no scatter-add, whose
 atomics on a GPU would sum a token's ``k`` copies in a different order from run to run
 (autograd's own ``index_select`` backward). The combine's backward gathers by the inverse
-permutation (:class:`_PermuteRows`); the permute's gathers the ``k`` copies back into token
-order and sums them over the slots in order (:class:`_GatherTokenCopies`).
+permutation (:class:`_CombineSlots`); the permute's gathers the ``k`` copies back into token
+order and sums them over the slots in order (:class:`_GatherTokenCopies`). Compiled, both
+sums over slots are one pointwise kernel each (:func:`sum_over_slots`).
 """
 from __future__ import annotations
 
@@ -46,24 +47,6 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
         0, perm, torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype))
 
 
-class _PermuteRows(torch.autograd.Function):
-    """``rows [N, D]`` -> ``rows[perm]`` for a permutation ``perm`` of ``0..N-1``; the
-    backward gathers by its inverse, where autograd would zero-fill and ``index_add``."""
-
-    @staticmethod
-    def forward(rows, perm):
-        return rows.index_select(0, perm)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[1])
-
-    @staticmethod
-    def backward(ctx, grad):
-        (perm,) = ctx.saved_tensors
-        return grad.index_select(0, inverse_permutation(perm)), None
-
-
 class _GatherTokenCopies(torch.autograd.Function):
     """``x [T, D]``, ``order [T*k]`` (a permutation of the flat assignments) -> ``x[order //
     k]`` ``[T*k, D]``. Backward: ``dx[t] = sum_j dxs[inverse[t*k + j]]``, a gather by the
@@ -85,8 +68,8 @@ class _GatherTokenCopies(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (order,) = ctx.saved_tensors
-        per_slot = grad.index_select(0, inverse_permutation(order)).reshape(ctx.tokens, ctx.top_k, grad.shape[-1])
-        return per_slot.sum(1), None, None
+        slots = inverse_permutation(order).reshape(ctx.tokens, ctx.top_k)
+        return sum_over_slots(grad, slots), None, None
 
 
 def unpermute_and_combine(y_sorted: torch.Tensor, order: torch.Tensor,
@@ -102,10 +85,70 @@ def unpermute_and_combine(y_sorted: torch.Tensor, order: torch.Tensor,
     forward and backward.
     """
     checks.check_unpermute_args(y_sorted, order, weights)
-    tokens, top_k = weights.shape
     inverse = inverse_permutation(order) if order_is_permutation else torch.argsort(order)
-    y = _PermuteRows.apply(y_sorted, inverse).reshape(tokens, top_k, y_sorted.shape[-1])
-    return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+    return _CombineSlots.apply(y_sorted, inverse.reshape(weights.shape), weights)
+
+
+def sum_over_slots(rows: torch.Tensor, slots: torch.Tensor,
+                   weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """rows ``[N, D]``, slots ``[T, k]`` (row indices), weights ``[T, k]`` in rows' dtype or
+    None -> ``[T, D]``: ``out[t] = sum_j weights[t, j] * rows[slots[t, j]]``, j in order.
+
+    Eager: one gather of all ``T*k`` rows, then a sum over k (products rounded to rows'
+    dtype, the sum accumulated in fp32). Compiled: the k gathers written out one by one, so
+    Inductor emits one pointwise kernel whose loads run along D. The one-gather form compiles
+    to a reduction over k with k as the fast axis of the tile: each warp reads a few elements
+    of 8 rows, and on an H100 the combine of a 16384-token, top-8, D = 2048 layer ran at about
+    0.8 TB/s (0.73 ms). Compiled, the sum is in fp32 with one rounding at the end, as
+    Inductor computes the one-gather form too.
+    """
+    tokens, top_k = slots.shape
+    if not torch.compiler.is_compiling() or top_k == 0:
+        picked = rows.index_select(0, slots.reshape(-1)).reshape(tokens, top_k, rows.shape[-1])
+        if weights is not None:
+            picked = picked * weights.unsqueeze(-1)
+        return picked.sum(1)
+    total = None
+    for j in range(top_k):
+        term = rows.index_select(0, slots[:, j])
+        if weights is not None:
+            term = term * weights[:, j, None]
+        total = term if total is None else total + term
+    return total
+
+
+class _CombineSlots(torch.autograd.Function):
+    """``y_sorted [T*k, D]``, ``slots [T, k]`` (the sorted row of each token's copy: a
+    permutation of ``0..T*k-1``), ``weights [T, k]`` -> ``[T, D]``, the weighted sum over
+    slots (:func:`sum_over_slots`, products in y's dtype). Backward, all gathers:
+    ``dy[slots[t, j]] = weights[t, j] * dout[t]`` (by the inverse permutation of ``slots``)
+    and ``dweights[t, j] = dout[t] . y_sorted[slots[t, j]]`` (a sum over D in y's dtype)."""
+
+    @staticmethod
+    def forward(y_sorted, slots, weights):
+        return sum_over_slots(y_sorted, slots, weights.to(y_sorted.dtype))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        y_sorted, slots, weights = inputs
+        ctx.weights_dtype = weights.dtype
+        ctx.save_for_backward(y_sorted if ctx.needs_input_grad[2] else None, slots,
+                              weights.to(y_sorted.dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        y_sorted, slots, weights = ctx.saved_tensors
+        tokens, top_k = slots.shape
+        flat = slots.reshape(-1)
+        dy = dweights = None
+        if ctx.needs_input_grad[0]:
+            # Row i of y_sorted is token back[i] // k's copy in slot back[i] % k.
+            back = inverse_permutation(flat)
+            dy = grad.index_select(0, back // top_k) * weights.reshape(-1)[back].unsqueeze(-1)
+        if ctx.needs_input_grad[2]:
+            picked = y_sorted.index_select(0, flat).reshape(tokens, top_k, y_sorted.shape[-1])
+            dweights = (picked * grad.unsqueeze(1)).sum(-1).to(ctx.weights_dtype)
+        return dy, None, dweights
 
 
 def dirichlet_offsets(groups: int, m: int, *, seed: int = 0,
