@@ -6,8 +6,8 @@ compiled ``fullgraph=True`` (default mode), static and ``dynamic=True``. Both la
 routing code, the weights and the inputs; only the expert GEMMs differ:
 
 * ``compileops``: ``grouped_linear_swiglu`` (SwiGLU in the GEMM's epilogue; by default it keeps
-  the pre-activations for the backward) and ``grouped_linear(...) * p`` (the probability is the
-  template's epilogue).
+  the pre-activations for the backward) and ``grouped_linear(..., row_scale=p)`` (the
+  probability is the template's epilogue; its gradient comes from the dX product).
 * ``compileops-recompute``: the same with ``recompute=True`` (no stored pre-activations; the
   backward recomputes the gate/up GEMM): its cost and the memory it saves.
 * ``grouped_mm``: ``torch._grouped_mm`` + ``F.silu(gate) * up``, the anchor.
@@ -96,17 +96,18 @@ class MoELayer(torch.nn.Module):
     def forward(self, x):
         probs, ids = self.route(x)
         xs, order, offsets = permute_by_expert(x, ids, self.shape.experts)
-        p_sorted = probs.reshape(-1)[order][:, None].to(x.dtype)
+        p_sorted = probs.reshape(-1)[order]
         if self.impl == "grouped_mm":
             gu = torch._grouped_mm(xs, self.gate_up.transpose(-2, -1), offs=offsets)
             gate, up = gu.chunk(2, dim=-1)
             h = F.silu(gate) * up
-            y = torch._grouped_mm(h, self.down.transpose(-2, -1), offs=offsets) * p_sorted
+            y = torch._grouped_mm(h, self.down.transpose(-2, -1), offs=offsets)
+            y = y * p_sorted[:, None].to(x.dtype)
         else:
             kwargs = {"recompute": True} if self.impl == "compileops-recompute" else {}
             h = compileops.grouped_linear_swiglu(xs, self.gate_up, offsets, **kwargs)
-            y = compileops.grouped_linear(h, self.down, offsets) * p_sorted
-        return unpermute_and_combine(y, order, torch.ones_like(probs))
+            y = compileops.grouped_linear(h, self.down, offsets, row_scale=p_sorted)
+        return unpermute_and_combine(y, order, torch.ones_like(probs), order_is_permutation=True)
 
 
 def expert_loads(layer: MoELayer, x: torch.Tensor) -> str:

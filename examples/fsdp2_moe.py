@@ -87,7 +87,7 @@ class GroupedMMMoELayer(MoELayer):
         p_sorted = probs.reshape(-1)[order]
         y = torch._grouped_mm(h, self.down.weight.transpose(-2, -1), offs=offsets)
         y = y * p_sorted[:, None].to(y.dtype)
-        return unpermute_and_combine(y, order, torch.ones_like(probs))
+        return unpermute_and_combine(y, order, torch.ones_like(probs), order_is_permutation=True)
 
 
 class Block(torch.nn.Module):

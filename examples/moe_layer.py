@@ -44,10 +44,11 @@ class MoELayer(torch.nn.Module):
         probs = probs / probs.sum(-1, keepdim=True)
         xs, order, offsets = permute_by_expert(x, ids, self.experts)
         h = compileops.grouped_linear_swiglu(xs, self.gate_up.weight, offsets)
-        p_sorted = probs.reshape(-1)[order]
-        # Router-probability scaling: a pointwise consumer, fused as the template epilogue.
-        y = compileops.grouped_linear(h, self.down.weight, offsets) * p_sorted[:, None].to(h.dtype)
-        return unpermute_and_combine(y, order, torch.ones_like(probs))
+        # Router-probability scaling: the template's epilogue; its backward needs no [T*k, D]
+        # activation (grouped_linear's row_scale).
+        y = compileops.grouped_linear(h, self.down.weight, offsets,
+                                      row_scale=probs.reshape(-1)[order])
+        return unpermute_and_combine(y, order, torch.ones_like(probs), order_is_permutation=True)
 
 
 def report(kernels: str) -> None:

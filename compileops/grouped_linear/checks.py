@@ -246,6 +246,22 @@ def check_expert_id_values(expert_ids: torch.Tensor, num_experts: int) -> None:
         )
 
 
+def check_row_scale(x: torch.Tensor, row_scale: torch.Tensor) -> None:
+    """``grouped_linear(..., row_scale=)``: a floating ``[M]`` tensor on x's device."""
+    _require(x.dim() == 2, RuntimeError,
+             lambda: f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    _require(isinstance(row_scale, torch.Tensor), TypeError,
+             lambda: f"row_scale must be a tensor [M], got {type(row_scale).__name__}")
+    _require(row_scale.dim() == 1 and row_scale.shape[0] == x.shape[0], ValueError,
+             lambda: f"row_scale must be [M] = [{x.shape[0]}] (one scale per row of x), got "
+             f"shape {tuple(row_scale.shape)}")
+    _require(row_scale.is_floating_point(), TypeError,
+             lambda: f"row_scale must be a floating-point tensor, got {row_scale.dtype}")
+    _require(row_scale.device == x.device, RuntimeError,
+             lambda: f"row_scale is on {row_scale.device} but x is on {x.device}; move them to "
+             "the same device")
+
+
 def check_unpermute_args(y_sorted: torch.Tensor, order: torch.Tensor,
                          weights: torch.Tensor) -> None:
     """``unpermute_and_combine``: y_sorted ``[T*k, D]``, order ``[T*k]`` int32/int64,

@@ -289,13 +289,29 @@ def splits_to_offsets(m_splits: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(m_splits, 0, dtype=torch.int32)
 
 
-def grouped_linear(x, weight, offsets, bias=None):
+def grouped_linear(x, weight, offsets, bias=None, *, row_scale=None):
     """Grouped linear: ``y[rows of g] = x[rows of g] @ weight[g].T + bias[g]``.
 
     x ``[M, K]``; weight ``[G, N, K]``; offsets int32 ``[G]``: cumulative end row of each group
     (kept on the device, never read on the host on CUDA); bias ``[G, N]`` or None.
     Returns ``[M, N]`` in x's dtype; rows past ``offsets[-1]`` are exactly zero.
+
+    ``row_scale`` ``[M]`` (floating; the MoE router probability of each routed row) multiplies
+    row i of the output, after rounding to x's dtype: the same forward as ``grouped_linear(...)
+    * row_scale[:, None].to(x.dtype)``, and compiled the product is the GEMM's epilogue either
+    way. Without a bias, the backward is cheaper (:mod:`compileops.grouped_linear.scaled`): it
+    keeps nothing ``[M, N]`` for the scale's gradient and takes it as a sum over K from the dX
+    product, where the written-out product keeps the unscaled output and sums over N.
     """
+    if row_scale is not None:
+        if bias is None:
+            from compileops.grouped_linear.scaled import row_scaled_grouped_linear
+
+            return row_scaled_grouped_linear(x, weight, offsets, row_scale)
+        from compileops.grouped_linear.checks import check_row_scale
+
+        check_row_scale(x, row_scale)
+        return grouped_linear_op(x, weight, offsets, bias) * row_scale.to(x.dtype).unsqueeze(-1)
     return grouped_linear_op(x, weight, offsets, bias)
 
 

@@ -117,8 +117,8 @@ class MoE(torch.nn.Module):
         probs, ids = torch.topk(probs, self.top_k, dim=-1)
         xs, order, offsets = permute_by_expert(x, ids, self.experts)
         h = compileops.grouped_linear_swiglu(xs, self.gate_up, offsets, recompute=self.recompute)
-        y = compileops.grouped_linear(h, self.down, offsets) * probs.reshape(-1)[order][:, None]
-        return unpermute_and_combine(y, order, torch.ones_like(probs))
+        y = compileops.grouped_linear(h, self.down, offsets, row_scale=probs.reshape(-1)[order])
+        return unpermute_and_combine(y, order, torch.ones_like(probs), order_is_permutation=True)
 
 
 def test_moe_layer_forward_and_backward_are_bitwise_deterministic():
