@@ -299,6 +299,10 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
     g_hint, n_hint, k_hint = (_compat.size_hint(s) for s in (groups, n_out, k))
     tma_ok, aligned_rows = _strides_aligned(x, weight, dtype)
     no_tma = _why_no_template_tma(device, tma_ok)
+    if no_tma is None and g_hint == 0:
+        # No groups: the weight [0, N, K] is empty, and a descriptor over it stops the kernel
+        # with an illegal instruction (tma.tma_compatible).
+        no_tma = "no TMA: no groups (an empty weight)"
     configs, autotune = _configs(m_hint, g_hint, n_hint, k_hint, dtype, device,
                                  tma=no_tma is None, swiglu=swiglu, heuristic_only=save_preact)
     constexprs = dict(

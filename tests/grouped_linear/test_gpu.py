@@ -160,6 +160,46 @@ def test_tma_path_used_on_sm90_and_matches_pointer_path():
                               max_relative_error=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_zero_groups_give_zero_rows(dtype):
+    # No groups: every row is past the last group. A TMA descriptor over the empty weight
+    # [0, N, K] stopped the kernel with an illegal instruction, which lost the CUDA context
+    # (the GPU property fuzzing: M = 2, K = N = 76, fp32).
+    x = torch.randn(2, 76, device="cuda", dtype=dtype)
+    w = torch.empty(0, 76, 76, device="cuda", dtype=dtype)
+    offs = torch.empty(0, device="cuda", dtype=torch.int32)
+    grad = torch.randn(2, 76, device="cuda", dtype=dtype)
+    compiled = torch.compile(lambda a, b, o: compileops.grouped_linear(a, b, o), fullgraph=True)
+    for out in (compileops.grouped_linear(x, w, offs), compiled(x, w, offs),
+                torch.ops.compileops.grouped_linear_dx(grad, w, offs)):
+        torch.cuda.synchronize()
+        assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("operand", ["x", "weight", "grad"])
+def test_expanded_operands(operand):
+    # Stride 0 along the rows or groups (expand; the gradient of a sum over rows has it).
+    x, w, offs, _ = make(4, 512, 256, 128, torch.bfloat16)
+    grad = torch.randn(512, 128, device="cuda", dtype=torch.bfloat16)
+    if operand == "x":
+        x = x[:1].expand_as(x)
+    elif operand == "weight":
+        w = w[:1].expand_as(w)
+    else:
+        grad = grad[:1].expand_as(grad)
+    out = compileops.grouped_linear(x, w, offs)
+    dx = torch.ops.compileops.grouped_linear_dx(grad, w, offs)
+    dw, _ = torch.ops.compileops.grouped_linear_wgrad(grad, x, offs, w.dtype, w.dtype, False)
+    torch.cuda.synchronize()
+    want = reference.grouped_linear_forward(x.double(), w.double(), offs, None)
+    assert_close_to_reference(out, want, max_relative_error=1e-2)
+    assert_close_to_reference(dx, reference.grouped_linear_dx(grad.double(), w.double(), offs),
+                              max_relative_error=1e-2, what="dx")
+    want_dw, _ = reference.grouped_linear_wgrad(grad.double(), x.double(), offs, torch.float64,
+                                                torch.float64, False)
+    assert_close_to_reference(dw, want_dw, max_relative_error=1e-2, what="dw")
+
+
 @pytest.mark.parametrize("product", ["fwd", "dx", "swiglu"])
 def test_mjagged_tma_store_bitwise_matches_pointer_store_on_sm90(product):
     """The sweep's M-jagged TMA-store configs give the bits of the same tiles with pointer

@@ -133,10 +133,16 @@ def tma_device_ok(device: torch.device) -> bool:
 
 
 def tma_compatible(t: torch.Tensor) -> bool:
-    """A tensor a TMA descriptor can address: unit last stride, 16-byte aligned base and
-    outer strides."""
+    """A tensor a TMA descriptor can address: not empty, unit last stride, 16-byte aligned
+    base and outer strides.
+
+    An empty tensor (the weight ``[0, N, K]`` of zero groups) has a null base, which is
+    "aligned", but a descriptor built over it stops the kernel with an illegal instruction on
+    an H100 (the GPU property fuzzing found it: M = 2 rows, no groups, fp32). That error
+    leaves the CUDA context unusable, so no fallback can follow it: such launches take the
+    pointer path."""
     es = t.element_size()
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+    return (t.numel() > 0 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
             and all((stride * es) % 16 == 0 for stride in t.stride()[:-1]))
 
 
