@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sys
 from typing import Iterable, Optional, Sequence
 
 import pytest
@@ -34,6 +36,12 @@ from hypothesis import strategies as st
 
 import compileops
 from compileops import backends as _backends
+
+
+#: ``COMPILEOPS_FUZZ_ECHO=1``: print every draw to stderr as it is made. A GPU example that
+#: kills the CUDA context (an illegal instruction) cannot be replayed, so hypothesis reports
+#: "Inconsistent data generation" instead of the falsifying example; the echo keeps it.
+ECHO = os.environ.get("COMPILEOPS_FUZZ_ECHO", "0") not in ("0", "")
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -182,7 +190,9 @@ class Example:
     def __init__(self, data, device):
         self.data = data
         self.device = torch.device(device)
-        seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+        if ECHO:
+            print("-- new example", file=sys.stderr, flush=True)
+        seed = self.draw(st.integers(0, 2**32 - 1), "seed")
         self.gen = torch.Generator().manual_seed(seed)
         self.inputs: dict[str, torch.Tensor] = {}
 
@@ -198,7 +208,10 @@ class Example:
         return backend == "triton" and self.on_cpu
 
     def draw(self, strategy, label: str):
-        return self.data.draw(strategy, label=label)
+        value = self.data.draw(strategy, label=label)
+        if ECHO:
+            print(f"   {label}: {value!r}", file=sys.stderr, flush=True)
+        return value
 
     def size(self, label: str, cpu_max: int, gpu_max: Optional[int] = None,
              min_value: int = 0) -> int:
