@@ -304,14 +304,9 @@ def grouped_linear(x, weight, offsets, bias=None, *, row_scale=None):
     product, where the written-out product keeps the unscaled output and sums over N.
     """
     if row_scale is not None:
-        if bias is None:
-            from compileops.grouped_linear.scaled import row_scaled_grouped_linear
+        from compileops.grouped_linear.scaled import row_scaled_grouped_linear
 
-            return row_scaled_grouped_linear(x, weight, offsets, row_scale)
-        from compileops.grouped_linear.checks import check_row_scale
-
-        check_row_scale(x, row_scale)
-        return grouped_linear_op(x, weight, offsets, bias) * row_scale.to(x.dtype).unsqueeze(-1)
+        return row_scaled_grouped_linear(x, weight, offsets, bias, row_scale)
     return grouped_linear_op(x, weight, offsets, bias)
 
 

@@ -16,11 +16,16 @@ from compileops.grouped_linear.checks import check_row_scale
 from compileops.modes import BATCH_INVARIANT
 
 
-def row_scaled_grouped_linear(x, weight, offsets, row_scale):
-    """x ``[M, K]``, weight ``[G, N, K]``, offsets int32 ``[G]``, row_scale ``[M]`` ->
-    ``[M, N]``: ``row_scale[:, None] * grouped_linear(x, weight, offsets)``, the scale rounded
-    to x's dtype first (the same bits as writing that product out)."""
+def row_scaled_grouped_linear(x, weight, offsets, bias, row_scale):
+    """x ``[M, K]``, weight ``[G, N, K]``, offsets int32 ``[G]``, bias ``[G, N]`` or None,
+    row_scale ``[M]`` -> ``[M, N]``: ``row_scale[:, None] * grouped_linear(x, weight, offsets,
+    bias)``, the scale rounded to x's dtype first (the same bits as writing that product out).
+    With a bias, that product is what runs (dp then needs the biased output: it is kept)."""
     check_row_scale(x, row_scale)
+    if bias is not None:
+        from compileops.grouped_linear.op import grouped_linear_op
+
+        return grouped_linear_op(x, weight, offsets, bias) * row_scale.to(x.dtype).unsqueeze(-1)
     return _RowScaledGroupedLinear.apply(x, weight, offsets, row_scale)
 
 
