@@ -152,7 +152,7 @@ def _grouped_linear_swiglu_fake(x, weight, offsets, bias=None):
 def _swiglu_derivative(preact: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """``d swiglu / d preact`` times ``grad [M, H]``: ``[M, 2H]`` (gate, then up) in grad's dtype,
     computed in fp32 (fp64 for fp64). Plain pointwise torch ops, so Inductor fuses them into one kernel."""
-    acc = torch.float64 if preact.dtype == torch.float64 else torch.float32
+    acc = reference.compute_dtype(preact.dtype)
     gate, up = preact.to(acc).chunk(2, dim=-1)
     sig = torch.sigmoid(gate)
     g = grad.to(acc)

@@ -17,7 +17,8 @@ from typing import Optional
 import torch
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype of the grouped-linear math: fp64 for fp64, else fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -46,7 +47,7 @@ def grouped_linear_forward(
 ) -> torch.Tensor:
     """x ``[M, K]``, weight ``[G, N, K]``, offsets int ``[G]``, bias ``[G, N]`` -> ``[M, N]``:
     ``y[r] = x[r] @ weight[g(r)].T + bias[g(r)]``; rows of no group are 0."""
-    cdt = _compute_dtype(x.dtype)
+    cdt = compute_dtype(x.dtype)
     xc = x.to(cdt)
 
     def product(g: int) -> torch.Tensor:
@@ -71,7 +72,7 @@ def grouped_linear_swiglu_forward(x, weight, offsets, bias=None) -> torch.Tensor
 def grouped_linear_swiglu_with_preact(x, weight, offsets, bias=None):
     """``(swiglu(h) [M, H], h [M, 2H])`` with ``h = x W_g^T + b_g`` computed in fp32, each cast
     once to x's dtype (the training form: the backward reads ``h``)."""
-    cdt = _compute_dtype(x.dtype)
+    cdt = compute_dtype(x.dtype)
     h = grouped_linear_forward(x.to(cdt), weight.to(cdt), offsets,
                                None if bias is None else bias.to(cdt))
     return swiglu(h).to(x.dtype), h.to(x.dtype)
@@ -79,7 +80,7 @@ def grouped_linear_swiglu_with_preact(x, weight, offsets, bias=None):
 
 def grouped_linear_dx(grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """grad ``[M, N]`` -> ``dX [M, K]``, ``dX[r] = grad[r] @ weight[g(r)]``; rows of no group 0."""
-    cdt = _compute_dtype(grad.dtype)
+    cdt = compute_dtype(grad.dtype)
     gc = grad.to(cdt)
     return _rows_by_group(lambda g: gc @ weight[g].to(cdt), offsets, grad.shape[0],
                           weight.shape[0], weight.shape[2], cdt, grad.device).to(grad.dtype)
@@ -90,7 +91,7 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, with_db=Tru
     An empty group gives exact zeros. ``with_db=False``: ``(dW, None)``."""
     m, n, k = grad.shape[0], grad.shape[1], x.shape[1]
     groups = offsets.shape[0]
-    cdt = _compute_dtype(grad.dtype)
+    cdt = compute_dtype(grad.dtype)
     gid = row_groups(offsets, m)
     gc, xc = grad.to(cdt), x.to(cdt)
     dws, dbs = [], []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from compileops.grouped_linear.checks import check_row_scale
+from compileops.grouped_linear.reference import compute_dtype
 from compileops.modes import BATCH_INVARIANT
 
 
@@ -27,10 +28,6 @@ def row_scaled_grouped_linear(x, weight, offsets, bias, row_scale):
 
         return grouped_linear_op(x, weight, offsets, bias) * row_scale.to(x.dtype).unsqueeze(-1)
     return _RowScaledGroupedLinear.apply(x, weight, offsets, row_scale)
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class _RowScaledGroupedLinear(torch.autograd.Function):
@@ -69,7 +66,7 @@ def _backward(ctx, grad):
         if need_dx:
             dx = dx_unscaled * scale
         if need_ds:
-            acc = _accumulation_dtype(x.dtype)
+            acc = compute_dtype(x.dtype)
             ds = (dx_unscaled.to(acc) * x.to(acc)).sum(-1).to(row_scale.dtype)
     if need_dw:
         # sum_i (s_i g_i) x_i^T = sum_i g_i (s_i x_i)^T: scale the narrower operand.
