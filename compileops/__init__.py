@@ -1,10 +1,12 @@
 """compileops: torch.compile custom ops with Inductor lowerings.
 
 Importing this package registers every op under ``torch.ops.compileops`` and arms the
-automatic installation of the Inductor lowerings (``lowerings.install``), which happens the
+automatic installation of the Inductor lowerings (``compileops.lowerings.install``), which happens the
 moment Inductor's lowering table is imported, i.e. before the first Inductor compile. The
 import itself stays cheap: nothing here imports ``torch._inductor``.
 """
+import sys
+
 from compileops import _log, backends
 from compileops._version import __version__
 from compileops.backends import BackendUnavailableError, use_backend
@@ -27,7 +29,28 @@ from compileops.mlstm import mlstm, mlstm_step, mlstm_with_stats
 from compileops import nn  # noqa: E402  (registers modules; cheap)
 from compileops import testing  # noqa: E402  (imports Inductor only when its helpers run)
 
-import lowerings as _lowerings
+from compileops import lowerings as _lowerings
+
+
+def _carry_namespace(function, package) -> None:
+    """Make the op function ``compileops.<family>`` also carry its family package's names.
+
+    The public functions share their names with the subpackages that define them
+    (``compileops.grouped_linear`` is both the op and ``compileops/grouped_linear/``). The
+    package attribute holds the function, so that ``compileops.grouped_linear(x, w, offsets)``
+    works and compiles (Dynamo traces functions; it cannot call a module). The function's
+    attribute dictionary *is* the package's namespace, so every name of the package, and every
+    submodule once imported, is reachable through it as well:
+    ``compileops.grouped_linear.permute_by_expert``, ``import compileops.mlstm.recurrent``.
+    """
+    if function.__dict__ and function.__dict__ is not package.__dict__:
+        raise RuntimeError(f"{function.__qualname__} already has attributes of its own")
+    function.__dict__ = package.__dict__
+
+
+_carry_namespace(embedding, sys.modules["compileops.embedding"])
+_carry_namespace(grouped_linear, sys.modules["compileops.grouped_linear"])
+_carry_namespace(mlstm, sys.modules["compileops.mlstm"])
 
 _log.configure_from_env()  # COMPILEOPS_LOG; silent without it
 _lowerings.install_on_inductor_import()

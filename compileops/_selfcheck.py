@@ -85,7 +85,7 @@ def run_demo(demo: Demo, device: torch.device) -> DemoResult:
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
-    from lowerings import _compat
+    from compileops.lowerings import _compat
 
     torch._dynamo.reset()
     counters.clear()

@@ -278,7 +278,7 @@ def inductor_kernels(
     """
     import contextlib
 
-    from lowerings import _compat
+    from compileops.lowerings import _compat
 
     torch._dynamo.reset()
     codegen = _compat.triton_codegen_on_cpu() if triton else contextlib.nullcontext()

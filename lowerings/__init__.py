@@ -1,5 +1,6 @@
 """Inductor lowerings for the compileops ops.
 
+Installed as ``compileops.lowerings`` (the source tree keeps it beside ``compileops/``).
 ``install()`` registers every lowering (idempotent). Users never need to call it:
 ``import compileops`` arms :func:`install_on_inductor_import`, which runs ``install()`` right
 after ``torch._inductor.lowering`` finishes importing (or at once if it already has). That
@@ -28,13 +29,13 @@ def install() -> None:
         return
     # Load Inductor's lowering table before taking the lock: if our import hook is armed,
     # that import itself calls install() (which then does the work) and must not deadlock.
-    from lowerings import _compat
+    from compileops.lowerings import _compat
 
     _compat.load_inductor_lowerings()
     with _install_lock:
         if _installed:
             return
-        from lowerings import embedding, grouped_linear, mlstm
+        from compileops.lowerings import embedding, grouped_linear, mlstm
 
         embedding.register()
         grouped_linear.register()
@@ -45,11 +46,18 @@ def install() -> None:
 
 def source_fingerprint() -> str:
     """Hash of every compileops/lowerings source file (kernels, lowerings, templates)."""
+    import compileops
+
     digest = hashlib.sha256()
-    # One distribution installs both packages side by side.
-    for package in ("compileops", "lowerings"):
-        root = pathlib.Path(__file__).parent.parent / package
+    # This package installs as compileops.lowerings; in a source checkout it sits beside
+    # compileops/ rather than inside it, so each root is found from its own module (and in
+    # an installed wheel the second root lies inside the first: its files count once).
+    seen = set()
+    for root in (pathlib.Path(compileops.__file__).parent, pathlib.Path(__file__).parent):
         for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".jinja")):
+            if path.resolve() in seen:
+                continue
+            seen.add(path.resolve())
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()[:16]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from compileops import _log
-from lowerings import _compat
+from compileops.lowerings import _compat
 
 logger = _log.get_logger("embedding")
 

@@ -34,7 +34,7 @@ import os
 import torch
 
 from compileops import _log
-from lowerings import _compat
+from compileops.lowerings import _compat
 
 logger = _log.get_logger("grouped_linear")
 
@@ -157,7 +157,7 @@ def _strides_aligned(x, weight, dtype) -> tuple[bool, bool]:
     ``tma_ok``: unit inner strides and 16-byte row strides (TMA's rule). ``aligned_rows``: the
     row strides are symbolic (``dynamic=True``) and multiples of 16 elements, which the template
     then tells Triton (``tl.multiple_of``) so it vectorises the loads. Symbolic strides qualify
-    through divisibility guards when their hints do (:func:`lowerings._compat.multiple_of`):
+    through divisibility guards when their hints do (:func:`compileops.lowerings._compat.multiple_of`):
     without them a dynamic compile silently ran the unaligned form, 40x slower on an H100.
     """
     xs, ws = x.get_stride(), weight.get_stride()

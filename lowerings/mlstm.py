@@ -34,7 +34,7 @@ import os
 import torch
 
 from compileops import _log
-from lowerings import _compat
+from compileops.lowerings import _compat
 
 logger = _log.get_logger("mlstm")
 

@@ -35,7 +35,8 @@ def test_import_is_cheap_and_does_not_load_inductor():
 def test_lowerings_installed_automatically_before_first_compile():
     out = _run(
         """
-        import torch, compileops, lowerings
+        import torch, compileops
+        from compileops import lowerings
         assert not lowerings.is_installed()
         f = torch.compile(lambda i, w: compileops.embedding(i, w) * 2, fullgraph=True)
         f(torch.tensor([1, 2]), torch.randn(4, 3))
@@ -50,7 +51,8 @@ def test_install_is_idempotent_and_safe_when_inductor_already_loaded():
     out = _run(
         """
         import torch._inductor.lowering
-        import compileops, lowerings
+        import compileops
+        from compileops import lowerings
         print(lowerings.is_installed())
         lowerings.install(); lowerings.install()
         print(lowerings.is_installed())

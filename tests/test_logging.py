@@ -20,8 +20,8 @@ from compileops import _log
 from compileops.grouped_linear import kernels as grouped_kernels
 from compileops.mlstm.kernels import config as mlstm_config
 from compileops.mlstm import reference as mlstm_reference
-from lowerings import _compat
-from lowerings import grouped_linear as grouped_lowering
+from compileops.lowerings import _compat
+from compileops.lowerings import grouped_linear as grouped_lowering
 from tests.grouped_linear._helpers import make_expert_inputs, moe_expert
 from tests.mlstm.test_snapshots import _inputs as mlstm_inputs
 from tests.mlstm.test_snapshots import gated_op

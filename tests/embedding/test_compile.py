@@ -60,7 +60,7 @@ def test_lookup_scale_cast_is_one_triton_kernel():
 
 
 def test_compiled_backward_never_uses_atomic_scatter():
-    from lowerings import _compat
+    from compileops.lowerings import _compat
 
     ids, weight = _inputs()
     compiled = torch.compile(_stem, fullgraph=True)
@@ -78,7 +78,7 @@ def test_compiled_backward_never_uses_atomic_scatter():
 
 
 def test_triton_codegen_runs_under_interpreter_and_is_bitwise():
-    from lowerings import _compat
+    from compileops.lowerings import _compat
 
     def lookup_scale(ids, weight):
         # fp32 output: the interpreter truncates fp32->bf16 casts instead of rounding.

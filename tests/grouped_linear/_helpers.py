@@ -112,7 +112,7 @@ def template_source(fn, *args, dynamic, with_imports=False):
     """The grouped-linear template kernel Inductor writes for ``fn(*args)`` (Triton codegen on
     this CPU): its decorator and body as in the generated module, after the imports it needs
     when ``with_imports``."""
-    from lowerings import _compat
+    from compileops.lowerings import _compat
 
     torch._dynamo.reset()
     with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():

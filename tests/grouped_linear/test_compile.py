@@ -9,7 +9,7 @@ import compileops
 from compileops.grouped_linear import reference
 from compileops.grouped_linear.kernels import Config
 from compileops.testing import assert_close_to_reference
-from lowerings import _compat
+from compileops.lowerings import _compat
 from tests.grouped_linear._helpers import make_expert_inputs as make
 from tests.grouped_linear._helpers import moe_expert
 
@@ -135,7 +135,7 @@ def test_gelu_and_bias_epilogue_codegen():
 
 
 def test_autotune_offsets_are_skewed_and_valid():
-    from lowerings.grouped_linear import AUTOTUNE_CONFIGS, skewed_offsets
+    from compileops.lowerings.grouped_linear import AUTOTUNE_CONFIGS, skewed_offsets
 
     offs = skewed_offsets(16, 4096, "cpu")
     sizes = torch.diff(offs, prepend=offs.new_zeros(1))
@@ -145,7 +145,7 @@ def test_autotune_offsets_are_skewed_and_valid():
 
 
 def test_grouped_mm_anchor_choice_zeroes_the_tail():
-    from lowerings.grouped_linear import grouped_mm_anchor, grouped_mm_dx_anchor
+    from compileops.lowerings.grouped_linear import grouped_mm_anchor, grouped_mm_dx_anchor
 
     x, w, offs, _, _ = make([3, 0, 6], extra_rows=4)
     x, w = x.bfloat16(), w.bfloat16()
@@ -165,7 +165,7 @@ def test_max_autotune_path_benchmarks_choices_on_skewed_offsets():
     offsets, result is right."""
     from unittest import mock
 
-    import lowerings.grouped_linear as lowering
+    import compileops.lowerings.grouped_linear as lowering
 
     x, w, offs, b, _ = make([5, 0, 11, 14], extra_rows=10)
     calls = []
@@ -198,7 +198,7 @@ def test_template_tma_variant_fw_bw_under_interpreter(recompute):
     forward (recompute=True) and dX in the backward, all through it."""
     from unittest import mock
 
-    import lowerings.grouped_linear as lowering
+    import compileops.lowerings.grouped_linear as lowering
 
     x, w, offs, b, p = make([5, 0, 11, 3], k=24, n=40)
     for t in (x, w, b):
@@ -225,7 +225,7 @@ def test_batch_invariant_collapses_max_autotune_configs(monkeypatch):
     must collapse that list to the single fixed config (host-only check)."""
     from compileops.grouped_linear import kernels
     from compileops.grouped_linear import batch_invariant, is_batch_invariant
-    import lowerings.grouped_linear as lowering
+    import compileops.lowerings.grouped_linear as lowering
 
     monkeypatch.setattr(lowering._compat, "max_autotune_enabled", lambda: True)
     cuda = torch.device("cuda")

@@ -132,7 +132,7 @@ def test_compiled_template_fused_epilogue():
     def f(x, w, offs, b, p):
         return compileops.grouped_linear_swiglu(x, w, offs, b) * p[:, None]
 
-    from lowerings import _compat
+    from compileops.lowerings import _compat
 
     with _compat.fresh_inductor_cache():
         out, code = _compat.run_and_get_code(torch.compile(f, fullgraph=True), x, w, offs, b, p)

@@ -10,7 +10,7 @@ import compileops
 from compileops.grouped_linear import permute_by_expert, unpermute_and_combine
 from compileops.grouped_linear.kernels import choose_config
 from compileops.testing import aot_graph_text, assert_close_to_reference, assert_deterministic
-from lowerings import _compat
+from compileops.lowerings import _compat
 from tests.grouped_linear._helpers import offsets_of, template_source
 
 

@@ -13,7 +13,7 @@ import torch
 import compileops
 from compileops.mlstm import reference
 from compileops.testing import aot_graph_text
-from lowerings import _compat
+from compileops.lowerings import _compat
 
 needs_213 = pytest.mark.skipif(not torch.__version__.startswith("2.13"),
                                reason="snapshots are pinned on torch 2.13")
