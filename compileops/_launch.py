@@ -9,12 +9,12 @@ per specialization and then calls the compiled kernel's launcher directly.
 Correctness rests on the key being at least as fine as Triton's own specialization: the
 constexpr values and compile options, the device, and for each runtime argument its type,
 and for tensors the dtype and 16-byte alignment, for ints whether they equal 1, divide by
-16, and fit in 32 bits (what Triton specializes on in 3.6). A miss goes through Triton's
-normal path, so the kernel stored is the one Triton itself chose for those arguments.
+16, and fit in 32 bits (what Triton specializes on in 3.6 through 3.9). A miss goes through
+Triton's normal path, so the kernel stored is the one Triton itself chose for those arguments.
 Arguments of other types (tensor descriptors, ...) are not cached: normal path.
 
 Falls back to the normal path, uncached, under the Triton interpreter, while launch hooks
-(profilers) are installed, and on Triton versions other than the one this was checked on.
+(profilers) are installed, and on Triton versions this was not checked on.
 """
 from __future__ import annotations
 
@@ -25,9 +25,11 @@ import torch
 #: Set False to launch every kernel through Triton's normal path (benchmarks compare both).
 enabled = True
 
-# The launcher call below and the specialization rules above are Triton 3.6's; other
-# versions take the normal path until checked.
-_TRITON_CHECKED = ("3.6.",)
+# Triton versions whose launcher call (below) and specialization rules (_arg_key) were
+# checked: the call is the one JITFunction.run makes in each, and tests/test_launch.py
+# checks _arg_key against the installed Triton's own specialization. Other versions take
+# the normal path until checked.
+_TRITON_CHECKED = ("3.6.", "3.7.", "3.8.", "3.9.")
 
 _CACHE: dict[tuple, tuple[Any, tuple]] = {}
 _UNSUPPORTED = object()

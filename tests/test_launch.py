@@ -155,3 +155,44 @@ def test_host_helpers_match_triton():
     for a in range(0, 200):
         for b in range(1, 20):
             assert _launch.cdiv(a, b) == triton.cdiv(a, b)
+
+
+def _specialization_samples():
+    x = torch.zeros(64)
+    ints = [0, 1, 2, 15, 16, 17, 32, 48, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**32,
+            2**32 + 1, 2**62, 2**63 - 1, 2**63, 2**64 - 16, -1, -16, -17, -(2**31), -(2**31) - 1]
+    tensors = [x, x[1:], x[2:], x[4:], x[8:], torch.zeros(3, dtype=torch.float64),
+               torch.zeros(5, dtype=torch.bfloat16)[1:], torch.zeros(8, dtype=torch.int32),
+               torch.zeros(8, dtype=torch.int64)[2:]]
+    return ints + tensors + [True, False, None, 0.5, 1.0]
+
+
+def test_the_launch_key_is_as_fine_as_the_installed_tritons_specialization():
+    """Two launches that share a cache key must get the same kernel from Triton: every pair
+    of sample arguments with equal ``_arg_key`` has equal Triton specialization (type and
+    alignment/divisibility attributes). Runs against whatever Triton is installed, so each
+    supported version checks the rules ``_launch`` relies on."""
+    from triton._C.libtriton import native_specialize_impl
+
+    backend = pytest.importorskip("triton.backends.nvidia.compiler").CUDABackend
+    samples = _specialization_samples()
+    seen = {}
+    for arg in samples:
+        key = _launch._arg_key(arg)
+        assert key is not _launch._UNSUPPORTED
+        spec = native_specialize_impl(backend, arg, False, True, True)
+        if key in seen:
+            assert seen[key][1] == spec, (
+                f"{seen[key][0]!r} and {arg!r} share the launch key {key} but Triton "
+                f"specializes them as {seen[key][1]} and {spec}")
+        else:
+            seen[key] = (arg, spec)
+
+
+def test_the_installed_triton_is_one_the_launch_path_was_checked_on():
+    """pyproject's triton range and _TRITON_CHECKED move together: a supported Triton that
+    silently took the slow path would be a performance bug."""
+    import triton
+
+    assert _launch._version_checked(), (
+        f"triton {triton.__version__} is not in _launch._TRITON_CHECKED")

@@ -24,14 +24,16 @@ from tests.grouped_linear._helpers import MJAGGED_STORE_VARIANTS, mjagged_store_
 
 TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 UNIT = ("stride_ak", "stride_bk", "stride_biasn", "stride_on", "stride_xk")
+UNIT_DX = ("stride_ak", "stride_bn", "stride_biasn", "stride_on")
 NOT_DIVISIBLE = ("M", "G")
 
 
-def compile_sm90(fn, args, constexprs, **options):
-    """Compile ``fn`` for sm90 with real-launch specialisations (unit strides, divisibility)."""
+def compile_sm90(fn, args, constexprs, unit=UNIT, **options):
+    """Compile ``fn`` for sm90 with real-launch specialisations (the ``unit`` strides,
+    divisibility)."""
     sig, consts = {}, dict(constexprs)
     for name, ty in args:
-        if name in UNIT:
+        if name in unit:
             sig[name], consts[name] = "constexpr", 1
         else:
             sig[name] = ty
@@ -69,6 +71,9 @@ def mjagged_compile(dtype, swiglu, tma=False, b_kn=False, flatten=False, cfg=Non
              BLOCK_K=cfg.block_k, INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32",
              INTERPRETER_DOT=False, USE_TMA=tma, B_KN=b_kn, G_BLOCK=kernels.group_block(128),
              FLATTEN=flatten, TMA_STORE=tma and cfg.tma_store, SAVE_PREACT=save_preact),
+        # dX reads W_g [N, K] as B [K, N]: its unit stride is along N, as in a real launch
+        # (TMA descriptors need 16-byte aligned strides but the innermost).
+        unit=UNIT_DX if b_kn else UNIT,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -135,7 +140,9 @@ def summarize_variant(kernel):
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
     return dict(summarize(ttgir), shared=kernel.metadata.shared, warps=kernel.metadata.num_warps,
                 # dY / X boxes through the 4-D ragged descriptors
-                ragged_loads="cp.async.bulk.tensor.4d.shared::cluster.global" in ptx,
+                # (triton 3.6 spells the destination shared::cluster, 3.7+ shared::cta)
+                ragged_loads=any(f"cp.async.bulk.tensor.4d.{space}.global" in ptx
+                                 for space in ("shared::cluster", "shared::cta")),
                 tma_stores=ptx.count("cp.async.bulk.tensor.2d.global.shared"),
                 masked_tail="ld.global" in ptx and "cp.async.cg.shared.global" in ptx,
                 # dynamic schedule: ticket claims (inline PTX), in the for loop and the while

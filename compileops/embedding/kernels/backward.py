@@ -125,8 +125,10 @@ def _long_run_sum(
             for k in tl.static_range(TILE):
                 q = p + k
                 in_run = tl.load(sorted_ids_ptr + q, mask=q < n_tokens, other=-1) == row
+                # tl.where, not col_ok & in_run: a scalar joined to a block mask with & is
+                # widened to int32 by triton 3.9's interpreter, whose loads take bool masks.
                 g = tl.load(grad_ptr + toks[k].to(tl.int64) * stride_g_row + col_off,
-                            mask=col_ok & in_run, other=0.0)  # [BLOCK_COL]
+                            mask=tl.where(in_run, col_ok, False), other=0.0)  # [BLOCK_COL]
                 acc += g.to(ACC_DTYPE)
             more = full  # false: that was the run's last step
     return acc

@@ -100,8 +100,11 @@ def mjagged_tile(
     rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    row_ok = rm < m_size
-    col_ok = rn < n_size
+    # An inactive tile loads nothing. The scalar joins the block masks through tl.where:
+    # ``block & scalar`` widens the scalar to int32 under triton 3.9's interpreter, whose
+    # loads take bool masks only.
+    row_ok = tl.where(active, rm < m_size, False)
+    col_ok = tl.where(active, rn < n_size, False)
     rows = (row_start + rm).to(tl.int64)
     cols = rn.to(tl.int64)
     a_ptrs = a_ptr + rows[:, None] * stride_am + rk[None, :] * stride_ak
@@ -119,15 +122,15 @@ def mjagged_tile(
             a = a_desc.load([(row_start + tile_m * BLOCK_M).to(tl.int32), k0])
             b = load_b_tile(b_desc, g, tile_n * BLOCK_N, k0, BLOCK_N, BLOCK_K, B_KN)
         else:
-            a = tl.load(a_ptrs, mask=(row_ok & active)[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & (col_ok & active)[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tile_dot(a, b, acc, INPUT_PRECISION, INTERPRETER_DOT)
         if PAIR:  # b2 [BLOCK_K, BLOCK_N]: the up half's columns
             if USE_TMA:
                 b2 = load_b_tile(b_desc, g, tile_n * BLOCK_N + pair_offset, k0,
                                  BLOCK_N, BLOCK_K, B_KN)
             else:
-                b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & (col_ok & active)[None, :], other=0.0)
+                b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             acc2 = tile_dot(a, b2, acc2, INPUT_PRECISION, INTERPRETER_DOT)
             b2_ptrs += BLOCK_K * stride_bk
         a_ptrs += BLOCK_K * stride_ak
@@ -136,11 +139,11 @@ def mjagged_tile(
     acc2 = tl.where(active, acc2, 0.0)
     if HAS_BIAS:
         bias_ptrs = bias_ptr + tl.cast(g, tl.int64) * stride_biasg + cols * stride_biasn
-        bias = tl.load(bias_ptrs, mask=col_ok & active, other=0.0)  # [BLOCK_N]
+        bias = tl.load(bias_ptrs, mask=col_ok, other=0.0)  # [BLOCK_N]
         acc += bias.to(tl.float32)[None, :]
         if PAIR:
             bias2 = tl.load(bias_ptrs + tl.cast(pair_offset, tl.int64) * stride_biasn,
-                            mask=col_ok & active, other=0.0)  # [BLOCK_N]
+                            mask=col_ok, other=0.0)  # [BLOCK_N]
             acc2 += bias2.to(tl.float32)[None, :]
     if PAIR:
         return acc, acc2

@@ -97,7 +97,9 @@ def ragged_rows_descriptor(ptr, cols, stride_row, BLOCK_ROWS: tl.constexpr,
 def load_rows_below(desc, row, end, col, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
     """Rows ``[row, row + BLOCK_ROWS)`` x columns ``[col, col + BLOCK_COLS)`` through a
     :func:`ragged_rows_descriptor`; rows ``>= end`` (and columns past the matrix) read 0."""
-    box = desc.load([RAGGED_ROWS, end, RAGGED_ROWS - end + row, col])  # [1, 1, ROWS, COLS]
+    # The tensor first: RAGGED_ROWS - end would be a constexpr holding a tensor in triton
+    # 3.9's interpreter, which then range-checks it against int32 and fails.
+    box = desc.load([RAGGED_ROWS, end, row - end + RAGGED_ROWS, col])  # [1, 1, ROWS, COLS]
     return box.reshape(BLOCK_ROWS, BLOCK_COLS)
 
 
@@ -108,7 +110,7 @@ def store_rows_below(desc, row, end, col, tile, BLOCK_ROWS: tl.constexpr,
     ``[col, col + BLOCK_COLS)`` through a :func:`ragged_rows_descriptor` (the mirror of
     :func:`load_rows_below`): the TMA unit drops the elements of rows ``>= end`` and of
     columns past the matrix, so another program's rows past ``end`` are never written."""
-    desc.store([RAGGED_ROWS, end, RAGGED_ROWS - end + row, col],
+    desc.store([RAGGED_ROWS, end, row - end + RAGGED_ROWS, col],
                tile.reshape(1, 1, BLOCK_ROWS, BLOCK_COLS))
 
 

@@ -96,6 +96,8 @@ def mlstm_step_kernel(
     numerator = tl.zeros((BLOCK_DV,), dtype=ACC)
     q_dot_n = tl.zeros((BLOCK_K,), dtype=ACC)
     c_base = bh64 * DQK * DV
+    # Only the first DV block writes n and m. A scalar joins a block mask through tl.where:
+    # & widens it to int32 under triton 3.9's interpreter, whose loads take bool masks.
     first = pv == 0
     for start in range(0, DQK, BLOCK_K):
         rows = start + tl.arange(0, BLOCK_K)
@@ -110,7 +112,7 @@ def mlstm_step_kernel(
             c += decay * tl.load(c_ptr + tile, mask=tile_ok, other=0.0)
             n += decay * tl.load(n_ptr + bh64 * DQK + rows, mask=row_ok, other=0.0)
         tl.store(c_new_ptr + tile, c, mask=tile_ok)
-        tl.store(n_new_ptr + bh64 * DQK + rows, n, mask=row_ok & first)
+        tl.store(n_new_ptr + bh64 * DQK + rows, n, mask=tl.where(first, row_ok, False))
         numerator += tl.sum(q[:, None] * c, axis=0)
         q_dot_n += q * n
     tl.store(m_new_ptr + bh64, m_new, mask=first)

@@ -49,9 +49,11 @@ def chunk_sums_kernel(
     for i in range(start, end, UNROLL):
         for u in tl.static_range(UNROLL):
             ok = i + u < end
+            # Scalar conditions join block masks through tl.where: & widens the scalar to
+            # int32 under triton 3.9's interpreter, whose loads take bool masks only.
             tok = tl.load(order_ptr + b * n_tokens + i + u, mask=ok,
                           other=0).to(tl.int64)  # scalar
-            row = tl.load(base + tok * stride_lp_t + v_off, mask=v_ok & ok,
+            row = tl.load(base + tok * stride_lp_t + v_off, mask=tl.where(ok, v_ok, False),
                           other=0.0)  # [BLOCK_V]
             acc += row.to(tl.float32)
     tl.store(sums_ptr + bc * vocab + vs, acc, mask=v_ok)
@@ -81,7 +83,7 @@ def chunk_gather_kernel(
     c = tl.load(ids_ptr + bt).to(tl.int64)  # scalar
     valid = (c >= 0) & (c < n_chunks)
     src = grad_ptr + b * stride_g_b + c * stride_g_c + vs.to(tl.int64) * stride_g_v
-    row = tl.load(src, mask=v_ok & valid, other=0.0)  # [BLOCK_V]
+    row = tl.load(src, mask=tl.where(valid, v_ok, False), other=0.0)  # [BLOCK_V]
     tl.store(out_ptr + bt * vocab + vs, row.to(out_ptr.dtype.element_ty), mask=v_ok)
 
 
