@@ -9,6 +9,7 @@ kernel it fused into, the error against the reference, and eager vs compiled tim
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 import statistics
@@ -38,24 +39,65 @@ class DemoResult:
     op_status: dict[str, str]
     relative_error: float
     error_ok: bool
-    eager_ms: float
-    compiled_ms: float
+    eager: Timing
+    compiled: Timing
 
 
-def _time_ms(fn: Callable[[], Any], device: torch.device, repeats: int = 10) -> float:
+@dataclasses.dataclass
+class Timing:
+    """Wall-clock time of one call, over ``runs`` calls after warm-up: the median and the
+    interquartile range, in milliseconds."""
+    median_ms: float
+    low_ms: float  # 25th percentile
+    high_ms: float  # 75th percentile
+    runs: int
+
+    def __str__(self) -> str:
+        return f"{self.median_ms:.3f} ms [{self.low_ms:.3f}-{self.high_ms:.3f}]"
+
+
+def _time_pair(eager_fn: Callable[[], Any], compiled_fn: Callable[[], Any],
+               device: torch.device, *, warmup: int = 3, min_runs: int = 20,
+               max_runs: int = 2000, budget_s: float = 1.0) -> tuple[Timing, Timing]:
+    """Time two callables, alternating calls so that whatever else the machine is doing
+    weighs on both alike: ``warmup`` calls of each first (compiles, autotuning, allocator
+    growth), then at least ``min_runs`` calls of each, more until ``budget_s`` has passed."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    fn()
-    sync()
-    samples = []
-    for _ in range(repeats):
+    def timed(fn) -> float:
         start = time.perf_counter()
         fn()
         sync()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+        return (time.perf_counter() - start) * 1e3
+
+    for _ in range(warmup):
+        eager_fn()
+        compiled_fn()
+    sync()
+    samples: tuple[list[float], list[float]] = ([], [])
+    deadline = time.perf_counter() + budget_s
+    while len(samples[0]) < min_runs or (time.perf_counter() < deadline
+                                         and len(samples[0]) < max_runs):
+        samples[0].append(timed(eager_fn))
+        samples[1].append(timed(compiled_fn))
+
+    def summary(values: list[float]) -> Timing:
+        low, median, high = statistics.quantiles(values, n=4)
+        return Timing(median, low, high, len(values))
+
+    return summary(samples[0]), summary(samples[1])
+
+
+def speed_verdict(eager: Timing, compiled: Timing) -> str:
+    """A ratio only when the two interquartile ranges do not overlap: otherwise the
+    difference is within the noise of this machine."""
+    if compiled.high_ms < eager.low_ms:
+        return f"compiled {eager.median_ms / compiled.median_ms:.2f}x faster"
+    if eager.high_ms < compiled.low_ms:
+        return f"compiled {compiled.median_ms / eager.median_ms:.2f}x slower"
+    return "no difference beyond the spread"
 
 
 _KERNEL_NAME = re.compile(r"\b((?:cpp|triton)_\w+?)(?:_\d+)?\b")
@@ -117,8 +159,8 @@ def run_demo(demo: Demo, device: torch.device) -> DemoResult:
     expected = demo.reference(*demo.args)
     report = error_report(out.detach(), expected)
     with torch.no_grad():
-        eager_ms = _time_ms(lambda: demo.model(*demo.args), device)
-        compiled_ms = _time_ms(lambda: compiled(*demo.args), device)
+        eager, compiled_time = _time_pair(lambda: demo.model(*demo.args),
+                                          lambda: compiled(*demo.args), device)
     return DemoResult(
         family=demo.family,
         graph_breaks=graph_breaks,
@@ -129,8 +171,8 @@ def run_demo(demo: Demo, device: torch.device) -> DemoResult:
         op_status=status,
         relative_error=report.relative_error,
         error_ok=report.relative_error <= demo.max_relative_error,
-        eager_ms=eager_ms,
-        compiled_ms=compiled_ms,
+        eager=eager,
+        compiled=compiled_time,
     )
 
 
@@ -146,21 +188,51 @@ def format_result(r: DemoResult, max_rel: float) -> str:
     verdict = "ok" if r.error_ok else "TOO LARGE"
     lines += [
         f"  error vs reference: {r.relative_error:.2e} relative (allowed {max_rel:.0e}) {verdict}",
-        f"  eager {r.eager_ms:.3f} ms, compiled {r.compiled_ms:.3f} ms "
-        f"({r.eager_ms / r.compiled_ms:.2f}x)",
+        f"  time per call, median [interquartile range] of {r.eager.runs} calls each, "
+        f"after warm-up:",
+        f"    eager {r.eager}, compiled {r.compiled}: {speed_verdict(r.eager, r.compiled)}",
     ]
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
+_DESCRIPTION = """\
+Check that compileops works on this machine. For each op family (embedding, cross-tokenizer
+distillation, grouped linear, mLSTM) a small model is compiled with torch.compile and run,
+forward and backward. The report shows, per family: graph breaks (should be 0); how many
+graphs were compiled over several input sizes with dynamic=True (1 means no recompiles);
+how Inductor compiled each compileops op (fused into a generated kernel, or called as is);
+the error against the plain-PyTorch reference; and the time per call, eager and compiled.
+Exits with status 1 if any family fails."""
 
+
+def _device(text: str) -> torch.device:
+    """argparse type for --device: a valid torch device that exists on this machine."""
+    try:
+        device = torch.device(text)
+    except RuntimeError as err:
+        raise argparse.ArgumentTypeError(f"not a device: {text!r} ({err})") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(
+                "CUDA is not available on this machine (torch "
+                f"{torch.__version__}); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(
+                f"{text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type != "cpu":
+        raise argparse.ArgumentTypeError(f"{text}: the self-check runs on cpu or cuda")
+    return device
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     from compileops import backends
 
-    parser = argparse.ArgumentParser(prog="python -m compileops", description=__doc__)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = argparse.ArgumentParser(prog="python -m compileops", description=_DESCRIPTION)
+    parser.add_argument("--device", type=_device,
+                        default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    device = args.device
     print(f"compileops {__version__} | torch {torch.__version__} | device {device}"
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
     print(f"eager backend on {device.type}: {backends.select('selfcheck', device)}")

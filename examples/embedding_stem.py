@@ -6,6 +6,7 @@ deterministic backward. Runs on CPU or GPU:
 
     python examples/embedding_stem.py
 """
+import argparse
 import math
 
 import torch
@@ -25,7 +26,12 @@ class Stem(torch.nn.Module):
 
 
 def main() -> None:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"],
+                        default="cuda" if torch.cuda.is_available() else "cpu")
+    device = parser.parse_args().device
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("CUDA is not available on this machine")
     vocab, dim = (151936, 4096) if device == "cuda" else (1000, 64)
     stem = Stem(vocab, dim).to(device)
     # A torch.nn.Embedding checkpoint loads unchanged.

@@ -389,6 +389,8 @@ def parse_args(argv=None):
                    "CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set: an op without a deterministic "
                    "implementation raises, and Inductor generates no atomic scatter")
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available on this machine")
     if args.trace_ops and (not args.check_grads or args.compile != "none"):
         p.error("--trace-ops needs --check-grads and --compile none (dispatch modes see eager "
                 "ops only)")

@@ -61,7 +61,7 @@ def report(kernels: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--triton-on-cpu", action="store_true",
                         help="emit Triton for CPU tensors (as on a GPU) and print the kernels")
     args = parser.parse_args()

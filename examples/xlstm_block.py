@@ -177,6 +177,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     on_gpu = args.device.startswith("cuda")
+    if on_gpu and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available on this machine")
     if not on_gpu and args.backend == "auto":
         # Before compileops defines its kernels: they run on CPU tensors under the interpreter.
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -7,6 +7,7 @@ fullgraph=True.
 
     python examples/xtoken_distillation.py
 """
+import argparse
 import os
 import tempfile
 
@@ -48,6 +49,7 @@ def make_loss_fn(projection: SparseProjection, student_head: torch.nn.Module):
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "projection.pt")

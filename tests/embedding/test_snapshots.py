@@ -1,16 +1,13 @@
-"""Graph snapshots of the embedding family, pinned on the CI torch (2.13, CPU).
+"""Graph snapshots of the embedding family, on every supported torch (tests/snapshot.py).
 
 Regenerate with ``EXPECTTEST_ACCEPT=1 python -m pytest tests/embedding/test_snapshots.py``.
 """
-import unittest
-
-import expecttest
 import torch
 
 import compileops
 from compileops import testing
+from tests.snapshot import SnapshotTestCase
 
-PINNED = torch.__version__.startswith("2.13")
 
 
 def stem(ids, weight):
@@ -24,11 +21,10 @@ def inputs():
     return ids, weight
 
 
-@unittest.skipUnless(PINNED, "graph text is pinned on torch 2.13 (the CI version)")
-class EmbeddingSnapshots(expecttest.TestCase):
+class EmbeddingSnapshots(SnapshotTestCase):
     def test_aot_forward_and_backward_graphs(self):
         forward, backward = testing.aot_graph_text(stem, *inputs())
-        self.assertExpectedInline(forward, """\
+        self.assertSnapshot(forward, """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "i64[4, 9]", primals_2: "bf16[64, 32]"):
         embedding: "f32[4, 9, 32]" = torch.ops.compileops.embedding.default(primals_1, primals_2, torch.float32);  primals_2 = None
@@ -36,7 +32,7 @@ class GraphModule(torch.nn.Module):
         mul: "f32[4, 9, 32]" = torch.ops.aten.mul.Tensor(embedding, 3.0);  embedding = None
         _to_copy: "bf16[4, 9, 32]" = torch.ops.aten._to_copy.default(mul, dtype = torch.bfloat16);  mul = None
         return (_to_copy, primals_1)""")
-        self.assertExpectedInline(backward, """\
+        self.assertSnapshot(backward, """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "i64[4, 9]", tangents_1: "bf16[4, 9, 32]"):
         _to_copy_1: "f32[4, 9, 32]" = torch.ops.aten._to_copy.default(tangents_1, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'));  tangents_1 = None
@@ -46,7 +42,7 @@ class GraphModule(torch.nn.Module):
         return (None, embedding_backward)""")
 
     def test_cpp_kernels_forward_and_backward(self):
-        self.assertExpectedInline(
+        self.assertSnapshot(
             testing.inductor_kernels(stem, *inputs(), backward=True), """\
 cpp_fused__to_copy_embedding_mul
 # backward
@@ -55,7 +51,7 @@ torch.ops.compileops.embedding_backward.default"""
         )
 
     def test_triton_kernels_forward_and_backward(self):
-        self.assertExpectedInline(
+        self.assertSnapshot(
             testing.inductor_kernels(stem, *inputs(), triton=True, backward=True), """\
 triton_poi_fused__to_copy_embedding_mul
 # backward

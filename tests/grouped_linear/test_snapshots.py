@@ -1,31 +1,27 @@
-"""Graph and kernel snapshots of grouped_linear under torch.compile, pinned on torch 2.13
-(regenerate with EXPECTTEST_ACCEPT=1): the AOT forward and backward graphs, and the Inductor
+"""Graph and kernel snapshots of grouped_linear under torch.compile, on every supported torch
+(tests/snapshot.py; regenerate with EXPECTTEST_ACCEPT=1): the AOT forward and backward graphs, and the Inductor
 kernels with what fused into them."""
-import expecttest
-import pytest
 import torch
 
 import compileops
 from compileops.testing import aot_graph_text, inductor_kernels
 from tests.grouped_linear._helpers import make_expert_inputs as make
 from tests.grouped_linear._helpers import moe_expert
-
-needs_213 = pytest.mark.skipif(not torch.__version__.startswith("2.13"),
-                               reason="snapshots are pinned on torch 2.13")
+from tests.snapshot import SnapshotTestCase
 
 
-class Snapshots(expecttest.TestCase):
-    @needs_213
+
+class Snapshots(SnapshotTestCase):
     def test_aot_graphs(self):
         x, w, offs, b, _ = make([3, 4])
         w.requires_grad_(), b.requires_grad_(), x.requires_grad_()
         fw, bw = aot_graph_text(compileops.grouped_linear, x, w, offs, b)
-        self.assertExpectedInline(fw, """\
+        self.assertSnapshot(fw, """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[9, 16]", primals_2: "f32[2, 24, 16]", primals_3: "i32[2]", primals_4: "f32[2, 24]"):
         grouped_linear: "f32[9, 24]" = torch.ops.compileops.grouped_linear.default(primals_1, primals_2, primals_3, primals_4);  primals_4 = None
         return (grouped_linear, primals_1, primals_2, primals_3)""")
-        self.assertExpectedInline(bw, """\
+        self.assertSnapshot(bw, """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[9, 16]", primals_2: "f32[2, 24, 16]", primals_3: "i32[2]", tangents_1: "f32[9, 24]"):
         grouped_linear_dx: "f32[9, 16]" = torch.ops.compileops.grouped_linear_dx.default(tangents_1, primals_2, primals_3);  primals_2 = None
@@ -34,14 +30,13 @@ class GraphModule(torch.nn.Module):
         getitem_1: "f32[2, 24]" = grouped_linear_wgrad[1];  grouped_linear_wgrad = None
         return (grouped_linear_dx, getitem, None, getitem_1)""")
 
-    @needs_213
     def test_aot_backward_without_bias_skips_db(self):
         # No bias: the wgrad op is called with with_db=False (no column sums) and its empty
         # db output is dropped.
         x, w, offs, _, _ = make([3, 4])
         w.requires_grad_(), x.requires_grad_()
         _, bw = aot_graph_text(compileops.grouped_linear, x, w, offs)
-        self.assertExpectedInline(bw, """\
+        self.assertSnapshot(bw, """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[9, 16]", primals_2: "f32[2, 24, 16]", primals_3: "i32[2]", tangents_1: "f32[9, 24]"):
         grouped_linear_dx: "f32[9, 16]" = torch.ops.compileops.grouped_linear_dx.default(tangents_1, primals_2, primals_3);  primals_2 = None
@@ -49,13 +44,11 @@ class GraphModule(torch.nn.Module):
         getitem: "f32[2, 24, 16]" = grouped_linear_wgrad[0];  grouped_linear_wgrad = None
         return (grouped_linear_dx, getitem, None)""")
 
-    @needs_213
     def test_swiglu_template_kernels(self):
         x, w, offs, b, p = make([5, 0, 11, 3])
         kernels = inductor_kernels(moe_expert, x, w, offs, b, p, triton=True)
-        self.assertExpectedInline(kernels, """triton_tem_fused_grouped_linear_swiglu_mul_unsqueeze""")
+        self.assertSnapshot(kernels, """triton_tem_fused_grouped_linear_swiglu_mul_unsqueeze""")
 
-    @needs_213
     def test_swiglu_template_kernels_fw_bw(self):
         # Forward: the SwiGLU template, storing its pre-activations, with the router scaling
         # epilogue. Backward: no GEMM but dX and dW: one pointwise kernel for the SwiGLU
@@ -64,14 +57,13 @@ class GraphModule(torch.nn.Module):
         for t in (x, w, b):
             t.requires_grad_()
         kernels = inductor_kernels(moe_expert, x, w, offs, b, p, triton=True, backward=True)
-        self.assertExpectedInline(kernels, """\
+        self.assertSnapshot(kernels, """\
 triton_tem_fused_grouped_linear_swiglu_with_preact_mul_unsqueeze
 # backward
 triton_poi_fused_add_mul_rsub_sigmoid_unsqueeze
 triton_tem_fused_grouped_linear_dx
 torch.ops.compileops.grouped_linear_wgrad.default""")
 
-    @needs_213
     def test_swiglu_recompute_template_kernels_fw_bw(self):
         # recompute=True: the plain SwiGLU template forward; the backward recomputes the
         # pre-activation with the plain template, then the derivative, dX and dW/db.
@@ -83,7 +75,7 @@ torch.ops.compileops.grouped_linear_wgrad.default""")
             return compileops.grouped_linear_swiglu(x, w, offs, b, recompute=True) * p[:, None]
 
         kernels = inductor_kernels(expert, x, w, offs, b, p, triton=True, backward=True)
-        self.assertExpectedInline(kernels, """\
+        self.assertSnapshot(kernels, """\
 triton_tem_fused_grouped_linear_swiglu_mul_unsqueeze
 # backward
 triton_tem_fused_grouped_linear
@@ -91,10 +83,9 @@ triton_poi_fused_add_mul_rsub_sigmoid_split_unsqueeze
 triton_tem_fused_grouped_linear_dx
 torch.ops.compileops.grouped_linear_wgrad.default""")
 
-    @needs_213
     def test_cpu_cpp_backend_is_extern_call(self):
         x, w, offs, b, p = make([5, 0, 11, 3])
         kernels = inductor_kernels(moe_expert, x, w, offs, b, p)
-        self.assertExpectedInline(kernels, """\
+        self.assertSnapshot(kernels, """\
 cpp_fused_mul_unsqueeze
 torch.ops.compileops.grouped_linear_swiglu.default""")

@@ -1,22 +1,19 @@
-"""Graph and kernel snapshots of the mLSTM under torch.compile, pinned on torch 2.13
-(regenerate with EXPECTTEST_ACCEPT=1), and the template's numerics under the interpreter.
+"""Graph and kernel snapshots of the mLSTM under torch.compile, on every supported torch
+(tests/snapshot.py; regenerate with EXPECTTEST_ACCEPT=1), and the template's numerics under the interpreter.
 
 The template is checked two ways on CPU: its Triton code (``cpu_backend="triton"``) names the
 fused output-gate epilogue, and, run under Triton's interpreter, it matches the eager kernels
 bitwise-close. The public function's gate prologue (``cumsum(logsigmoid(f))``) uses libdevice
 functions the interpreter cannot run, so the runs call the op with a prepared ``logf``.
 """
-import expecttest
-import pytest
 import torch
 
 import compileops
 from compileops.mlstm import reference
 from compileops.testing import aot_graph_text
 from compileops.lowerings import _compat
+from tests.snapshot import SnapshotTestCase
 
-needs_213 = pytest.mark.skipif(not torch.__version__.startswith("2.13"),
-                               reason="snapshots are pinned on torch 2.13")
 
 B, NH, S, DQK, DV = 2, 2, 40, 16, 32
 
@@ -51,15 +48,14 @@ def _kernel_names(code: list[str]) -> list[str]:
     return re.findall(r"^def (triton_\w+?)(?:_\d+)?\(", "\n".join(code), re.M)
 
 
-class Snapshots(expecttest.TestCase):
-    @needs_213
+class Snapshots(SnapshotTestCase):
     def test_aot_graphs(self):
         q, k, v, igate, fgate, weight, _ = _inputs()
         for t in (q, k, v, igate, fgate, weight):
             t.requires_grad_()
         fw, bw = aot_graph_text(
             lambda *a: compileops.mlstm(*a[:5], norm_weight=a[5]), q, k, v, igate, fgate, weight)
-        self.assertExpectedInline(fw, """\
+        self.assertSnapshot(fw, """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[64]", primals_2: "f32[2, 2, 40, 16]", primals_3: "f32[2, 2, 40]", primals_4: "f32[2, 2, 40]", primals_5: "f32[2, 2, 40, 16]", primals_6: "f32[2, 2, 40, 32]"):
         mlstm_log_forget: "f32[2, 2, 40]" = torch.ops.compileops.mlstm_log_forget.default(primals_4)
@@ -70,7 +66,7 @@ class GraphModule(torch.nn.Module):
         getitem_2: "f32[2, 2, 40]" = mlstm_parallel[2]
         getitem_3: "f32[2, 2, 40]" = mlstm_parallel[3];  mlstm_parallel = None
         return (getitem, primals_1, primals_2, primals_3, primals_4, primals_5, primals_6, mlstm_log_forget, getitem_1, getitem_2, getitem_3)""")
-        self.assertExpectedInline(bw, """\
+        self.assertSnapshot(bw, """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[64]", primals_2: "f32[2, 2, 40, 16]", primals_3: "f32[2, 2, 40]", primals_4: "f32[2, 2, 40]", primals_5: "f32[2, 2, 40, 16]", primals_6: "f32[2, 2, 40, 32]", mlstm_log_forget: "f32[2, 2, 40]", getitem_1: "f32[2, 2, 40, 32]", getitem_2: "f32[2, 2, 40]", getitem_3: "f32[2, 2, 40]", tangents_1: "f32[2, 40, 64]"):
         mlstm_parallel_backward = torch.ops.compileops.mlstm_parallel_backward.default(tangents_1, primals_2, primals_5, primals_6, primals_3, mlstm_log_forget, primals_1, getitem_1, getitem_2, getitem_3, True, 1e-06, 1e-06, False);  tangents_1 = primals_2 = primals_5 = primals_6 = primals_3 = mlstm_log_forget = primals_1 = getitem_1 = getitem_2 = getitem_3 = None
@@ -84,7 +80,6 @@ class GraphModule(torch.nn.Module):
         mlstm_log_forget_backward: "f32[2, 2, 40]" = torch.ops.compileops.mlstm_log_forget_backward.default(getitem_8, primals_4);  getitem_8 = primals_4 = None
         return (getitem_9, getitem_4, getitem_7, mlstm_log_forget_backward, getitem_5, getitem_6)""")
 
-    @needs_213
     def test_chunkwise_aot_graphs(self):
         """The chunkwise form with a state in and out: the chunk-restarted forget sums, the
         chunkwise op and its backward op (the states' gradients included), no graph break."""
@@ -103,7 +98,7 @@ class GraphModule(torch.nn.Module):
             return out, c2, n2, m2
 
         fw, bw = aot_graph_text(fn, q, k, v, igate, fgate, weight, *state)
-        self.assertExpectedInline(fw, """\
+        self.assertSnapshot(fw, """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[64]", primals_2: "f32[2, 2, 16, 32]", primals_3: "f32[2, 2, 40, 16]", primals_4: "f32[2, 2, 40]", primals_5: "f32[2, 2, 40]", primals_6: "f32[2, 2, 40, 16]", primals_7: "f32[2, 2, 40, 32]", primals_8: "f32[2, 2, 16]", primals_9: "f32[2, 2]"):
         mlstm_log_forget: "f32[2, 2, 40]" = torch.ops.compileops.mlstm_log_forget.default(primals_5, 16)
@@ -124,7 +119,7 @@ class GraphModule(torch.nn.Module):
         detach_2: "f32[2, 2, 16, 32]" = torch.ops.aten.detach.default(detach);  detach = None
         detach_3: "f32[2, 2, 16]" = torch.ops.aten.detach.default(detach_1);  detach_1 = None
         return (getitem, getitem_7, getitem_8, getitem_9, primals_1, primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, mlstm_log_forget, getitem_1, getitem_2, getitem_3, getitem_4, getitem_5, getitem_6, detach_2, detach_3)""")
-        self.assertExpectedInline(bw, """\
+        self.assertSnapshot(bw, """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[64]", primals_2: "f32[2, 2, 16, 32]", primals_3: "f32[2, 2, 40, 16]", primals_4: "f32[2, 2, 40]", primals_5: "f32[2, 2, 40]", primals_6: "f32[2, 2, 40, 16]", primals_7: "f32[2, 2, 40, 32]", primals_8: "f32[2, 2, 16]", primals_9: "f32[2, 2]", mlstm_log_forget: "f32[2, 2, 40]", getitem_1: "f32[2, 2, 40, 32]", getitem_2: "f32[2, 2, 40]", getitem_3: "f32[2, 2, 40]", getitem_4: "f32[4, 3, 16, 32]", getitem_5: "f32[4, 4, 16]", getitem_6: "f32[4, 4]", detach_2: "f32[2, 2, 16, 32]", detach_3: "f32[2, 2, 16]", tangents_1: "f32[2, 40, 64]", tangents_2: "f32[2, 2, 16, 32]", tangents_3: "f32[2, 2, 16]", tangents_4: "f32[2, 2]"):
         mlstm_chunkwise_backward = torch.ops.compileops.mlstm_chunkwise_backward.default(tangents_1, tangents_2, tangents_3, tangents_4, primals_3, primals_6, primals_7, primals_4, mlstm_log_forget, primals_1, primals_2, primals_8, primals_9, getitem_1, getitem_2, getitem_3, getitem_4, getitem_5, getitem_6, detach_2, detach_3, 16, True, 1e-06, 1e-06, False);  tangents_1 = tangents_2 = tangents_3 = tangents_4 = primals_3 = primals_6 = primals_7 = primals_4 = mlstm_log_forget = primals_1 = primals_2 = primals_8 = primals_9 = getitem_1 = getitem_2 = getitem_3 = getitem_4 = getitem_5 = getitem_6 = detach_2 = detach_3 = None
@@ -141,12 +136,11 @@ class GraphModule(torch.nn.Module):
         mlstm_log_forget_backward: "f32[2, 2, 40]" = torch.ops.compileops.mlstm_log_forget_backward.default(getitem_14, primals_5, 16);  getitem_14 = primals_5 = None
         return (getitem_15, getitem_17, getitem_10, getitem_13, mlstm_log_forget_backward, getitem_11, getitem_12, getitem_18, getitem_19)""")
 
-    @needs_213
     def test_template_fuses_the_output_gate(self):
         args = _inputs()
         with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
             code = _compat.get_code(torch.compile(gated_block, fullgraph=True), *args)
-        self.assertExpectedInline("\n".join(_kernel_names(code)), """triton_tem_fused_mlstm_parallel_mul_sigmoid""")
+        self.assertSnapshot("\n".join(_kernel_names(code)), """triton_tem_fused_mlstm_parallel_mul_sigmoid""")
 
 
 def test_template_matches_eager_kernels_under_the_interpreter():

@@ -1,25 +1,21 @@
-"""Graph snapshots for the xtoken ops, pinned on torch 2.13 CPU (regenerate with
+"""Graph snapshots for the xtoken ops, on every supported torch (tests/snapshot.py; regenerate with
 EXPECTTEST_ACCEPT=1). The ops are extern calls under Inductor (no lowering for this family):
 the snapshots pin that the AOT graphs hold exactly our ops (the backward is our own op, the
 projection input is cast to fp32 under autocast) and that no graph break or decomposition
 sneaks in."""
 from __future__ import annotations
 
-import expecttest
-import pytest
 import torch
 
 from compileops.testing import aot_graph_text, inductor_kernels
 from compileops.xtoken import chunk_average
 
 from tests.xtoken._helpers import random_projection
-
-pytestmark = pytest.mark.skipif(
-    not torch.__version__.startswith("2.13"), reason="snapshots are pinned on torch 2.13"
-)
+from tests.snapshot import SnapshotTestCase
 
 
-class TestXtokenSnapshots(expecttest.TestCase):
+
+class TestXtokenSnapshots(SnapshotTestCase):
     def test_project_aot_graphs_under_autocast(self):
         proj = random_projection(num_student=11, num_teacher=9, k=2)
 
@@ -28,13 +24,13 @@ class TestXtokenSnapshots(expecttest.TestCase):
                 return proj(p)
 
         fw, bw = aot_graph_text(fn, torch.rand(3, 11).bfloat16().requires_grad_())
-        self.assertExpectedInline(fw, """\
+        self.assertSnapshot(fw, """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "i64[10]", primals_2: "i64[18]", primals_3: "f32[18]", primals_4: "i64[12]", primals_5: "i64[18]", primals_6: "f32[18]", primals_7: "bf16[3, 11]"):
         _to_copy: "f32[3, 11]" = torch.ops.aten._to_copy.default(primals_7, dtype = torch.float32);  primals_7 = None
         xtoken_project: "f32[3, 9]" = torch.ops.compileops.xtoken_project.default(_to_copy, primals_1, primals_2, primals_3, primals_4, primals_5, primals_6);  _to_copy = primals_1 = primals_2 = primals_3 = None
         return (xtoken_project, primals_4, primals_5, primals_6)""")
-        self.assertExpectedInline(bw, """\
+        self.assertSnapshot(bw, """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_4: "i64[12]", primals_5: "i64[18]", primals_6: "f32[18]", tangents_1: "f32[3, 9]"):
         xtoken_project_backward: "f32[3, 11]" = torch.ops.compileops.xtoken_project_backward.default(tangents_1, primals_4, primals_5, primals_6, 9);  tangents_1 = primals_4 = primals_5 = primals_6 = None
@@ -46,7 +42,7 @@ class GraphModule(torch.nn.Module):
             lambda lp, ids: chunk_average(lp, ids, 4)[0],
             torch.randn(2, 6, 5, requires_grad=True), torch.tensor([[0, 0, 1, -1, 3, 3]] * 2),
         )
-        self.assertExpectedInline(fw, """\
+        self.assertSnapshot(fw, """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[2, 6, 5]", primals_2: "i64[2, 6]"):
         xtoken_chunk_sums = torch.ops.compileops.xtoken_chunk_sums.default(primals_1, primals_2, 4);  primals_1 = None
@@ -57,7 +53,7 @@ class GraphModule(torch.nn.Module):
         unsqueeze: "f32[2, 4, 1]" = torch.ops.aten.unsqueeze.default(clamp, -1);  clamp = None
         div: "f32[2, 4, 5]" = torch.ops.aten.div.Tensor(getitem, unsqueeze);  getitem = None
         return (div, primals_2, unsqueeze)""")
-        self.assertExpectedInline(bw, """\
+        self.assertSnapshot(bw, """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_2: "i64[2, 6]", unsqueeze: "f32[2, 4, 1]", tangents_1: "f32[2, 4, 5]"):
         div_1: "f32[2, 4, 5]" = torch.ops.aten.div.Tensor(tangents_1, unsqueeze);  tangents_1 = unsqueeze = None
@@ -76,7 +72,7 @@ class GraphModule(torch.nn.Module):
             fn, torch.randn(2, 6, 11, requires_grad=True),
             torch.tensor([[0, 0, 1, -1, 3, 3]] * 2), backward=True,
         )
-        self.assertExpectedInline(kernels, """\
+        self.assertSnapshot(kernels, """\
 cpp_fused__softmax
 cpp_fused_add_log_xtoken_chunk_sums
 cpp_fused_clamp_div_mul_unsqueeze

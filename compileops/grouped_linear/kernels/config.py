@@ -162,7 +162,7 @@ def input_precision(dtype: torch.dtype) -> str:
 
 def interpreter_dot(t: torch.Tensor) -> bool:
     """CPU tensors run under Triton's interpreter, whose ``tl.dot`` needs two work-arounds
-    (:func:`compileops.grouped_linear.kernels.tiles.tile_dot`): triton 3.6 multiplies bf16
+    (:func:`compileops.grouped_linear.kernels.mjagged.tile_dot`): triton 3.6 multiplies bf16
     tiles as raw integer bits, so tiles are upcast to fp32; and numpy's matmul (OpenBLAS) may
     round a row differently by its position in the tile, which would break bitwise batch
     invariance, so the M-jagged product is an explicit product-and-sum. GPUs run the MMA."""
