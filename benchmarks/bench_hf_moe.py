@@ -26,7 +26,7 @@ difference and exits non-zero beyond it. Timing: median of ``--iters`` steps aft
     python benchmarks/bench_hf_moe.py --device cpu --tiny     # dry run: tiny widths, fp32, CPU
 
 Needs ``pip install -e ".[hf]"`` (transformers >= 5.7). Results: a markdown table on stdout and
-``$OUT/hf_moe.csv`` (or benchmarks/out/).
+``$COMPILEOPS_BENCH_OUT/hf_moe.csv`` (or benchmarks/out/).
 """
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ mode is not retried at the larger S (``--retry-after-abort`` retries).
 
 Output: a markdown table on stdout (with speed-up and peak ratio vs the faster anchor), and CSV
 rows appended to ``benchmarks/results/mlstm_<gpu>.csv`` (``--csv``; CPU runs go to
-``benchmarks/out/``), and to ``$OUT/mlstm_<gpu>.csv`` as well when ``$OUT`` is set.
+``benchmarks/out/``), and to ``$COMPILEOPS_BENCH_OUT/mlstm_<gpu>.csv`` as well when it is set.
 """
 from __future__ import annotations
 
@@ -340,7 +340,7 @@ class Collector:
             name = f"mlstm_{gpu_tag(self.env.get('device', self.args.device))}.csv"
             folder = "results" if self.args.device == "cuda" else "out"
             self.paths = [self.args.csv or os.path.join(ROOT, "benchmarks", folder, name)]
-            out = os.environ.get("OUT")
+            out = os.environ.get("COMPILEOPS_BENCH_OUT")
             if out and os.path.abspath(os.path.join(out, name)) != os.path.abspath(self.paths[0]):
                 self.paths.append(os.path.join(out, name))
 

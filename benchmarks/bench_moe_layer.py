@@ -22,7 +22,7 @@ output against a fixed random cotangent, for x and every weight. Peak memory is 
     python benchmarks/bench_moe_layer.py                       # every shape
     python benchmarks/bench_moe_layer.py --shapes mixtral --routing skewed --modes static
 
-Results: ``$OUT/moe_layer.csv`` (or benchmarks/out/) and a markdown table on stdout.
+Results: ``$COMPILEOPS_BENCH_OUT/moe_layer.csv`` (or benchmarks/out/) and a markdown table on stdout.
 """
 from __future__ import annotations
 

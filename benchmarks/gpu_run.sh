@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# One batch on the GPU machine: carried wheels, GPU tests, self-check, benchmarks; logs to $OUT.
+# One batch on a GPU machine: local wheels, GPU tests, self-check, benchmarks; logs and CSVs
+# to $COMPILEOPS_BENCH_OUT (default benchmarks/out).
 #   bash benchmarks/gpu_run.sh [family ...]     (default: every bench_*.py)
-# Carry .whl (shared/gpu/wheels.sh prepares it). Never installs from a registry.
+# Wheels in .whl/ (for a machine without a package index) are installed first; it never
+# installs from a registry.
 set -uo pipefail
-OUT=${OUT:-benchmarks/out}
+OUT=${COMPILEOPS_BENCH_OUT:-benchmarks/out}
+export COMPILEOPS_BENCH_OUT=$OUT
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -134,5 +134,6 @@ def report(title: str, rows: list[Row], *, csv_path: Optional[str] = None,
 
 
 def out_dir() -> str:
-    """Where CSVs go: $OUT on the device machine, else benchmarks/out."""
-    return os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "out")
+    """Where CSVs go: ``$COMPILEOPS_BENCH_OUT`` when set, else benchmarks/out."""
+    return (os.environ.get("COMPILEOPS_BENCH_OUT")
+            or os.path.join(os.path.dirname(__file__), "out"))

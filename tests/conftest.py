@@ -22,7 +22,29 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+# The test modules that exercise code whose behaviour depends on the torch and triton
+# versions: the Inductor lowerings and their private API, the graph snapshots, the Triton
+# kernels (under the interpreter, and compiled for sm90), the cached launch path, and the
+# package as installed. `pytest -m compat` runs them alone (the README's command for testing
+# another supported torch).
+COMPAT_MODULES = (
+    "test_compile.py", "test_snapshots.py", "test_kernels.py", "test_kernels_wgrad.py",
+    "test_codegen_sm90.py", "test_launch.py", "test_import.py", "test_packaging.py",
+    "test_export.py", "test_logging.py", "test_snapshot_helper.py",
+)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "compat: exercises torch- or triton-version-dependent code "
+                   "(set by tests/conftest.py from the module name)")
+
+
 def pytest_collection_modifyitems(config, items):
+    compat = pytest.mark.compat
+    for item in items:
+        if item.path.name in COMPAT_MODULES:
+            item.add_marker(compat)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -32,7 +54,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 # ---------------------------------------------------------------------------------------
-# Hypothesis profiles of the property-fuzzing tests (tests/*/test_fuzz.py, issue 24).
+# Hypothesis profiles of the property-fuzzing tests (tests/*/test_fuzz.py, the fuzzing).
 # "ci" (the default): few examples, a fixed seed per test (derandomize) so CI is
 # reproducible, no example database. "long": COMPILEOPS_FUZZ_PROFILE=long, random seeds,
 # COMPILEOPS_FUZZ_MAX_EXAMPLES (default 2000) per test; the GPU variants always use it.

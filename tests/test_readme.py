@@ -23,3 +23,22 @@ def test_readme_hugging_face_block_runs():
 
 def test_readme_export_block_runs():
     exec(compile(_section_code("Export"), "README.md", "exec"), {})
+
+
+def test_ci_runs_the_readme_commands():
+    """.ci/run reads its commands out of the README: the demo, the tests, and the tests of
+    another supported torch, each a one-line install-then-run a user can paste."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "readme_command", README.parent / ".ci" / "readme_command.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    demo, tests, other_torch = module.commands()
+    assert demo.endswith("python -m compileops") and "pip install -e ." in demo
+    assert tests.endswith("python -m pytest -q -n 2 tests") and '".[test,hf]"' in tests
+    assert other_torch.startswith("python -m pip install torch==2.11.0 ")
+    assert other_torch.endswith("-m compat tests")
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert '"$(readme 1)" "$(readme 2)"' in ci and '"$(readme 3)"' in ci
+    assert "pip install" not in ci  # everything is installed by the README's own commands

@@ -32,7 +32,7 @@ def run_script(path, *args, env=None):
 
 def test_benchmark_smoke(tmp_path):
     run_script("benchmarks/bench_grouped_linear.py", "--smoke", "--splits", "skewed",
-               env=dict(os.environ, OUT=str(tmp_path)))
+               env=dict(os.environ, COMPILEOPS_BENCH_OUT=str(tmp_path)))
     with open(tmp_path / "grouped_linear.csv") as f:
         rows = list(csv.DictReader(f))
     impls = {(r["case"].split()[-1], r["impl"]) for r in rows}

@@ -12,7 +12,7 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "bench_xtoken.py")
 
 
 def test_benchmark_smoke(tmp_path):
-    env = dict(os.environ, OUT=str(tmp_path), TRITON_INTERPRET="1")
+    env = dict(os.environ, COMPILEOPS_BENCH_OUT=str(tmp_path), TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, SCRIPT, "--smoke"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     # exit code 1: a correctness check failed; 2: the script refused to run.
