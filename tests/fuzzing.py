@@ -494,3 +494,139 @@ def use(backend: str, *, pin: Optional[bool] = None):
         finally:
             _backends.PRIORITY.clear()
             _backends.PRIORITY.update(saved)
+
+
+# ---------------------------------------------------------------------------------------
+# Projection files (cross-tokenizer): valid file contents, and one defect injected into them
+
+#: Ids from this one up are refused (compileops.xtoken.files.MAX_VOCAB_SIZE).
+MAX_PROJECTION_ID = 2**31 - 1
+
+
+@st.composite
+def projection_file_objects(draw, max_student: int = 6, max_teacher: int = 5, max_k: int = 3):
+    """What a valid projection file holds, in either format: dense top-k ``{"indices":
+    [V_s, k] int32/int64 with -1 sentinels, "likelihoods": [V_s, k] fp32/fp64}`` (sometimes
+    an extra key, which loaders ignore), or sparse ``{(s, t): count}`` with int or float
+    counts, -1 teacher sentinels and keys in any order."""
+    if draw(st.sampled_from(["dense", "sparse"]), label="format") == "dense":
+        num_student = draw(st.integers(1, max_student), label="V_s")
+        k = draw(st.integers(1, max_k), label="k")
+        n = num_student * k
+        ids = draw(st.lists(st.integers(-1, max_teacher - 1), min_size=n, max_size=n),
+                   label="teacher ids")
+        weights = draw(st.lists(st.floats(0.0, 1.0, width=32), min_size=n, max_size=n),
+                       label="likelihoods")
+        obj = {
+            "indices": torch.tensor(ids, dtype=draw(index_dtypes(), label="indices dtype"))
+            .reshape(num_student, k),
+            "likelihoods": torch.tensor(weights, dtype=draw(
+                st.sampled_from([torch.float32, torch.float64]), label="likelihoods dtype"))
+            .reshape(num_student, k),
+        }
+        if draw(st.booleans(), label="extra key"):
+            obj["note"] = "written by a test"
+        return obj
+    keys = draw(st.lists(st.tuples(st.integers(0, max_student - 1),
+                                   st.integers(-1, max_teacher - 1)),
+                         min_size=1, max_size=12, unique=True), label="keys")
+    counts = draw(st.lists(st.one_of(st.integers(1, 9), st.floats(0.25, 4.0)),
+                           min_size=len(keys), max_size=len(keys)), label="counts")
+    return dict(zip(keys, counts))
+
+
+#: The defects :func:`malformed_projection_files` injects. "type" defects are refused by every
+#: reader (the entry cannot be read as an id or a weight); "range" defects are well-formed
+#: ids that no vocabulary holds, refused by the loaders but returned as they are by the raw
+#: ``compileops.xtoken.nemo.parse_projection_file``.
+PROJECTION_FILE_DEFECTS = {
+    "sparse": {
+        "bool student id": "type", "bool teacher id": "type", "bool count": "type",
+        "id beyond int64": "type",
+        "teacher id below -1": "range", "negative student id": "range", "id too large": "range",
+    },
+    "dense": {
+        "bool indices": "type", "float indices": "type", "bool likelihoods": "type",
+        "complex likelihoods": "type",
+        "teacher id below -1": "range", "id too large": "range",
+    },
+}
+
+
+@st.composite
+def malformed_projection_files(draw):
+    """``(obj, defect, level, quoted)``: a valid :func:`projection_file_objects` with one
+    defect of :data:`PROJECTION_FILE_DEFECTS` injected; ``level`` is "type" or "range";
+    ``quoted`` is the text the error must contain to name the entry (the sparse key, the
+    dense ``indices[s, j] = t``) or the array."""
+    obj = draw(projection_file_objects())
+    fmt = "dense" if "indices" in obj else "sparse"
+    defect = draw(st.sampled_from(sorted(PROJECTION_FILE_DEFECTS[fmt])), label="defect")
+    level = PROJECTION_FILE_DEFECTS[fmt][defect]
+    too_large = st.integers(MAX_PROJECTION_ID, 2**63 - 1)
+    if fmt == "sparse":
+        s = draw(st.integers(0, 5), label="student")
+        t = draw(st.integers(0, 4), label="teacher")
+        value = 1.0
+        if defect == "bool student id":
+            key = (draw(st.booleans(), label="bool"), t)
+        elif defect == "bool teacher id":
+            key = (s, draw(st.booleans(), label="bool"))
+        elif defect == "bool count":
+            key, value = (s, t), draw(st.booleans(), label="bool")
+        elif defect == "id beyond int64":
+            huge = draw(st.one_of(st.integers(2**63, 2**80), st.integers(-(2**80), -(2**63) - 1)),
+                        label="id")
+            key = draw(st.sampled_from([(huge, t), (s, huge)]), label="key")
+        elif defect == "teacher id below -1":
+            key = (s, draw(st.integers(-(2**63), -2), label="teacher id"))
+        elif defect == "negative student id":
+            key = (draw(st.integers(-(2**63), -1), label="student id"), t)
+        else:  # id too large
+            big = draw(too_large, label="id")
+            key = draw(st.sampled_from([(big, t), (s, big)]), label="key")
+        entries = [(k, v) for k, v in obj.items() if k != key]
+        at = draw(st.integers(0, len(entries)), label="position")
+        entries.insert(at, (key, value))
+        return dict(entries), defect, level, repr(key)
+    indices, likelihoods = obj["indices"].clone(), obj["likelihoods"].clone()
+    if defect == "bool indices":
+        indices, quoted = indices > 0, "'indices'"
+    elif defect == "float indices":
+        indices, quoted = indices.float(), "'indices'"
+    elif defect == "bool likelihoods":
+        likelihoods, quoted = likelihoods > 0.5, "'likelihoods'"
+    elif defect == "complex likelihoods":
+        likelihoods, quoted = likelihoods.to(torch.complex64), "'likelihoods'"
+    else:
+        s = draw(st.integers(0, indices.shape[0] - 1), label="row")
+        j = draw(st.integers(0, indices.shape[1] - 1), label="column")
+        if defect == "teacher id below -1":
+            bad = draw(st.integers(-(2**31), -2), label="teacher id")
+        else:  # id too large
+            bad = draw(too_large, label="teacher id")
+        indices = indices.long()
+        indices[s, j] = bad
+        quoted = f"indices[{s}, {j}] = {bad}"
+    return {**obj, "indices": indices, "likelihoods": likelihoods}, defect, level, quoted
+
+
+def projection_oracle(obj, num_student: int = 0, num_teacher: int = 0) -> torch.Tensor:
+    """The projection a valid file object holds, as a dense fp64 ``[V_s, V_t]``: -1 teachers
+    dropped, duplicates summed, axes ``max(configured, max id + 1)`` (a dense file's
+    ``V_s`` at least its row count)."""
+    if "indices" in obj:
+        rows = obj["indices"].tolist()
+        entries = [(s, t, float(w)) for s, (row_t, row_w) in
+                   enumerate(zip(rows, obj["likelihoods"].tolist()))
+                   for t, w in zip(row_t, row_w)]
+        num_student = max(num_student, len(rows))
+    else:
+        entries = [(s, t, float(c)) for (s, t), c in obj.items()]
+    kept = [(s, t, w) for s, t, w in entries if t != -1]
+    num_student = max([num_student] + [s + 1 for s, _, _ in kept])
+    num_teacher = max([num_teacher] + [t + 1 for _, t, _ in kept])
+    dense = torch.zeros(num_student, num_teacher, dtype=torch.float64)
+    for s, t, w in kept:
+        dense[s, t] += w
+    return dense

@@ -26,6 +26,7 @@ class SparseProjection(torch.nn.Module):
     row_weights: torch.Tensor
 
     def __init__(self, csr: ProjectionCSR):
+        """Takes ``csr``'s tensors as its buffers, without copying them."""
         super().__init__()
         for field in dataclasses.fields(ProjectionCSR):
             self.register_buffer(field.name, getattr(csr, field.name))
@@ -39,8 +40,10 @@ class SparseProjection(torch.nn.Module):
         cls, path: Union[str, os.PathLike], device="cpu", *, num_student: int = 0,
         num_teacher: int = 0, normalize_rows: bool = False,
     ) -> "SparseProjection":
-        """Through the shared cache (:func:`compileops.xtoken.get_projection`); the vocabulary
-        sizes are keyword-only there and here."""
+        """Through the shared cache (:func:`compileops.xtoken.get_projection`), which hands
+        this module its own copy of the buffers: ``load_state_dict`` or an in-place change on
+        one module changes no other module and not the cache. The vocabulary sizes are
+        keyword-only there and here."""
         from compileops.xtoken.files import get_projection
 
         return cls(get_projection(path, device, num_student=num_student,

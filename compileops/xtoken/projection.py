@@ -51,8 +51,16 @@ class ProjectionCSR:
     def num_teacher(self) -> int:
         return self.col_indptr.numel() - 1
 
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The six tensors in field order (``dataclasses.astuple`` would deep-copy them)."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
     def to(self, device) -> "ProjectionCSR":
-        return ProjectionCSR(*(t.to(device) for t in dataclasses.astuple(self)))
+        return ProjectionCSR(*(t.to(device) for t in self.buffers()))
+
+    def clone(self) -> "ProjectionCSR":
+        """A copy whose buffers share no memory with these."""
+        return ProjectionCSR(*(t.clone() for t in self.buffers()))
 
     def to_dense(self) -> torch.Tensor:
         """``M`` as a dense fp32 ``[V_s, V_t]`` (tests and small debugging only)."""
@@ -98,6 +106,41 @@ def build_csr(coo: ProjectionCOO, device: Union[str, torch.device, None] = None)
         row_indptr=row_indptr, row_teacher_ids=t.contiguous(), row_weights=w.contiguous(),
     )
     return csr.to(device) if device is not None else csr
+
+
+def csr_from_coalesced(indices: torch.Tensor, values: torch.Tensor, num_student: int,
+                       num_teacher: int) -> ProjectionCSR:
+    """Both CSR layouts of a coalesced COO matrix ``[num_student, num_teacher]`` (``indices
+    [2, nnz]`` sorted by (student, teacher) without duplicates, as ``torch.sparse`` keeps
+    them; ``values [nnz]`` any real dtype, used in fp32), built on their device with no
+    host synchronisation, so it can run on every call.
+
+    Entries keep their order and zero weights are kept (unlike :func:`build_csr`, which
+    reads the ids on the host). An entry outside ``[0, num_student) x [0, num_teacher)``
+    (a sparse tensor built without its invariants checked) is sorted past the last segment
+    of both layouts: no kernel reads it.
+    """
+    students, teachers = indices[0], indices[1]
+    inside = ((students >= 0) & (students < num_student)
+              & (teachers >= 0) & (teachers < num_teacher))
+    row_key = torch.where(inside, students, num_student)
+    col_key = torch.where(inside, teachers, num_teacher)
+    # Stable sorts keep the coalesced (student, teacher) order inside each segment: by
+    # student then teacher for the rows, by teacher then student for the columns.
+    by_row = torch.argsort(row_key, stable=True)
+    by_col = torch.argsort(col_key, stable=True)
+    weights = values.to(torch.float32)
+
+    def indptr(sorted_keys: torch.Tensor, n_segments: int) -> torch.Tensor:
+        bounds = torch.arange(n_segments + 1, dtype=sorted_keys.dtype, device=indices.device)
+        return torch.searchsorted(sorted_keys, bounds)
+
+    return ProjectionCSR(
+        col_indptr=indptr(col_key[by_col], num_teacher),
+        col_student_ids=students[by_col], col_weights=weights[by_col],
+        row_indptr=indptr(row_key[by_row], num_student),
+        row_teacher_ids=teachers[by_row], row_weights=weights[by_row],
+    )
 
 
 def project(p: torch.Tensor, projection, columns: Optional[torch.Tensor] = None) -> torch.Tensor:

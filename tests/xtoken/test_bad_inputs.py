@@ -428,8 +428,9 @@ def _load_via(loader, path):
 
 IND = torch.tensor([[0, 1], [1, 2], [2, -1]])
 LIK = torch.tensor([[0.5, 0.5], [0.3, 0.7], [1.0, 0.0]])
-DENSE_NEEDS = r"dense top-k format needs integer 'indices' \[V_s, k\] and float 'likelihoods'"
-SPARSE_NEEDS = r"sparse format needs \(student_id, teacher_id\) -> count entries; found "
+DENSE = r"dense top-k "
+SPARSE_NEEDS = (r"sparse projection entries must be \(student_id, teacher_id\) -> count with int "
+                r"ids and a number count; found ")
 FILE_CASES = {
     # case: (what is written (bytes, or an object for torch.save), error, message after path)
     "empty file": (b"", ValueError, r" with torch\.load\(weights_only=True\)"),
@@ -439,25 +440,50 @@ FILE_CASES = {
     "empty dict": ({}, ValueError, r": unknown projection format: found a dict with keys \[\]"),
     "wrong keys": ({"indices": IND, "weights": LIK}, ValueError,
                    r": unknown projection format: found a dict with keys \['indices', 'weights'\]"),
-    "extra key": ({"indices": IND, "likelihoods": LIK, "vocab": 3}, ValueError,
-                  r": unknown projection format: .*'vocab'"),
     "only indices": ({"indices": IND}, ValueError, r": unknown projection format"),
     "a list": ([1, 2, 3], ValueError, r": unknown projection format: found an object of type list"),
     "a tensor": (IND, ValueError, r": unknown projection format: found an object of type Tensor"),
-    "float indices": ({"indices": IND.float(), "likelihoods": LIK}, ValueError, ": " + DENSE_NEEDS),
-    "int likelihoods": ({"indices": IND, "likelihoods": IND}, ValueError, ": " + DENSE_NEEDS),
+    "float indices": ({"indices": IND.float(), "likelihoods": LIK}, ValueError,
+                      ": " + DENSE + r"'indices' must be an integer tensor .*got torch\.float32"),
+    "bool indices": ({"indices": IND > 0, "likelihoods": LIK}, ValueError,
+                     ": " + DENSE + r"'indices' must be an integer tensor \(not bool"),
+    "bool likelihoods": ({"indices": IND, "likelihoods": LIK > 0}, ValueError,
+                         ": " + DENSE + r"'likelihoods' must be real numbers, got torch\.bool"),
     "shape mismatch": ({"indices": IND, "likelihoods": LIK[:2]}, ValueError,
-                       ": " + DENSE_NEEDS + r".*got Tensor \(3, 2\) and Tensor \(2, 2\)"),
+                       ": " + DENSE + r"'indices' \(3, 2\) and 'likelihoods' \(2, 2\) must "
+                       r"have the same shape"),
     "1-D indices": ({"indices": IND[:, 0], "likelihoods": LIK[:, 0]}, ValueError,
-                    ": " + DENSE_NEEDS),
+                    ": " + DENSE + r"'indices' must be a 2-D \[V_s, k\] tensor, got shape \(3,\)"),
     "list indices": ({"indices": [[0, 1]], "likelihoods": LIK[:1]}, ValueError,
-                     ": " + DENSE_NEEDS + r".*got list"),
+                     ": " + DENSE + r"'indices' must be a 2-D .*got list"),
+    "teacher id -5": ({"indices": torch.tensor([[0, 1], [1, -5], [2, -1]]), "likelihoods": LIK},
+                      ValueError, r": indices\[1, 1\] = -5: teacher id -5 is negative; only -1"),
+    "teacher id 2**40": ({"indices": torch.tensor([[0, 1], [1, 2**40], [2, -1]]),
+                          "likelihoods": LIK}, ValueError,
+                         r": indices\[1, 1\] = 1099511627776: teacher id 1099511627776 is too "
+                         r"large: vocabulary sizes are limited to 2147483647"),
     "string key": ({("a", 1): 1.0}, ValueError, ": " + SPARSE_NEEDS + r"\('a', 1\) -> 1\.0"),
     "float key": ({(0.5, 1): 1.0}, ValueError, ": " + SPARSE_NEEDS + r"\(0\.5, 1\)"),
+    "bool key": ({(0, 1): 1.0, (True, 3): 1.0}, ValueError,
+                 ": " + SPARSE_NEEDS + r"\(True, 3\) -> 1\.0"),
     "3-tuple key": ({(0, 1, 2): 1.0}, ValueError, ": " + SPARSE_NEEDS + r"\(0, 1, 2\)"),
     "string count": ({(0, 1): "x"}, ValueError, ": " + SPARSE_NEEDS + r"\(0, 1\) -> 'x'"),
+    "bool count": ({(0, 1): True}, ValueError, ": " + SPARSE_NEEDS + r"\(0, 1\) -> True"),
     "tensor count": ({(0, 1): torch.tensor(1.0)}, ValueError,
                      ": " + SPARSE_NEEDS + r"\(0, 1\) -> tensor"),
+    # Audit findings: a student id of 2**40 failed with an 8 TB allocation, 2**70 with
+    # "Overflow when unpacking long long"; a teacher id of -5 and a student -1 were dropped.
+    "student id 2**40": ({(0, 1): 1.0, (2**40, 3): 2.0}, ValueError,
+                         r": entry \(1099511627776, 3\) -> 2\.0: student id 1099511627776 is "
+                         r"too large"),
+    "student id 2**70": ({(2**70, 3): 2.0}, ValueError,
+                         r": entry \(1180591620717411303424, 3\) -> 2\.0: id "
+                         r"1180591620717411303424 does not fit in int64"),
+    "teacher id -5 (sparse)": ({(0, 1): 1.0, (4, -5): 1.0}, ValueError,
+                               r": entry \(4, -5\) -> 1\.0: teacher id -5 is negative"),
+    "student id -1": ({(-1, 3): 9.0}, ValueError,
+                      r": entry \(-1, 3\) -> 9\.0: student id -1 is negative; only -1 is "
+                      r"allowed, and only as a teacher id"),
 }
 
 
@@ -481,6 +507,27 @@ def test_missing_projection_file(loader, tmp_path):
     path = tmp_path / "missing.pt"
     with raises(FileNotFoundError, r"projection file not found: " + re.escape(str(path))):
         _load_via(loader, path)
+
+
+@pytest.mark.parametrize("loader", ["parse_projection_file", "get_projection",
+                                    "SparseProjection.from_file"])
+def test_files_that_nemo_rl_accepts_load(loader, tmp_path):
+    """The same rules as the NeMo-RL loaders: other keys beside 'indices' and 'likelihoods'
+    are ignored, integer likelihoods are weights, a (-1, -1) entry is a sentinel."""
+    for i, obj in enumerate([{"indices": IND, "likelihoods": LIK, "vocab": 3},
+                             {"indices": IND, "likelihoods": (LIK * 10).long()},
+                             {(0, 1): 2, (-1, -1): 5.0}]):
+        path = tmp_path / f"ok{i}.pt"
+        torch.save(obj, path)
+        _load_via(loader, path)
+
+
+def test_vocabulary_sizes_are_checked(tmp_path):
+    path = tmp_path / "projection.pt"
+    torch.save({"indices": IND, "likelihoods": LIK}, path)
+    for bad in (-1, True, 2.0, 2**31):
+        with raises(ValueError, r"num_teacher must be an int in \[0, 2147483647\], got "):
+            get_projection(path, num_teacher=bad)
 
 
 def test_vocabulary_sizes_are_keyword_only(tmp_path):

@@ -1,11 +1,13 @@
 """Projection files, the cache, and the exact token map."""
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
 import torch
 
+from compileops.xtoken import file_cache, files
 from compileops.xtoken import (
     ProjectionCOO,
     build_exact_token_map,
@@ -34,7 +36,7 @@ def _dense_topk_file(tmp_path):
 
 def _sparse_file(tmp_path):
     path = tmp_path / "sparse.pt"
-    torch.save({(0, 1): 3, (0, 4): 1, (2, 1): 2.5, (5, 0): 1, (-1, 3): 9}, path)
+    torch.save({(0, 1): 3, (0, 4): 1, (2, 1): 2.5, (5, 0): 1, (3, -1): 9}, path)
     return path
 
 
@@ -67,10 +69,13 @@ def test_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown projection format.*list"):
         parse_projection_file(bad)
     torch.save({(1, 2): "x"}, bad)
-    with pytest.raises(ValueError, match="sparse format"):
+    with pytest.raises(ValueError, match="sparse projection entries must be"):
         parse_projection_file(bad)
     torch.save({"indices": torch.ones(3, 2), "likelihoods": torch.ones(3, 2)}, bad)
-    with pytest.raises(ValueError, match="dense top-k format"):
+    with pytest.raises(ValueError, match="'indices' must be an integer tensor"):
+        parse_projection_file(bad)
+    torch.save({(-1, 3): 9.0}, bad)  # -1 is a sentinel only as a teacher id
+    with pytest.raises(ValueError, match=r"entry \(-1, 3\) -> 9\.0: student id -1 is negative"):
         parse_projection_file(bad)
 
 
@@ -83,19 +88,103 @@ def test_unsafe_pickle_is_refused(tmp_path):
         parse_projection_file(path)
 
 
-def test_cache_identity_keying_and_sizes(tmp_path):
+@pytest.fixture
+def settled(monkeypatch):
+    """Files count as settled at once (the racy window is 0), so a test can see cache hits on
+    files it has just written; each rewrite must then change the file's identity
+    (:func:`_rewrite` sets a new mtime)."""
+    monkeypatch.setattr(file_cache, "RACY_WINDOW_NS", -1)
+
+
+def _rewrite(path, obj, mtime_s):
+    torch.save(obj, path)
+    os.utime(path, ns=(mtime_s * 10**9, mtime_s * 10**9))
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """How often a projection file was read from disk."""
+    count = [0]
+    real = files._load
+
+    def counting(path):
+        count[0] += 1
+        return real(path)
+
+    monkeypatch.setattr(files, "_load", counting)
+    return count
+
+
+def _same_buffers(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a.buffers(), b.buffers()))
+
+
+def _shares_memory(a, b):
+    return any(x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+               for x in a.buffers() for y in b.buffers() if x.numel() and y.numel())
+
+
+def test_cache_keying_sizes_and_private_copies(tmp_path, settled, loads):
     path = _dense_topk_file(tmp_path)
     a = get_projection(path, "cpu", num_student=10, num_teacher=2)
-    assert get_projection(str(path), torch.device("cpu"), num_student=10, num_teacher=2) is a
+    again = get_projection(str(path), torch.device("cpu"), num_student=10, num_teacher=2)
+    assert loads[0] == 1  # a hit reads nothing from disk
+    assert _same_buffers(again, a) and not _shares_memory(again, a)  # equal, but its own
     assert (a.num_student, a.num_teacher) == (10, 3)  # max(configured, observed + 1)
     b = get_projection(path, "cpu", num_student=10, num_teacher=8)
-    assert b is not a and b.num_teacher == 8
-    c = get_projection(path, "cpu", num_student=10, num_teacher=2, normalize_rows=True)
-    assert c is not a
+    assert b.num_teacher == 8 and loads[0] == 2
+    get_projection(path, "cpu", num_student=10, num_teacher=2, normalize_rows=True)
+    assert loads[0] == 3
     dense = a.to_dense()
     assert dense.shape == (10, 3) and dense[1, 1] == 1.0 and dense[2:].sum() == 0.7 + 0.2 + 0.1
     clear_caches()
-    assert get_projection(path, "cpu", num_student=10, num_teacher=2) is not a
+    get_projection(path, "cpu", num_student=10, num_teacher=2)
+    assert loads[0] == 4
+
+
+def test_changing_a_handout_changes_no_other_caller(tmp_path, settled):
+    """Audit finding: the cache handed out its own tensors, and SparseProjection.from_file
+    made them its buffers, so one caller's in-place change or load_state_dict reached every
+    other module and the cache itself."""
+    path = _dense_topk_file(tmp_path)
+    want = get_projection(path).to_dense()
+    first = get_projection(path)
+    first.row_weights.mul_(100)
+    assert torch.equal(get_projection(path).to_dense(), want)
+    m1, m2 = SparseProjection.from_file(path), SparseProjection.from_file(path)
+    m1.load_state_dict({k: v * 3 for k, v in m1.state_dict().items()})
+    m1.col_weights.add_(1)
+    assert torch.equal(m2.csr().to_dense(), want)
+    assert torch.equal(SparseProjection.from_file(path).csr().to_dense(), want)
+
+
+def test_a_file_changed_on_disk_is_read_again(tmp_path, settled):
+    """Audit finding: the key was the path alone, so a rewritten file kept being served from
+    the cache. Same size, new mtime (what any later write gives)."""
+    path = tmp_path / "projection.pt"
+    likelihoods = torch.tensor([[1.0, 0.0], [0.25, 0.75]])
+    indices = torch.tensor([[0, -1], [1, 0]])
+    _rewrite(path, {"indices": indices, "likelihoods": likelihoods}, 1_600_000_000)
+    assert get_projection(path).to_dense()[1, 1] == 0.25
+    size = os.path.getsize(path)
+    _rewrite(path, {"indices": indices, "likelihoods": likelihoods.flip(1)}, 1_600_000_001)
+    assert os.path.getsize(path) == size
+    assert get_projection(path).to_dense()[1, 1] == 0.75
+
+
+def test_a_file_changed_within_the_racy_window_is_not_cached(tmp_path, loads):
+    """A rewrite inside one timestamp tick can keep size, mtime and even ctime: a file read
+    less than RACY_WINDOW_NS after its last change is not cached at all."""
+    path = tmp_path / "projection.pt"
+    indices = torch.tensor([[0, 1]])
+    torch.save({"indices": indices, "likelihoods": torch.tensor([[0.5, 0.5]])}, path)
+    stat = os.stat(path)
+    assert get_projection(path).to_dense().tolist() == [[0.5, 0.5]]
+    torch.save({"indices": indices, "likelihoods": torch.tensor([[0.25, 0.75]])}, path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the old mtime again
+    assert os.path.getsize(path) == stat.st_size
+    assert get_projection(path).to_dense().tolist() == [[0.25, 0.75]]
+    assert loads[0] == 2
 
 
 def test_normalize_rows_turns_counts_into_likelihoods(tmp_path):
@@ -124,7 +213,7 @@ def test_normalize_rows_zero_total_row_gives_no_nan(tmp_path):
     assert torch.allclose(dense.sum(1), torch.tensor([1.0, 0.0]))
 
 
-def test_cache_is_thread_safe(tmp_path):
+def test_cache_is_thread_safe(tmp_path, settled, loads):
     path = _dense_topk_file(tmp_path)
     results = []
     threads = [threading.Thread(target=lambda: results.append(get_projection(path, "cpu", num_student=4, num_teacher=3)))
@@ -133,7 +222,9 @@ def test_cache_is_thread_safe(tmp_path):
         t.start()
     for t in threads:
         t.join()
-    assert len(results) == 8 and all(r is results[0] for r in results)
+    assert len(results) == 8 and loads[0] == 1
+    assert all(_same_buffers(r, results[0]) for r in results)
+    assert not any(_shares_memory(r, results[0]) for r in results[1:])
 
 
 def _coo(entries, num_student, num_teacher):

@@ -57,3 +57,48 @@ def test_projection_real_shape_vs_dense_column_slices():
     (gp,) = torch.autograd.grad(out, p, g)
     (gp2,) = torch.autograd.grad(proj(p), p, g)
     assert torch.equal(gp, gp2)
+
+
+def test_nemo_fp32_sparse_mm_cuda_matrix_per_call_conversion(tmp_path):
+    """NeMo-RL's call pattern: the loader's CUDA sparse matrix into Fp32SparseMM on every
+    step. The conversion runs on the device without a host sync and gives the bitwise result
+    of the SparseProjection built from the same file; an in-place change counts at once."""
+    from compileops.xtoken import nemo
+
+    V, T, k = 151936, 512, 8
+    gen = torch.Generator().manual_seed(1)
+    indices = torch.randint(0, V, (V, k), generator=gen)
+    indices[:, -1] = -1
+    path = tmp_path / "projection.pt"
+    torch.save({"indices": indices, "likelihoods": torch.rand(V, k, generator=gen)}, path)
+    M = nemo.get_sparse_projection_matrix(path, "cuda", student_vocab_size=V,
+                                          teacher_vocab_size=V)
+    module = SparseProjection.from_file(path, "cuda", num_student=V, num_teacher=V)
+    dense = torch.rand(V, T, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = nemo.Fp32SparseMM.apply(M, dense)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out, nemo.Fp32SparseMM.apply(module, dense))
+    M._values().data.mul_(2.0)
+    assert torch.equal(nemo.Fp32SparseMM.apply(M, dense), 2.0 * out)
+    again = nemo.get_sparse_projection_matrix(path, "cuda", student_vocab_size=V,
+                                              teacher_vocab_size=V)
+    assert torch.equal(nemo.Fp32SparseMM.apply(again, dense), out)  # the cache kept its own
+
+
+def test_nemo_fp32_sparse_mm_cuda_entries_outside_the_shape_are_not_read():
+    """A CUDA sparse tensor built without its invariants checked: the ids are not read on the
+    host, and the entries outside the shape are left out of every CSR segment."""
+    from compileops.xtoken import nemo
+
+    idx = torch.tensor([[0, 1, 1, 70000, -3], [2, 0, 1, 1, 2]], device="cuda")
+    vals = torch.tensor([1.0, 2.0, 3.0, 5.0, 7.0], device="cuda")
+    M = torch.sparse_coo_tensor(idx, vals, (2, 3), check_invariants=False)
+    dense = torch.randn(2, 4, device="cuda")
+    out = nemo.Fp32SparseMM.apply(M, dense)
+    want = torch.tensor([[0.0, 0.0, 1.0], [2.0, 3.0, 0.0]], device="cuda").t() @ dense
+    torch.testing.assert_close(out, want)
+    torch.cuda.synchronize()

@@ -163,35 +163,48 @@ def _save(tmp_path, name, obj):
 # The names
 
 
-SEED_SIGNATURES = {
-    "chunk_average_log_probs": ["log_probs", "chunk_id", "max_chunks"],
+# NeMo-RL's current loss_utils (NVIDIA-NeMo/RL 7ea279a): "*" marks keyword-only, "=" a default.
+CURRENT_SIGNATURES = {
+    "chunk_log_prob_sums": ["log_probs", "chunk_id", "max_chunks"],
+    "chunk_average_finalize": ["chunk_sums", "chunk_sizes"],
+    "chunk_average_log_probs": ["log_probs", "chunk_id", "max_chunks", "*cp_group="],
+    "slice_sparse_projection_rows": ["sparse_matrix", "row_start", "row_end"],
     "valid_chunk_mask": ["s_sizes", "t_sizes", "pair_valid"],
-    "dp_all_reduce_sum": ["local"],
     "parse_projection_file": ["path"],
     "get_sparse_projection_matrix": ["path", "device", "*student_vocab_size",
                                      "*teacher_vocab_size"],
     "get_topk_projection": ["path", "device"],
     "build_exact_token_map": ["path", "device", "*xtoken_loss", "*teacher_vocab_size"],
 }
+# The seed's API, which the current one drops or extends: still callable as it was.
+SEED_ONLY_SIGNATURES = {"dp_all_reduce_sum": ["local"]}
+
+
+def _signature(fn):
+    return [("*" if p.kind is p.KEYWORD_ONLY else "") + p.name
+            + ("=" if p.default is not p.empty else "")
+            for p in inspect.signature(fn).parameters.values()]
 
 
 def test_import_with_nemo_rl_names():
     from compileops.xtoken.nemo import (  # noqa: F401
         Fp32SparseMM,
         build_exact_token_map,
+        chunk_average_finalize,
         chunk_average_log_probs,
+        chunk_log_prob_sums,
         dp_all_reduce_sum,
         get_sparse_projection_matrix,
         get_topk_projection,
         parse_projection_file,
+        slice_sparse_projection_rows,
         valid_chunk_mask,
     )
 
-    assert set(SEED_SIGNATURES) | {"Fp32SparseMM"} <= set(nemo.__all__)
-    for name, params in SEED_SIGNATURES.items():
-        got = [("*" if p.kind is p.KEYWORD_ONLY else "") + p.name
-               for p in inspect.signature(getattr(nemo, name)).parameters.values()]
-        assert got == params, name
+    signatures = {**CURRENT_SIGNATURES, **SEED_ONLY_SIGNATURES}
+    assert set(signatures) | {"Fp32SparseMM"} <= set(nemo.__all__)
+    for name, params in signatures.items():
+        assert _signature(getattr(nemo, name)) == params, name
     apply = inspect.signature(Fp32SparseMM.apply).parameters
     assert list(apply) == ["sparse_M", "dense"]
 
@@ -256,12 +269,50 @@ def test_fp32_sparse_mm_errors_and_matrix_cache():
         nemo.Fp32SparseMM.apply(torch.randn(2, 3, 4), torch.randn(2, 4))
     with pytest.raises(ValueError, match="sparse_M must be"):
         nemo.Fp32SparseMM.apply([[1.0]], torch.randn(1, 1))
-    # A matrix modified in place is converted again, not served stale from the cache.
+    # A matrix modified in place is read again, not served stale from a cache.
     W = torch.eye(4)
     d = torch.randn(4, 3)
     assert torch.equal(nemo.Fp32SparseMM.apply(W, d), d)
     W.mul_(2.0)
     assert torch.equal(nemo.Fp32SparseMM.apply(W, d), 2.0 * d)
+
+
+def test_fp32_sparse_mm_sees_changes_that_bypass_the_version_counter():
+    """Audit finding: the CSR of a tensor was cached per (object, _version), and ``.data``
+    changes do not bump the version, so the old weights kept being used."""
+    d = torch.randn(4, 3)
+    W = torch.eye(4)
+    assert torch.equal(nemo.Fp32SparseMM.apply(W, d), d)
+    W.data.mul_(2.0)
+    assert torch.equal(nemo.Fp32SparseMM.apply(W, d), 2.0 * d)
+    M = torch.eye(4).to_sparse()
+    assert torch.equal(nemo.Fp32SparseMM.apply(M, d), d)
+    M._values().data.mul_(3.0)  # (a sparse M.data is a copy)
+    assert torch.equal(nemo.Fp32SparseMM.apply(M, d), 3.0 * d)
+
+
+def test_fp32_sparse_mm_refuses_entries_outside_the_shape():
+    """A sparse tensor built without its invariants checked can hold ids outside its shape;
+    the kernels would read out of bounds."""
+    bad = torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 5]]), torch.ones(2), (2, 3),
+                                  check_invariants=False)
+    with pytest.raises(ValueError, match=r"sparse_M holds an entry at \(1, 5\), outside its "
+                                         r"shape \(2, 3\)"):
+        nemo.Fp32SparseMM.apply(bad, torch.randn(2, 4))
+
+
+def test_csr_from_coalesced_leaves_entries_outside_the_shape_unread():
+    """On CUDA the ids are not read on the host: an entry outside the shape is sorted past
+    the last segment of both layouts, where no kernel reads."""
+    from compileops.xtoken.projection import csr_from_coalesced
+
+    indices = torch.tensor([[-1, 0, 0, 1, 1], [2, 0, 2, 1, 7]])
+    csr = csr_from_coalesced(indices, torch.tensor([9.0, 1.0, 2.0, 3.0, 9.0]), 2, 3)
+    assert csr.row_indptr.tolist() == [0, 2, 3] and csr.col_indptr.tolist() == [0, 1, 2, 3]
+    assert csr.row_teacher_ids[:3].tolist() == [0, 2, 1]
+    assert csr.row_weights[:3].tolist() == [1.0, 2.0, 3.0]
+    assert csr.col_student_ids[:3].tolist() == [0, 1, 0]
+    assert csr.col_weights[:3].tolist() == [1.0, 3.0, 2.0]
 
 
 # ---------------------------------------------------------------------------------------
@@ -284,16 +335,17 @@ def test_chunk_average_log_probs(backend, dtype):
     lp = torch.randn(B, T, V).log_softmax(-1).to(dtype).requires_grad_()
     mean, sizes = nemo.chunk_average_log_probs(lp, ids, C)
     want, want_sizes, want_grad = oracle_chunk_average(lp, ids, C)
-    assert mean.dtype == dtype and mean.shape == (B, C, V)
+    # NeMo-RL divides the sums by float32 sizes: bf16 promotes to fp32, fp64 stays fp64.
+    assert mean.dtype == torch.promote_types(dtype, torch.float32)
+    assert mean.shape == (B, C, V)
     assert sizes.dtype == torch.float32 and torch.equal(sizes, want_sizes.float())
+    _close(mean, want)  # fp32 sums of the (exact) inputs, also for bf16 and fp64
     g = torch.randn(B, C, V)
     (grad,) = torch.autograd.grad(mean, lp, g)
     assert grad.dtype == dtype
-    if dtype == torch.bfloat16:  # fp32 math, one bf16 rounding of the result
-        torch.testing.assert_close(mean.double(), want, rtol=8e-3, atol=8e-3)
+    if dtype == torch.bfloat16:  # one bf16 rounding of the gradient
         torch.testing.assert_close(grad.double(), want_grad(g), rtol=8e-3, atol=8e-3)
-    else:  # fp32 sums, also for fp64 inputs
-        _close(mean, want)
+    else:
         _close(grad, want_grad(g), what="grad")
 
 
@@ -332,6 +384,20 @@ def test_valid_chunk_mask(backend):
         nemo.valid_chunk_mask(s, t, pair.long() * 2)
 
 
+@pytest.mark.parametrize("shape", [(6,), (), (2, 3, 4)])
+def test_valid_chunk_mask_any_shape(shape):
+    """NeMo-RL's mask is elementwise: 1-D (and other) inputs give the mask of their shape."""
+    gen = torch.Generator().manual_seed(1)
+    s = torch.randint(0, 3, shape, generator=gen).float()
+    t = torch.randint(0, 3, shape, generator=gen)
+    pair = torch.rand(shape, generator=gen) < 0.7
+    got = nemo.valid_chunk_mask(s, t, pair)
+    want = torch.tensor([bool(a > 0 and b > 0 and c) for a, b, c in
+                         zip(s.reshape(-1).tolist(), t.reshape(-1).tolist(),
+                             pair.reshape(-1).tolist())]).reshape(shape)
+    assert got.shape == shape and torch.equal(got, want)
+
+
 def test_dp_all_reduce_sum_without_process_group(backend):
     assert not dist.is_initialized()
     local = torch.tensor(5, dtype=torch.int64)
@@ -349,11 +415,23 @@ def _dp_all_reduce(rank: int, world: int):
     return (out.item(), out.dtype == torch.float32, local.item())
 
 
-def test_dp_all_reduce_sum_two_ranks():
-    results, exit_codes = run_ranks(_dp_all_reduce, 2)
-    assert exit_codes == [0, 0]
+def _two_rank_checks(rank: int, world: int):
+    """Everything the 2-process gloo tests run, in one group (spawning costs seconds)."""
+    return {"dp_all_reduce_sum": _dp_all_reduce(rank, world),
+            "cp_chunk_average": _cp_chunk_average(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    results, exit_codes = run_ranks(_two_rank_checks, 2)
+    assert exit_codes == [0, 0], results
+    return results
+
+
+def test_dp_all_reduce_sum_two_ranks(two_ranks):
     # oracle: the sum of the ranks' counts, on every rank; inputs unchanged
-    assert results == {0: (7.0, True, 3), 1: (7.0, True, 4)}
+    assert {r: two_ranks[r]["dp_all_reduce_sum"] for r in (0, 1)} == {
+        0: (7.0, True, 3), 1: (7.0, True, 4)}
 
 
 # ---------------------------------------------------------------------------------------
@@ -426,10 +504,13 @@ def test_get_sparse_projection_matrix(backend, tmp_path, fmt, sizes):
     assert M.layout == torch.sparse_coo and M.is_coalesced() and M.dtype == torch.float32
     assert M.shape == want.shape
     _close(M.to_dense(), want)
+    again = nemo.get_sparse_projection_matrix(
+        path, torch.device("cpu"), student_vocab_size=V_s, teacher_vocab_size=V_t)
+    assert again is not M and again.is_coalesced()  # a copy: equal, sharing no memory
+    assert torch.equal(again._indices(), M._indices()) and torch.equal(again._values(), M._values())
+    assert again._values().data_ptr() != M._values().data_ptr()
     assert nemo.get_sparse_projection_matrix(
-        path, torch.device("cpu"), student_vocab_size=V_s, teacher_vocab_size=V_t) is M
-    assert nemo.get_sparse_projection_matrix(
-        path, "cpu", student_vocab_size=V_s + 1, teacher_vocab_size=V_t) is not M
+        path, "cpu", student_vocab_size=V_s + 1, teacher_vocab_size=V_t).shape[0] == want.shape[0] + (V_s > 0)
     # and through the projection, forward and backward
     dense = torch.randn(M.shape[0], 4, requires_grad=True)
     out = nemo.Fp32SparseMM.apply(M, dense)
@@ -443,17 +524,17 @@ def test_get_sparse_projection_matrix_errors(tmp_path):
     path = _save(tmp_path, "s.pt", _sparse_obj())
     with pytest.raises(TypeError):
         nemo.get_sparse_projection_matrix(path, "cpu", 10, 10)  # keyword-only sizes
-    with pytest.raises(ValueError, match="teacher_vocab_size must be an int >= 0"):
+    with pytest.raises(ValueError, match=r"teacher_vocab_size must be an int in \[0, "):
         nemo.get_sparse_projection_matrix(path, "cpu", student_vocab_size=1,
                                           teacher_vocab_size=-4)
-    with pytest.raises(ValueError, match="student_vocab_size must be an int >= 0"):
+    with pytest.raises(ValueError, match=r"student_vocab_size must be an int in \[0, "):
         nemo.get_sparse_projection_matrix(path, "cpu", student_vocab_size=2.0,
                                           teacher_vocab_size=1)
     M = nemo.get_sparse_projection_matrix(path, "cpu", student_vocab_size=torch.tensor(9),
                                           teacher_vocab_size=1)  # integer-like sizes
     assert M.shape == (9, 6)
     neg = _save(tmp_path, "n.pt", {(0, 1): 1.0, (2, -3): 1.0})
-    with pytest.raises(ValueError, match="teacher id -3 is negative"):
+    with pytest.raises(ValueError, match=r"n\.pt: entry \(2, -3\) -> 1\.0: teacher id -3 is negative"):
         nemo.get_sparse_projection_matrix(neg, "cpu", student_vocab_size=1,
                                           teacher_vocab_size=1)
     with pytest.raises(FileNotFoundError):
@@ -469,7 +550,9 @@ def test_get_topk_projection(backend, tmp_path):
     assert indices.dtype == torch.int64 and likelihoods.dtype == torch.float32
     assert indices.tolist() == obj["indices"].tolist()
     assert likelihoods.tolist() == obj["likelihoods"].float().tolist()
-    assert nemo.get_topk_projection(path, torch.device("cpu"))[0] is indices
+    again = nemo.get_topk_projection(path, torch.device("cpu"))
+    assert torch.equal(again[0], indices) and torch.equal(again[1], likelihoods)
+    assert again[0].data_ptr() != indices.data_ptr()  # each caller's own copy
     with pytest.raises(ValueError, match="needs the dense top-k format"):
         nemo.get_topk_projection(_save(tmp_path, "s.pt", _sparse_obj()), "cpu")
     with pytest.raises(FileNotFoundError):
@@ -517,8 +600,10 @@ def test_build_exact_token_map(backend, tmp_path, xtoken_loss):
     else:
         assert list(zip(want["common_student"], want["common_teacher"])) == [(0, 4)]
     _check_exact_map(got, want)
-    assert nemo.build_exact_token_map(path, torch.device("cpu"), xtoken_loss=xtoken_loss,
-                                      teacher_vocab_size=12) is got
+    again = nemo.build_exact_token_map(path, torch.device("cpu"), xtoken_loss=xtoken_loss,
+                                       teacher_vocab_size=12)
+    _check_exact_map(again, want)
+    assert again["uncommon_student"].data_ptr() != got["uncommon_student"].data_ptr()
     # random files, against the same oracle
     for seed in range(3):
         rnd = _dense_topk_obj(V_s=40, k=3, V_t=15, seed=seed)
@@ -542,7 +627,7 @@ def test_build_exact_token_map_one_column_and_errors(tmp_path):
     assert got["common_student"].tolist() == [0]
     with pytest.raises(ValueError, match="xtoken_loss must be a bool"):
         nemo.build_exact_token_map(path, "cpu", xtoken_loss="false", teacher_vocab_size=3)
-    with pytest.raises(ValueError, match="teacher_vocab_size must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"teacher_vocab_size must be an int in \[1, "):
         nemo.build_exact_token_map(path, "cpu", xtoken_loss=True, teacher_vocab_size=0)
     with pytest.raises(ValueError, match="needs the dense top-k format"):
         nemo.build_exact_token_map(_save(tmp_path, "s.pt", _sparse_obj()), "cpu",
@@ -580,3 +665,172 @@ def test_valid_chunk_mask_compiles_fullgraph():
     pair = torch.tensor([[True, True, False]])
     got = torch.compile(nemo.valid_chunk_mask, fullgraph=True, backend="aot_eager")(s, t, pair)
     assert torch.equal(got, torch.tensor([[True, False, False]]))
+
+
+# ---------------------------------------------------------------------------------------
+# NeMo-RL's current API: chunk_log_prob_sums / chunk_average_finalize / cp_group= /
+# slice_sparse_projection_rows. Oracles transcribe its documented semantics in plain PyTorch.
+
+
+def oracle_chunk_log_prob_sums(log_probs, chunk_id, max_chunks):
+    """One-hot ``[B, C, T]`` (``-1`` matches no chunk) times ``log_probs``, in fp64; the
+    sizes are the one-hot's row counts."""
+    one_hot = (chunk_id[:, None, :] == torch.arange(max_chunks)[None, :, None]).double()
+    return one_hot @ log_probs.detach().double(), one_hot.sum(-1)
+
+
+def oracle_chunk_average_finalize(chunk_sums, chunk_sizes):
+    """The sums over the sizes plus 1e-10 (added in the sizes' dtype), torch's promotion."""
+    return chunk_sums / (chunk_sizes[..., None] + 1e-10), chunk_sizes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_chunk_log_prob_sums_and_finalize(backend, dtype):
+    B, T, C, V = 2, 17, 5, 6
+    ids = _chunk_ids(B, T, C, seed=3)
+    lp = torch.randn(B, T, V).log_softmax(-1).to(dtype).requires_grad_()
+    sums, sizes = nemo.chunk_log_prob_sums(lp, ids, C)
+    want_sums, want_sizes = oracle_chunk_log_prob_sums(lp, ids, C)
+    # fp32 accumulation (NeMo-RL's bmm returns bf16 sums for bf16 input; see the docs)
+    assert sums.dtype == torch.promote_types(dtype, torch.float32) and sums.shape == (B, C, V)
+    assert sizes.dtype == torch.float32 and torch.equal(sizes.double(), want_sizes)
+    _close(sums, want_sums)
+    mean, sizes_out = nemo.chunk_average_finalize(sums, sizes)
+    want_mean, _ = oracle_chunk_average_finalize(sums.detach(), sizes)
+    assert sizes_out is sizes and mean.dtype == sums.dtype
+    assert torch.equal(mean.detach(), want_mean)  # the same formula: bitwise
+    # chunk_average_log_probs is exactly this composition
+    composed, _ = nemo.chunk_average_log_probs(lp, ids, C, cp_group=None)
+    assert torch.equal(composed, mean)
+    # gradient of the sums: each token gets its chunk's gradient, -1 tokens nothing
+    g = torch.randn(B, C, V, dtype=sums.dtype)
+    (grad,) = torch.autograd.grad(sums, lp, g)
+    one_hot = (ids[:, None, :] == torch.arange(C)[None, :, None]).double()
+    want_grad = one_hot.transpose(1, 2) @ g.double()
+    torch.testing.assert_close(grad.double(), want_grad, rtol=8e-3 if dtype == torch.bfloat16
+                               else 1e-6, atol=1e-6)
+
+
+def test_chunk_average_finalize_promotes_like_nemo_rl():
+    """NeMo-RL's own bf16 sums (from its bmm) divided by fp32 sizes come back fp32; an empty
+    chunk's zero sum stays 0."""
+    sums = torch.tensor([[[1.5, -3.0], [0.0, 0.0]]], dtype=torch.bfloat16)
+    sizes = torch.tensor([[3.0, 0.0]])
+    mean, _ = nemo.chunk_average_finalize(sums, sizes)
+    assert mean.dtype == torch.float32
+    assert mean.tolist() == [[[0.5, -1.0], [0.0, 0.0]]]
+
+
+def test_chunk_average_finalize_errors():
+    sums, sizes = torch.zeros(2, 3, 4), torch.ones(2, 3)
+    with pytest.raises(ValueError, match=r"chunk_sizes must be chunk_sums.shape\[:-1\] = \(2, 3\)"):
+        nemo.chunk_average_finalize(sums, sizes[0])
+    with pytest.raises(ValueError, match="chunk_sizes must be a floating-point tensor, got torch.int64"):
+        nemo.chunk_average_finalize(sums, sizes.long())
+    with pytest.raises(ValueError, match="chunk_sums must be a floating-point tensor, got list"):
+        nemo.chunk_average_finalize([1.0], sizes)
+
+
+def test_chunk_log_prob_sums_out_of_range_id():
+    ids = torch.tensor([[0, 1, -1, 3]])
+    with pytest.raises(ValueError, match=r"chunk_id\[0, 3\] = 3 is outside \[-1, max_chunks\)"):
+        nemo.chunk_log_prob_sums(torch.randn(1, 4, 2), ids, 3)
+
+
+def test_cp_group_without_torch_distributed():
+    assert not dist.is_initialized()
+    lp, ids = torch.randn(1, 4, 3), torch.tensor([[0, 0, 1, -1]])
+    with pytest.raises(ValueError, match="cp_group.* torch.distributed is not initialised"):
+        nemo.chunk_average_log_probs(lp, ids, 2, cp_group=object())
+
+
+# One sequence split across 2 context-parallel ranks: chunk 1 and chunk 3 span the split.
+CP_IDS = torch.tensor([[0, 0, 1, 1, 1, -1, 1, 3, 3, 3], [2, 2, -1, 0, 0, 0, 0, 1, 3, -1]])
+CP_CHUNKS, CP_VOCAB = 5, 3
+
+
+def _cp_inputs():
+    gen = torch.Generator().manual_seed(11)
+    lp = torch.randn(2, CP_IDS.shape[1], CP_VOCAB, generator=gen).log_softmax(-1)
+    g = torch.randn(2, CP_CHUNKS, CP_VOCAB, generator=gen)
+    return lp, g
+
+
+def _cp_chunk_average(rank: int, world: int):
+    lp, g = _cp_inputs()
+    half = CP_IDS.shape[1] // world
+    mine = slice(rank * half, (rank + 1) * half)
+    local = lp[:, mine].clone().requires_grad_()
+    local_ids = CP_IDS[:, mine].clone()
+    mean, sizes = nemo.chunk_average_log_probs(local, local_ids, CP_CHUNKS,
+                                               cp_group=dist.group.WORLD)
+    (grad,) = torch.autograd.grad(mean, local, g)
+    return mean.tolist(), sizes.tolist(), grad.tolist(), local_ids.tolist() == CP_IDS[:, mine].tolist()
+
+
+def test_chunk_average_log_probs_cp_group_two_ranks(two_ranks):
+    """Each rank holds half the tokens; the chunk sums and sizes are summed across the group
+    before the division, so both ranks get the full sequence's chunk means; the gradient
+    passes the sum unchanged, so each rank gets its own tokens' part of the full gradient."""
+    results = {r: two_ranks[r]["cp_chunk_average"] for r in (0, 1)}
+    lp, g = _cp_inputs()
+    want, want_sizes, want_grad = oracle_chunk_average(lp, CP_IDS, CP_CHUNKS)
+    full_grad = want_grad(g)
+    assert results[0][:2] == results[1][:2]  # the same chunk means on every rank
+    for rank in (0, 1):
+        mean, sizes, grad, ids_unchanged = results[rank]
+        assert ids_unchanged
+        assert torch.equal(torch.tensor(sizes, dtype=torch.float64), want_sizes)
+        _close(torch.tensor(mean), want)
+        half = CP_IDS.shape[1] // 2
+        _close(torch.tensor(grad), full_grad[:, rank * half:(rank + 1) * half], what="grad")
+
+
+def _uncoalesced(V_s=9, V_t=7, nnz=30, seed=5, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randint(0, V_s, (nnz,), generator=gen),
+                       torch.randint(0, V_t, (nnz,), generator=gen)])
+    return torch.sparse_coo_tensor(idx, torch.rand(nnz, generator=gen, dtype=dtype), (V_s, V_t),
+                                   check_invariants=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows", [(0, 9), (2, 6), (4, 4), (8, 9)])
+def test_slice_sparse_projection_rows(dtype, rows):
+    M = _uncoalesced(dtype=dtype)
+    before = (M._indices().clone(), M._values().clone())
+    start, end = rows
+    got = nemo.slice_sparse_projection_rows(M, start, end)
+    assert got.layout == torch.sparse_coo and got.is_coalesced()
+    assert got.dtype == dtype and got.shape == (end - start, 7)
+    # the oracle: the dense rows of M (duplicates summed)
+    assert torch.equal(got.to_dense(), M.coalesce().to_dense()[start:end])
+    _close(got.to_dense(), M.to_dense().double()[start:end], dtype_of_math=dtype)
+    assert torch.equal(M._indices(), before[0]) and torch.equal(M._values(), before[1])
+    # and through the projection, like the full matrix
+    dense = torch.randn(end - start, 4, dtype=torch.float64)
+    out = nemo.Fp32SparseMM.apply(got, dense)
+    want, _ = oracle_sparse_mm(M.to_dense()[start:end], dense)
+    _close(out, want)
+
+
+def test_slice_sparse_projection_rows_shares_no_memory():
+    M = _uncoalesced().coalesce()
+    got = nemo.slice_sparse_projection_rows(M, 0, 9)
+    got._values().mul_(0)
+    assert M._values().abs().sum() > 0
+
+
+def test_slice_sparse_projection_rows_errors():
+    M = _uncoalesced()
+    with pytest.raises(ValueError, match=r"need 0 <= row_start <= row_end <= V_s = 9, got "
+                                         r"row_start=2, row_end=10"):
+        nemo.slice_sparse_projection_rows(M, 2, 10)
+    with pytest.raises(ValueError, match="row_start=5, row_end=4"):
+        nemo.slice_sparse_projection_rows(M, 5, 4)
+    with pytest.raises(ValueError, match="row_start must be an int"):
+        nemo.slice_sparse_projection_rows(M, -1, 4)
+    with pytest.raises(ValueError, match="row_end must be an int"):
+        nemo.slice_sparse_projection_rows(M, 0, True)
+    with pytest.raises(ValueError, match="sparse_matrix must be a 2-D sparse COO tensor"):
+        nemo.slice_sparse_projection_rows(M.to_dense(), 0, 4)
