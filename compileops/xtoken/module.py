@@ -33,6 +33,19 @@ class SparseProjection(torch.nn.Module):
 
     @classmethod
     def from_coo(cls, coo: ProjectionCOO, device=None) -> "SparseProjection":
+        """The projection of the triplets ``coo`` (``student_ids [nnz]``, ``teacher_ids
+        [nnz]``, ``weights [nnz]`` and the two vocabulary sizes), both CSR layouts built on
+        ``device`` (default: where ``coo``'s tensors are). Duplicate ``(student, teacher)``
+        pairs are merged into one entry whose weight is their sum. The module owns new
+        tensors: ``coo`` is not modified and shares no storage with it.
+
+        Example::
+
+            coo = ProjectionCOO(torch.tensor([0, 1]), torch.tensor([2, 2]),
+                                torch.tensor([0.5, 0.5]), num_student=3, num_teacher=4)
+            projection = SparseProjection.from_coo(coo)
+            projection(torch.ones(3))  # tensor([0., 0., 1., 0.])
+        """
         return cls(build_csr(coo, device))
 
     @classmethod
@@ -62,6 +75,14 @@ class SparseProjection(torch.nn.Module):
                              self.row_indptr, self.row_teacher_ids, self.row_weights)
 
     def forward(self, p: torch.Tensor, columns: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``p [*, V_s]`` (student probabilities, any float dtype) -> fp32 ``p @ M``
+        ``[*, V_t]``; with ``columns [*, K]`` (int64 teacher ids, e.g. the teacher's top-k
+        per token) only those columns, ``[*, K]``, without densifying ``M``.
+
+        Computed in fp32, also under bf16 autocast; ``p`` gets the gradient
+        ``grad @ M^T`` and ``M`` none. Deterministic and bitwise batch-invariant. See
+        :func:`compileops.xtoken.project` for what is checked where.
+        """
         return project(p, self, columns)
 
     def extra_repr(self) -> str:
