@@ -250,6 +250,17 @@ def test_fp64_states_stay_fp64_and_prefill_equals_training():
     assert _rel(out.logits, train.logits) < 1e-12
 
 
+def test_bf16_cache_keeps_fp32_states():
+    """Native: the cache takes the activation dtype and its fp32 states are copied into it
+    (a bf16 model decodes from bf16 states). Ours: fp32 states in the cache."""
+    native, ours = _pair(dtype=torch.bfloat16, qk_dim_factor=1.0)
+    with torch.no_grad(), compileops.use_backend("reference"):
+        native_cache = native.eval()(IDS, use_cache=True).cache
+        our_cache = ours.eval()(IDS, use_cache=True).cache
+    assert {t.dtype for t in native_cache.rnn_state[0]} == {torch.bfloat16}
+    assert {t.dtype for t in our_cache.rnn_state[0]} == {torch.float32}
+
+
 def test_gate_and_logit_soft_caps_as_native():
     """Gate pre-activations far past the cap (15) and logits past theirs (30): from the same
     state, ours equals the native code, which it could not without the same caps."""
