@@ -180,7 +180,7 @@ def rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
 # The model and its cache
 
 
-def new_cache(config, batch_size: int, dtype: torch.dtype, device):
+def new_cache(config, dtype: torch.dtype, device):
     """An empty ``xLSTMCache`` (transformers' class, so generation and user code see the type
     they expect) whose ``rnn_state`` the forward fills with the ops' states. Its own zero
     tensors are not allocated at full size (transformers sizes them wrongly)."""
@@ -188,7 +188,6 @@ def new_cache(config, batch_size: int, dtype: torch.dtype, device):
 
     cache = xLSTMCache(config, 0, dtype=dtype, device=device)
     cache.rnn_state = {}
-    cache.compileops_batch_size = batch_size
     return cache
 
 
@@ -240,15 +239,15 @@ def model_forward(self, input_ids: Optional[torch.LongTensor] = None,
         return_dict = bool(getattr(config, "return_dict", True))
     if use_cache is None:
         use_cache = bool(config.use_cache) and not self.training
-    batch, seq = inputs_embeds.shape[:2]
+    seq = inputs_embeds.shape[1]
     if cache is None and use_cache:
-        cache = new_cache(config, batch, inputs_embeds.dtype, inputs_embeds.device)
+        cache = new_cache(config, inputs_embeds.dtype, inputs_embeds.device)
     all_hidden = [inputs_embeds] if output_hidden_states else None
 
     piece = config.max_inference_chunksize
     if not self.training and piece < seq and not output_hidden_states:
         if cache is None:  # the pieces pass their states on through a cache
-            cache = new_cache(config, batch, inputs_embeds.dtype, inputs_embeds.device)
+            cache = new_cache(config, inputs_embeds.dtype, inputs_embeds.device)
         with torch.no_grad():
             hidden = torch.cat([_run_blocks(self, inputs_embeds[:, start:start + piece], cache,
                                             None) for start in range(0, seq, piece)], dim=1)
