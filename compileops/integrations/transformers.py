@@ -1,4 +1,4 @@
-"""Hugging Face transformers on compileops kernels: MoE experts and input embeddings.
+"""Hugging Face transformers on compileops kernels: MoE experts, input embeddings and xLSTM.
 
 Two entry points, both importing this module (``pip install "compileops[hf]"``):
 
@@ -27,8 +27,10 @@ Two entry points, both importing this module (``pip install "compileops[hf]"``):
   :class:`compileops.nn.Embedding` sharing the same ``Parameter`` (state dict and tied weights
   untouched), and each experts module it knows gets a compileops-backed ``forward`` (interface
   experts: :func:`experts_forward`; Llama-4's dense expert-sorted experts:
-  :func:`dense_experts_forward`). Modules it does not know how to serve make it raise before
-  anything is changed.
+  :func:`dense_experts_forward`). transformers' xLSTM (``xLSTMForCausalLM``) runs its mLSTM
+  layers on :func:`compileops.mlstm` and :func:`compileops.mlstm_step`
+  (:mod:`compileops.integrations.xlstm`). Modules it does not know how to serve make it raise
+  before anything is changed.
 
 Numerics: in fp32 the result matches transformers' eager experts to fp32 rounding (the sums run
 in another order); in bf16 the routed rows are combined as ``sum_j w_j * y_j`` with the products
@@ -46,6 +48,7 @@ import transformers
 from compileops.embedding.module import Embedding
 from compileops.grouped_linear.op import grouped_linear, grouped_linear_swiglu
 from compileops.grouped_linear.routing import permute_by_expert, unpermute_and_combine
+from compileops.integrations import xlstm as _xlstm
 
 __all__ = [
     "BACKEND",
@@ -385,7 +388,8 @@ def _swap_embedding(model: torch.nn.Module, old: torch.nn.Embedding) -> Embeddin
     return new
 
 
-def apply(model: torch.nn.Module, embedding: bool = True, experts: bool = True) -> dict:
+def apply(model: torch.nn.Module, embedding: bool = True, experts: bool = True,
+          xlstm: bool = True) -> dict:
     """Patch ``model`` in place to run on compileops kernels, by module type.
 
     * ``embedding``: the input embedding (``model.get_input_embeddings()``), a plain
@@ -397,12 +401,20 @@ def apply(model: torch.nn.Module, embedding: bool = True, experts: bool = True) 
       says), and known experts classes with their own signature get theirs
       (Llama-4: :func:`dense_experts_forward`). Weights are used in place.
 
+    * ``xlstm``: transformers' xLSTM (``xLSTMForCausalLM``, ``xLSTMModel``): each
+      ``xLSTMLayer`` runs its mLSTM cell, multi-head layernorm and output gate through
+      :func:`compileops.mlstm` (training and prefill) and :func:`compileops.mlstm_step`
+      (generation), and each ``xLSTMModel`` keeps its cache in the ops' states, working around
+      transformers' own cache bugs (:mod:`compileops.integrations.xlstm`,
+      docs/xlstm-transformers.md). Same parameters, state dict and checkpoints.
+
     Raises ``NotImplementedError`` listing every module it cannot serve (experts stored per
     expert as in transformers < 5, unknown experts classes, quantized, tensor- or expert-parallel
-    weights, a non-plain embedding), before changing anything. Returns what was patched:
-    ``{"embedding": [name], "experts": [names]}``.
+    weights, a non-plain embedding, xLSTM blocks from the external ``xlstm`` package), before
+    changing anything. Returns what was patched:
+    ``{"embedding": [name], "experts": [names], "xlstm": [layer names]}``.
     """
-    report = {"embedding": [], "experts": []}
+    report = {"embedding": [], "experts": [], "xlstm": []}
     problems = []
     old_emb = None
     if embedding:
@@ -413,6 +425,10 @@ def apply(model: torch.nn.Module, embedding: bool = True, experts: bool = True) 
     if experts:
         patches, experts_problems = _experts_plan(model)
         problems += experts_problems
+    xlstm_patches = []
+    if xlstm:
+        xlstm_patches, xlstm_problems = _xlstm.plan(model)
+        problems += xlstm_problems
     if problems:
         raise NotImplementedError(
             f"compileops.integrations.transformers.apply cannot serve {type(model).__name__}:\n  "
@@ -424,4 +440,5 @@ def apply(model: torch.nn.Module, embedding: bool = True, experts: bool = True) 
     for name, module, forward in patches:
         module.forward = types.MethodType(forward, module)
         report["experts"].append(name)
+    report["xlstm"] = _xlstm.patch(xlstm_patches)
     return report

@@ -304,7 +304,7 @@ def test_apply_embedding_only_is_bitwise_and_keeps_state_and_ties():
         ref = model(IDS).logits
     report = cit.apply(model, experts=False)
     new = model.get_input_embeddings()
-    assert report == {"embedding": ["model.embed_tokens"], "experts": []}
+    assert report == {"embedding": ["model.embed_tokens"], "experts": [], "xlstm": []}
     assert isinstance(new, compileops.nn.Embedding) and new is not old
     assert new.weight is old.weight  # the same Parameter
     assert model.lm_head.weight is new.weight  # tied weights untouched
@@ -313,7 +313,7 @@ def test_apply_embedding_only_is_bitwise_and_keeps_state_and_ties():
         assert torch.equal(model(IDS).logits, ref)
     model(IDS, labels=IDS).loss.backward()
     assert new.weight.grad is not None
-    assert cit.apply(model, experts=False) == {"embedding": [], "experts": []}  # idempotent
+    assert cit.apply(model, experts=False) == {"embedding": [], "experts": [], "xlstm": []}  # idempotent
 
 
 def test_apply_patches_interface_experts_by_type():
