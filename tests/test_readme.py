@@ -1,5 +1,5 @@
-"""The README's code blocks run as written: the Hugging Face one (skipped without
-transformers) and the export one."""
+"""The README's code blocks run as written: the Hugging Face ones (skipped without
+transformers) and the export one; and .ci/run runs the README's commands."""
 import pathlib
 import re
 
@@ -19,6 +19,16 @@ def _section_code(title: str) -> str:
 def test_readme_hugging_face_block_runs():
     pytest.importorskip("transformers", minversion="5.7")
     exec(compile(_section_code("Use it with Hugging Face"), "README.md", "exec"), {})
+
+
+def test_readme_hugging_face_xlstm_block_runs():
+    pytest.importorskip("transformers", minversion="5.7")
+    namespace = {}
+    exec(compile(_section_code("Use it with Hugging Face xLSTM"), "README.md", "exec"),
+         namespace)
+    out, prompt = namespace["out"], 8
+    assert out.shape[0] == 2 and out.shape[1] > prompt  # generated tokens past the prompt
+    assert namespace["loss"].isfinite()
 
 
 def test_readme_export_block_runs():
