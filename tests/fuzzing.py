@@ -98,6 +98,34 @@ def layouts(expandable: bool = True) -> st.SearchStrategy[str]:
     return st.sampled_from([name for name in LAYOUTS if expandable or name != "expanded"])
 
 
+@st.composite
+def backend_blocks(draw, depth: int = 2, max_children: int = 2):
+    """A nested ``use_backend`` block: ``(instance, form, raises, children)``. ``instance``
+    indexes a pool of shared :class:`compileops.use_backend` objects, ``form`` is how the
+    block is entered (``"with"`` or ``"decorator"``), ``raises``: its body ends with an
+    exception (caught by the enclosing block), ``children`` the blocks nested in it."""
+    children = ([] if depth == 0 else
+                draw(st.lists(backend_blocks(depth - 1, max_children), max_size=max_children)))
+    return (draw(st.integers(0, 2)), draw(st.sampled_from(["with", "decorator"])),
+            draw(st.booleans()), children)
+
+
+def block_count(blocks) -> int:
+    return sum(1 + block_count(children) for _, _, _, children in blocks)
+
+
+@st.composite
+def backend_schedules(draw, max_workers: int = 3):
+    """Several workers (threads or asyncio tasks) running nested ``use_backend`` blocks on a
+    shared pool of instances, and the order their steps interleave in: ``(programs,
+    schedule)``, ``programs[w]`` a list of :func:`backend_blocks`, ``schedule`` the worker of
+    each step (each block is two steps, its entry and its exit)."""
+    programs = draw(st.lists(st.lists(backend_blocks(), min_size=1, max_size=2),
+                             min_size=1, max_size=max_workers))
+    steps = [w for w, blocks in enumerate(programs) for _ in range(2 * block_count(blocks))]
+    return programs, draw(st.permutations(steps))
+
+
 # ---------------------------------------------------------------------------------------
 # Layouts
 

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from compileops import backends
 from compileops.grouped_linear import checks
 
 
@@ -47,6 +48,7 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
         0, perm, torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype))
 
 
+@backends.keeps_forward_backend
 class _GatherTokenCopies(torch.autograd.Function):
     """``x [T, D]``, ``order [T*k]`` (a permutation of the flat assignments) -> ``x[order //
     k]`` ``[T*k, D]``. Backward: ``dx[t] = sum_j dxs[inverse[t*k + j]]``, a gather by the
@@ -117,6 +119,7 @@ def sum_over_slots(rows: torch.Tensor, slots: torch.Tensor,
     return total
 
 
+@backends.keeps_forward_backend
 class _CombineSlots(torch.autograd.Function):
     """``y_sorted [T*k, D]``, ``slots [T, k]`` (the sorted row of each token's copy: a
     permutation of ``0..T*k-1``), ``weights [T, k]`` -> ``[T, D]``, the weighted sum over
