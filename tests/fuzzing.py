@@ -126,6 +126,38 @@ def backend_schedules(draw, max_workers: int = 3):
     return programs, draw(st.permutations(steps))
 
 
+def wrong_shapes(shape: tuple) -> st.SearchStrategy[tuple]:
+    """A shape other than ``shape``: one dim longer, one dim more, or one dim fewer."""
+    options = [st.just((*shape, 1))]
+    if shape:
+        options.append(st.just(shape[1:]))
+        options.append(st.integers(0, len(shape) - 1).map(
+            lambda d: (*shape[:d], shape[d] + 1, *shape[d + 1:])))
+    return st.one_of(options)
+
+
+@st.composite
+def per_group_checkpoints(draw, num_groups: int, shapes: dict) -> dict:
+    """Key -> shape of a checkpoint in the per-group layout (TransformerEngine's
+    ``weight{i}`` / ``bias{i}``) for ``num_groups`` groups of ``shapes`` (``{"weight": (N,
+    K), "bias": (N,)}``), with drawn faults: names or groups left out, groups past the last
+    one, groups of a wrong shape (:func:`wrong_shapes`), and keys that only look per-group
+    (a leading zero, another name)."""
+    out = {}
+    for name, shape in shapes.items():
+        if not draw(st.booleans(), label=f"{name} keys"):
+            continue
+        everything = st.just(frozenset(range(num_groups)))
+        groups = draw(st.one_of(everything, st.frozensets(st.integers(0, num_groups + 2))),
+                      label=f"{name} groups")
+        for g in sorted(groups):
+            fits = draw(st.sampled_from([True, True, True, False]), label=f"{name}{g} fits")
+            out[f"{name}{g}"] = shape if fits else draw(wrong_shapes(shape), label=f"{name}{g}")
+    if draw(st.booleans(), label="look-alike key"):
+        out[draw(st.sampled_from(["weight01", "bias00", "scale0"]))] = shapes["weight"]
+    return out
+
+
 # ---------------------------------------------------------------------------------------
 # Layouts
 
