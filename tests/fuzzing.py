@@ -158,6 +158,29 @@ def per_group_checkpoints(draw, num_groups: int, shapes: dict) -> dict:
     return out
 
 
+ORDER_FAULTS = ("none", "too large", "negative", "duplicate")
+
+
+@st.composite
+def routing_orders(draw, n: int):
+    """``(values, fault)``: a permutation of ``0..n-1`` as a list, or one with a drawn fault
+    (:data:`ORDER_FAULTS`): one entry ``>= n``, one negative, or one value held twice (so
+    another is absent)."""
+    values = list(draw(st.permutations(range(n)), label="permutation"))
+    faults = [f for f in ORDER_FAULTS if n >= 2 or f != "duplicate"] if n else ["none"]
+    fault = draw(st.sampled_from(faults), label="fault")
+    if fault != "none":
+        i = draw(st.integers(0, n - 1), label="faulty entry")
+        if fault == "too large":
+            values[i] = draw(st.one_of(st.just(n), st.integers(n, 2**40)), label="value")
+        elif fault == "negative":
+            values[i] = draw(st.one_of(st.just(-1), st.integers(-(2**40), -1)), label="value")
+        else:
+            j = draw(st.integers(0, n - 2), label="copied entry")
+            values[i] = values[j if j < i else j + 1]
+    return values, fault
+
+
 # ---------------------------------------------------------------------------------------
 # Layouts
 
