@@ -20,6 +20,9 @@ Where each check runs (``compileops/grouped_linear/checks.py``):
   the ``m_splits`` and expert-id checks live in traced Python and are skipped while compiling:
   there a bad ``m_splits`` is still caught by the op, under the name ``offsets``, and bad
   expert ids are documented as unchecked (no compiled case).
+* ``unpermute_and_combine``'s order (a permutation of ``0..T*k-1``): on the host like the
+  offsets, else on the device (``torch._assert_async``: a device-side assert on CUDA, Inductor's
+  assert compiled, a ``RuntimeError`` on CPU tensors), so every mode refuses a bad one.
 """
 from __future__ import annotations
 
