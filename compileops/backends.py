@@ -21,6 +21,7 @@ import contextlib
 import contextvars
 import functools
 import importlib.util
+import inspect
 import logging
 import os
 
@@ -129,39 +130,86 @@ def _why_picked(name: str, device: torch.device | str) -> str:
     return "; ".join(skipped) if skipped else "first in priority"
 
 
+# What each active use_backend() replaced, innermost last. A ContextVar, so every thread and
+# every asyncio task has its own stack: one use_backend instance may be shared (a decorator
+# run by several threads or tasks at once) and entered again inside itself, and each exit
+# restores what was forced in the thread or task that exits. (Keeping contextvars tokens on
+# the instance did not: a thread popped another thread's token and reset() refused it.)
+_replaced: contextvars.ContextVar[tuple[str | None, ...]] = contextvars.ContextVar(
+    "compileops_forced_backend_replaced", default=()
+)
+
+
 class use_backend(contextlib.ContextDecorator):
     """Force every compileops op to run with backend ``name``.
 
-    Usable as ``with compileops.use_backend("reference"):`` or as a decorator. Unknown names
-    raise ``ValueError`` at once; a backend unavailable for the tensors' device raises
-    :class:`BackendUnavailableError` when an op runs.
+    Usable as ``with compileops.use_backend("reference"):``, ``async with``, or as a decorator
+    of a function or a coroutine function. It holds no state of its own between enter and
+    exit, so one instance may be shared by threads and asyncio tasks, nested in itself, and
+    left by an exception: each thread or task sees only its own ``with`` blocks, and leaving
+    a block restores the backend forced before it in that thread or task. New threads start
+    with no backend forced (a thread does not inherit its creator's context); asyncio tasks
+    inherit the backend forced where they were created.
+
+    Unknown names raise ``ValueError`` at once; a backend unavailable for the tensors'
+    device raises :class:`BackendUnavailableError` when an op runs.
     """
 
     def __init__(self, name: str):
         if name not in BACKENDS:
             raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
         self.name = name
-        self._tokens: list[contextvars.Token] = []  # one per active (possibly nested) use
 
     def __enter__(self) -> "use_backend":
-        self._tokens.append(_forced.set(self.name))
+        _replaced.set((*_replaced.get(), _forced.get()))
+        _forced.set(self.name)
         return self
 
     def __exit__(self, *exc) -> None:
-        _forced.reset(self._tokens.pop())
+        replaced = _replaced.get()
+        if not replaced:
+            raise RuntimeError(
+                "compileops.use_backend: leaving a block that was not entered in this thread "
+                "or asyncio task"
+            )
+        _forced.set(replaced[-1])
+        _replaced.set(replaced[:-1])
+
+    async def __aenter__(self) -> "use_backend":
+        return self.__enter__()
+
+    async def __aexit__(self, *exc) -> None:
+        self.__exit__(*exc)
+
+    def __call__(self, func):
+        if inspect.iscoroutinefunction(func):
+            # ContextDecorator would leave the block as soon as the coroutine is created,
+            # before any of its body runs.
+            @functools.wraps(func)
+            async def forced(*args, **kwargs):
+                with self:
+                    return await func(*args, **kwargs)
+
+            return forced
+        return super().__call__(func)
+
+    def __repr__(self) -> str:
+        return f"use_backend({self.name!r})"
 
 
 def keep_forward_backend(backward, setup_context):
-    """``(backward, setup_context)`` for ``register_autograd`` that run the backward under the
-    backend the forward was forced to with :func:`use_backend`.
+    """``(backward, setup_context)`` that run the backward under the backend the forward was
+    forced to with :func:`use_backend`: for ``register_autograd`` (custom ops) and
+    :func:`keeps_forward_backend` (``torch.autograd.Function`` subclasses).
 
     The forced backend is a context variable, and autograd runs the backward of CUDA tensors on
     its own device thread, which does not see it: without this, a backward run inside ``with
-    use_backend("reference"):`` got the Triton kernels.
+    use_backend("reference"):`` got the Triton kernels. While compiling nothing is recorded
+    (Dynamo cannot trace a context variable read; compiled code does not select backends).
     """
 
     def setup(ctx, inputs, output):
-        ctx.forward_backend = _forced.get()
+        ctx.forward_backend = None if torch.compiler.is_compiling() else _forced.get()
         setup_context(ctx, inputs, output)
 
     def run_backward(ctx, *grads):
@@ -172,6 +220,23 @@ def keep_forward_backend(backward, setup_context):
             return backward(ctx, *grads)
 
     return run_backward, setup
+
+
+def keeps_forward_backend(cls):
+    """Class decorator of a ``torch.autograd.Function`` (written with ``setup_context``) whose
+    backward calls compileops ops: its backward runs under the backend its forward was forced
+    to (:func:`keep_forward_backend`), as the custom ops' do. Every autograd Function of the
+    package wears it (``tests/test_backend_threads.py`` checks)."""
+    if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
+        raise TypeError(f"keeps_forward_backend decorates torch.autograd.Function subclasses, "
+                        f"got {cls!r}")
+    if "setup_context" not in vars(cls):
+        raise TypeError(f"{cls.__name__} must define setup_context (forward without ctx)")
+    run_backward, setup = keep_forward_backend(cls.backward, cls.setup_context)
+    cls.setup_context = staticmethod(setup)
+    cls.backward = staticmethod(run_backward)
+    cls.keeps_forward_backend = True
+    return cls
 
 
 def register_autograd(op, backward, setup_context) -> None:

@@ -98,6 +98,89 @@ def layouts(expandable: bool = True) -> st.SearchStrategy[str]:
     return st.sampled_from([name for name in LAYOUTS if expandable or name != "expanded"])
 
 
+@st.composite
+def backend_blocks(draw, depth: int = 2, max_children: int = 2):
+    """A nested ``use_backend`` block: ``(instance, form, raises, children)``. ``instance``
+    indexes a pool of shared :class:`compileops.use_backend` objects, ``form`` is how the
+    block is entered (``"with"`` or ``"decorator"``), ``raises``: its body ends with an
+    exception (caught by the enclosing block), ``children`` the blocks nested in it."""
+    children = ([] if depth == 0 else
+                draw(st.lists(backend_blocks(depth - 1, max_children), max_size=max_children)))
+    return (draw(st.integers(0, 2)), draw(st.sampled_from(["with", "decorator"])),
+            draw(st.booleans()), children)
+
+
+def block_count(blocks) -> int:
+    return sum(1 + block_count(children) for _, _, _, children in blocks)
+
+
+@st.composite
+def backend_schedules(draw, max_workers: int = 3):
+    """Several workers (threads or asyncio tasks) running nested ``use_backend`` blocks on a
+    shared pool of instances, and the order their steps interleave in: ``(programs,
+    schedule)``, ``programs[w]`` a list of :func:`backend_blocks`, ``schedule`` the worker of
+    each step (each block is two steps, its entry and its exit)."""
+    programs = draw(st.lists(st.lists(backend_blocks(), min_size=1, max_size=2),
+                             min_size=1, max_size=max_workers))
+    steps = [w for w, blocks in enumerate(programs) for _ in range(2 * block_count(blocks))]
+    return programs, draw(st.permutations(steps))
+
+
+def wrong_shapes(shape: tuple) -> st.SearchStrategy[tuple]:
+    """A shape other than ``shape``: one dim longer, one dim more, or one dim fewer."""
+    options = [st.just((*shape, 1))]
+    if shape:
+        options.append(st.just(shape[1:]))
+        options.append(st.integers(0, len(shape) - 1).map(
+            lambda d: (*shape[:d], shape[d] + 1, *shape[d + 1:])))
+    return st.one_of(options)
+
+
+@st.composite
+def per_group_checkpoints(draw, num_groups: int, shapes: dict) -> dict:
+    """Key -> shape of a checkpoint in the per-group layout (TransformerEngine's
+    ``weight{i}`` / ``bias{i}``) for ``num_groups`` groups of ``shapes`` (``{"weight": (N,
+    K), "bias": (N,)}``), with drawn faults: names or groups left out, groups past the last
+    one, groups of a wrong shape (:func:`wrong_shapes`), and keys that only look per-group
+    (a leading zero, another name)."""
+    out = {}
+    for name, shape in shapes.items():
+        if not draw(st.booleans(), label=f"{name} keys"):
+            continue
+        everything = st.just(frozenset(range(num_groups)))
+        groups = draw(st.one_of(everything, st.frozensets(st.integers(0, num_groups + 2))),
+                      label=f"{name} groups")
+        for g in sorted(groups):
+            fits = draw(st.sampled_from([True, True, True, False]), label=f"{name}{g} fits")
+            out[f"{name}{g}"] = shape if fits else draw(wrong_shapes(shape), label=f"{name}{g}")
+    if draw(st.booleans(), label="look-alike key"):
+        out[draw(st.sampled_from(["weight01", "bias00", "scale0"]))] = shapes["weight"]
+    return out
+
+
+ORDER_FAULTS = ("none", "too large", "negative", "duplicate")
+
+
+@st.composite
+def routing_orders(draw, n: int):
+    """``(values, fault)``: a permutation of ``0..n-1`` as a list, or one with a drawn fault
+    (:data:`ORDER_FAULTS`): one entry ``>= n``, one negative, or one value held twice (so
+    another is absent)."""
+    values = list(draw(st.permutations(range(n)), label="permutation"))
+    faults = [f for f in ORDER_FAULTS if n >= 2 or f != "duplicate"] if n else ["none"]
+    fault = draw(st.sampled_from(faults), label="fault")
+    if fault != "none":
+        i = draw(st.integers(0, n - 1), label="faulty entry")
+        if fault == "too large":
+            values[i] = draw(st.one_of(st.just(n), st.integers(n, 2**40)), label="value")
+        elif fault == "negative":
+            values[i] = draw(st.one_of(st.just(-1), st.integers(-(2**40), -1)), label="value")
+        else:
+            j = draw(st.integers(0, n - 2), label="copied entry")
+            values[i] = values[j if j < i else j + 1]
+    return values, fault
+
+
 # ---------------------------------------------------------------------------------------
 # Layouts
 

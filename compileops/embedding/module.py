@@ -8,6 +8,28 @@ import torch
 from compileops.embedding.op import embedding
 
 
+# The torch.nn.Embedding options compileops refuses: max_norm would make the lookup
+# renormalise (mutate) the table rows it reads, scale_grad_by_freq and sparse would change the
+# gradient's values or layout; each breaks the ops' functional, deterministic contract.
+UNSUPPORTED_OPTIONS = ("max_norm", "scale_grad_by_freq", "sparse")
+
+
+def _uses(name: str, value) -> bool:
+    """Whether option ``name`` set to ``value`` asks for something compileops refuses (read as
+    torch.nn.functional.embedding reads it: any max_norm but None, a true flag)."""
+    if name not in UNSUPPORTED_OPTIONS:
+        return False
+    return value is not None if name == "max_norm" else bool(value)
+
+
+def _refuse_unsupported(options: dict) -> None:
+    bad = [name for name, value in options.items() if _uses(name, value)]
+    if bad:
+        raise NotImplementedError(
+            f"compileops.nn.Embedding does not support {', '.join(bad)}; use torch.nn.Embedding "
+            "for those options")
+
+
 class Embedding(torch.nn.Embedding):
     """``torch.nn.Embedding`` with the compileops forward and deterministic backward.
 
@@ -16,6 +38,11 @@ class Embedding(torch.nn.Embedding):
     the gathered rows (e.g. bf16 table, fp32 activations) without copying the table.
 
     Input ids ``[*]`` int32/int64 -> output ``[*, embedding_dim]``.
+
+    Options read on every forward, as torch.nn.Embedding does, so they may be changed after
+    construction: ``padding_idx`` (negative counts from the end) and ``out_dtype``.
+    ``norm_type`` only matters with ``max_norm``. ``max_norm``, ``scale_grad_by_freq`` and
+    ``sparse`` are refused with ``NotImplementedError``, at construction and when set later.
     """
 
     def __init__(
@@ -34,26 +61,23 @@ class Embedding(torch.nn.Embedding):
         *,
         out_dtype: Optional[torch.dtype] = None,
     ) -> None:
-        # Each of these would make the op mutate the table or change the gradient's layout,
-        # which breaks the functional, deterministic contract; refuse instead of ignoring.
-        unsupported = {
-            "max_norm": max_norm is not None,
-            "scale_grad_by_freq": scale_grad_by_freq,
-            "sparse": sparse,
-        }
-        bad = [name for name, used in unsupported.items() if used]
-        if bad:
-            raise NotImplementedError(
-                f"compileops.nn.Embedding does not support {', '.join(bad)}; "
-                "use torch.nn.Embedding for those options"
-            )
+        _refuse_unsupported({"max_norm": max_norm, "scale_grad_by_freq": scale_grad_by_freq,
+                             "sparse": sparse})
         super().__init__(
             num_embeddings, embedding_dim, padding_idx, max_norm, norm_type,
             scale_grad_by_freq, sparse, _weight, _freeze, device, dtype,
         )
         self.out_dtype = out_dtype
 
+    def __setattr__(self, name: str, value) -> None:
+        # torch.nn.Embedding reads these on every forward, so setting one after construction
+        # must not be silently ignored here.
+        _refuse_unsupported({name: value})
+        super().__setattr__(name, value)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # Also refuse options written past __setattr__ (through __dict__, say).
+        _refuse_unsupported({name: getattr(self, name) for name in UNSUPPORTED_OPTIONS})
         return embedding(ids, self.weight, out_dtype=self.out_dtype, padding_idx=self.padding_idx)
 
     def extra_repr(self) -> str:

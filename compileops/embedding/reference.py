@@ -21,8 +21,11 @@ def embedding_forward(
     ids: int32/int64 ``[*]`` in ``[0, V)``; weight: ``[V, D]``. Lossless: bitwise equal to
     ``weight[ids]``. Only the gathered rows are converted, never the whole table.
     """
-    rows = weight.index_select(0, ids.reshape(-1).long())
-    rows = rows.reshape(*ids.shape, weight.shape[1])
+    # Gathered into a tensor of the final shape: a reshape of index_select's [n, D] result
+    # (or torch's embedding, which does that) would be a view, and autograd refuses the
+    # caller's in-place ops on a view that a custom op returns.
+    rows = weight.new_empty((*ids.shape, weight.shape[1]))
+    torch.index_select(weight, 0, ids.reshape(-1).long(), out=as_rows(rows))
     if out_dtype is not None and out_dtype != weight.dtype:
         rows = rows.to(out_dtype)
     return rows

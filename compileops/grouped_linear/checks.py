@@ -10,7 +10,9 @@ offsets on the host: :func:`check_offsets_eagerly` runs them on CPU tensors (fre
 and on CUDA only in strict mode (:mod:`compileops.modes`, one device sync per call), never
 while compiling. The kernels clamp offsets, so bad values never access memory out of
 bounds; the output for them is unspecified. ``m_splits`` values and the routing helpers'
-expert ids follow the same rule (:func:`check_splits_eagerly`, :func:`check_expert_id_values`).
+expert ids and ``order`` follow the same rule (:func:`check_splits_eagerly`,
+:func:`check_expert_id_values`, :func:`check_order_eagerly`); an ``order`` left unchecked on
+the host is checked on the device instead (``routing.unpermute_and_combine``).
 
 The checks of the public functions that Dynamo traces (``m_splits``, the routing helpers) are
 plain raises (:func:`_require`), not ``torch._check``: see there.
@@ -285,6 +287,49 @@ def check_unpermute_args(y_sorted: torch.Tensor, order: torch.Tensor,
         _require(t.device == y_sorted.device, RuntimeError,
                  lambda: f"{name} is on {t.device} but y_sorted is on {y_sorted.device}; move "
                  "them to the same device")
+
+
+#: The device-side message for an ``order`` that is not a permutation (no host sync there, so
+#: it cannot name the entry; :func:`check_order_values` does, on the host).
+ORDER_NOT_A_PERMUTATION = (
+    "compileops.unpermute_and_combine: order is not a permutation of 0..T*k-1 (pass the order "
+    "permute_by_expert returned; run eagerly under compileops.strict_offset_checks() to see "
+    "the bad entry)"
+)
+
+
+def check_order_values(order: torch.Tensor) -> None:
+    """Raise naming the first entry that keeps ``order [n]`` from being a permutation of
+    ``0..n-1``: ``IndexError`` for one outside ``[0, n)``, ``ValueError`` for a value held
+    twice. Reads ``order`` on the host (a device sync on GPUs)."""
+    o = order.detach().to("cpu", torch.int64)
+    n = o.numel()
+    outside = (o < 0) | (o >= n)
+    if bool(outside.any()):
+        i = int(outside.nonzero()[0])
+        raise IndexError(
+            f"unpermute_and_combine: order must be a permutation of 0..{n - 1} (the order "
+            f"permute_by_expert returned), but order[{i}] = {int(o[i])} is outside [0, {n})")
+    counts = torch.bincount(o, minlength=n)
+    if bool((counts > 1).any()):
+        value = int((counts > 1).nonzero()[0])
+        first, second = (int(i) for i in (o == value).nonzero()[:2, 0])
+        absent = int((counts == 0).nonzero()[0])
+        raise ValueError(
+            f"unpermute_and_combine: order must be a permutation of 0..{n - 1} (the order "
+            f"permute_by_expert returned), but it holds {value} twice (order[{first}] and "
+            f"order[{second}]) and lacks {absent}")
+
+
+def check_order_eagerly(order: torch.Tensor) -> bool:
+    """:func:`check_order_values` under the rule of :func:`check_offsets_eagerly` (on CPU
+    tensors, elsewhere with strict offset checks, never while compiling); whether it ran."""
+    if torch.compiler.is_compiling():
+        return False
+    if order.device.type == "cpu" or STRICT_OFFSET_CHECKS.enabled():
+        check_order_values(order)
+        return True
+    return False
 
 
 def check_kernel_dtype(op: str, t: torch.Tensor) -> None:

@@ -3,11 +3,15 @@
 One grouped parameter ``weight [G, N, K]`` (and ``bias [G, N]``). Checkpoints in the
 TransformerEngine per-group layout (``weight0..weight{G-1}`` of ``[N, K]``, ``bias{i}`` of
 ``[N]``) load directly; :func:`to_per_group_state_dict` / :func:`from_per_group_state_dict`
-convert both ways.
+convert both ways. Loading per-group keys follows ``torch.nn.Module.load_state_dict``: a
+missing group is a missing key, a group past ``num_groups`` an unexpected one (an error under
+``strict=True``), and a group of the wrong shape a size mismatch naming the key and both
+shapes.
 """
 from __future__ import annotations
 
 import math
+import re
 from typing import Mapping
 
 import torch
@@ -15,21 +19,59 @@ import torch
 from compileops.grouped_linear.op import grouped_linear, grouped_linear_splits
 
 
+# A per-group key's name after the prefix: "weight" or "bias" and a group number written as
+# Python writes an int (no sign, no leading zero), so "weight01" is not group 1's key.
+_PER_GROUP_KEY = re.compile(r"(weight|bias)(0|[1-9][0-9]*)")
+
+
+def per_group_keys(state: Mapping[str, torch.Tensor], prefix: str = "") -> dict[str, dict[int, str]]:
+    """``{"weight": {group: key}, "bias": {group: key}}``: the per-group keys under ``prefix``
+    in ``state`` (``{prefix}weight{i}``, ``{prefix}bias{i}``), whatever their group numbers."""
+    found: dict[str, dict[int, str]] = {"weight": {}, "bias": {}}
+    for key in state:
+        if key.startswith(prefix):
+            match = _PER_GROUP_KEY.fullmatch(key[len(prefix):])
+            if match:
+                found[match.group(1)][int(match.group(2))] = key
+    return found
+
+
 def from_per_group_state_dict(state: Mapping[str, torch.Tensor], num_groups: int,
                               prefix: str = "") -> dict[str, torch.Tensor]:
     """``{prefix}weight{i}`` ``[N, K]`` / ``{prefix}bias{i}`` ``[N]`` -> ``weight [G, N, K]`` /
-    ``bias [G, N]`` (other keys are kept)."""
-    out = {k: v for k, v in state.items()
-           if not (k.startswith(prefix) and k[len(prefix):].rstrip("0123456789") in ("weight", "bias")
-                   and k[len(prefix):] not in ("weight", "bias"))}
-    for name in ("weight", "bias"):
-        keys = [f"{prefix}{name}{i}" for i in range(num_groups)]
-        present = [k in state for k in keys]
-        if all(present):
-            out[f"{prefix}{name}"] = torch.stack([state[k] for k in keys])
-        elif any(present):
-            missing = [k for k, p in zip(keys, present) if not p]
-            raise KeyError(f"per-group state dict is missing {missing}")
+    ``bias [G, N]`` (other keys are kept).
+
+    Every group ``0..num_groups-1`` of a name must be there, and no other: a missing group
+    or one past ``num_groups`` raises ``KeyError`` naming the keys; groups of different shapes
+    raise ``ValueError`` naming the key and both shapes. A name without per-group keys is
+    left as it is."""
+    out = dict(state)
+    for name, groups in per_group_keys(state, prefix).items():
+        if not groups:
+            continue
+        missing = [f"{prefix}{name}{g}" for g in range(num_groups) if g not in groups]
+        extra = [key for g, key in sorted(groups.items()) if g >= num_groups]
+        if missing or extra:
+            raise KeyError(
+                f"per-group state dict of {num_groups} groups"
+                + (f" is missing {missing}" if missing else "")
+                + (" and" if missing and extra else "")
+                + (f" has keys past its last group: {extra}" if extra else ""))
+        first = f"{prefix}{name}0"
+        for g in range(1, num_groups):
+            key = groups[g]
+            if state[key].shape != state[first].shape:
+                raise ValueError(
+                    f"per-group state dict: {key} has shape {tuple(state[key].shape)}, but "
+                    f"{first} has shape {tuple(state[first].shape)}; every group's {name} "
+                    "must have one shape")
+        if f"{prefix}{name}" in state:
+            raise KeyError(f"state dict holds both {prefix}{name} and per-group keys "
+                           f"{prefix}{name}0..; keep one layout")
+        for key in groups.values():
+            del out[key]
+        if num_groups:
+            out[f"{prefix}{name}"] = torch.stack([state[groups[g]] for g in range(num_groups)])
     return out
 
 
@@ -81,14 +123,69 @@ class GroupedLinear(torch.nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        if f"{prefix}weight0" in state_dict and f"{prefix}weight" not in state_dict:
-            converted = from_per_group_state_dict(
-                {k: v for k, v in state_dict.items() if k.startswith(prefix)}, self.num_groups, prefix)
-            for k in [k for k in state_dict if k.startswith(prefix)]:
-                del state_dict[k]
-            state_dict.update(converted)
+        # Per-group keys (weight{i} [N, K], bias{i} [N]) load with torch.nn.Module's
+        # semantics, key by key: a group past num_groups is an unexpected key, a group not
+        # given a missing one (its slice keeps its value), a group of the wrong shape a size
+        # mismatch naming the key and both shapes; load_state_dict then reports them in its
+        # result, or raises under strict=True, as torch does for any key.
+        loaded_by_group = []
+        for name, groups in per_group_keys(state_dict, prefix).items():
+            param = getattr(self, name)
+            if not groups or param is None or f"{prefix}{name}" in state_dict:
+                continue  # left to torch: unexpected keys (no such parameter, or both layouts)
+            present = self._take_groups(state_dict, name, groups, strict, unexpected_keys,
+                                        error_msgs)
+            if strict:  # (as torch.nn.Module reports missing keys)
+                missing_keys.extend(f"{prefix}{name}{g}" for g in range(self.num_groups)
+                                    if g not in groups)
+            if self.num_groups and len(present) == self.num_groups:
+                # All there: one grouped key, which torch loads (assign=True included).
+                state_dict[f"{prefix}{name}"] = torch.stack(
+                    [present[g][1] for g in range(self.num_groups)])
+            else:
+                loaded_by_group.append(f"{prefix}{name}")
+                for g, (key, value) in present.items():
+                    self._copy_group(param, g, key, value, error_msgs)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        # Those were loaded (or reported) group by group, not as one grouped key.
+        missing_keys[:] = [k for k in missing_keys if k not in loaded_by_group]
+
+    def _take_groups(self, state_dict, name, groups, strict, unexpected_keys, error_msgs):
+        """Pop ``name``'s per-group keys from ``state_dict``; return ``{group: (key, tensor)}``
+        of the ones that fit, after reporting the others as torch would."""
+        param = getattr(self, name)
+        expected = param.shape[1:]
+        present = {}
+        for g, key in sorted(groups.items()):
+            value = state_dict.pop(key)
+            if g >= self.num_groups:
+                if strict:  # (what torch.nn.Module does with keys it does not know)
+                    unexpected_keys.append(key)
+            elif not torch.overrides.is_tensor_like(value):
+                error_msgs.append(f'While copying the parameter named "{key}", expected '
+                                  f"torch.Tensor or Tensor-like object from checkpoint but "
+                                  f"received {type(value)}")
+            elif value.shape != expected:  # (torch's words for any parameter)
+                error_msgs.append(
+                    f"size mismatch for {key}: copying a param with shape {value.shape} from "
+                    f"checkpoint, the shape in current model is {expected}.")
+            else:
+                present[g] = (key, value)
+        return present
+
+    @staticmethod
+    def _copy_group(param, g, key, value, error_msgs) -> None:
+        """``param[g] = value`` (``key`` is group g's), reporting a failure as torch reports
+        one of a whole parameter."""
+        try:
+            with torch.no_grad():
+                param[g].copy_(value)
+        except Exception as ex:  # noqa: BLE001 (reported, as torch.nn.Module does)
+            error_msgs.append(
+                f'While copying the parameter named "{key}", whose dimensions in the model are '
+                f"{param.shape[1:]} and whose dimensions in the checkpoint are {value.size()}, "
+                f"an exception occurred : {ex.args}.")
 
     def extra_repr(self) -> str:
         return (f"num_groups={self.num_groups}, in_features={self.in_features}, "

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from compileops import backends
 from compileops.grouped_linear import checks
 
 
@@ -42,11 +43,27 @@ def permute_by_expert(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: in
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     """``inv`` with ``inv[perm[i]] = i``: a scatter into distinct slots (no sort, no atomics).
-    ``perm`` must be a permutation of ``0..n-1`` (here: one a sort produced)."""
-    return torch.empty_like(perm).scatter_(
-        0, perm, torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype))
+    ``perm`` must be a permutation of ``0..n-1`` (here: one a sort produced). For any other
+    ``perm`` the result is still read from no uninitialised memory and holds indices in
+    ``[0, n)`` only (:func:`_scatter_inverse`), but means nothing."""
+    inverse, _ = _scatter_inverse(perm)
+    return inverse.clamp_min(0)
 
 
+def _scatter_inverse(perm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inv [n], in_range [n])``: ``inv[perm[i]] = i``, -1 where no entry of ``perm`` lands,
+    and whether each entry lies in ``[0, n)``. Entries outside land in a spare slot past the
+    end, so the scatter never writes out of bounds. ``perm`` is a permutation exactly when
+    every entry is in range and no slot is left at -1 (n entries, n slots)."""
+    n = perm.numel()
+    in_range = (perm >= 0) & (perm < n)
+    slots = torch.where(in_range, perm, n)
+    positions = torch.arange(n, device=perm.device, dtype=perm.dtype)
+    inverse = torch.full((n + 1,), -1, device=perm.device, dtype=perm.dtype)
+    return inverse.scatter_(0, slots, positions)[:n], in_range
+
+
+@backends.keeps_forward_backend
 class _GatherTokenCopies(torch.autograd.Function):
     """``x [T, D]``, ``order [T*k]`` (a permutation of the flat assignments) -> ``x[order //
     k]`` ``[T*k, D]``. Backward: ``dx[t] = sum_j dxs[inverse[t*k + j]]``, a gather by the
@@ -78,14 +95,38 @@ def unpermute_and_combine(y_sorted: torch.Tensor, order: torch.Tensor,
     """y_sorted ``[T*k, D]`` (rows in expert order), order ``[T*k]``, weights ``[T, k]`` ->
     ``[T, D]``: ``out[t] = sum_j weights[t, j] * y[t*k + j]`` summed over slots in order.
 
-    ``order_is_permutation=True`` (``order`` is the one :func:`permute_by_expert` returned):
-    the un-permutation is its inverse, a scatter into distinct slots, so the layer sorts once.
-    The default accepts any caller's values and inverts them with a second sort (``argsort``),
-    where a scatter of a non-permutation would write out of bounds. Same bits either way,
-    forward and backward.
+    ``order`` must be a permutation of ``0..T*k-1``, such as the one :func:`permute_by_expert`
+    returned. ``order_is_permutation=True`` inverts it with a scatter into distinct slots, so
+    the layer sorts once; the default inverts it with a second sort. Same bits either way,
+    forward and backward. Either way an ``order`` that is not a permutation is an error,
+    never a silent result:
+
+    * eagerly on CPU tensors, and on other devices under
+      :func:`compileops.strict_offset_checks` (one host sync), an ``IndexError`` (an entry
+      outside ``[0, T*k)``) or ``ValueError`` (a value held twice) naming the entry;
+    * eagerly on CUDA without strict checks, a device-side assert (no host sync, so the
+      layer captures in CUDA graphs; as for an out-of-range index, it surfaces at the next
+      synchronisation and leaves the CUDA context unusable);
+    * compiled, the same assert in the compiled graph (a ``RuntimeError`` on CPU, a
+      device-side assert on CUDA).
+
+    The output is never read from uninitialised memory or out of bounds, valid or not.
     """
     checks.check_unpermute_args(y_sorted, order, weights)
-    inverse = inverse_permutation(order) if order_is_permutation else torch.argsort(order)
+    checked_on_host = checks.check_order_eagerly(order)
+    if order_is_permutation:
+        inverse, in_range = _scatter_inverse(order)
+        if not checked_on_host:
+            is_permutation = in_range.all() & (inverse >= 0).all()
+        inverse = inverse.clamp_min(0)
+    else:
+        sorted_order, inverse = torch.sort(order, stable=True)
+        if not checked_on_host:
+            everything = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
+            is_permutation = (sorted_order == everything).all()
+    if not checked_on_host:
+        # No host sync: a device-side assert on CUDA, Inductor's assert when compiled.
+        torch._assert_async(is_permutation, checks.ORDER_NOT_A_PERMUTATION)
     return _CombineSlots.apply(y_sorted, inverse.reshape(weights.shape), weights)
 
 
@@ -117,6 +158,7 @@ def sum_over_slots(rows: torch.Tensor, slots: torch.Tensor,
     return total
 
 
+@backends.keeps_forward_backend
 class _CombineSlots(torch.autograd.Function):
     """``y_sorted [T*k, D]``, ``slots [T, k]`` (the sorted row of each token's copy: a
     permutation of ``0..T*k-1``), ``weights [T, k]`` -> ``[T, D]``, the weighted sum over

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from compileops import backends
 from compileops.grouped_linear.checks import check_row_scale
 from compileops.grouped_linear.reference import compute_dtype
 from compileops.modes import BATCH_INVARIANT
@@ -30,6 +31,7 @@ def row_scaled_grouped_linear(x, weight, offsets, bias, row_scale):
     return _RowScaledGroupedLinear.apply(x, weight, offsets, row_scale)
 
 
+@backends.keeps_forward_backend
 class _RowScaledGroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(x, weight, offsets, row_scale):

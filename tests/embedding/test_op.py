@@ -3,6 +3,8 @@ bad input, strict index checks, determinism and batch invariance of the backward
 own options are in test_kernels.py."""
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import compileops
 from compileops import testing, use_backend
@@ -282,3 +284,33 @@ def test_bad_backward_input():
 def test_unknown_and_unavailable_backends():
     with pytest.raises(ValueError, match="unknown backend 'cutlass'"):
         use_backend("cutlass")
+
+
+# --------------------------------------------------------------------------- in-place on the output
+
+
+@settings(max_examples=20)
+@given(data=st.data())
+def test_output_takes_in_place_ops_as_torch_embedding_does(data):
+    # The output is a fresh tensor, not a view of one (autograd refuses in-place ops on a
+    # view returned by a custom op): `out.mul_(2)` then backward works, as with
+    # torch.nn.functional.embedding, on both backends and for any ids shape.
+    backend = data.draw(st.sampled_from(["reference", "triton"]), label="backend")
+    shape = tuple(data.draw(st.lists(st.integers(0, 3), max_size=3), label="ids shape"))
+    V = data.draw(st.integers(1, 6), label="V")
+    D = data.draw(st.integers(0, 5), label="D")
+    out_dtype = data.draw(st.sampled_from([None, torch.float64]), label="out_dtype")
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V, shape, generator=gen)
+    table = torch.randn(V, D, generator=gen)
+    ours, theirs = (table.clone().requires_grad_() for _ in range(2))
+    with use_backend(backend):
+        out = compileops.embedding(ids, ours, out_dtype=out_dtype)
+        assert out._base is None, "the output is a view"
+        out.mul_(2)
+        out.sum().backward()
+    want = torch.nn.functional.embedding(ids, theirs).to(out_dtype or table.dtype)
+    want.mul_(2)
+    want.sum().backward()
+    assert torch.equal(out, want)
+    assert torch.equal(ours.grad, theirs.grad)

@@ -20,16 +20,26 @@ Where each check runs (``compileops/grouped_linear/checks.py``):
   the ``m_splits`` and expert-id checks live in traced Python and are skipped while compiling:
   there a bad ``m_splits`` is still caught by the op, under the name ``offsets``, and bad
   expert ids are documented as unchecked (no compiled case).
+* ``unpermute_and_combine``'s order (a permutation of ``0..T*k-1``): on the host like the
+  offsets, else on the device (``torch._assert_async``: a device-side assert on CUDA, Inductor's
+  assert compiled, a ``RuntimeError`` on CPU tensors), so every mode refuses a bad one.
 """
 from __future__ import annotations
 
+from functools import partial
+from unittest import mock
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import compileops
-from compileops.grouped_linear import permute_by_expert, splits_to_offsets, unpermute_and_combine
+from compileops.grouped_linear import checks as routing_checks
+from compileops.grouped_linear import permute_by_expert, routing, splits_to_offsets
+from compileops.grouped_linear import unpermute_and_combine
 from compileops.grouped_linear.op import grouped_linear_dx_op, grouped_linear_wgrad_op
+from tests import fuzzing
 from tests.bad_inputs import _dynamo_once_per_module, _fresh_dynamo, raises  # noqa: F401
 
 MODES = ("eager-reference", "eager-triton", "compiled")
@@ -476,3 +486,91 @@ def test_nan_and_inf_grads_reach_exactly_the_gradients_that_read_them(mode):
     assert want[0][1].isnan().all() and want[1][0, 2].isnan().all() and want[2][2, 3].isinf()
     for g, wnt in zip(got, want):
         _assert_same_nonfinite(g, wnt)
+
+
+# ---------------------------------------------------------------------------------------
+# unpermute_and_combine: an order that is not a permutation
+
+
+def _combine_inputs(tokens, top_k, dim, gen):
+    y_sorted = torch.randn(tokens * top_k, dim, generator=gen, dtype=torch.float64)
+    return y_sorted, torch.rand(tokens, top_k, generator=gen, dtype=torch.float64)
+
+
+def _oracle_combine(y_sorted, order, weights):
+    """fp64, token by token: ``out[t] = sum_j weights[t, j] * y_sorted[position of t*k + j]``."""
+    tokens, top_k = weights.shape
+    position = {int(v): i for i, v in enumerate(order)}
+    out = torch.zeros(tokens, y_sorted.shape[1], dtype=torch.float64)
+    for t in range(tokens):
+        for j in range(top_k):
+            out[t] += weights[t, j] * y_sorted[position[t * top_k + j]]
+    return out
+
+
+@settings(max_examples=60)
+@given(data=st.data())
+def test_unpermute_and_combine_refuses_an_order_that_is_not_a_permutation(data):
+    # Both inversions (sort, scatter) and both checks: the host's (CPU tensors; CUDA under
+    # strict_offset_checks) names the entry, the device's (CUDA by default: no host sync)
+    # is a torch._assert_async, which raises at once on CPU tensors.
+    tokens, top_k = data.draw(st.integers(0, 5), label="T"), data.draw(st.integers(1, 3), label="k")
+    order, fault = data.draw(fuzzing.routing_orders(tokens * top_k), label="order")
+    as_permutation = data.draw(st.booleans(), label="order_is_permutation")
+    on_host = data.draw(st.booleans(), label="checked on the host")
+    y_sorted, weights = _combine_inputs(tokens, top_k, 3, torch.Generator().manual_seed(0))
+    order = torch.tensor(order, dtype=torch.int64)
+    run = partial(unpermute_and_combine, y_sorted, order, weights,
+                  order_is_permutation=as_permutation)
+    with mock.patch.object(routing_checks, "check_order_eagerly",
+                           routing_checks.check_order_eagerly if on_host else lambda order: False):
+        if fault == "none":
+            torch.testing.assert_close(run(), _oracle_combine(y_sorted, order, weights),
+                                       rtol=1e-12, atol=1e-12)
+        elif not on_host:
+            with pytest.raises(RuntimeError, match="order is not a permutation of 0..T\\*k-1"):
+                run()
+        elif fault == "duplicate":
+            with pytest.raises(ValueError, match=r"order must be a permutation of 0\.\.\d+ .*"
+                               r"holds \d+ twice \(order\[\d+\] and order\[\d+\]\) and lacks"):
+                run()
+        else:
+            bad = int(order[(order < 0) | (order >= order.numel())][0])
+            with pytest.raises(IndexError, match=rf"order\[\d+\] = {bad} is outside \[0, "):
+                run()
+
+
+def _unpermute_as_permutation(y_sorted, order, weights):
+    return unpermute_and_combine(y_sorted, order, weights, order_is_permutation=True)
+
+
+COMPILED_COMBINE = {flag: torch.compile(fn, fullgraph=True, dynamic=False)
+                    for flag, fn in ((False, unpermute_and_combine),
+                                     (True, _unpermute_as_permutation))}
+
+
+@pytest.mark.parametrize("as_permutation", [False, True], ids=["sorted", "scattered"])
+@pytest.mark.parametrize("fault", ["too large", "negative", "duplicate"])
+def test_compiled_unpermute_and_combine_refuses_an_order_that_is_not_a_permutation(
+        fault, as_permutation):
+    y_sorted, weights = _combine_inputs(3, 2, 4, torch.Generator().manual_seed(1))
+    order = torch.tensor([4, 0, 5, 2, 1, 3])
+    fn = COMPILED_COMBINE[as_permutation]
+    torch.testing.assert_close(fn(y_sorted, order, weights),
+                               _oracle_combine(y_sorted, order, weights), rtol=1e-12, atol=1e-12)
+    order[2] = {"too large": 6, "negative": -2, "duplicate": 0}[fault]
+    with pytest.raises(RuntimeError, match="order is not a permutation of 0..T\\*k-1"):
+        fn(y_sorted, order, weights)
+
+
+@given(st.lists(st.integers(-3, 12), max_size=10))
+def test_inverse_permutation_never_reads_uninitialised_memory(values):
+    # A non-permutation has no inverse, but the result must still be a function of the input
+    # (indices in [0, n): slots no entry lands in hold 0, a slot entries land in holds one
+    # of their positions), never what was in memory before.
+    perm = torch.tensor(values, dtype=torch.int64)
+    n = perm.numel()
+    inverse = routing.inverse_permutation(perm)
+    for slot in range(n):
+        landed = [i for i, v in enumerate(values) if v == slot]
+        assert int(inverse[slot]) in (landed or [0]), (slot, inverse.tolist())

@@ -1,4 +1,10 @@
-"""GPU tests (skipped without CUDA): real shapes, all dtypes, CUDA graph capture, compiled template."""
+"""GPU tests (skipped without CUDA): real shapes, all dtypes, CUDA graph capture, compiled
+template, the routing's device-side order check (in a subprocess: an assert poisons the
+context)."""
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -359,3 +365,64 @@ def test_moe_layer_backward_is_bitwise_deterministic_at_real_width(compiled):
                     generator=torch.Generator(device="cuda").manual_seed(0))
     fn = torch.compile(layer, fullgraph=True) if compiled else layer
     assert_deterministic(fn, [x.requires_grad_()], runs=5)
+
+
+# ---------------------------------------------------------------------------------------
+# unpermute_and_combine: an order that is not a permutation, without a host sync
+
+
+@pytest.mark.parametrize("as_permutation", [False, True], ids=["sorted", "scattered"])
+def test_valid_order_combines_without_a_host_sync(as_permutation):
+    # The permutation check runs on the device: a sync here would break CUDA graph capture.
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 32, generator=gen).cuda().requires_grad_()
+    ids = torch.randint(0, 8, (64, 4), generator=gen).cuda()
+    probs = torch.rand(64, 4, generator=gen).cuda()
+    xs, order, _ = compileops.grouped_linear.permute_by_expert(x, ids, 8)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = compileops.grouped_linear.unpermute_and_combine(
+            xs * 2, order, probs, order_is_permutation=as_permutation)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(out, 2 * x.detach() * probs.sum(1, keepdim=True))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("as_permutation", [False, True], ids=["sorted", "scattered"])
+@pytest.mark.parametrize("bad", ["8", "-1", "duplicate"])
+def test_bad_order_trips_the_device_side_assert(bad, as_permutation, compiled):
+    code = textwrap.dedent(
+        f"""
+        import torch, compileops
+        from compileops.grouped_linear import unpermute_and_combine
+        def combine(y, order, w):
+            return unpermute_and_combine(y, order, w, order_is_permutation={as_permutation})
+        if {compiled}:
+            combine = torch.compile(combine, fullgraph=True)
+        order = torch.tensor([3, 0, 5, 1, 2, 4, 7, 6], device="cuda")
+        order[5] = {'order[0]' if bad == 'duplicate' else bad}
+        out = combine(torch.randn(8, 16, device="cuda"), order, torch.rand(4, 2, device="cuda"))
+        torch.cuda.synchronize()
+        print("NO ERROR", out.isfinite().all().item())
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode != 0, result.stdout
+    assert "NO ERROR" not in result.stdout
+    assert "device-side assert" in result.stderr or "not a permutation" in result.stderr, (
+        result.stderr[-2000:])
+    assert "illegal memory access" not in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("bad, error", [(8, IndexError), (-1, IndexError), (0, ValueError)])
+def test_strict_checks_name_the_bad_order_entry_on_gpu(bad, error):
+    order = torch.tensor([3, 0, 5, 1, 2, 4, 7, 6], device="cuda")
+    order[5] = bad
+    y, w = torch.randn(8, 16, device="cuda"), torch.rand(4, 2, device="cuda")
+    for as_permutation in (False, True):
+        with compileops.strict_offset_checks(), pytest.raises(error, match="order"):
+            compileops.grouped_linear.unpermute_and_combine(
+                y, order, w, order_is_permutation=as_permutation)

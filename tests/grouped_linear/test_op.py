@@ -406,3 +406,34 @@ def test_fp64_runs_on_the_reference_backend_forward_and_backward():
     compiled = torch.compile(lambda a, b, o: compileops.grouped_linear(a, b, o), fullgraph=True)
     with compileops.use_backend("reference"), torch.no_grad():
         torch.testing.assert_close(compiled(x, w, offs), yr.detach(), rtol=1e-12, atol=1e-12)
+
+
+_FUNCTIONS = {
+    "grouped_linear": lambda x, w, o, b: compileops.grouped_linear(x, w, o, b),
+    "row_scale": lambda x, w, o, b: compileops.grouped_linear(x, w, o, row_scale=torch.rand(6)),
+    "splits": lambda x, w, o, b: compileops.grouped_linear_splits(x, w, torch.tensor([2, 4]), b),
+    "swiglu": lambda x, w, o, b: compileops.grouped_linear_swiglu(x, w, o, b),
+    "swiglu recompute": lambda x, w, o, b: compileops.grouped_linear_swiglu(x, w, o, b,
+                                                                          recompute=True),
+    "routing": lambda x, w, o, b: unpermute_and_combine(
+        *permute_by_expert(x, torch.tensor([[0, 1], [1, 1], [0, 1]]), 2)[:2],
+        torch.rand(3, 2)),
+}
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("function", list(_FUNCTIONS))
+def test_output_takes_in_place_ops(function, backend):
+    # As with torch.nn.Linear: an output that is a view of a custom op's result refuses
+    # in-place ops under autograd (the embedding's did).
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 4, generator=gen, requires_grad=True)
+    w = torch.randn(2, 6, 4, generator=gen, requires_grad=True)
+    b = torch.randn(2, 6, generator=gen, requires_grad=True)
+    offs = torch.tensor([2, 6], dtype=torch.int32)
+    with compileops.use_backend(backend):
+        out = _FUNCTIONS[function](x[:3] if function == "routing" else x, w, offs, b)
+        assert out._base is None
+        out.mul_(2)
+        out.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()

@@ -3,9 +3,12 @@ scatter-add, whose order (and so the last bits of the token gradient) changes fr
 run on a GPU. ``permute_by_expert`` gives each token ``k`` copies; autograd's own
 ``index_select`` backward would ``index_add`` them (it did, until the FSDP2 per-rank check
 found it)."""
+from unittest import mock
+
 import pytest
 import torch
 
+from compileops.grouped_linear import checks
 from compileops.grouped_linear.routing import permute_by_expert, unpermute_and_combine
 from compileops.testing import aot_graph_text
 
@@ -46,16 +49,27 @@ def test_token_gradient_sums_the_copies_in_slot_order(dtype):
     assert torch.equal(dx, expected)
 
 
-def test_combine_never_indexes_with_the_callers_order_values():
-    # order comes from the caller: the combine sorts it (argsort) and only ever indexes with
-    # permutations derived from that sort, so values out of range cannot reach a gather or a
-    # scatter (on a GPU that would be an illegal memory access, not an error).
+@pytest.mark.parametrize("as_permutation", [False, True], ids=["sorted", "scattered"])
+@pytest.mark.parametrize("order", [[5, 0, 9, 1], [1, 1, 0, 2], [-1, 3, 2, 0]],
+                         ids=["too large", "duplicate", "negative"])
+def test_combine_never_indexes_with_the_callers_order_values(order, as_permutation):
+    # order comes from the caller. On CPU a bad one is refused before anything runs; on CUDA
+    # (no host sync) a device-side assert reports it while the kernels already run, so they
+    # must only index with in-range values derived from it (a gather or scatter with the
+    # caller's values would be an illegal memory access there, not an error). Played on CPU
+    # with the host check off and the assert recorded instead of raised.
     y = torch.randn(4, 3, requires_grad=True)
     weights = torch.rand(2, 2, requires_grad=True)
-    order = torch.tensor([5, 0, 9, 1])
-    out = unpermute_and_combine(y, order, weights)
-    out.sum().backward()
-    assert y.grad.shape == y.shape and torch.isfinite(y.grad).all()
+    order = torch.tensor(order)
+    with pytest.raises((IndexError, ValueError), match="order must be a permutation"):
+        unpermute_and_combine(y, order, weights, order_is_permutation=as_permutation)
+    asserted = []
+    with mock.patch.object(checks, "check_order_eagerly", lambda order: False), \
+            mock.patch.object(torch, "_assert_async", lambda ok, msg: asserted.append(bool(ok))):
+        out = unpermute_and_combine(y, order, weights, order_is_permutation=as_permutation)
+        out.sum().backward()
+    assert asserted == [False]
+    assert torch.isfinite(out).all() and torch.isfinite(y.grad).all()
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 8])

@@ -76,7 +76,10 @@ def embedding_forward(
     out_dtype = out_dtype or weight.dtype
     flat_ids = checks.flatten_ids(ids)
     n_tokens = flat_ids.numel()
-    out = torch.empty((n_tokens, dim), dtype=out_dtype, device=weight.device)
+    # Allocated in its final shape (the kernel writes it as the contiguous [n_tokens, dim]
+    # it is): a reshape of a [n_tokens, dim] buffer would be a view, and autograd refuses
+    # in-place ops on a view that a custom op returns.
+    out = torch.empty((*ids.shape, dim), dtype=out_dtype, device=weight.device)
     if n_tokens and dim:
         config = config or ForwardConfig.default(dim, weight.element_size())
         grid = (cdiv(n_tokens, config.block_tok), cdiv(dim, config.block_col))
@@ -87,4 +90,4 @@ def embedding_forward(
             dict(BLOCK_TOK=config.block_tok, BLOCK_COL=config.block_col),
             dict(num_warps=config.num_warps, **device_options(weight.device)),
         )
-    return out.reshape(*ids.shape, dim)
+    return out
