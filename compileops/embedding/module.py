@@ -76,6 +76,16 @@ class Embedding(torch.nn.Embedding):
         super().__setattr__(name, value)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [*]`` (int32 or int64, in ``[0, num_embeddings)``) -> ``[*, embedding_dim]``
+        rows of the weight, in ``out_dtype`` when it was given (only the gathered rows are
+        converted), else in the weight's dtype.
+
+        The forward is bitwise equal to indexing the weight. The backward sums each row's
+        gradients in token order in fp32 (fp64 for an fp64 weight): deterministic and bitwise batch-invariant, with
+        ``padding_idx``'s row getting none. An id out of range raises ``IndexError`` on CPU;
+        on a GPU it trips a device-side assert (:func:`compileops.strict_index_checks`
+        checks on the host first, at a sync, and names the id).
+        """
         # Also refuse options written past __setattr__ (through __dict__, say).
         _refuse_unsupported({name: getattr(self, name) for name in UNSUPPORTED_OPTIONS})
         return embedding(ids, self.weight, out_dtype=self.out_dtype, padding_idx=self.padding_idx)

@@ -117,6 +117,19 @@ class GroupedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, m_splits_or_offsets: torch.Tensor, *,
                 offsets: bool = False) -> torch.Tensor:
+        """``x [M, K]`` -> ``[M, N]``: the rows of group ``g`` times ``weight[g]^T`` (plus
+        ``bias[g]``); rows past the last group are zeros.
+
+        ``m_splits_or_offsets [G]``: the groups' row counts (integers, TransformerEngine's
+        ``m_splits``), or with ``offsets=True`` their cumulative end rows (int32, as
+        :func:`compileops.grouped_linear` takes them). On a GPU give it as a device tensor:
+        its values are read on the device, so nothing waits for the host (and nothing is
+        checked there: :func:`compileops.strict_offset_checks` checks them, at a sync). A
+        Python list works too, but each new list recompiles under ``torch.compile``.
+
+        Same dtype for ``x`` and the weight (bf16, fp16 or fp32; fp64 on the reference
+        backend). Deterministic; see :func:`compileops.grouped_linear` for the numerics.
+        """
         if offsets:
             return grouped_linear(x, self.weight, m_splits_or_offsets.to(x.device), self.bias)
         return grouped_linear_splits(x, self.weight, m_splits_or_offsets, self.bias)
