@@ -1,4 +1,5 @@
-"""``import compileops`` is cheap, and lowerings install themselves before the first compile."""
+"""``import compileops`` loads nothing heavy, and the lowerings install themselves before the
+first compile."""
 import subprocess
 import sys
 import textwrap
@@ -13,22 +14,24 @@ def _run(code: str) -> str:
 
 
 def test_import_is_cheap_and_does_not_load_inductor():
+    """``import compileops`` after ``import torch`` loads compileops' own modules and nothing
+    else outside the standard library: not Inductor's lowering table (seconds), Triton or transformers, which load when a
+    compile, a kernel or an integration first needs them. (Checked by what is imported, not
+    by a timing, which would depend on the machine's load.)"""
     out = _run(
         """
-        import sys, time
+        import sys
         import torch
-        start = time.perf_counter()
+        before = set(sys.modules)
         import compileops
-        cost = time.perf_counter() - start
-        heavy = [m for m in ("torch._inductor.lowering", "triton") if m in sys.modules]
-        print(cost)
-        print(",".join(heavy))
+        loaded = sorted(m for m in set(sys.modules) - before
+                        if m.split(".")[0] not in ("compileops", *sys.stdlib_module_names))
+        print(",".join(loaded))
         print(hasattr(torch.ops.compileops, "embedding_backward"))
         """
     )
-    cost, heavy, registered = out.split("\n")[:3]
-    assert float(cost) < 0.3, f"import compileops took {float(cost):.3f}s over import torch"
-    assert heavy == "", f"import compileops loaded {heavy}"
+    loaded, registered = out.split("\n")[:2]
+    assert loaded == "", f"import compileops also loaded {loaded}"
     assert registered == "True"
 
 
