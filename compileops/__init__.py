@@ -5,6 +5,7 @@ automatic installation of the Inductor lowerings (``compileops.lowerings.install
 moment Inductor's lowering table is imported, i.e. before the first Inductor compile. The
 import itself stays cheap: nothing here imports ``torch._inductor``.
 """
+import importlib
 import sys
 
 from compileops import _log, backends
@@ -29,7 +30,35 @@ from compileops.mlstm import mlstm, mlstm_step, mlstm_with_stats
 from compileops import nn  # noqa: E402  (registers modules; cheap)
 from compileops import testing  # noqa: E402  (imports Inductor only when its helpers run)
 
-from compileops import lowerings as _lowerings
+
+
+def _checkout_lowerings():
+    """``compileops.lowerings`` from a source checkout that was put on ``PYTHONPATH`` rather
+    than installed: there the package sits beside ``compileops/`` as ``lowerings/``, which the
+    installed layout (and an editable install's import hook) maps to ``compileops.lowerings``.
+    Loaded under that name, so every import of it elsewhere finds this same module."""
+    import importlib.util
+    import pathlib
+
+    folder = pathlib.Path(__file__).resolve().parent.parent / "lowerings"
+    spec = importlib.util.spec_from_file_location(
+        "compileops.lowerings", folder / "__init__.py",
+        submodule_search_locations=[str(folder)])
+    if spec is None:
+        raise ModuleNotFoundError("compileops.lowerings is missing: reinstall compileops",
+                                  name="compileops.lowerings")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["compileops.lowerings"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+try:
+    _lowerings = importlib.import_module("compileops.lowerings")
+except ModuleNotFoundError as _missing:
+    if _missing.name != "compileops.lowerings":
+        raise
+    _lowerings = lowerings = _checkout_lowerings()
 
 
 def _carry_namespace(function, package) -> None:

@@ -62,3 +62,28 @@ def test_install_is_idempotent_and_safe_when_inductor_already_loaded():
         """
     )
     assert out.split() == ["True", "True"]
+
+
+def test_a_checkout_on_pythonpath_works_without_installing():
+    """A source checkout put on PYTHONPATH (no install, so no import hook maps lowerings/ to
+    compileops.lowerings) still imports, and its lowerings install and compile."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = _run(
+        f"""
+        import sys
+        # Drop an editable install's import hook, if any: this is a plain checkout.
+        sys.meta_path = [f for f in sys.meta_path
+                         if not getattr(f, "__module__", "").startswith("__editable__")]
+        sys.path.insert(0, {str(root)!r})
+        import torch, compileops
+        import compileops.lowerings._compat
+        from compileops import lowerings
+        f = torch.compile(lambda i, w: compileops.embedding(i, w) * 2, fullgraph=True)
+        f(torch.tensor([1, 2]), torch.randn(4, 3))
+        print(lowerings.__file__.startswith({str(root / "lowerings")!r}),
+              lowerings.is_installed(), sys.modules["compileops.lowerings"] is lowerings)
+        """
+    )
+    assert out.split() == ["True", "True", "True"]
