@@ -17,6 +17,9 @@ fuse after it.
   too, for the forward and dX.
 * Without Triton codegen for the device (CPU C++ backend): an extern call of the op.
 
+``grouped_linear_row_scaled`` (the MoE down projection times the router probability) is the
+same template with the scale as an input, applied per row before ``store_output``.
+
 Each lowering logs what it chose and why on ``compileops.grouped_linear`` (``COMPILEOPS_LOG``,
 ``compileops/_log.py``), and the guards it installs on ``compileops.guards``.
 
@@ -95,10 +98,12 @@ def grouped_mm_choice(dx: bool):
     return _compat.extern_function_choice(fn, "compileops_grouped_mm_dx" if dx else "compileops_grouped_mm")
 
 
-def _grouped_mm_applies(device, dtype, has_bias: bool, swiglu: bool, groups_hint: int) -> bool:
+def _grouped_mm_applies(device, dtype, plain: bool, groups_hint: int) -> bool:
+    """``torch._grouped_mm`` as an autotuning choice: a plain product (no bias, SwiGLU or row
+    scale), bf16, on a CUDA sm90+ GPU."""
     return (device.type == "cuda" and not torch.version.hip and hasattr(torch, "_grouped_mm")
             and torch.cuda.get_device_capability(device) >= (9, 0)
-            and dtype == torch.bfloat16 and not has_bias and not swiglu and groups_hint > 0)
+            and dtype == torch.bfloat16 and plain and groups_hint > 0)
 
 
 def skewed_offsets(groups: int, m: int, device, seed: int = 0) -> torch.Tensor:
@@ -267,10 +272,11 @@ def _log_decision(op_name: str, x, weight, device, configs, errors, *, built: bo
 
 
 def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: bool = False,
-           save_preact: bool = False):
+           save_preact: bool = False, row_scale=None):
     """The template for one of the M-jagged ops. ``save_preact`` (the training SwiGLU op):
     the template also writes the pre-activations ``[M, 2H]`` into a buffer passed as a
-    mutated input, and the lowering returns ``(out, preact)``."""
+    mutated input, and the lowering returns ``(out, preact)``. ``row_scale`` (the row-scaled
+    op): an ``[M]`` input in x's dtype, each output row times its scale."""
     op = getattr(torch.ops.compileops, op_name).default
     device = x.get_device()
     no_template = _why_no_template(device, x.get_dtype())
@@ -278,13 +284,17 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
         # No Triton template (C++ backend), or fp64 (the reference backend's dtype): the op
         # itself, as an extern call.
         _log_extern_call(op_name, x, weight, no_template)
-        extra = () if dx else (bias,)
+        extra = () if dx else (row_scale,) if row_scale is not None else (bias,)
         return _compat.fallback(op)(x, weight, offsets, *extra)
     from compileops.grouped_linear import kernels
 
-    # The template (as the eager kernel) reads offsets[g] at OFFS + g: make them dense.
+    # The template (as the eager kernel) reads offsets[g] at OFFS + g and the row scale at
+    # SCALE + i: make them dense.
     offsets = _compat.require_contiguous(offsets)
-    nodes = _compat.realize_inputs(x, weight, offsets, *([bias] if bias is not None else []))
+    extra_inputs = [bias] if bias is not None else []
+    if row_scale is not None:
+        extra_inputs.append(_compat.require_contiguous(row_scale))
+    nodes = _compat.realize_inputs(x, weight, offsets, *extra_inputs)
     x, weight, offsets = nodes[:3]
     m, k = x.get_size()
     groups, n, _ = weight.get_size()
@@ -310,6 +320,7 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
         SWIGLU=swiglu,
         DX=dx,
         SAVE_PREACT=save_preact,
+        ROW_SCALE=row_scale is not None,
         ALIGNED_ROWS=aligned_rows,
         ALIGNED_OUT=_output_rows_aligned(weight, dx, swiglu),
         G_BLOCK=kernels.group_block(g_hint),
@@ -333,7 +344,8 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
         )
         if error is not None:
             errors.append((cfg, tma, error))
-    grouped_mm = autotune and _grouped_mm_applies(device, dtype, bias is not None, swiglu, g_hint)
+    plain = bias is None and not swiglu and row_scale is None
+    grouped_mm = autotune and _grouped_mm_applies(device, dtype, plain, g_hint)
     if logger.isEnabledFor(logging.INFO):
         flags = _log.settings(ALIGNED_ROWS=aligned_rows, ALIGNED_OUT=constexprs["ALIGNED_OUT"])
         _log_decision(op_name, x, weight, device, configs, errors, built=bool(choices),
@@ -367,6 +379,10 @@ def lower_grouped_linear_swiglu_with_preact(x, weight, offsets, bias=None):
                   save_preact=True)
 
 
+def lower_grouped_linear_row_scaled(x, weight, offsets, row_scale):
+    return _lower("grouped_linear_row_scaled", False, x, weight, offsets, row_scale=row_scale)
+
+
 def lower_grouped_linear_dx(grad, weight, offsets):
     return _lower("grouped_linear_dx", False, grad, weight, offsets, dx=True)
 
@@ -385,4 +401,6 @@ def register() -> None:
         torch.ops.compileops.grouped_linear_swiglu_with_preact.default,
         lower_grouped_linear_swiglu_with_preact,
     )
+    _compat.register_lowering(torch.ops.compileops.grouped_linear_row_scaled.default,
+                              lower_grouped_linear_row_scaled)
     _compat.register_lowering(torch.ops.compileops.grouped_linear_dx.default, lower_grouped_linear_dx)

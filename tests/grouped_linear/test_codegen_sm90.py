@@ -51,11 +51,11 @@ def mjagged_args(ptr):
             + [(n, "i32") for n in ("M", "N_OUT", "K", "G")]
             + [(n, "i64") for n in ("stride_am", "stride_ak", "stride_bg", "stride_bk", "stride_bn",
                                     "stride_biasg", "stride_biasn", "stride_om", "stride_on")]
-            + [("pre_ptr", ptr), ("stride_pm", "i64"), ("stride_pn", "i64")])
+            + [("pre_ptr", ptr), ("stride_pm", "i64"), ("stride_pn", "i64"), ("scale_ptr", ptr)])
 
 
 def mjagged_compile(dtype, swiglu, tma=False, b_kn=False, flatten=False, cfg=None,
-                    has_bias=True, save_preact=False):
+                    has_bias=True, save_preact=False, row_scale=False):
     """``cfg=None``: choose_config's pick for a 16-bit / fp32 MoE shape. ``TMA_STORE`` is
     always passed (``cfg.tma_store`` on the TMA path, as the launcher does; see
     :func:`kjagged_compile` on unnamed defaulted constexprs)."""
@@ -70,7 +70,8 @@ def mjagged_compile(dtype, swiglu, tma=False, b_kn=False, flatten=False, cfg=Non
              GROUP_M=cfg.group_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
              BLOCK_K=cfg.block_k, INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32",
              INTERPRETER_DOT=False, USE_TMA=tma, B_KN=b_kn, G_BLOCK=kernels.group_block(128),
-             FLATTEN=flatten, TMA_STORE=tma and cfg.tma_store, SAVE_PREACT=save_preact),
+             FLATTEN=flatten, TMA_STORE=tma and cfg.tma_store, SAVE_PREACT=save_preact,
+             ROW_SCALE=row_scale),
         # dX reads W_g [N, K] as B [K, N]: its unit stride is along N, as in a real launch
         # (TMA descriptors need 16-byte aligned strides but the innermost).
         unit=UNIT_DX if b_kn else UNIT,

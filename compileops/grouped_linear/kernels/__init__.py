@@ -48,6 +48,7 @@ from compileops.grouped_linear.kernels.mjagged import (
     mjagged_gemm,
     mjagged_gemm_kernel,
     mjagged_tile,
+    scale_rows,
     swiglu,
 )
 from compileops.grouped_linear.kernels.tiles import group_tile_table, locate_tile
@@ -89,6 +90,7 @@ __all__ = [
     "mjagged_gemm_kernel",
     "mjagged_tile",
     "num_programs",
+    "scale_rows",
     "swiglu",
     "tma_applies",
     "wgrad_tma_applies",
