@@ -63,7 +63,7 @@ def mjagged_compile(dtype, swiglu, tma=False, b_kn=False, flatten=False, cfg=Non
 
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     if cfg is None:
-        cfg = kernels.choose_config(65536, 128, 1536, 2048, torch_dtype, torch.device("cuda"))
+        cfg = kernels.choose_config(65536, 128, 1536, 2048, torch_dtype, kernels.H100_SXM)
     return compile_sm90(
         kernels.mjagged_gemm_kernel, mjagged_args(TYPES[dtype]),
         dict(HAS_BIAS=has_bias, SWIGLU=swiglu, NUM_PROGS=132 * cfg.programs_per_sm,
@@ -258,7 +258,7 @@ def test_codegen_defaults_are_choose_wgrad_config(groups, kind):
     from compileops.grouped_linear.kernels.kjagged import wgrad_variant_flags
 
     cfg = kernels.choose_wgrad_config(65536, groups, 2048, 768, torch.bfloat16,
-                                      torch.device("cuda"))
+                                      kernels.H100_SXM)
     block_k, warps, stages, flags = WGRAD_VARIANTS[f"wgrad-default-{kind}"]
     assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == (
         64, 128, block_k, warps, stages), cfg
