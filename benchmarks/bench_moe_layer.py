@@ -21,8 +21,18 @@ output against a fixed random cotangent, for x and every weight. Peak memory is 
 
     python benchmarks/bench_moe_layer.py                       # every shape
     python benchmarks/bench_moe_layer.py --shapes mixtral --routing skewed --modes static
+    python benchmarks/bench_moe_layer.py --smoke               # CPU, tiny shapes, seconds
+    python benchmarks/bench_moe_layer.py --plan                # no GPU: the configs, as JSON
 
-Results: ``$COMPILEOPS_BENCH_OUT/moe_layer.csv`` (or benchmarks/out/) and a markdown table on stdout.
+Results: ``$COMPILEOPS_BENCH_OUT/moe_layer.csv`` (or benchmarks/out/) and a markdown table on stdout, each row
+with the device's name (``torch.cuda.get_device_name()``) and the peak memory.
+
+``--smoke`` runs every code path at tiny sizes on CPU (the kernels under Triton's
+interpreter; times and peaks are meaningless). ``--plan`` compiles the layer at the real
+shapes on CPU without generating code (``compileops.lowerings._compat.lower_only``) and prints,
+per shape, mode and device description (H100, H200), the tile config each grouped-linear
+call gets, as JSON: what a GPU would run, without one (the pinned regression test
+``tests/grouped_linear/test_layer_plan.py`` reads it).
 """
 from __future__ import annotations
 
@@ -31,10 +41,14 @@ import csv
 import dataclasses
 import gc
 import inspect
+import json
 import math
 import os
 import sys
-from typing import Callable
+import time
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +77,8 @@ SHAPES = {
     "deepseek-v3": Shape("DeepSeek-V3 EP shard (32 experts)", 7168, 2048, 32, 8, 4096),
     "qwen3-235b": Shape("Qwen3-235B-A22B", 4096, 1536, 128, 8, 8192),
 }
+# --smoke: every path at tiny sizes (16-byte aligned rows, as torch._grouped_mm needs).
+SMOKE_SHAPES = {"tiny": Shape("tiny", 64, 96, 4, 2, 32)}
 
 
 def _supports_recompute() -> bool:
@@ -72,13 +88,16 @@ def _supports_recompute() -> bool:
 class MoELayer(torch.nn.Module):
     """x ``[T, D]`` -> ``[T, D]``; ``impl`` picks the expert GEMMs, everything else is shared."""
 
-    def __init__(self, shape: Shape, impl: str, skew: float, device, dtype=torch.bfloat16):
+    def __init__(self, shape: Shape, impl: str, skew: float, device, dtype=torch.bfloat16,
+                 *, uninitialised: bool = False):
         super().__init__()
         self.shape, self.impl = shape, impl
         d, h, e = shape.dim, shape.hidden, shape.experts
         gen = torch.Generator(device="cpu").manual_seed(0)
 
         def uniform(*size, fan_in):
+            if uninitialised:  # --plan: shapes only (no page of them is ever touched)
+                return torch.empty(*size, device=device, dtype=dtype)
             bound = 1.0 / math.sqrt(fan_in)
             return (torch.rand(*size, generator=gen) * 2 - 1).mul_(bound).to(device, dtype)
 
@@ -133,9 +152,18 @@ class Result:
     fwbw_ms: float
     peak_gib: float
     note: str
+    device: str
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name (``torch.cuda.get_device_name``), or what runs the CPU smoke test."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "CPU (Triton interpreter, smoke)"
 
 
 def measure(compiled, layer: MoELayer, x: torch.Tensor, dy: torch.Tensor) -> tuple:
+    """``(fw ms, fw+bw ms, peak GiB)``; on CPU (``--smoke``) one timed call each and no peak."""
     params = [p for p in layer.parameters()]
     xg = x.detach().requires_grad_(True)
 
@@ -147,6 +175,8 @@ def measure(compiled, layer: MoELayer, x: torch.Tensor, dy: torch.Tensor) -> tup
         return torch.autograd.grad(out, [xg, *params], dy)
 
     fwbw()  # compiles forward and backward on the first call
+    if x.device.type != "cuda":
+        return once_ms(fw), once_ms(fwbw), float("nan")
     torch.cuda.synchronize()
     gc.collect()
     torch.cuda.empty_cache()
@@ -159,38 +189,68 @@ def measure(compiled, layer: MoELayer, x: torch.Tensor, dy: torch.Tensor) -> tup
     return bench_ms(fw), bench_ms(fwbw), peak
 
 
+def once_ms(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
 SKEW = {"uniform": 0.0, "skewed": 1.5}
+
+
+def set_routing(layer: MoELayer, routing: str) -> None:
+    """Router bias for ``routing``: none (uniform), or ``-1.5 * log(1 + e)`` (a few hot
+    experts)."""
+    e = layer.shape.experts
+    layer.router_bias.copy_(-SKEW[routing] * torch.log1p(
+        torch.arange(e, dtype=torch.float32, device=layer.router_bias.device)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="*", default=None,
+                        choices=list(SHAPES) + list(SMOKE_SHAPES))
     parser.add_argument("--routing", nargs="*", default=list(SKEW), choices=list(SKEW))
     parser.add_argument("--modes", nargs="*", default=["static", "dynamic"],
                         choices=["static", "dynamic"])
     parser.add_argument("--impls", nargs="*",
                         default=["grouped_mm", "compileops", "compileops-recompute"])
     parser.add_argument("--csv", default=os.path.join(out_dir(), "moe_layer.csv"))
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes on CPU (Triton interpreter): checks the script")
+    parser.add_argument("--plan", nargs="*", metavar="DEVICE", default=None,
+                        choices=sorted(PLAN_DEVICES),
+                        help="no GPU: print the grouped-linear configs of the compiled layer "
+                             "for these device descriptions (default: all), as JSON")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_moe_layer needs a CUDA device")
+    table = SMOKE_SHAPES if args.smoke else SHAPES
+    shapes = args.shapes or list(table)
+    if args.plan is not None:
+        print(json.dumps(plan(shapes, args.modes, args.plan or sorted(PLAN_DEVICES))))
+        return
+    if args.smoke:
+        device = torch.device("cpu")
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+    else:
+        sys.exit("bench_moe_layer needs a CUDA device (or --smoke, --plan)")
     impls = [i for i in args.impls if i != "compileops-recompute" or _supports_recompute()]
     print(environment_line(), flush=True)
+    name = device_name(device)
     results: list[Result] = []
-    for key in args.shapes:
-        shape = SHAPES[key]
+    for key in shapes:
+        shape = {**SHAPES, **SMOKE_SHAPES}[key]
         gen = torch.Generator(device="cpu").manual_seed(1)
-        x = torch.randn(shape.tokens, shape.dim, generator=gen).to("cuda", torch.bfloat16)
-        dy = torch.randn(shape.tokens, shape.dim, generator=gen).to("cuda", torch.bfloat16)
+        x = torch.randn(shape.tokens, shape.dim, generator=gen).to(device, torch.bfloat16)
+        dy = torch.randn(shape.tokens, shape.dim, generator=gen).to(device, torch.bfloat16)
         for mode in args.modes:
             for impl in impls:
                 # One compile per (shape, mode, impl); the routings only change a buffer.
                 torch._dynamo.reset()
-                layer = MoELayer(shape, impl, 0.0, "cuda")
+                layer = MoELayer(shape, impl, 0.0, device)
                 compiled = torch.compile(layer, fullgraph=True, dynamic=mode == "dynamic")
                 for routing in args.routing:
-                    layer.router_bias.copy_(-SKEW[routing] * torch.log1p(
-                        torch.arange(shape.experts, dtype=torch.float32, device="cuda")))
+                    set_routing(layer, routing)
                     note = expert_loads(layer, x)
                     try:
                         fw_ms, fwbw_ms, peak = measure(compiled, layer, x, dy)
@@ -199,7 +259,7 @@ def main() -> None:
                               f"{str(exc)[:300]}", flush=True)
                         fw_ms = fwbw_ms = peak = float("nan")
                         note = f"failed: {type(exc).__name__}"
-                    r = Result(shape.name, routing, mode, impl, fw_ms, fwbw_ms, peak, note)
+                    r = Result(shape.name, routing, mode, impl, fw_ms, fwbw_ms, peak, note, name)
                     results.append(r)
                     tflops = 3 * gemm_flops(shape) / (fwbw_ms * 1e-3) / 1e12
                     print(f"{r.shape} | {routing} | {mode} | {impl}: fw {fw_ms:.3f} ms, "
@@ -207,30 +267,88 @@ def main() -> None:
                           f"peak {peak:.2f} GiB | {note}", flush=True)
                 del layer, compiled
                 gc.collect()
-                torch.cuda.empty_cache()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     write(results, args.csv)
+    if any(r.note.startswith("failed") for r in results):
+        sys.exit(1)
 
 
 def write(results: list[Result], path: str) -> None:
     anchor = {(r.shape, r.routing, r.mode): r for r in results if r.impl == "grouped_mm"}
-    lines = ["| shape | routing | mode | impl | fw ms | fw+bw ms | peak GiB | fw vs grouped_mm "
-             "| fw+bw vs grouped_mm | peak vs grouped_mm |", "|" + "---|" * 10]
+    lines = ["| device | shape | routing | mode | impl | fw ms | fw+bw ms | peak GiB "
+             "| fw vs grouped_mm | fw+bw vs grouped_mm | peak vs grouped_mm |", "|" + "---|" * 11]
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["shape", "routing", "mode", "impl", "fw_ms", "fwbw_ms", "peak_gib",
+        w.writerow(["device", "shape", "routing", "mode", "impl", "fw_ms", "fwbw_ms", "peak_gib",
                     "fw_speedup", "fwbw_speedup", "peak_ratio", "note", "environment"])
         for r in results:
             a = anchor.get((r.shape, r.routing, r.mode))
             ratios = ((a.fw_ms / r.fw_ms, a.fwbw_ms / r.fwbw_ms, r.peak_gib / a.peak_gib)
                       if a else (float("nan"),) * 3)
-            w.writerow([r.shape, r.routing, r.mode, r.impl, f"{r.fw_ms:.4f}", f"{r.fwbw_ms:.4f}",
-                        f"{r.peak_gib:.3f}", *(f"{v:.3f}" for v in ratios), r.note,
-                        environment_line()])
-            lines.append(f"| {r.shape} | {r.routing} | {r.mode} | {r.impl} | {r.fw_ms:.3f} | "
-                         f"{r.fwbw_ms:.3f} | {r.peak_gib:.2f} | {ratios[0]:.2f}x | "
+            w.writerow([r.device, r.shape, r.routing, r.mode, r.impl, f"{r.fw_ms:.4f}",
+                        f"{r.fwbw_ms:.4f}", f"{r.peak_gib:.3f}", *(f"{v:.3f}" for v in ratios),
+                        r.note, environment_line()])
+            lines.append(f"| {r.device} | {r.shape} | {r.routing} | {r.mode} | {r.impl} | "
+                         f"{r.fw_ms:.3f} | {r.fwbw_ms:.3f} | {r.peak_gib:.2f} | {ratios[0]:.2f}x | "
                          f"{ratios[1]:.2f}x | {ratios[2]:.2f} |")
     print("\n".join(lines), flush=True)
+
+
+# ---------------------------------------------------------------------------------------
+# --plan: the configs a GPU would run, without one
+
+
+def _plan_devices() -> dict:
+    from compileops.grouped_linear import kernels
+
+    return {"h100": kernels.H100_SXM, "h200": kernels.H200}
+
+
+PLAN_DEVICES = ("h100", "h200")
+
+
+def plan(shapes, modes, devices) -> list[dict]:
+    """Per shape, mode and device description: the tile config of every grouped-linear call
+    of the compileops layer, forward and backward, as the lowering picks it (``op``, sizes
+    ``m`` rows, ``n`` output columns, ``k`` reduction, ``groups``; ``config``: the Config's
+    fields; ``tma``: TMA loads), and the dW calls' configs (``choose_wgrad_config``, picked by
+    the eager dW kernel when it runs on that part). Compiled on CPU with real sizes and no
+    data: Triton code generation for CPU tensors, lowering only."""
+    from compileops.grouped_linear import kernels
+    from compileops.lowerings import _compat
+    from compileops.lowerings.grouped_linear import plan_for, record_decisions
+
+    specs = [_plan_devices()[d] for d in devices]
+    out = []
+    for key in shapes:
+        shape = {**SHAPES, **SMOKE_SHAPES}[key]
+        for mode in modes:
+            torch._dynamo.reset()
+            layer = MoELayer(shape, "compileops", 0.0, "cpu", uninitialised=True)
+            x = torch.empty(shape.tokens, shape.dim, dtype=torch.bfloat16, requires_grad=True)
+            compiled = torch.compile(layer, fullgraph=True, dynamic=mode == "dynamic")
+            with plan_for(specs[0]), record_decisions(*specs[1:]) as decisions, \
+                    _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu(), \
+                    _compat.lower_only():
+                try:
+                    compiled(x)
+                except _compat.LoweredOnly:
+                    pass
+            rows = shape.tokens * shape.top_k
+            for spec in specs:
+                calls = [dict(op=d.op, m=d.m, n=d.n, k=d.k, groups=d.groups,
+                              config=dataclasses.asdict(cfg), tma=tma)
+                         for d in decisions if d.device == spec.name for cfg, tma in d.configs]
+                for what, n, k in (("wgrad down", shape.dim, shape.hidden),
+                                   ("wgrad gate_up", 2 * shape.hidden, shape.dim)):
+                    cfg = kernels.choose_wgrad_config(rows, shape.experts, n, k, torch.bfloat16,
+                                                      spec)
+                    calls.append(dict(op=what, m=rows, n=n, k=k, groups=shape.experts,
+                                      config=dataclasses.asdict(cfg), tma=None))
+                out.append(dict(shape=key, mode=mode, device=spec.name, calls=calls))
+    return out
 
 
 if __name__ == "__main__":

@@ -111,6 +111,44 @@ def triton_codegen_on_cpu() -> Iterator[None]:
         yield
 
 
+class LoweredOnly(RuntimeError):
+    """Raised when a function compiled under :func:`lower_only` is called."""
+
+
+@contextlib.contextmanager
+def lower_only(sources: list | None = None) -> Iterator[None]:
+    """Compiles inside this context lower their graphs, forward and backward (the backward
+    right after the forward, not at the first backward call), so every lowering runs and
+    logs or records its decisions; but nothing is compiled to a module, and calling the
+    compiled function raises :class:`LoweredOnly`. With a ``sources`` list, each graph's
+    generated code (forward, then backward) is appended to it; without, no code is generated.
+    For planning tools and tests that ask what a compile would choose (real sizes are fine:
+    no tensor data is read). Verified on 2.11 and 2.13."""
+    import types
+
+    import torch._functorch.config as functorch_config
+    from torch._inductor.graph import GraphLowering
+
+    def no_module(graph):
+        if sources is None:
+            # compile_fx logs the scheduler's nodes after this returns: an empty schedule.
+            graph.scheduler = types.SimpleNamespace(nodes=[])
+        else:
+            wrapper, kernels = graph.codegen()
+            sources.append("\n".join(code.value for code in (wrapper, kernels) if code))
+
+        class _NotCompiled:
+            def call(self, *args, **kwargs):
+                raise LoweredOnly("compiled under lower_only(): nothing can run")
+
+        return _NotCompiled()
+
+    with mock.patch.object(GraphLowering, "compile_to_module", no_module), \
+            mock.patch.object(GraphLowering, "save_output_code", lambda code: None), \
+            functorch_config.patch(force_non_lazy_backward_lowering=True):
+        yield
+
+
 # ---------------------------------------------------------------------------------------
 # Templates and algorithm selection (grouped linear)
 

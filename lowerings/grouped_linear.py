@@ -9,13 +9,23 @@ the elements, and the two halves are different tiles), so it is its own op whose
 computes the gate and up tiles together and stores ``silu(gate) * up`` ``[M, H]``; epilogues
 fuse after it.
 
-* Default mode: one heuristic config (no compile-time benchmarking), through TMA
-  descriptors where the GPU and the strides allow (``_why_no_template_tma``).
-* ``max_autotune``: a bounded config list (on sm90+ each also as a TMA-descriptor variant)
-  plus the extern eager op, benchmarked on Dirichlet(1) skewed offsets (``input_gen_fns``). On sm90+ in bf16 without bias, ``torch._grouped_mm``
-  (CUTLASS, with its uninitialised tail rows zeroed: :func:`grouped_mm_anchor`) is a choice
-  too, for the forward and dX.
+* Default mode: one heuristic config (no compile-time benchmarking) for the device the graph
+  runs on (``kernels.choose_config``: the part's measured row, else the generic rule), through
+  TMA descriptors where the GPU and the strides allow (``_why_no_template_tma``).
+* ``max_autotune``: a bounded config list that fits the part's shared memory (on sm90+ each
+  also as a TMA-descriptor variant), the heuristic pick among them, plus the extern eager op,
+  benchmarked on Dirichlet(1) skewed offsets (``input_gen_fns``). On sm90+ in bf16 without
+  bias, ``torch._grouped_mm`` (CUTLASS, with its uninitialised tail rows zeroed:
+  :func:`grouped_mm_anchor`) is a choice too, for the forward and dX. The SwiGLU training op
+  (which also writes its pre-activations) autotunes over template configs only: the extern
+  choices have no second output.
 * Without Triton codegen for the device (CPU C++ backend): an extern call of the op.
+
+``grouped_linear_row_scaled`` (the MoE down projection times the router probability) is the
+same template with the scale as an input, applied per row before ``store_output``.
+
+:func:`plan_for` makes the lowering plan for a described device (an H100, an H200) whatever
+the graph's device, so a CPU machine can generate, inspect and pin what a GPU would run.
 
 Each lowering logs what it chose and why on ``compileops.grouped_linear`` (``COMPILEOPS_LOG``,
 ``compileops/_log.py``), and the guards it installs on ``compileops.guards``.
@@ -27,9 +37,13 @@ persistent K-jagged kernel (a [G, N, K] product has no pointwise neighbours wort
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import functools
 import logging
 import os
+from typing import Iterator
 
 import torch
 
@@ -40,16 +54,97 @@ logger = _log.get_logger("grouped_linear")
 
 _TEMPLATE_PATH = os.path.join(os.path.dirname(__file__), "templates", "grouped_linear.py.jinja")
 
-# The max-autotune list (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): bounded.
+# The max-autotune lists, bounded: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, flatten,
+# programs per SM), the sweep's contenders (benchmarks/tuning/sweep_grouped_linear.py) and
+# small-group tiles. Configs whose operand stages do not fit the part's shared memory are
+# left out; BLOCK_K is capped at 32 for fp32.
 AUTOTUNE_CONFIGS = (
-    (16, 128, 64, 4, 4),
-    (64, 128, 64, 4, 4),
-    (64, 256, 64, 8, 3),
-    (128, 128, 64, 8, 3),
-    (128, 256, 64, 8, 3),
-    (128, 256, 64, 8, 4),
-    (128, 128, 32, 4, 4),
+    (16, 128, 64, 4, 4, False, 1),
+    (64, 128, 64, 4, 4, False, 1),
+    (128, 128, 64, 8, 3, True, 1),
+    (128, 256, 64, 8, 3, True, 1),
+    (128, 256, 64, 8, 4, True, 1),
+    (256, 128, 64, 8, 3, True, 1),
+    (128, 128, 64, 4, 3, True, 2),
 )
+# SwiGLU tiles hold two accumulators (gate and up): half the N width of the plain ones.
+AUTOTUNE_SWIGLU_CONFIGS = (
+    (16, 128, 64, 4, 4, False, 1),
+    (64, 128, 64, 4, 4, False, 1),
+    (128, 128, 64, 8, 3, False, 1),
+    (128, 128, 64, 8, 3, True, 1),
+    (128, 128, 64, 8, 4, False, 1),
+    (128, 64, 64, 4, 4, True, 2),
+)
+
+
+# ---------------------------------------------------------------------------------------
+# The device the template is planned for
+
+_planned_device: contextvars.ContextVar = contextvars.ContextVar(
+    "compileops_grouped_linear_planned_device", default=None)
+
+
+@contextlib.contextmanager
+def plan_for(spec) -> Iterator[None]:
+    """Within this context the lowering plans every grouped-linear template for the device
+    ``spec`` describes (a :class:`compileops.grouped_linear.kernels.DeviceSpec`, e.g.
+    ``kernels.H100_SXM``): its config, TMA loads and persistent grid, whatever device the
+    graph is on. For tests and offline inspection on a CPU machine (Triton code generation
+    for CPU tensors); the generated code is only meant to run on such a device."""
+    token = _planned_device.set(spec)
+    try:
+        yield
+    finally:
+        _planned_device.reset(token)
+
+
+def target_spec(device):
+    """The :class:`DeviceSpec` the lowering plans for: :func:`plan_for`'s, else the graph's
+    device's."""
+    from compileops.grouped_linear import kernels
+
+    return _planned_device.get() or kernels.device_spec(device)
+
+
+# ---------------------------------------------------------------------------------------
+# What each lowering decided (for tests and tools; the log says it in words)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """One grouped-linear lowering as planned for one device: the op, its sizes (hints under
+    ``dynamic=True``; ``n`` the output width, ``k`` the reduction), the device's name, and
+    the template configs with their TMA flag (``(Config, bool)`` pairs): one in default
+    mode, the bounded list under max-autotune (``autotune``), which ``extern`` extern-call
+    choices join."""
+
+    op: str
+    m: int
+    n: int
+    k: int
+    groups: int
+    device: str
+    configs: tuple
+    autotune: bool
+    extern: int
+
+
+_decision_sinks: contextvars.ContextVar = contextvars.ContextVar(
+    "compileops_grouped_linear_decisions", default=None)
+
+
+@contextlib.contextmanager
+def record_decisions(*also_for) -> Iterator[list]:
+    """Collect a :class:`Decision` for every grouped-linear lowering inside the context: the
+    one the lowering makes, and the one it would make for each device description in
+    ``also_for`` (same graph, same sizes; only the part differs)."""
+    sink: list = []
+    token = _decision_sinks.set((sink, also_for))
+    try:
+        yield sink
+    finally:
+        _decision_sinks.reset(token)
 
 
 def _grid(*args):
@@ -95,10 +190,12 @@ def grouped_mm_choice(dx: bool):
     return _compat.extern_function_choice(fn, "compileops_grouped_mm_dx" if dx else "compileops_grouped_mm")
 
 
-def _grouped_mm_applies(device, dtype, has_bias: bool, swiglu: bool, groups_hint: int) -> bool:
+def _grouped_mm_applies(device, spec, dtype, plain: bool, groups_hint: int) -> bool:
+    """``torch._grouped_mm`` as an autotuning choice: a plain product (no bias, SwiGLU or row
+    scale), bf16, on a CUDA sm90+ part."""
     return (device.type == "cuda" and not torch.version.hip and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(device) >= (9, 0)
-            and dtype == torch.bfloat16 and not has_bias and not swiglu and groups_hint > 0)
+            and spec.capability >= (9, 0) and dtype == torch.bfloat16 and plain
+            and groups_hint > 0)
 
 
 def skewed_offsets(groups: int, m: int, device, seed: int = 0) -> torch.Tensor:
@@ -109,36 +206,42 @@ def skewed_offsets(groups: int, m: int, device, seed: int = 0) -> torch.Tensor:
     return dirichlet_offsets(groups, m, seed=seed, device=device)
 
 
-def _configs(m_hint: int, groups: int, n_out: int, k: int, dtype, device, tma: bool = False,
-             swiglu: bool = False, heuristic_only: bool = False):
-    """``([(Config, USE_TMA)], autotune)``: the heuristic config alone (default mode,
-    batch-invariant mode: pointer loads, one code path, or ``heuristic_only``), or the bounded
-    max-autotune list."""
+def _configs(m_hint: int, groups: int, n_out: int, k: int, dtype, spec, tma: bool = False,
+             swiglu: bool = False):
+    """``([(Config, USE_TMA)], autotune)`` for the part ``spec`` describes: the heuristic
+    config alone (default mode; batch-invariant mode: pointer loads, one code path; the
+    interpreter), or under max-autotune the heuristic pick first, then the bounded list that
+    fits the part's shared memory (each also through TMA descriptors where ``tma``)."""
     from compileops.grouped_linear import kernels
     from compileops.modes import is_batch_invariant
 
-    if (heuristic_only or is_batch_invariant() or not _compat.max_autotune_enabled()
-            or device.type != "cuda"):
-        cfg = kernels.choose_config(m_hint, groups, n_out, k, dtype, device,
-                                    batch_invariant=is_batch_invariant(), swiglu=swiglu)
-        return [(cfg, tma and not is_batch_invariant())], False
+    heuristic = kernels.choose_config(m_hint, groups, n_out, k, dtype, spec,
+                                      batch_invariant=is_batch_invariant(), swiglu=swiglu)
+    if is_batch_invariant() or not _compat.max_autotune_enabled() or spec.interpreter:
+        return [(heuristic, tma and not is_batch_invariant())], False
     small_k = 32 if dtype == torch.float32 else 64
-    configs = [(kernels.Config(bm, bn, min(bk, small_k), w, s), False)
-               for bm, bn, bk, w, s in AUTOTUNE_CONFIGS]
-    if tma:  # the same tiles again through TMA descriptors, plus the heuristic pick
-        configs += [(cfg, True) for cfg, _ in configs]
-        configs.append((kernels.choose_config(m_hint, groups, n_out, k, dtype, device,
-                                              swiglu=swiglu), True))
+    listed = AUTOTUNE_SWIGLU_CONFIGS if swiglu else AUTOTUNE_CONFIGS
+    tiles = [heuristic]
+    for bm, bn, bk, warps, stages, flatten, per_sm in listed:
+        cfg = kernels.Config(bm, bn, min(bk, small_k), warps, stages, flatten=flatten,
+                             programs_per_sm=per_sm)
+        fits = (kernels.config.operand_stage_bytes(cfg, dtype.itemsize, swiglu=swiglu)
+                * cfg.num_stages <= spec.smem_per_block - kernels.config.EPILOGUE_SMEM_RESERVE)
+        if fits and cfg not in tiles:
+            tiles.append(cfg)
+    configs = [(cfg, False) for cfg in tiles]
+    if tma:  # the same tiles again through TMA descriptors
+        configs = [(cfg, True) for cfg in tiles] + configs
     return configs, True
 
 
-def _why_no_template_tma(device, strides_aligned: bool) -> str | None:
-    """None when the template may load through TMA descriptors (sm90+ and aligned strides,
-    :func:`_strides_aligned`), else why not (for the log). Base pointers: Inductor copies
-    misaligned graph inputs and aligns its buffers."""
+def _why_no_template_tma(device, spec, strides_aligned: bool) -> str | None:
+    """None when the template may load through TMA descriptors (an sm90+ part and aligned
+    strides, :func:`_strides_aligned`), else why not (for the log). Base pointers: Inductor
+    copies misaligned graph inputs and aligns its buffers."""
     import triton.language as tl
 
-    if device.type != "cuda":
+    if spec.interpreter:
         return f"no TMA on {device.type}"
     if torch.version.hip:
         return "no TMA on ROCm"
@@ -146,7 +249,7 @@ def _why_no_template_tma(device, strides_aligned: bool) -> str | None:
         return "no TMA: this Triton has no tensor descriptors"
     if not strides_aligned:
         return "no TMA: strides not unit-inner with 16-byte rows"
-    if torch.cuda.get_device_capability(device) < (9, 0):
+    if spec.capability < (9, 0):
         return "no TMA below sm90"
     return None
 
@@ -203,25 +306,28 @@ def _describe_inputs(x, weight) -> str:
             f"weight {_log.shape(weight.get_size())}")
 
 
-def _describe_config(cfg, device) -> str:
+def _describe_config(cfg, spec) -> str:
     from compileops.grouped_linear import kernels
 
     return _log.settings(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                          GROUP_M=cfg.group_m, FLATTEN=cfg.flatten, num_warps=cfg.num_warps,
-                         num_stages=cfg.num_stages, NUM_PROGS=kernels.grid_size(device, cfg))
+                         num_stages=cfg.num_stages, NUM_PROGS=kernels.grid_size(spec, cfg))
 
 
-def _why_config(device, save_preact: bool, m_hint: int, g_hint: int) -> str:
+def _why_config(spec, m_hint: int, g_hint: int, n_hint: int, dtype, swiglu: bool) -> str:
     """Why the one config (outside max-autotune) is the one :func:`_configs` picked."""
+    from compileops.grouped_linear import kernels
     from compileops.modes import is_batch_invariant
 
-    if device.type == "cpu":
+    if spec.interpreter:
         return "the interpreter's small tiles (CPU)"
     if is_batch_invariant():
         return "batch-invariant mode: one fixed config"
-    if save_preact and _compat.max_autotune_enabled():
-        return "one heuristic config: the pre-activation output has no extern alternative"
-    return f"heuristic for {m_hint / max(g_hint, 1):.0f} rows per group, no benchmarking"
+    case = kernels.config.mjagged_case(m_hint, g_hint, n_hint, dtype, swiglu=swiglu)
+    source = ("measured row" if case and kernels.config.tuned_config(spec, case)
+              else "generic rule")
+    return (f"heuristic for {m_hint / max(g_hint, 1):.0f} rows per group on {spec.name} "
+            f"({source}), no benchmarking")
 
 
 def _why_pointer_loads(no_tma: str | None) -> str:
@@ -233,31 +339,30 @@ def _log_extern_call(op_name: str, x, weight, why: str) -> None:
                 _describe_inputs(x, weight), why)
 
 
-def _log_decision(op_name: str, x, weight, device, configs, errors, *, built: bool,
-                  autotune: bool, grouped_mm: bool, no_tma: str | None, flags: str,
+def _log_decision(op_name: str, x, weight, spec, configs, errors, *, built: bool,
+                  autotune: bool, externs: str, no_tma: str | None, flags: str,
                   why_config: str) -> None:
     """The lowering's one INFO line (template and config, autotuning, or extern call), with
     DEBUG lines for the autotuning candidates and any config the template rejected."""
     for cfg, tma, error in errors:
         logger.debug("%s: template rejected (%s, TMA=%s): %s", op_name,
-                     _describe_config(cfg, device), tma, error)
+                     _describe_config(cfg, spec), tma, error)
     if not built:
         why = "; ".join(str(error) for _, _, error in errors)
         _log_extern_call(op_name, x, weight, f"the template could not be built ({why})")
         return
     if autotune:
         with_tma = sum(tma for _, tma in configs) - sum(tma for _, tma, _ in errors)
-        extra = " + torch._grouped_mm" if grouped_mm else ""
-        logger.info("%s: max-autotune over %d template configs (%d with TMA) + the eager op%s "
-                    "for %s; %s; %s", op_name, len(configs) - len(errors), with_tma, extra,
-                    _describe_inputs(x, weight), _why_pointer_loads(no_tma) if not with_tma
-                    else "TMA and pointer loads", flags)
+        logger.info("%s: max-autotune over %d template configs (%d with TMA)%s for %s on %s; "
+                    "%s; %s", op_name, len(configs) - len(errors), with_tma, externs,
+                    _describe_inputs(x, weight), spec.name, _why_pointer_loads(no_tma)
+                    if not with_tma else "TMA and pointer loads", flags)
         for cfg, tma in configs:
-            logger.debug("%s: candidate (%s, TMA=%s)", op_name, _describe_config(cfg, device), tma)
+            logger.debug("%s: candidate (%s, TMA=%s)", op_name, _describe_config(cfg, spec), tma)
         return
     cfg, tma = configs[0]
     logger.info("%s: template %s (%s, %s) for %s: %s; %s", op_name, template().name,
-                _describe_config(cfg, device), "TMA loads" if tma else "pointer loads",
+                _describe_config(cfg, spec), "TMA loads" if tma else "pointer loads",
                 _describe_inputs(x, weight), why_config,
                 flags if tma else f"{_why_pointer_loads(no_tma)}; {flags}")
 
@@ -267,10 +372,11 @@ def _log_decision(op_name: str, x, weight, device, configs, errors, *, built: bo
 
 
 def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: bool = False,
-           save_preact: bool = False):
+           save_preact: bool = False, row_scale=None):
     """The template for one of the M-jagged ops. ``save_preact`` (the training SwiGLU op):
     the template also writes the pre-activations ``[M, 2H]`` into a buffer passed as a
-    mutated input, and the lowering returns ``(out, preact)``."""
+    mutated input, and the lowering returns ``(out, preact)``. ``row_scale`` (the row-scaled
+    op): an ``[M]`` input in x's dtype, each output row times its scale."""
     op = getattr(torch.ops.compileops, op_name).default
     device = x.get_device()
     no_template = _why_no_template(device, x.get_dtype())
@@ -278,13 +384,18 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
         # No Triton template (C++ backend), or fp64 (the reference backend's dtype): the op
         # itself, as an extern call.
         _log_extern_call(op_name, x, weight, no_template)
-        extra = () if dx else (bias,)
+        extra = () if dx else (row_scale,) if row_scale is not None else (bias,)
         return _compat.fallback(op)(x, weight, offsets, *extra)
     from compileops.grouped_linear import kernels
 
-    # The template (as the eager kernel) reads offsets[g] at OFFS + g: make them dense.
+    spec = target_spec(device)
+    # The template (as the eager kernel) reads offsets[g] at OFFS + g and the row scale at
+    # SCALE + i: make them dense.
     offsets = _compat.require_contiguous(offsets)
-    nodes = _compat.realize_inputs(x, weight, offsets, *([bias] if bias is not None else []))
+    extra_inputs = [bias] if bias is not None else []
+    if row_scale is not None:
+        extra_inputs.append(_compat.require_contiguous(row_scale))
+    nodes = _compat.realize_inputs(x, weight, offsets, *extra_inputs)
     x, weight, offsets = nodes[:3]
     m, k = x.get_size()
     groups, n, _ = weight.get_size()
@@ -298,18 +409,24 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
     m_hint = _compat.size_hint(m)
     g_hint, n_hint, k_hint = (_compat.size_hint(s) for s in (groups, n_out, k))
     tma_ok, aligned_rows = _strides_aligned(x, weight, dtype)
-    no_tma = _why_no_template_tma(device, tma_ok)
-    if no_tma is None and g_hint == 0:
-        # No groups: the weight [0, N, K] is empty, and a descriptor over it stops the kernel
-        # with an illegal instruction (tma.tma_compatible).
-        no_tma = "no TMA: no groups (an empty weight)"
-    configs, autotune = _configs(m_hint, g_hint, n_hint, k_hint, dtype, device,
-                                 tma=no_tma is None, swiglu=swiglu, heuristic_only=save_preact)
+
+    def plan(spec):
+        """``(why no TMA or None, [(Config, USE_TMA)], autotune)`` on the part ``spec``."""
+        no_tma = _why_no_template_tma(device, spec, tma_ok)
+        if no_tma is None and g_hint == 0:
+            # No groups: the weight [0, N, K] is empty, and a descriptor over it stops the
+            # kernel with an illegal instruction (tma.tma_compatible).
+            no_tma = "no TMA: no groups (an empty weight)"
+        return (no_tma, *_configs(m_hint, g_hint, n_hint, k_hint, dtype, spec,
+                                  tma=no_tma is None, swiglu=swiglu))
+
+    no_tma, configs, autotune = plan(spec)
     constexprs = dict(
         HAS_BIAS=bias is not None,
         SWIGLU=swiglu,
         DX=dx,
         SAVE_PREACT=save_preact,
+        ROW_SCALE=row_scale is not None,
         ALIGNED_ROWS=aligned_rows,
         ALIGNED_OUT=_output_rows_aligned(weight, dx, swiglu),
         G_BLOCK=kernels.group_block(g_hint),
@@ -318,7 +435,7 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
     )
     extra = {}
     if save_preact:
-        # One heuristic config (no autotuning: the extern choices have no second output).
+        # The extern choices have no second output: template configs only.
         preact = _compat.empty_buffer(device, dtype, [m, n])
         nodes = [*nodes, preact]
         extra = dict(mutated_inputs=[preact])
@@ -329,26 +446,43 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
             choices, input_nodes=nodes, layout=layout, num_stages=cfg.num_stages,
             num_warps=cfg.num_warps, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, USE_TMA=tma, FLATTEN=cfg.flatten, GROUP_M=cfg.group_m,
-            NUM_PROGS=kernels.grid_size(device, cfg), **constexprs, **extra,
+            NUM_PROGS=kernels.grid_size(spec, cfg), **constexprs, **extra,
         )
         if error is not None:
             errors.append((cfg, tma, error))
-    grouped_mm = autotune and _grouped_mm_applies(device, dtype, bias is not None, swiglu, g_hint)
+    plain = bias is None and not swiglu and row_scale is None
+    grouped_mm = autotune and _grouped_mm_applies(device, spec, dtype, plain, g_hint)
+    eager_op = not save_preact and (autotune or not choices)
+    externs = (" + the eager op" if eager_op else "") + (" + torch._grouped_mm" if grouped_mm
+                                                           else "")
+    recording = _decision_sinks.get()
+    if recording is not None:
+        sink, also_for = recording
+        sink.append(Decision(op_name, m_hint, n_hint, k_hint, g_hint, spec.name, tuple(configs),
+                             autotune, int(eager_op) + int(grouped_mm)))
+        for other in also_for:
+            _, other_configs, other_autotune = plan(other)
+            other_extern = (int(not save_preact and other_autotune)
+                            + int(other_autotune and _grouped_mm_applies(
+                                device, other, dtype, plain, g_hint)))
+            sink.append(Decision(op_name, m_hint, n_hint, k_hint, g_hint, other.name,
+                                 tuple(other_configs), other_autotune, other_extern))
     if logger.isEnabledFor(logging.INFO):
         flags = _log.settings(ALIGNED_ROWS=aligned_rows, ALIGNED_OUT=constexprs["ALIGNED_OUT"])
-        _log_decision(op_name, x, weight, device, configs, errors, built=bool(choices),
-                      autotune=autotune, grouped_mm=grouped_mm, no_tma=no_tma, flags=flags,
-                      why_config=_why_config(device, save_preact, m_hint, g_hint))
+        _log_decision(op_name, x, weight, spec, configs, errors, built=bool(choices),
+                      autotune=autotune, externs=externs, no_tma=no_tma, flags=flags,
+                      why_config=_why_config(spec, m_hint, g_hint, n_hint, dtype, swiglu))
+    input_gen_fns = {2: lambda node: skewed_offsets(g_hint, m_hint, node.get_device())}
     if save_preact:
         if not choices:  # the template could not be built: the op itself, as an extern call
             return _compat.fallback(op)(*nodes[:3], nodes[3] if bias is not None else None)
-        out = _compat.autotune_select_algorithm(f"compileops_{op_name}", choices, nodes, layout)
+        out = _compat.autotune_select_algorithm(f"compileops_{op_name}", choices, nodes, layout,
+                                                input_gen_fns=input_gen_fns)
         return out, preact
-    if autotune or not choices:
+    if eager_op:
         choices.append(extern_choice(op_name).bind(nodes, layout))
     if grouped_mm:
         choices.append(grouped_mm_choice(dx).bind(nodes, layout))
-    input_gen_fns = {2: lambda node: skewed_offsets(g_hint, m_hint, node.get_device())}
     return _compat.autotune_select_algorithm(
         f"compileops_{op_name}", choices, nodes, layout, input_gen_fns=input_gen_fns
     )
@@ -365,6 +499,10 @@ def lower_grouped_linear_swiglu(x, weight, offsets, bias=None):
 def lower_grouped_linear_swiglu_with_preact(x, weight, offsets, bias=None):
     return _lower("grouped_linear_swiglu_with_preact", True, x, weight, offsets, bias,
                   save_preact=True)
+
+
+def lower_grouped_linear_row_scaled(x, weight, offsets, row_scale):
+    return _lower("grouped_linear_row_scaled", False, x, weight, offsets, row_scale=row_scale)
 
 
 def lower_grouped_linear_dx(grad, weight, offsets):
@@ -385,4 +523,6 @@ def register() -> None:
         torch.ops.compileops.grouped_linear_swiglu_with_preact.default,
         lower_grouped_linear_swiglu_with_preact,
     )
+    _compat.register_lowering(torch.ops.compileops.grouped_linear_row_scaled.default,
+                              lower_grouped_linear_row_scaled)
     _compat.register_lowering(torch.ops.compileops.grouped_linear_dx.default, lower_grouped_linear_dx)

@@ -226,25 +226,31 @@ def test_grouped_linear_autotune_line_lists_its_candidates(records):
     configs = [(cfg, False), (cfg, True), (grouped_kernels.BATCH_INVARIANT_CONFIG, True)]
     errors = [(grouped_kernels.BATCH_INVARIANT_CONFIG, True, "out of shared memory")]
     grouped_lowering._log_decision(
-        "grouped_linear", _Node([4096, 2048]), _Node([8, 1024, 2048]), torch.device("cpu"),
-        configs, errors, built=True, autotune=True, grouped_mm=True, no_tma=None,
-        flags="ALIGNED_ROWS=False ALIGNED_OUT=False", why_config="unused")
+        "grouped_linear", _Node([4096, 2048]), _Node([8, 1024, 2048]), grouped_kernels.H100_SXM,
+        configs, errors, built=True, autotune=True, externs=" + the eager op + torch._grouped_mm",
+        no_tma=None, flags="ALIGNED_ROWS=False ALIGNED_OUT=False", why_config="unused")
     assert lines(records, "grouped_linear") == [
         "grouped_linear: max-autotune over 2 template configs (1 with TMA) + the eager op + "
-        "torch._grouped_mm for x [4096, 2048] bfloat16, weight [8, 1024, 2048]; TMA and pointer "
-        "loads; ALIGNED_ROWS=False ALIGNED_OUT=False"]
+        "torch._grouped_mm for x [4096, 2048] bfloat16, weight [8, 1024, 2048] on NVIDIA H100 "
+        "80GB HBM3; TMA and pointer loads; ALIGNED_ROWS=False ALIGNED_OUT=False"]
     debug = lines(records, "grouped_linear", logging.DEBUG)
     assert len(debug) == 4 and debug[0].endswith("TMA=True): out of shared memory"), debug
 
 
 def test_grouped_linear_reasons_off_the_cpu():
-    cuda = torch.device("cuda")
-    assert grouped_lowering._why_config(cuda, False, 4096, 8) == (
-        "heuristic for 512 rows per group, no benchmarking")
+    h100, h200 = grouped_kernels.H100_SXM, grouped_kernels.H200
+    bf16 = torch.bfloat16
+    assert grouped_lowering._why_config(h100, 4096, 8, 1024, bf16, False) == (
+        "heuristic for 512 rows per group on NVIDIA H100 80GB HBM3 (measured row), "
+        "no benchmarking")
+    assert grouped_lowering._why_config(h200, 4096, 8, 1024, bf16, True) == (
+        "heuristic for 512 rows per group on NVIDIA H200 (generic rule), no benchmarking")
     with compileops.batch_invariant():
-        assert grouped_lowering._why_config(cuda, False, 4096, 8).startswith("batch-invariant")
+        assert grouped_lowering._why_config(h100, 4096, 8, 1024, bf16,
+                                            False).startswith("batch-invariant")
         assert grouped_lowering._why_pointer_loads(None).startswith("no TMA in batch-invariant")
-    assert grouped_lowering._why_no_template_tma(torch.device("cpu"), True) == "no TMA on cpu"
+    assert grouped_lowering._why_no_template_tma(torch.device("cpu"), grouped_kernels.INTERPRETER,
+                                                 True) == "no TMA on cpu"
 
 
 # ---------------------------------------------------------------------------------------

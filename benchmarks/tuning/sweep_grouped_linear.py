@@ -10,6 +10,16 @@ the best config per case.
     python benchmarks/tuning/sweep_grouped_linear.py [--shapes qwen3_up ...] [--splits skewed ...]
     python benchmarks/tuning/sweep_grouped_linear.py --list-configs   # JSON, no GPU needed
 
+``--layer-shapes`` sweeps the expert GEMMs of ``bench_moe_layer.py``'s layers instead: per
+layer its gate/up product (the SwiGLU pass) and its down product (forward and dX).
+``--table-row`` ends with the ``TUNED`` row (``compileops/grouped_linear/kernels/config.py``)
+these results support for this GPU: per case, the config with the best geometric-mean
+speed-up over ``torch._grouped_mm`` across the swept shapes and splits (a config that failed
+or was wrong on any of them is out). Filling a device's row:
+
+    python benchmarks/tuning/sweep_grouped_linear.py --layer-shapes --passes swiglu fwd dX \
+        --table-row
+
 Uses the documented tuning API only: :class:`~compileops.grouped_linear.kernels.Config`,
 ``choose_config`` / ``choose_wgrad_config`` and the launchers ``mjagged_gemm`` /
 ``grouped_linear_wgrad`` (``config=``: a config that fails to launch raises).
@@ -19,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
@@ -32,8 +43,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from benchmarks import harness  # noqa: E402
 from benchmarks.bench_grouped_linear import SHAPES, make_offsets  # noqa: E402
+from benchmarks.bench_moe_layer import SHAPES as LAYERS  # noqa: E402
 from compileops.grouped_linear import kernels  # noqa: E402
 from compileops.grouped_linear.kernels import Config  # noqa: E402
+
+# bench_moe_layer.py's expert GEMMs, (G, M, K, N) as SHAPES, M = tokens * top-k routed rows:
+# "<layer>_gate_up" (x [M, D] by the gate/up weight [G, 2H, D]; the SwiGLU pass) and
+# "<layer>_down" (h [M, H] by the down weight [G, D, H]; forward and dX).
+LAYER_SHAPES = {}
+for _key, _layer in LAYERS.items():
+    _rows = _layer.tokens * _layer.top_k
+    LAYER_SHAPES[f"{_key}_gate_up"] = (_layer.experts, _rows, _layer.dim, 2 * _layer.hidden)
+    LAYER_SHAPES[f"{_key}_down"] = (_layer.experts, _rows, _layer.hidden, _layer.dim)
+# The passes a layer shape is swept for (a gate/up product is only ever the SwiGLU one).
+LAYER_PASSES = {"_gate_up": ("swiglu",), "_down": ("fwd", "dX", "dW")}
+# Descriptions for --list-configs without a GPU (the labels mark each shape's default).
+DEVICES = {"h100": kernels.H100_SXM, "h200": kernels.H200}
 
 FWD_CONFIGS = [
     Config(128, 256, 64, 8, 3, flatten=True),
@@ -143,13 +168,14 @@ def config_label(cfg: Config, default: Optional[Config] = None) -> str:
             f"{' (default)' if is_default else ''}")
 
 
-def list_configs() -> dict:
+def list_configs(device=kernels.H100_SXM) -> dict:
     """The configs each pass times, with their labels, and per benchmark shape the labels
-    against that shape's heuristic pick (``--list-configs``: what the tests check)."""
+    against that shape's heuristic pick on ``device`` (``--list-configs``: what the tests
+    check)."""
     def entry(cfg: Config, default: Optional[Config] = None) -> dict:
         return {"config": dataclasses.asdict(cfg), "label": config_label(cfg, default)}
 
-    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    cuda, bf16 = device, torch.bfloat16
     out = {
         "fwd": [entry(c) for c in FWD_CONFIGS],
         "swiglu": [entry(c) for c in SWIGLU_CONFIGS],
@@ -166,6 +192,39 @@ def list_configs() -> dict:
     return out
 
 
+def table_case(stage: str, groups: int, m: int, n_out: int) -> Optional[str]:
+    """The ``TUNED`` case a timed (pass, shape) informs (``kernels.config``'s cases), or
+    None where the heuristic has no table entry (64 rows per group or fewer)."""
+    if stage == "dW":
+        return kernels.config.wgrad_case(m, groups)
+    return kernels.config.mjagged_case(m, groups, n_out, torch.bfloat16,
+                                       swiglu=stage == "swiglu")
+
+
+def table_row(timings: dict, device_name: str, command: str) -> str:
+    """The ``TUNED`` row for this GPU, as Python source: per case, the config whose
+    geometric-mean speed-up over ``torch._grouped_mm`` across the swept (shape, split) pairs
+    is best, among the configs timed (correct) on all of them. ``timings``: case ->
+    {(shape, split, pass): {config label: (Config, speed-up)}} (forward and dX both inform
+    the "fwd" case)."""
+    lines = [f"    # {device_name}: {harness.environment_line().split(' | command')[0]};",
+             f"    #   {command}",
+             f"    {device_name!r}: {{"]
+    for case, per_shape in sorted(timings.items()):
+        common = set.intersection(*(set(results) for results in per_shape.values()))
+        if not common:
+            continue
+        label = max(common, key=lambda lb: sum(math.log(r[lb][1]) for r in per_shape.values()))
+        cfg = next(iter(per_shape.values()))[label][0]
+        gmean = math.exp(sum(math.log(r[label][1]) for r in per_shape.values()) / len(per_shape))
+        fields = ", ".join(f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(Config)
+                           if getattr(cfg, f.name) != f.default or f.name.startswith("block"))
+        lines.append(f"        {case!r}: Config({fields}),  # {label}: {gmean:.3f}x over "
+                     f"{len(per_shape)} shape/split/pass runs")
+    lines.append("    },")
+    return "\n".join(lines)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float(), b.float()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -180,16 +239,29 @@ def main() -> int:
                         help="time only the configs whose label matches this regex")
     parser.add_argument("--list-configs", action="store_true",
                         help="print the configs and their labels as JSON and exit (no GPU)")
+    parser.add_argument("--device", choices=sorted(DEVICES), default="h100",
+                        help="--list-configs: the device description the defaults are for")
+    parser.add_argument("--layer-shapes", action="store_true",
+                        help="sweep bench_moe_layer.py's expert GEMMs (gate/up: swiglu; "
+                             "down: fwd, dX, dW) instead of --shapes")
+    parser.add_argument("--table-row", action="store_true",
+                        help="end with the TUNED row these results support for this GPU")
     args = parser.parse_args()
     if args.list_configs:
-        print(json.dumps(list_configs()))
+        print(json.dumps(list_configs(DEVICES[args.device])))
         return 0
     dev = torch.device("cuda")
     torch.manual_seed(0)
     best: list[str] = []
+    timings: dict = {}  # --table-row: case -> {(shape, split, pass): {label: (Config, speed-up)}}
     t0 = time.perf_counter()
-    for name in args.shapes:
-        groups, m, k, n = SHAPES[name]
+    table = {**SHAPES, **LAYER_SHAPES}
+    names = list(LAYER_SHAPES) if args.layer_shapes else args.shapes
+    for name in names:
+        groups, m, k, n = table[name]
+        passes = [p for p in args.passes
+                  if p in next((v for end, v in LAYER_PASSES.items() if name.endswith(end)),
+                               args.passes)]
         for split in args.splits:
             offs = make_offsets(groups, m, split, dev)
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -228,7 +300,7 @@ def main() -> int:
                        lambda: torch._grouped_mm(dy.t(), x, offs=offs),
                        WGRAD_CONFIGS + [_no_db(c) for c in WGRAD_NO_DB]),
             }
-            for stage in args.passes:
+            for stage in passes:
                 ours, anchor, configs = cases[stage]
                 case = f"{name} {split} {stage}"
                 want = anchor()
@@ -251,6 +323,13 @@ def main() -> int:
                         continue
                     ok = "ok" if err < 2e-2 else f"WRONG rel err {err:.2e}"
                     results.append((ms, label))
+                    n_out = {"swiglu": n // 2, "fwd": n, "dX": k, "dW": n}[stage]
+                    case_key = table_case(stage, groups, m, n_out)
+                    # dW: the bias-free layers' form (no db) is what the table's dW runs.
+                    no_db = getattr(cfg, "_no_db", False)
+                    if case_key and err < 2e-2 and no_db == (stage == "dW"):
+                        timings.setdefault(case_key, {}).setdefault((name, split, stage), {})[
+                            config_label(cfg)] = (cfg, anchor_ms / ms)
                     print(f"{case:28s} {label:44s} {ms:8.4f} ms {flops / ms / 1e9:6.1f} TFLOP/s "
                           f"{anchor_ms / ms:5.2f}x  {ok}", flush=True)
                 if results:
@@ -261,6 +340,10 @@ def main() -> int:
             torch.cuda.empty_cache()
     print("\nBest per case:")
     print("\n".join(best))
+    if args.table_row:
+        print("\nTUNED row for compileops/grouped_linear/kernels/config.py:")
+        print(table_row(timings, torch.cuda.get_device_name(dev),
+                        "python " + " ".join(sys.argv)))
     print(f"-- sweep wall time {time.perf_counter() - t0:.0f} s")
     return 0
 

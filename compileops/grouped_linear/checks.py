@@ -264,6 +264,15 @@ def check_row_scale(x: torch.Tensor, row_scale: torch.Tensor) -> None:
              "the same device")
 
 
+def check_row_scaled_args(x, weight, offsets, row_scale) -> None:
+    """``compileops::grouped_linear_row_scaled``: the forward's arguments (no bias) and a
+    ``row_scale [M]`` in x's dtype (the public ``grouped_linear(..., row_scale=)`` casts it)."""
+    check_forward_args(x, weight, offsets, None, False)
+    check_row_scale(x, row_scale)
+    _require(row_scale.dtype == x.dtype, TypeError,
+             lambda: f"row_scale must have x's dtype {x.dtype} here, got {row_scale.dtype}")
+
+
 def check_unpermute_args(y_sorted: torch.Tensor, order: torch.Tensor,
                          weights: torch.Tensor) -> None:
     """``unpermute_and_combine``: y_sorted ``[T*k, D]``, order ``[T*k]`` int32/int64,

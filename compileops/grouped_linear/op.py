@@ -4,6 +4,9 @@
   -> [M, N]``
 * ``compileops::grouped_linear_swiglu(x, weight [G, 2H, K], offsets, bias [G, 2H]?) -> [M, H]``:
   ``silu(gate) * up`` over the two halves of a fused gate/up projection, in one kernel.
+* ``compileops::grouped_linear_row_scaled(x, weight, offsets, row_scale [M]) -> [M, N]``: the
+  forward with each output row times its scale (in x's dtype), in one kernel; the MoE down
+  projection times the router probability (its autograd: ``scaled.py``).
 * ``compileops::grouped_linear_dx(grad [M, N], weight, offsets) -> [M, K]``
 * ``compileops::grouped_linear_wgrad(grad [M, N], x [M, K], offsets, weight_dtype, bias_dtype,
   with_db=True) -> (dW [G, N, K], db [G, N])``: K-jagged, deterministic (no split-K, no
@@ -37,6 +40,7 @@ from compileops.grouped_linear.checks import (
     check_forward_args,
     check_kernel_dtype,
     check_offsets_eagerly,
+    check_row_scaled_args,
     check_splits,
     check_splits_eagerly,
     check_wgrad_args,
@@ -212,6 +216,34 @@ def _swiglu_saved_backward(ctx, grad, _grad_preact):
 
 backends.register_autograd(grouped_linear_swiglu_with_preact_op, _swiglu_saved_backward,
                            _setup_preact_context)
+
+
+@custom_op("grouped_linear_row_scaled")
+def grouped_linear_row_scaled_op(
+    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, row_scale: torch.Tensor,
+) -> torch.Tensor:
+    """x ``[M, K]``, weight ``[G, N, K]``, offsets int32 ``[G]``, row_scale ``[M]`` in x's
+    dtype -> ``[M, N]``: ``grouped_linear(x, weight, offsets) * row_scale[:, None]``, the same
+    bits, in one kernel (the scale is applied per row as the tile leaves the GEMM).
+
+    Compiled, the scale is an input of the template, loaded once per tile row: written as a
+    product after the op, Inductor may inline the scale's producers (a gather by the routing
+    order, the top-k normalisation) into the GEMM's epilogue, recomputed for every element.
+    No autograd of its own: :mod:`compileops.grouped_linear.scaled` differentiates it."""
+    check_row_scaled_args(x, weight, offsets, row_scale)
+    check_offsets_eagerly(offsets, x.shape[0])
+    if _use_triton("grouped_linear_row_scaled", x):
+        from compileops.grouped_linear import kernels
+
+        return kernels.grouped_linear_forward(x, weight, offsets, row_scale=row_scale,
+                                              batch_invariant=BATCH_INVARIANT.enabled())
+    return reference.grouped_linear_row_scaled(x, weight, offsets, row_scale)
+
+
+@grouped_linear_row_scaled_op.register_fake
+def _grouped_linear_row_scaled_fake(x, weight, offsets, row_scale):
+    check_row_scaled_args(x, weight, offsets, row_scale)
+    return x.new_empty((x.shape[0], weight.shape[1]))
 
 
 # ---------------------------------------------------------------------------------------

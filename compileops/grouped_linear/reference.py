@@ -58,6 +58,13 @@ def grouped_linear_forward(
                           x.device).to(x.dtype)
 
 
+def grouped_linear_row_scaled(x, weight, offsets, row_scale) -> torch.Tensor:
+    """``grouped_linear_forward(x, weight, offsets) * row_scale[:, None]``: the product rounded
+    to x's dtype, then each row times its scale (``row_scale [M]`` in x's dtype), rounded
+    again; the bits of writing the two steps out."""
+    return grouped_linear_forward(x, weight, offsets) * row_scale.unsqueeze(-1)
+
+
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     """``[..., 2H] -> [..., H]``: ``silu(h[..., :H]) * h[..., H:]`` (gate first, then up)."""
     gate, up = h.chunk(2, dim=-1)

@@ -35,9 +35,12 @@ def row_scaled_grouped_linear(x, weight, offsets, bias, row_scale):
 class _RowScaledGroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(x, weight, offsets, row_scale):
-        from compileops.grouped_linear.op import grouped_linear_op
+        from compileops.grouped_linear.op import grouped_linear_row_scaled_op
 
-        return grouped_linear_op(x, weight, offsets) * row_scale.to(x.dtype).unsqueeze(-1)
+        # One op, not the product written out: compiled, the scale is then the template's
+        # own input, loaded once per row, and its producers cannot become a per-element
+        # epilogue of the GEMM (compileops::grouped_linear_row_scaled).
+        return grouped_linear_row_scaled_op(x, weight, offsets, row_scale.to(x.dtype))
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -40,6 +40,26 @@ def test_benchmark_smoke(tmp_path):
         assert any(s == stage and impl.startswith("compileops") for s, impl in impls), stage
 
 
+def test_moe_layer_benchmark_smoke(tmp_path):
+    """bench_moe_layer.py --smoke: the layer compiled and timed on CPU at a tiny shape, both
+    routings; every row carries the device's name and a peak column, in the CSV and in the
+    markdown table."""
+    out = run_script("benchmarks/bench_moe_layer.py", "--smoke", "--modes", "static",
+                     "--impls", "grouped_mm", "compileops",
+                     env=dict(os.environ, OUT=str(tmp_path)))
+    with open(tmp_path / "moe_layer.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["routing"], r["impl"]) for r in rows} == {
+        (routing, impl) for routing in ("uniform", "skewed") for impl in ("grouped_mm", "compileops")}
+    for r in rows:
+        assert r["device"] == "CPU (Triton interpreter, smoke)", r
+        assert float(r["fw_ms"]) > 0 and float(r["fwbw_ms"]) > 0, r
+        assert "peak_gib" in r and not r["note"].startswith("failed"), r
+    table = [line for line in out.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| device | shape | routing | mode | impl |"), table[0]
+    assert "peak GiB" in table[0] and len(table) == 1 + len(rows), table
+
+
 @pytest.mark.parametrize("script", ["benchmarks/tuning/probe_grouped_linear_dw.py",
                                     "benchmarks/tuning/sweep_grouped_linear.py"])
 def test_tuning_script_parses_its_command_line(script):
@@ -66,7 +86,7 @@ def test_sweep_lists_the_wgrad_variants_with_distinct_labels():
         assert default in [c for c, _ in configs], (shape, default)
         marked = [i for i, label in enumerate(entry["labels"]) if label.endswith(" (default)")]
         assert [configs[i][0] for i in marked] == [default], (shape, marked)
-    cuda = torch.device("cuda")
+    cuda = kernels.H100_SXM  # a GPU description: no GPU needed
     for m, g in ((65536, 64), (65536, 128)):  # long and mid groups are among them
         assert kernels.choose_wgrad_config(m, g, 2048, 768, torch.bfloat16, cuda) in defaults
 

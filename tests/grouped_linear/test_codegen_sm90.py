@@ -51,11 +51,11 @@ def mjagged_args(ptr):
             + [(n, "i32") for n in ("M", "N_OUT", "K", "G")]
             + [(n, "i64") for n in ("stride_am", "stride_ak", "stride_bg", "stride_bk", "stride_bn",
                                     "stride_biasg", "stride_biasn", "stride_om", "stride_on")]
-            + [("pre_ptr", ptr), ("stride_pm", "i64"), ("stride_pn", "i64")])
+            + [("pre_ptr", ptr), ("stride_pm", "i64"), ("stride_pn", "i64"), ("scale_ptr", ptr)])
 
 
 def mjagged_compile(dtype, swiglu, tma=False, b_kn=False, flatten=False, cfg=None,
-                    has_bias=True, save_preact=False):
+                    has_bias=True, save_preact=False, row_scale=False):
     """``cfg=None``: choose_config's pick for a 16-bit / fp32 MoE shape. ``TMA_STORE`` is
     always passed (``cfg.tma_store`` on the TMA path, as the launcher does; see
     :func:`kjagged_compile` on unnamed defaulted constexprs)."""
@@ -63,14 +63,15 @@ def mjagged_compile(dtype, swiglu, tma=False, b_kn=False, flatten=False, cfg=Non
 
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     if cfg is None:
-        cfg = kernels.choose_config(65536, 128, 1536, 2048, torch_dtype, torch.device("cuda"))
+        cfg = kernels.choose_config(65536, 128, 1536, 2048, torch_dtype, kernels.H100_SXM)
     return compile_sm90(
         kernels.mjagged_gemm_kernel, mjagged_args(TYPES[dtype]),
         dict(HAS_BIAS=has_bias, SWIGLU=swiglu, NUM_PROGS=132 * cfg.programs_per_sm,
              GROUP_M=cfg.group_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
              BLOCK_K=cfg.block_k, INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32",
              INTERPRETER_DOT=False, USE_TMA=tma, B_KN=b_kn, G_BLOCK=kernels.group_block(128),
-             FLATTEN=flatten, TMA_STORE=tma and cfg.tma_store, SAVE_PREACT=save_preact),
+             FLATTEN=flatten, TMA_STORE=tma and cfg.tma_store, SAVE_PREACT=save_preact,
+             ROW_SCALE=row_scale),
         # dX reads W_g [N, K] as B [K, N]: its unit stride is along N, as in a real launch
         # (TMA descriptors need 16-byte aligned strides but the innermost).
         unit=UNIT_DX if b_kn else UNIT,
@@ -257,7 +258,7 @@ def test_codegen_defaults_are_choose_wgrad_config(groups, kind):
     from compileops.grouped_linear.kernels.kjagged import wgrad_variant_flags
 
     cfg = kernels.choose_wgrad_config(65536, groups, 2048, 768, torch.bfloat16,
-                                      torch.device("cuda"))
+                                      kernels.H100_SXM)
     block_k, warps, stages, flags = WGRAD_VARIANTS[f"wgrad-default-{kind}"]
     assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == (
         64, 128, block_k, warps, stages), cfg

@@ -228,7 +228,7 @@ def test_batch_invariant_collapses_max_autotune_configs(monkeypatch):
     import compileops.lowerings.grouped_linear as lowering
 
     monkeypatch.setattr(lowering._compat, "max_autotune_enabled", lambda: True)
-    cuda = torch.device("cuda")
+    cuda = kernels.H100_SXM  # a GPU's description: no GPU needed
     configs, autotune = lowering._configs(4096, 8, 256, 512, torch.bfloat16, cuda, tma=True)
     assert autotune and len(configs) > 1  # autotuning is really on outside the mode
     bi = kernels.BATCH_INVARIANT_CONFIG
@@ -238,3 +238,112 @@ def test_batch_invariant_collapses_max_autotune_configs(monkeypatch):
             configs, autotune = lowering._configs(m, 8, 256, 512, torch.bfloat16, cuda, tma=True)
             assert configs == expected and not autotune, (m, configs)
     assert not is_batch_invariant()
+
+
+def _offered_choices(fn, args, spec, *, max_autotune: bool):
+    """The lowering's choices for each grouped-linear call of ``fn(*args)`` planned for
+    ``spec`` (Triton code generation on CPU; no benchmarking: the selection is intercepted),
+    as ``{op name: [choice names]}``, with the recorded decisions."""
+    from unittest import mock
+
+    import compileops.lowerings.grouped_linear as lowering
+
+    torch._dynamo.reset()
+    offered = {}
+    real_select = _compat.autotune_select_algorithm
+
+    def select(name, choices, input_nodes, layout, **kwargs):
+        offered.setdefault(name, []).append([c.name for c in choices])
+        return real_select(name, choices[:1], input_nodes, layout, **kwargs)
+
+    with lowering.plan_for(spec), lowering.record_decisions() as decisions, \
+            _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu(), \
+            _compat.inductor_config_patch(max_autotune=max_autotune), \
+            _compat.lower_only(), mock.patch.object(lowering._compat,
+                                                    "autotune_select_algorithm", select):
+        try:
+            torch.compile(fn, fullgraph=True)(*args)
+        except _compat.LoweredOnly:
+            pass
+    return offered, decisions
+
+
+def _moe_expert_bf16(recompute=False):
+    x, w, offs, _, p = make([96, 0, 160, 64], k=64, n=128)
+    w2 = torch.randn(4, 64, 64) / 8
+    x, w, w2 = (t.bfloat16().requires_grad_() for t in (x, w, w2))
+
+    def expert(x, w, w2, offs, p):
+        h = compileops.grouped_linear_swiglu(x, w, offs, recompute=recompute)
+        return compileops.grouped_linear(h, w2, offs, row_scale=p)
+
+    return expert, (x, w, w2, offs, p)
+
+
+def test_max_autotune_offers_the_bounded_config_list():
+    """Under max-autotune, planned for an H100: every grouped-linear call (the SwiGLU
+    training op, the row-scaled down projection, both dX in the backward) is offered
+    several template configs (pointer and TMA loads, the heuristic pick first), that fit
+    the part's shared memory; the ops with an eager extern form offer it too. In default
+    mode each is offered the one heuristic config."""
+    from compileops.grouped_linear import kernels
+    from compileops.grouped_linear.kernels import config as config_mod
+    import compileops.lowerings.grouped_linear as lowering
+
+    fn, args = _moe_expert_bf16()
+    spec = kernels.H100_SXM
+    offered, decisions = _offered_choices(fn, args, spec, max_autotune=True)
+    ops = [d.op for d in decisions]
+    assert ops == ["grouped_linear_swiglu_with_preact", "grouped_linear_row_scaled",
+                   "grouped_linear_dx", "grouped_linear_dx"], ops
+    for d in decisions:
+        names = offered[f"compileops_{d.op}"].pop(0)
+        assert d.autotune and len(d.configs) >= 6, d
+        assert len(names) == len(d.configs) + d.extern, (d.op, names)
+        assert {tma for _, tma in d.configs} == {True, False}, d
+        tiles = [cfg for cfg, _ in d.configs]
+        swiglu = d.op.startswith("grouped_linear_swiglu")
+        assert tiles[0] == kernels.choose_config(d.m, d.groups, d.n, d.k, torch.bfloat16, spec,
+                                                 swiglu=swiglu), d
+        for cfg in tiles:
+            stages = config_mod.operand_stage_bytes(cfg, 2, swiglu=swiglu) * cfg.num_stages
+            assert stages <= spec.smem_per_block - config_mod.EPILOGUE_SMEM_RESERVE, cfg
+        # The eager op is an extern choice, except for the op with a second output.
+        assert d.extern == (0 if swiglu else 1), d
+        assert any(n.startswith("compileops_") and "eager" in n for n in names) == (not swiglu)
+    assert len(lowering.AUTOTUNE_CONFIGS) <= 8 and len(lowering.AUTOTUNE_SWIGLU_CONFIGS) <= 8
+
+    offered, decisions = _offered_choices(fn, args, spec, max_autotune=False)
+    assert [len(d.configs) for d in decisions] == [1, 1, 1, 1], decisions
+    assert all(len(v) == 1 for names in offered.values() for v in names), offered
+
+
+def test_max_autotune_of_the_swiglu_training_op_runs():
+    """The SwiGLU op that also writes its pre-activations, autotuned over two template
+    configs (tiny tiles, interpreter) with its extra output as a mutated input: benchmarked
+    on skewed offsets, and the chosen kernel writes both outputs."""
+    from unittest import mock
+
+    import compileops.lowerings.grouped_linear as lowering
+
+    x, w, offs, b, p = make([5, 0, 11, 3])
+    for t in (x, w, b):
+        t.requires_grad_()
+    grad = torch.randn(21, 12)
+    calls = []
+    real_gen = lowering.skewed_offsets
+
+    def gen(*args, **kwargs):
+        calls.append(args)
+        return real_gen(*args, **kwargs)
+
+    def two_configs(*args, **kwargs):
+        return [(Config(16, 32, 16, 1, 1), False), (Config(16, 16, 16, 1, 1), False)], True
+
+    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu(), \
+            _compat.inductor_config_patch(max_autotune=True), \
+            mock.patch.object(lowering, "_configs", two_configs), \
+            mock.patch.object(lowering, "skewed_offsets", gen):
+        out, _ = _compiled_fw_bw(moe_expert, (x, w, offs, b, p), grad)
+    assert calls, "autotuning must benchmark on generated (skewed) offsets"
+    _assert_fw_bw_match_fp64(out, grad, x, w, offs, b, p)

@@ -148,6 +148,22 @@ def test_compiled_template_fused_epilogue():
     assert_close_to_reference(out, ref, max_relative_error=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_row_scaled_op_is_the_written_out_product_bitwise(dtype):
+    """The row-scaled forward, eager kernel and compiled template (static and dynamic): the
+    bits of ``grouped_linear(...) * scale`` written out (both roundings to nearest)."""
+    from compileops.grouped_linear.op import grouped_linear_row_scaled_op
+
+    x, w, offs, _ = make(8, 2048, 512, 1024, dtype)
+    scale = torch.rand(2048, device="cuda").to(dtype)
+    want = compileops.grouped_linear(x, w, offs) * scale[:, None]
+    assert torch.equal(grouped_linear_row_scaled_op(x, w, offs, scale), want)
+    for dynamic in (False, True):
+        torch._dynamo.reset()
+        compiled = torch.compile(grouped_linear_row_scaled_op, fullgraph=True, dynamic=dynamic)
+        assert torch.equal(compiled(x, w, offs, scale), want), dynamic
+
+
 def test_tma_path_used_on_sm90_and_matches_pointer_path():
     from compileops.grouped_linear import kernels
 

@@ -131,7 +131,7 @@ def test_default_configs():
     """16-bit on a GPU: ragged TMA loads by default, plus TMA stores and super-blocks of 8
     N-tiles for long groups (mean group size >= 512; below 1024 with four stages and the
     store in halves); fp32 and the interpreter get configs without variant flags."""
-    cuda = torch.device("cuda")
+    cuda = kernels.H100_SXM  # a GPU description: no GPU needed
     long = kernels.choose_wgrad_config(65536, 64, 2048, 768, torch.bfloat16, cuda)
     assert long == Config(64, 128, 256, 8, 3, flatten=True, ragged_tma=True, tma_store=True,
                           group_n=8)
@@ -154,7 +154,7 @@ def test_default_configs():
 def test_default_gpu_configs_are_bitwise_their_plain_form(g, n):
     """choose_wgrad_config's sm90 defaults at their real tile sizes (interpreter, emulated
     TMA): same bits as without the variant flags, groups with partial last chunks."""
-    cuda = torch.device("cuda")
+    cuda = kernels.H100_SXM  # a GPU description: no GPU needed
     m = 65536
     cfg = kernels.choose_wgrad_config(m, g, n, 256, torch.bfloat16, cuda)
     plain = dataclasses.replace(cfg, ragged_tma=False, tma_store=False, epilogue_subtile=False)

@@ -86,12 +86,65 @@ def test_compiled_fullgraph_matches_eager(dynamic):
         assert_close_to_reference(g, e, max_relative_error=1e-6, what=what)
 
 
-def test_scale_is_the_template_epilogue():
+def test_scale_is_an_input_of_the_template():
+    """Compiled, one kernel: the row-scaled template, the scale applied inside it."""
     x, w, offs, scale, _ = _inputs(torch.float32, 16, 32)
     kernels = inductor_kernels(_scaled, x, w, offs, scale, triton=True)
-    templates = [k for k in kernels.splitlines() if k.startswith("triton_tem_")]
-    assert len(templates) == 1 and "mul" in templates[0], kernels
-    assert all(k.startswith("triton_tem_") for k in kernels.splitlines()), kernels
+    assert kernels == "triton_tem_fused_grouped_linear_row_scaled", kernels
+
+
+@pytest.mark.parametrize("dtype,backend", [(torch.float32, "triton"), (torch.float32, "reference"),
+                                           (torch.bfloat16, "reference")], ids=str)
+def test_row_scaled_op_is_the_written_out_product_bitwise(dtype, backend):
+    """``compileops::grouped_linear_row_scaled`` (the eager Triton kernel, the reference):
+    the bits of ``grouped_linear(...) * scale`` written out, tail rows included. (16-bit on
+    the Triton kernel: test_gpu.py; Triton's interpreter casts fp32 to bf16 by truncation,
+    where the GPU and PyTorch round to nearest, so the kernel's two roundings cannot match
+    PyTorch's product on CPU.)"""
+    from compileops.grouped_linear.op import grouped_linear_row_scaled_op
+
+    x, w, offs, scale, _ = _inputs(dtype, 10, 6)
+    scale = scale.to(dtype)
+    scale[-1] = 3.0  # a tail row (past the last offset): 0 * scale
+    with compileops.use_backend(backend):
+        got = grouped_linear_row_scaled_op(x, w, offs, scale)
+        want = compileops.grouped_linear(x, w, offs) * scale[:, None]
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_row_scaled_template_is_the_eager_kernel_bitwise(dynamic):
+    """The template (Triton code for CPU tensors, run by the interpreter) and the eager
+    kernel share the tile body and the row scaling: the same bits, bf16."""
+    from compileops.lowerings import _compat
+
+    x, w, offs, scale, _ = _inputs(torch.bfloat16, 24, 40)
+    scale = scale.to(torch.bfloat16)
+    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
+        compiled = torch.compile(_scaled, fullgraph=True, dynamic=dynamic)
+        got, sources = _compat.run_and_get_code(compiled, x, w, offs, scale)
+    assert "scale_rows(" in "\n".join(sources)
+    assert torch.equal(got, _scaled(x, w, offs, scale))
+
+
+def test_row_scaled_op_opcheck():
+    from compileops.grouped_linear.op import grouped_linear_row_scaled_op
+
+    x, w, offs, scale, _ = _inputs(torch.float32, 6, 10)
+    torch.library.opcheck(grouped_linear_row_scaled_op, (x, w, offs, scale))
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_row_scaled_op_wants_the_scale_in_x_dtype(mode):
+    """The op itself takes the scale in x's dtype (the public function casts it)."""
+    from compileops.grouped_linear.op import grouped_linear_row_scaled_op
+
+    x, w, offs, scale, _ = _inputs(torch.float32, 6, 10)
+    fn = grouped_linear_row_scaled_op
+    if mode == "compiled":
+        fn = torch.compile(fn, fullgraph=True)
+    with raises(TypeError, "row_scale must have x's dtype", compiled=mode == "compiled"):
+        fn(x, w, offs, scale.double())
 
 
 def test_with_bias_is_the_written_out_product():

@@ -15,7 +15,8 @@ One job per file:
 * :mod:`.kjagged`: the dW/db tile body, kernel and launcher;
 * :mod:`.tma`: TMA descriptors (ragged ones too), when a launch takes them, and the
   per-device fallback when one fails;
-* :mod:`.config`: :class:`Config` (the tuning API) and the heuristics that pick one.
+* :mod:`.config`: :class:`Config` (the tuning API), :class:`DeviceSpec` (the device a config
+  is picked for, with the measured picks per device in ``TUNED``) and the heuristics.
 
 The Inductor template (``lowerings/templates/grouped_linear.py.jinja``) imports the
 M-jagged ``@triton.jit`` bodies from these modules, so no kernel math is written twice
@@ -23,14 +24,20 @@ M-jagged ``@triton.jit`` bodies from these modules, so no kernel math is written
 """
 from compileops.grouped_linear.kernels.config import (
     BATCH_INVARIANT_CONFIG,
+    H100_SXM,
+    H200,
+    INTERPRETER,
     INTERPRETER_CONFIG,
+    TUNED,
     WGRAD_FP32_CONFIG,
     WGRAD_LONG_CONFIG,
     WGRAD_MID_CONFIG,
     WGRAD_SHORT_CONFIG,
     Config,
+    DeviceSpec,
     choose_config,
     choose_wgrad_config,
+    device_spec,
     interpreter_dot,
     grid_size,
     group_block,
@@ -48,6 +55,7 @@ from compileops.grouped_linear.kernels.mjagged import (
     mjagged_gemm,
     mjagged_gemm_kernel,
     mjagged_tile,
+    scale_rows,
     swiglu,
 )
 from compileops.grouped_linear.kernels.tiles import group_tile_table, locate_tile
@@ -62,16 +70,22 @@ from compileops.grouped_linear.kernels.tma import (
 
 __all__ = [
     "BATCH_INVARIANT_CONFIG",
+    "H100_SXM",
+    "H200",
+    "INTERPRETER",
     "INTERPRETER_CONFIG",
     "RAGGED_ROWS",
+    "TUNED",
     "WGRAD_FP32_CONFIG",
     "WGRAD_LONG_CONFIG",
     "WGRAD_MID_CONFIG",
     "WGRAD_SHORT_CONFIG",
     "Config",
+    "DeviceSpec",
     "Fallback",
     "choose_config",
     "choose_wgrad_config",
+    "device_spec",
     "interpreter_dot",
     "fell_back",
     "grid_size",
@@ -89,6 +103,7 @@ __all__ = [
     "mjagged_gemm_kernel",
     "mjagged_tile",
     "num_programs",
+    "scale_rows",
     "swiglu",
     "tma_applies",
     "wgrad_tma_applies",

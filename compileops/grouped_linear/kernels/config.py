@@ -1,8 +1,16 @@
 """Tile configs of the grouped linear kernels: :class:`Config`, the tuning API, and the
 host-side heuristics that pick one per launch (host ints only, never a device read).
 
+The pick depends on the device, described by a :class:`DeviceSpec` (name, SM count, shared
+memory per block, compute capability): :func:`device_spec` reads it from a GPU, and tests or
+offline tools pass one (:data:`H100_SXM`, :data:`H200`) to ask "what would run on that part"
+on a CPU machine. Configs measured on one part live in :data:`TUNED`, one row per device
+name; a part without a row (or a case its row does not list) gets the generic rule, bounded
+by the part's shared memory. Nothing measured on one part is assumed on another.
+
 Why the defaults are what they are, with the measurements: ``benchmarks/RESULTS.md``
-(grouped linear). ``benchmarks/tuning/sweep_grouped_linear.py`` times the alternatives.
+(grouped linear). ``benchmarks/tuning/sweep_grouped_linear.py`` times the alternatives and
+prints the :data:`TUNED` row its results support (``--table-row``).
 """
 from __future__ import annotations
 
@@ -80,39 +88,67 @@ BATCH_INVARIANT_CONFIG = Config(64, 64, 32, num_warps=4, num_stages=3)
 INTERPRETER_CONFIG = Config(16, 32, 32, num_warps=1, num_stages=1)
 
 
-def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
-                  device: torch.device, *, batch_invariant: bool = False,
-                  swiglu: bool = False) -> Config:
-    """M-jagged tile config from the mean group size ``M / G`` (host ints only).
+# ---------------------------------------------------------------------------------------
+# The device a config is picked for
 
-    Small groups (decode-like MoE, many experts) get short M tiles so little work is
-    masked. Larger groups in 16-bit get 128 x 256 tiles (the intensity Hopper's wgmma needs
-    to stay off the L2-bandwidth limit) with the persistent loop flattened, so the next
-    tile's loads overlap this tile's epilogue, and four operand stages (192 KB of shared
-    memory); SwiGLU holds two accumulators, so its tiles are 128 x 128 and not flattened.
-    ``batch_invariant`` returns the fixed :data:`BATCH_INVARIANT_CONFIG` (on CPU, the
-    interpreter's config).
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    """What the config heuristics know of a device.
+
+    * ``name``: ``torch.cuda.get_device_name()`` (the :data:`TUNED` key);
+    * ``sm_count``: streaming multiprocessors (the persistent grid is one program per SM
+      times ``Config.programs_per_sm``);
+    * ``smem_per_block``: the shared memory one program may use, in bytes (the opt-in
+      maximum; it bounds the operand stages);
+    * ``capability``: the CUDA compute capability, ``(0, 0)`` for the interpreter (TMA
+      descriptors need ``(9, 0)`` or above).
     """
-    if device.type == "cpu":
-        return INTERPRETER_CONFIG
-    if batch_invariant:
-        return BATCH_INVARIANT_CONFIG
-    mean = m_total / max(groups, 1)
-    small = dtype == torch.float32
-    if mean <= 16:
-        return Config(16, 128, 64 if not small else 32, num_warps=4, num_stages=4)
-    if mean <= 64:
-        return Config(64, 128, 64 if not small else 32, num_warps=4, num_stages=4)
-    if small:
-        return Config(128, 128 if n >= 128 else 64, 32, num_warps=8, num_stages=2)
-    if swiglu:
-        return Config(128, 128, 64, num_warps=8, num_stages=3)
-    if n <= 128:
-        return Config(128, 128, 64, num_warps=8, num_stages=3, flatten=True)
-    return Config(128, 256, 64, num_warps=8, num_stages=4, flatten=True)
+
+    name: str
+    sm_count: int
+    smem_per_block: int
+    capability: tuple[int, int] = (0, 0)
+
+    @property
+    def interpreter(self) -> bool:
+        """Triton's interpreter on CPU tensors (no GPU)."""
+        return self.capability == (0, 0)
 
 
-# dW defaults, 16-bit inputs on a GPU. Where a variant flag does not apply to a launch (no
+# Descriptions of the parts the project runs on, for tests and offline planning (what
+# device_spec() reads on each: 132 SMs, 227 KB of opt-in shared memory per block, sm_90).
+H100_SXM = DeviceSpec("NVIDIA H100 80GB HBM3", 132, 232448, (9, 0))
+H200 = DeviceSpec("NVIDIA H200", 132, 232448, (9, 0))
+# CPU tensors under Triton's interpreter: four programs (num_programs).
+INTERPRETER = DeviceSpec("Triton interpreter (CPU)", 4, 0, (0, 0))
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_spec(index: int) -> DeviceSpec:
+    props = torch.cuda.get_device_properties(index)
+    smem = getattr(props, "shared_memory_per_block_optin", 0)
+    if not smem:  # older torch: ask Triton's driver
+        smem = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+    return DeviceSpec(props.name, props.multi_processor_count, int(smem),
+                      (props.major, props.minor))
+
+
+def device_spec(device) -> DeviceSpec:
+    """The :class:`DeviceSpec` of ``device`` (a ``torch.device``; a ``DeviceSpec`` is
+    returned as is). CUDA devices are queried once per index; CPU tensors run under the
+    interpreter (:data:`INTERPRETER`)."""
+    if isinstance(device, DeviceSpec):
+        return device
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _cuda_spec(device.index if device.index is not None
+                          else torch.cuda.current_device())
+    return INTERPRETER
+
+
+# dW configs, 16-bit inputs on a GPU: the generic rule's picks (choose_wgrad_config), measured
+# on the H100 (TUNED's row cites them). Where a variant flag does not apply to a launch (no
 # TMA: pre-sm90 GPUs, COMPILEOPS_GROUPED_TMA=0, unaligned strides; for tma_store also
 # N % block_n != 0, a non-16-bit or unaligned dW) the launch drops it (wgrad_variant_flags).
 #
@@ -134,22 +170,159 @@ WGRAD_SHORT_CONFIG = Config(64, 128, 128, num_warps=4, num_stages=3, programs_pe
 WGRAD_FP32_CONFIG = Config(32, 128, 64, num_warps=8, num_stages=3)
 
 
+# ---------------------------------------------------------------------------------------
+# Measured picks per device
+#
+# One row per device name (torch.cuda.get_device_name()); each names where it was measured.
+# A row lists only the cases its sweeps measured; the others, and parts without a row, get
+# the generic rule (_generic_config; choose_wgrad_config's constants above). To add or update
+# a row, run on that part
+#     python benchmarks/tuning/sweep_grouped_linear.py --layer-shapes --passes swiglu fwd dX \
+#         --table-row
+# which prints the row the sweep's results support (benchmarks/README.md, "tuning/").
+#
+# Cases (16-bit inputs on a GPU; fp32, small groups and batch-invariant mode stay generic):
+#   "swiglu"      the fused gate/up SwiGLU product, more than 64 rows per group
+#   "fwd"         forward and dX, more than 64 rows per group, more than 128 output columns
+#   "fwd_narrow"  the same with at most 128 output columns
+#   "wgrad_long" / "wgrad_mid" / "wgrad_short"  dW, 1024+ / 512-1023 / fewer rows per group
+TUNED: dict[str, dict[str, Config]] = {
+    # H100 80GB HBM3 (SXM), torch 2.11 / triton 3.6: the 2026-11-21/22 sweeps on the
+    # grouped-linear bench shapes (benchmarks/RESULTS.md, "Grouped linear" and its tried-and-
+    # dropped list): 128 x 256 flattened, four stages (K <= 1024 included); SwiGLU 128 x 128
+    # not flattened; dW long / mid / short as above. "fwd_narrow" was not swept (generic).
+    "NVIDIA H100 80GB HBM3": {
+        "swiglu": Config(128, 128, 64, num_warps=8, num_stages=3),
+        "fwd": Config(128, 256, 64, num_warps=8, num_stages=4, flatten=True),
+        "wgrad_long": WGRAD_LONG_CONFIG,
+        "wgrad_mid": WGRAD_MID_CONFIG,
+        "wgrad_short": WGRAD_SHORT_CONFIG,
+    },
+    # NVIDIA H200: no row yet (generic rule). Fill it from the sweep run on an H200.
+}
+
+
+def tuned_config(spec: DeviceSpec, case: str) -> Optional[Config]:
+    """The :data:`TUNED` config of ``case`` on ``spec``'s part, or None (generic rule)."""
+    return TUNED.get(spec.name, {}).get(case)
+
+
+# Shared memory kept free of operand stages for the epilogue (layout conversion, barriers):
+# on sm_90 the four-stage 128 x 256 x 64 tile (192 KB of stages) runs in 227 KB.
+EPILOGUE_SMEM_RESERVE = 32 * 1024
+
+
+def operand_stage_bytes(cfg: Config, element_size: int, *, swiglu: bool = False) -> int:
+    """Shared memory of one M-jagged operand stage: an A tile ``[block_m, block_k]`` and one
+    B tile ``[block_k, block_n]`` (two with SwiGLU: gate and up)."""
+    b_tiles = 2 if swiglu else 1
+    return (cfg.block_m + b_tiles * cfg.block_n) * cfg.block_k * element_size
+
+
+def _stages_that_fit(cfg: Config, spec: DeviceSpec, element_size: int, want: int, *,
+                     swiglu: bool = False) -> int:
+    """``want`` operand stages, fewer where ``spec``'s shared memory (less
+    :data:`EPILOGUE_SMEM_RESERVE` for the epilogue) holds fewer; at least 2."""
+    budget = spec.smem_per_block - EPILOGUE_SMEM_RESERVE
+    fit = budget // max(operand_stage_bytes(cfg, element_size, swiglu=swiglu), 1)
+    return max(2, min(want, fit))
+
+
+def _generic_config(mean: float, n: int, dtype: torch.dtype, spec: DeviceSpec,
+                    swiglu: bool) -> Config:
+    """The rule for a part (or case) without a :data:`TUNED` entry, from the mean group size
+    and the part's shared memory: the tile shapes Hopper's wgmma wants, with as many operand
+    stages as the part holds (the narrower tile where the wide one would get fewer than 3)."""
+    small = dtype == torch.float32
+    if mean <= 16:
+        cfg = Config(16, 128, 64 if not small else 32, num_warps=4, num_stages=4)
+    elif mean <= 64:
+        cfg = Config(64, 128, 64 if not small else 32, num_warps=4, num_stages=4)
+    elif small:
+        cfg = Config(128, 128 if n >= 128 else 64, 32, num_warps=8, num_stages=2)
+    elif swiglu:
+        cfg = Config(128, 128, 64, num_warps=8, num_stages=3)
+    elif n <= 128:
+        cfg = Config(128, 128, 64, num_warps=8, num_stages=3, flatten=True)
+    else:
+        cfg = Config(128, 256, 64, num_warps=8, num_stages=4, flatten=True)
+        if _stages_that_fit(cfg, spec, dtype.itemsize, 4) < 3:
+            cfg = Config(128, 128, 64, num_warps=8, num_stages=3, flatten=True)
+    stages = _stages_that_fit(cfg, spec, dtype.itemsize, cfg.num_stages, swiglu=swiglu)
+    return dataclasses.replace(cfg, num_stages=stages)
+
+
+def mjagged_case(m_total: int, groups: int, n: int, dtype: torch.dtype, *,
+                 swiglu: bool = False) -> Optional[str]:
+    """The :data:`TUNED` case of an M-jagged product (forward, dX, SwiGLU), or None where
+    the generic rule always decides (fp32, 64 rows per group or fewer)."""
+    if dtype == torch.float32 or m_total / max(groups, 1) <= 64:
+        return None
+    if swiglu:
+        return "swiglu"
+    return "fwd_narrow" if n <= 128 else "fwd"
+
+
+def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
+                  device, *, batch_invariant: bool = False, swiglu: bool = False) -> Config:
+    """M-jagged tile config from the mean group size ``M / G`` (host ints only) for
+    ``device`` (a ``torch.device`` or a :class:`DeviceSpec`).
+
+    Small groups (decode-like MoE, many experts) get short M tiles so little work is
+    masked. Larger groups in 16-bit take the part's :data:`TUNED` entry, else the generic
+    rule: 128 x 256 tiles (the intensity Hopper's wgmma needs to stay off the L2-bandwidth
+    limit) with the persistent loop flattened, so the next tile's loads overlap this tile's
+    epilogue, and as many operand stages as the part's shared memory holds, up to four
+    (192 KB); SwiGLU holds two accumulators, so its tiles are 128 x 128 and not flattened.
+    ``batch_invariant`` returns the fixed :data:`BATCH_INVARIANT_CONFIG` (in the
+    interpreter, its config).
+    """
+    spec = device_spec(device)
+    if spec.interpreter:
+        return INTERPRETER_CONFIG
+    if batch_invariant:
+        return BATCH_INVARIANT_CONFIG
+    case = mjagged_case(m_total, groups, n, dtype, swiglu=swiglu)
+    tuned = tuned_config(spec, case) if case else None
+    if tuned is not None:
+        return tuned
+    return _generic_config(m_total / max(groups, 1), n, dtype, spec, swiglu)
+
+
+def wgrad_case(m_total: int, groups: int) -> str:
+    """The :data:`TUNED` case of a 16-bit dW launch, by the mean group size."""
+    mean = m_total / max(groups, 1)
+    return "wgrad_long" if mean >= 1024 else "wgrad_mid" if mean >= 512 else "wgrad_short"
+
+
+# The generic dW rule's configs, by case (TMA stores and four stages need sm90's shared
+# memory: on a part with less, the generic rule drops to WGRAD_SHORT_CONFIG).
+_GENERIC_WGRAD = {"wgrad_long": WGRAD_LONG_CONFIG, "wgrad_mid": WGRAD_MID_CONFIG,
+                  "wgrad_short": WGRAD_SHORT_CONFIG}
+# Shared memory the long and mid dW configs need on sm_90 (see the comments above them).
+_WGRAD_LONG_SMEM = 231712
+
+
 def choose_wgrad_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
-                        device: torch.device) -> Config:
-    """dW (K-jagged) config from the mean group size ``M / G``: :data:`WGRAD_LONG_CONFIG`
-    from 1024 rows per group, :data:`WGRAD_MID_CONFIG` from 512, else
-    :data:`WGRAD_SHORT_CONFIG` (see the comments above them); fp32 and the interpreter get
-    configs without variant flags."""
-    if device.type == "cpu":
+                        device) -> Config:
+    """dW (K-jagged) config from the mean group size ``M / G`` for ``device`` (a
+    ``torch.device`` or a :class:`DeviceSpec`): the part's :data:`TUNED` entry, else
+    :data:`WGRAD_LONG_CONFIG` from 1024 rows per group, :data:`WGRAD_MID_CONFIG` from 512,
+    else :data:`WGRAD_SHORT_CONFIG` (see the comments above them; the first two only where
+    the part's shared memory holds them); fp32 and the interpreter get configs without
+    variant flags."""
+    spec = device_spec(device)
+    if spec.interpreter:
         return INTERPRETER_CONFIG
     if dtype == torch.float32:
         return WGRAD_FP32_CONFIG
-    mean = m_total / max(groups, 1)
-    if mean >= 1024:
-        return WGRAD_LONG_CONFIG
-    if mean >= 512:
-        return WGRAD_MID_CONFIG
-    return WGRAD_SHORT_CONFIG
+    case = wgrad_case(m_total, groups)
+    tuned = tuned_config(spec, case)
+    if tuned is not None:
+        return tuned
+    if case != "wgrad_short" and spec.smem_per_block < _WGRAD_LONG_SMEM:
+        return WGRAD_SHORT_CONFIG
+    return _GENERIC_WGRAD[case]
 
 
 def input_precision(dtype: torch.dtype) -> str:
@@ -177,8 +350,11 @@ def num_programs(device_index: Optional[int], device_type: str) -> int:
     return 4
 
 
-def grid_size(device: torch.device, cfg: Config) -> int:
-    """Programs of a persistent launch with ``cfg`` on ``device``."""
+def grid_size(device, cfg: Config) -> int:
+    """Programs of a persistent launch with ``cfg`` on ``device`` (a ``torch.device`` or a
+    :class:`DeviceSpec`)."""
+    if isinstance(device, DeviceSpec):
+        return device.sm_count * cfg.programs_per_sm
     base = num_programs(device.index if device.type == "cuda" else None, device.type)
     return base * cfg.programs_per_sm
 

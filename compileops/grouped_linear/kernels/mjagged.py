@@ -157,6 +157,24 @@ def swiglu(gate, up):
 
 
 @triton.jit
+def scale_rows(acc, scale_ptr, row_start, m_size, tile_m, BLOCK_M: tl.constexpr,
+               OUT_DTYPE: tl.constexpr):
+    """The row-scaled tile, fp32 ``[BLOCK_M, BLOCK_N]``: ``acc`` rounded to ``OUT_DTYPE``,
+    times ``scale[row_start + rm]`` (``scale_ptr``: ``[M]`` in ``OUT_DTYPE``, contiguous;
+    rows at or past ``m_size`` read 1).
+
+    The caller's store rounds the product to ``OUT_DTYPE``, so the bits are those of the
+    product written out, ``y.to(dtype) * scale`` (PyTorch multiplies 16-bit tensors in fp32
+    and rounds once). One ``[BLOCK_M]`` load per tile: the scale is per row, so it costs
+    nothing beside the tile's GEMM (as a fused Inductor epilogue it was loaded per element).
+    """
+    rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = (row_start + rm).to(tl.int64)
+    scale = tl.load(scale_ptr + rows, mask=rm < m_size, other=1.0).to(tl.float32)
+    return acc.to(OUT_DTYPE).to(tl.float32) * scale[:, None]
+
+
+@triton.jit
 def store_tile(out_ptr, stride_om, stride_on, row_start, m_size, tile_m, tile_n, col_offset,
                n_size, tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Masked pointer store of the fp32 ``tile [BLOCK_M, BLOCK_N]`` (rows ``tile_m * BLOCK_M +
@@ -181,12 +199,13 @@ def mjagged_gemm_kernel(
     a_ptr, b_ptr, bias_ptr, offs_ptr, out_ptr,
     M, N_OUT, K, G,
     stride_am, stride_ak, stride_bg, stride_bk, stride_bn, stride_biasg, stride_biasn,
-    stride_om, stride_on, pre_ptr, stride_pm, stride_pn,
+    stride_om, stride_on, pre_ptr, stride_pm, stride_pn, scale_ptr,
     HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NUM_PROGS: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, INTERPRETER_DOT: tl.constexpr,
     USE_TMA: tl.constexpr, B_KN: tl.constexpr, G_BLOCK: tl.constexpr, FLATTEN: tl.constexpr,
     TMA_STORE: tl.constexpr = False, SAVE_PREACT: tl.constexpr = False,
+    ROW_SCALE: tl.constexpr = False,
 ):
     """Persistent M-jagged grouped GEMM.
 
@@ -201,6 +220,8 @@ def mjagged_gemm_kernel(
     * ``pre_ptr`` (``SAVE_PREACT``, with ``SWIGLU``): the pre-activations ``[M, 2 * N_OUT]``
       (gate, then up), strides ``(stride_pm, stride_pn)``, stored beside ``silu(gate) * up``
       for the backward; tail rows are zeros too. Unused otherwise.
+    * ``scale_ptr`` (``ROW_SCALE``): ``[M]`` in out's dtype, contiguous: row i of the output
+      is multiplied by ``scale[i]`` after rounding (:func:`scale_rows`).
 
     Every program strides through the flat tile space by ``NUM_PROGS``. ``FLATTEN`` lets
     Triton pipeline across consecutive tiles. ``USE_TMA``: loads through descriptors
@@ -244,6 +265,9 @@ def mjagged_gemm_kernel(
                 store_tile(pre_ptr, stride_pm, stride_pn, start, end - start, tile_m, tile_n,
                            N_OUT, N_OUT, up, BLOCK_M, BLOCK_N)
             acc = swiglu(acc, up)
+        if ROW_SCALE:
+            acc = scale_rows(acc, scale_ptr, start, end - start, tile_m, BLOCK_M,
+                             out_ptr.dtype.element_ty)
         if USE_TMA and TMA_STORE:
             store_rows_below(out_desc, start + tile_m * BLOCK_M, end, tile_n * BLOCK_N,
                              acc.to(out_ptr.dtype.element_ty), BLOCK_M, BLOCK_N)
@@ -261,7 +285,8 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
                  swiglu: bool = False, out_dtype: torch.dtype,
                  config: Optional[Config] = None, batch_invariant: bool = False,
                  b_kn: bool = False, use_tma: Optional[bool] = None,
-                 preact: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 preact: Optional[torch.Tensor] = None,
+                 row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out [M, n_out]``: rows of group g are ``A_g @ B_g`` (B addressed through
     ``b_strides = (stride_g, stride_k, stride_n)``), tail rows zero.
 
@@ -272,11 +297,15 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
     ``Config.tma_store`` adds TMA stores of the output tiles where ``tma.mjagged_tma_store``
     allows. Failed TMA launches fall back per device (see ``kernels/tma.py``).
     ``preact`` (with ``swiglu``): an ``[M, N]`` tensor that receives the pre-activations
-    (gate and up, rounded to its dtype) beside the SwiGLU output.
+    (gate and up, rounded to its dtype) beside the SwiGLU output. ``row_scale`` ``[M]`` in
+    ``out_dtype``: row i of the output times ``row_scale[i]``, after rounding
+    (:func:`scale_rows`).
     """
     m, k = a.shape
     offsets = offsets.contiguous()  # the kernel reads offsets[g] at offs_ptr + g
     groups = offsets.shape[0]
+    if row_scale is not None:
+        row_scale = row_scale.contiguous()  # the kernel reads scale[i] at scale_ptr + i
     out = torch.empty((m, n_out), dtype=out_dtype, device=a.device)
     if m == 0 or n_out == 0:
         return out
@@ -299,11 +328,13 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
             preact if preact is not None else out,
             preact.stride(0) if preact is not None else 0,
             preact.stride(1) if preact is not None else 0,
+            row_scale if row_scale is not None else out,
             HAS_BIAS=bias is not None, SWIGLU=swiglu, NUM_PROGS=progs, GROUP_M=cfg.group_m,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             INPUT_PRECISION=input_precision(a.dtype), INTERPRETER_DOT=interpreter_dot(a),
             USE_TMA=tma, B_KN=b_kn, G_BLOCK=group_block(groups), FLATTEN=cfg.flatten,
             TMA_STORE=tma and tma_store, SAVE_PREACT=preact is not None,
+            ROW_SCALE=row_scale is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
@@ -323,12 +354,14 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
     return out
 
 
-def grouped_linear_forward(x, weight, offsets, bias=None, *, batch_invariant=False, use_tma=None):
-    """x ``[M, K]``, weight ``[G, N, K]``, offsets int32 ``[G]``, bias ``[G, N]`` -> ``[M, N]``."""
+def grouped_linear_forward(x, weight, offsets, bias=None, *, batch_invariant=False, use_tma=None,
+                           row_scale=None):
+    """x ``[M, K]``, weight ``[G, N, K]``, offsets int32 ``[G]``, bias ``[G, N]`` -> ``[M, N]``;
+    ``row_scale`` ``[M]`` in x's dtype multiplies each row after rounding (:func:`scale_rows`)."""
     n = weight.shape[1]
     return mjagged_gemm(x, weight, (weight.stride(0), weight.stride(2), weight.stride(1)),
                         offsets, n, bias=bias, out_dtype=x.dtype, batch_invariant=batch_invariant,
-                        use_tma=use_tma)
+                        use_tma=use_tma, row_scale=row_scale)
 
 
 def grouped_linear_swiglu_forward(x, weight, offsets, bias=None, *, batch_invariant=False,

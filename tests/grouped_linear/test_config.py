@@ -1,0 +1,96 @@
+"""The config heuristics take the device as an explicit description (``DeviceSpec``): what
+would run on an H100, an H200 or a part with less shared memory, asked on a CPU machine.
+Host-only: no kernel runs."""
+import dataclasses
+
+import pytest
+import torch
+
+from compileops.grouped_linear import kernels
+from compileops.grouped_linear.kernels import Config, DeviceSpec
+from compileops.grouped_linear.kernels import config as config_mod
+
+BF16 = torch.bfloat16
+# (M, G, N, K, swiglu): the MoE layers' products (bench_moe_layer.py) and small-group cases.
+CASES = [(16384, 8, 14336, 4096, True), (16384, 8, 4096, 14336, False),
+         (65536, 128, 768, 2048, True), (65536, 128, 2048, 768, False),
+         (4096, 256, 1024, 512, False), (512, 64, 1024, 512, False), (65536, 64, 128, 512, False)]
+A100 = DeviceSpec("NVIDIA A100-SXM4-80GB", 108, 166912, (8, 0))
+SMALL_SMEM = DeviceSpec("a part with 99 KB per block", 84, 101376, (8, 9))
+
+
+def test_device_spec_of_cpu_is_the_interpreter():
+    assert kernels.device_spec(torch.device("cpu")) is kernels.INTERPRETER
+    assert kernels.device_spec(kernels.H200) is kernels.H200
+    for m, g, n, k, swiglu in CASES:
+        assert kernels.choose_config(m, g, n, k, BF16, torch.device("cpu"),
+                                     swiglu=swiglu) == kernels.INTERPRETER_CONFIG
+
+
+def test_the_h100_row_is_what_it_runs():
+    """The measured H100 picks (TUNED's row): 128 x 256 four-stage flattened forward and dX,
+    128 x 128 SwiGLU, the three dW configs; small groups and fp32 stay generic."""
+    h100 = kernels.H100_SXM
+    assert kernels.choose_config(16384, 8, 4096, 14336, BF16, h100) == Config(
+        128, 256, 64, 8, 4, flatten=True)
+    assert kernels.choose_config(16384, 8, 14336, 4096, BF16, h100, swiglu=True) == Config(
+        128, 128, 64, 8, 3)
+    for m, g, want in ((65536, 64, kernels.WGRAD_LONG_CONFIG),
+                       (65536, 128, kernels.WGRAD_MID_CONFIG),
+                       (65536, 256, kernels.WGRAD_SHORT_CONFIG)):
+        assert kernels.choose_wgrad_config(m, g, 2048, 768, BF16, h100) == want
+    assert kernels.choose_config(512, 64, 1024, 512, BF16, h100) == Config(16, 128, 64, 4, 4)
+
+
+def test_a_part_takes_only_its_own_row(monkeypatch):
+    """A row measured on one part never reaches another: an H200 row changes the H200's
+    pick and nothing else; a case the row does not list keeps the generic rule."""
+    h200_swiglu = Config(128, 128, 64, 8, 4, flatten=True)
+    monkeypatch.setitem(kernels.TUNED, kernels.H200.name, {"swiglu": h200_swiglu})
+    for m, g, n, k, swiglu in CASES:
+        h100 = kernels.choose_config(m, g, n, k, BF16, kernels.H100_SXM, swiglu=swiglu)
+        h200 = kernels.choose_config(m, g, n, k, BF16, kernels.H200, swiglu=swiglu)
+        tuned = swiglu and m / g > 64
+        assert (h200 == h200_swiglu) == tuned, (m, g, n, k, swiglu, h200)
+        if not tuned:
+            assert h200 == h100, (m, g, n, k, swiglu)
+
+
+def test_generic_rule_fits_the_parts_shared_memory():
+    """Parts without a row: as many operand stages as the part's shared memory holds (the
+    four-stage 128 x 256 tile on sm90's 227 KB; fewer stages, or the narrower tile, on
+    parts with less), and never a dW config that needs more than the part has."""
+    for spec in (kernels.H200, A100, SMALL_SMEM):
+        for m, g, n, k, swiglu in CASES:
+            cfg = kernels.choose_config(m, g, n, k, BF16, spec, swiglu=swiglu)
+            stage = config_mod.operand_stage_bytes(cfg, 2, swiglu=swiglu)
+            assert stage * cfg.num_stages <= spec.smem_per_block - config_mod.EPILOGUE_SMEM_RESERVE \
+                or cfg.num_stages == 2, (spec.name, cfg)
+    assert kernels.choose_config(16384, 8, 4096, 14336, BF16, kernels.H200).num_stages == 4
+    a100 = kernels.choose_config(16384, 8, 4096, 14336, BF16, A100)
+    assert (a100.block_n, a100.num_stages) == (128, 3), a100
+    for m, g in ((65536, 64), (65536, 128)):
+        assert kernels.choose_wgrad_config(m, g, 2048, 768, BF16, A100) \
+            == kernels.WGRAD_SHORT_CONFIG
+
+
+def test_grid_is_one_program_per_sm_of_the_part():
+    cfg = dataclasses.replace(kernels.WGRAD_SHORT_CONFIG)
+    assert kernels.grid_size(kernels.H100_SXM, cfg) == 132 * cfg.programs_per_sm
+    assert kernels.grid_size(A100, cfg) == 108 * cfg.programs_per_sm
+    assert kernels.grid_size(torch.device("cpu"), cfg) == 4 * cfg.programs_per_sm
+
+
+@pytest.mark.parametrize("spec", [kernels.H100_SXM, kernels.H200], ids=lambda s: s.name)
+def test_tuned_rows_hold_configs_of_their_cases(spec):
+    """Every TUNED row names known cases and valid dW variants (a typo in a row added after
+    a sweep would otherwise be ignored silently)."""
+    from compileops.grouped_linear.kernels.kjagged import check_wgrad_variant
+
+    cases = {"swiglu", "fwd", "fwd_narrow", "wgrad_long", "wgrad_mid", "wgrad_short"}
+    for name, row in kernels.TUNED.items():
+        assert set(row) <= cases, (name, set(row) - cases)
+        for case, cfg in row.items():
+            assert isinstance(cfg, Config), (name, case)
+            if case.startswith("wgrad"):
+                check_wgrad_variant(cfg)
