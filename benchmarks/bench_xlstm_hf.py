@@ -36,7 +36,7 @@ compared with the native code's on the prompt (relative L2; bf16, so loose).
     python benchmarks/bench_xlstm_hf.py --device cpu --tiny      # smoke test: tiny, fp32, CPU
 
 Output: a markdown table on stdout (speed-up against ``native`` per case) and
-``$OUT/xlstm_hf.csv`` (or benchmarks/out/).
+``$COMPILEOPS_BENCH_OUT/xlstm_hf.csv`` (or benchmarks/out/).
 """
 from __future__ import annotations
 
