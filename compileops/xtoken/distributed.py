@@ -6,6 +6,8 @@ from typing import Union
 
 import torch
 
+from compileops import backends
+
 
 def dp_all_reduce_sum(x: Union[torch.Tensor, int, float], group=None) -> torch.Tensor:
     """Sum a count across the data-parallel ``group`` (default: the world).
@@ -22,6 +24,7 @@ def dp_all_reduce_sum(x: Union[torch.Tensor, int, float], group=None) -> torch.T
     return out
 
 
+@backends.keeps_forward_backend
 class _SumAcrossGroup(torch.autograd.Function):
     """``y = sum over the group's ranks of x``; backward passes ``grad_y`` through unchanged.
 
@@ -31,12 +34,16 @@ class _SumAcrossGroup(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+    def forward(x: torch.Tensor, group) -> torch.Tensor:
         import torch.distributed as dist
 
         out = x.clone()
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
         return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        pass  # the backward needs nothing
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
