@@ -112,19 +112,28 @@ def _csr_of_tensor(matrix: torch.Tensor) -> ProjectionCSR:
         m = m.to_sparse()
     elif m.layout != torch.sparse_coo:
         m = m.to_sparse_coo()
-    m = m.coalesce()  # itself when already coalesced
     num_student, num_teacher = m.shape
-    indices = m.indices()
-    if indices.device.type == "cpu" and indices.numel():
-        # A sparse tensor built without its invariants checked can hold ids outside its
-        # shape. Free to check on the host; on CUDA such entries are left out of every CSR
-        # segment instead (csr_from_coalesced), so nothing reads out of bounds.
-        outside = ((indices < 0).any(0) | (indices[0] >= num_student)
-                   | (indices[1] >= num_teacher))
-        if bool(outside.any()):
-            s, t = indices[:, outside.nonzero()[0, 0]].tolist()
+    # A sparse tensor built without its invariants checked can hold ids outside its shape.
+    # On CPU that is free to check, before coalescing (which could merge such an entry into a
+    # real one): a clear error. On CUDA the ids are not read on the host: an uncoalesced
+    # matrix's outside entries become explicit zeros at (0, 0) before coalescing (they add
+    # nothing), and a coalesced matrix's are left out of every CSR segment
+    # (csr_from_coalesced); nothing reads out of bounds.
+    raw = m._indices()
+    cpu = raw.device.type == "cpu"
+    if cpu or not m.is_coalesced():
+        inside = (raw >= 0).all(0) & (raw[0] < num_student) & (raw[1] < num_teacher)
+    if cpu:
+        if raw.numel() and not bool(inside.all()):
+            s, t = raw[:, (~inside).nonzero()[0, 0]].tolist()
             raise ValueError(f"sparse_M holds an entry at ({s}, {t}), outside its shape "
                              f"{tuple(m.shape)}")
+    elif not m.is_coalesced():
+        m = torch.sparse_coo_tensor(torch.where(inside, raw, 0),
+                                    torch.where(inside, m._values(), 0), m.shape,
+                                    check_invariants=False)
+    m = m.coalesce()  # itself when already coalesced
+    indices = m.indices()
     return csr_from_coalesced(indices, m.values(), num_student, num_teacher)
 
 
