@@ -261,7 +261,9 @@ def model_forward(self, input_ids: Optional[torch.LongTensor] = None,
 
     from transformers.models.xlstm.modeling_xlstm import xLSTMOutput
 
-    out = xLSTMOutput(last_hidden_state=hidden, cache=cache,
+    # transformers renamed the output's cache field from cache_params to cache (5.2x).
+    cache_field = "cache" if "cache" in xLSTMOutput.__dataclass_fields__ else "cache_params"
+    out = xLSTMOutput(last_hidden_state=hidden, **{cache_field: cache},
                       hidden_states=tuple(all_hidden) if all_hidden is not None else None)
     return out if return_dict else out.to_tuple()
 

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_tiny_smoke_run_writes_every_case(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # reference backend
-    env.update(OUT=str(tmp_path), PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+    env.update(COMPILEOPS_BENCH_OUT=str(tmp_path), PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "bench_xlstm_hf.py"), "--device", "cpu",
          "--tiny", "--warmup", "0", "--iters", "1"],
