@@ -192,8 +192,9 @@ def mlstm_chunkwise_op(
     if backends.select("mlstm_chunkwise", q.device) == "triton":
         check_kernel_head_dims(q, v)
         from compileops.mlstm.kernels import chunk_tiles, chunkwise
+        from compileops.mlstm.kernels.documents import document_tables
 
-        tables = documents.document_tables(cu_seqlens, seq, chunk, q.device)
+        tables = document_tables(cu_seqlens, seq, chunk, q.device)
         ig, lf = igate.contiguous(), logf.contiguous()
         cst, nst, mst, c_last = chunkwise.chunk_states(k, v, ig, lf, chunk, tables, initial)
         out, h, m2, row_sum = chunk_tiles.chunk_forward(
@@ -342,9 +343,10 @@ def mlstm_chunkwise_backward_op(
     check_kernel_head_dims(q, v)
     from compileops.mlstm import kernels
     from compileops.mlstm.kernels import chunk_gates, chunk_tiles, chunkwise
+    from compileops.mlstm.kernels.documents import document_tables
 
     b, nh, seq, dqk = q.shape
-    tables = documents.document_tables(cu_seqlens, seq, chunk, q.device)
+    tables = document_tables(cu_seqlens, seq, chunk, q.device)
     cfg = _backward_config(q, v, chunk)
     dh, r, beta, dm, parts_w, parts_b = kernels.norm_backward(
         grad_out, h, _dense(norm_weight), m2.contiguous(), row_sum.contiguous(), normed,
@@ -374,7 +376,7 @@ def mlstm_chunkwise_backward_op(
         if has_last and not seq:  # nothing between: the last state is the initial one
             share0 = share0 + dm_last.reshape(-1)
         dc0 = dc0.reshape(c0.shape)
-        dn0 = dns[:, 0].reshape(n0.shape)
+        dn0 = dns[:, 0].reshape(n0.shape).contiguous()
         dm0 = ((dc0 * c0).sum(dim=(-2, -1)) + (dn0 * n0).sum(dim=-1)
                + share0.reshape(m0.shape))
     else:

@@ -6,7 +6,7 @@ document runs alone. Without ``cu_seqlens`` a row of the batch is one document `
 with ``cu_seqlens [N + 1]`` (B = 1) document ``d`` is ``[cu[d], cu[d + 1])``.
 
 The kernels find their document on the device (no host sync) from three int32 tables,
-built here with torch ops (:func:`document_tables`):
+built by one small kernel (:func:`compileops.mlstm.kernels.documents.document_tables`):
 
 * ``bounds [N + 2]``: the document boundaries, then a validity flag. The boundaries are
   ``cu_seqlens`` made safe (clamped into ``[0, S]``, non-decreasing, first 0, last S), so
@@ -25,7 +25,6 @@ every document's tiles.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import torch
 
@@ -47,29 +46,6 @@ class DocumentTables:
     slots: int
 
 
-def document_tables(cu_seqlens: Optional[torch.Tensor], seq: int, chunk: int,
-                    device: torch.device) -> DocumentTables:
-    """The tables for ``cu_seqlens [N + 1]`` (None: one document ``[0, seq)``), on
-    ``device``, without reading any value on the host."""
-    if cu_seqlens is None:
-        # [0, S] made on the device (a host list would be a host-to-device copy per call).
-        cu = torch.arange(2, dtype=torch.int64, device=device) * seq
-    else:
-        cu = cu_seqlens.to(torch.int64)
-    docs = cu.shape[0] - 1
-    slots = chunk_slots(seq, chunk, docs)
-    ends = torch.cummax(cu.clamp(0, seq), dim=0).values
-    ends = torch.cat([ends.new_zeros(1), ends[1:-1], ends.new_full((1,), seq)])
-    valid = (cu[0] == 0) & (cu[-1] == seq) & (cu[1:] >= cu[:-1]).all()
-    bounds = torch.cat([ends, valid.reshape(1).to(ends.dtype)])
-    per_doc = ((ends[1:] - ends[:-1] + chunk - 1) // chunk).clamp_min(1)
-    slot_first = torch.cat([per_doc.new_zeros(1), torch.cumsum(per_doc, 0)])
-    slot_doc = torch.searchsorted(slot_first[1:], torch.arange(slots, device=device),
-                                  right=True)
-    return DocumentTables(bounds.to(torch.int32), slot_first.to(torch.int32),
-                          slot_doc.to(torch.int32), docs, slots)
-
-
 def host_bounds(cu_seqlens: Optional[torch.Tensor], seq: int) -> list[int]:
     """The document boundaries as Python ints (the reference backend's loop; reads
     ``cu_seqlens`` on the host, which the caller has checked)."""
@@ -84,5 +60,4 @@ def host_slot_first(bounds: list[int], chunk: int) -> list[int]:
     return first
 
 
-__all__ = ["DocumentTables", "chunk_slots", "document_tables", "host_bounds",
-           "host_slot_first"]
+__all__ = ["DocumentTables", "chunk_slots", "host_bounds", "host_slot_first"]

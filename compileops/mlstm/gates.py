@@ -63,7 +63,7 @@ def _check_log_forget_args(fgate, chunk, cu_seqlens) -> None:
 
 
 def _tables(t: torch.Tensor, chunk: int, cu_seqlens: Optional[torch.Tensor]):
-    from compileops.mlstm.documents import document_tables
+    from compileops.mlstm.kernels.documents import document_tables
 
     return document_tables(cu_seqlens, t.shape[-1], chunk, t.device)
 

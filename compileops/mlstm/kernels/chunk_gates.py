@@ -240,7 +240,7 @@ def gate_grads(igate: torch.Tensor, logf: torch.Tensor, dm: torch.Tensor,
     NH * N]``: the initial stabiliser, when there is an initial state)."""
     digate = torch.empty_like(col_grad)
     dlogf = torch.empty_like(col_grad)
-    rows = col_grad.numel() // max(col_grad.shape[-1], 1)
+    rows = col_grad.shape[:-1].numel()  # B * NH, also when S = 0
     share0 = torch.empty((rows * tables.docs,), dtype=dm.dtype, device=dm.device)
     if rows * tables.docs == 0:
         return digate, dlogf, share0
