@@ -86,7 +86,11 @@ def mlstm_with_stats(
 ):
     """:func:`mlstm`, also returning the normaliser and the stabiliser: ``(out, n [B, NH, S],
     m [B, NH, S])`` in fp32 (fp64 for fp64 inputs), then the last state when
-    ``return_last_state``. ``n`` and ``m`` carry no gradient."""
+    ``return_last_state``. ``n`` and ``m`` carry no gradient. With ``cu_seqlens``, ``m`` and
+    the row sums behind ``n`` are each document's own, bitwise; ``n = max(|b|, exp(-m))``
+    itself is evaluated on the packed row, and on CPU tensors torch rounds a vectorised
+    ``exp`` and its scalar tail differently, so there it may differ in the last bit from
+    the document alone."""
     normed = norm_weight is not None or norm_bias is not None
     check_initial_state(initial_state)
     if cu_seqlens is not None:

@@ -11,7 +11,6 @@
 
 GPU variants: ``-m gpu`` (CUDA tensors, bf16 and fp32).
 """
-import math
 
 import hypothesis.strategies as st
 import pytest
