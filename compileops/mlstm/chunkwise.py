@@ -83,7 +83,8 @@ def check_state(q: torch.Tensor, v: torch.Tensor, c0, n0, m0, cu_seqlens=None) -
 
 
 def _reference_forward(q, k, v, igate, logf, c0, n0, m0, chunk, eps):
-    """Plain PyTorch, chunk by chunk (differentiable: the reference backward's autograd)."""
+    """Plain PyTorch, chunk by chunk, one document (differentiable: the tests hold the
+    kernels and the reference backward to its autograd)."""
     acc = reference.gate_dtype(q.dtype)
     b, nh, seq, dqk = q.shape
     dv = v.shape[-1]
@@ -129,9 +130,9 @@ def _reference_forward(q, k, v, igate, logf, c0, n0, m0, chunk, eps):
         h, row_sum, m_rows = torch.cat(hs, -2), torch.cat(bs, -1), torch.cat(ms, -1)
     ns.append(n)
     mstates.append(m)
-    states = (torch.stack(cs, 2).reshape(b * nh, -1, dqk, dv),
-              torch.stack(ns, 2).reshape(b * nh, -1, dqk),
-              torch.stack(mstates, 2).reshape(b * nh, -1))
+    states = (torch.stack(cs, 2).reshape(b * nh, len(cs), dqk, dv),
+              torch.stack(ns, 2).reshape(b * nh, len(ns), dqk),
+              torch.stack(mstates, 2).reshape(b * nh, len(mstates)))
     return h, row_sum, m_rows, states, (c, n, m)
 
 
@@ -207,7 +208,7 @@ def mlstm_chunkwise_op(
         last_slot = tables.slot_first[-1:].long() + (tables.docs - 1)
         n_last = nst.index_select(1, last_slot).reshape(b, nh, dqk)
         m_last = mst.index_select(1, last_slot).reshape(b, nh)
-        c_last = c_last.reshape(b, nh, tables.docs, dqk, -1)[:, :, -1].contiguous()
+        c_last = c_last.reshape(b, nh, tables.docs, dqk, v.shape[-1])[:, :, -1].contiguous()
         return out, h, m2, row_sum, cst, nst, mst, c_last, n_last, m_last
     out, h, m_rows, row_sum, (cst, nst, mst), (c_last, n_last, m_last) = _reference_documents(
         q, k, v, igate, logf, norm_weight, norm_bias, c0, n0, m0, cu_seqlens, chunk, normed,
@@ -551,7 +552,7 @@ def _global_log_forget(logf: torch.Tensor, chunk: int) -> torch.Tensor:
     ends = blocks[..., -1]  # a chunk's total (the last chunk's is not used)
     offsets = torch.cumsum(ends, dim=-1) - ends
     full = blocks + offsets[..., None]
-    return full.reshape(*logf.shape[:-1], -1)[..., :logf.shape[-1]]
+    return full.flatten(-2)[..., :logf.shape[-1]]
 
 
 def _local_log_forget_grad(d_global: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -563,6 +564,6 @@ def _local_log_forget_grad(d_global: torch.Tensor, chunk: int) -> torch.Tensor:
     later = torch.flip(torch.cumsum(torch.flip(totals, (-1,)), -1), (-1,)) - totals
     last = torch.zeros_like(blocks)
     last[..., -1] = later
-    out = (blocks + last).reshape(*d_global.shape[:-1], -1)
+    out = (blocks + last).flatten(-2)
     # A partial last chunk has no later rows: its (padded) last slot carries 0.
     return out[..., :seq].contiguous()

@@ -29,7 +29,9 @@ def _chunked(t: torch.Tensor, chunk: int) -> torch.Tensor:
     """``[..., S]`` -> ``[..., NC, chunk]``, zero-padded at the end."""
     seq = t.shape[-1]
     pad = -seq % chunk
-    return torch.nn.functional.pad(t, (0, pad)).reshape(*t.shape[:-1], -1, chunk)
+    # The chunk count spelled out: -1 is ambiguous for an empty batch (B = 0).
+    return torch.nn.functional.pad(t, (0, pad)).reshape(*t.shape[:-1], (seq + pad) // chunk,
+                                                        chunk)
 
 
 @custom_op("mlstm_log_forget")
@@ -72,7 +74,7 @@ def _chunk_log_forget(f: torch.Tensor, chunk: int) -> torch.Tensor:
     """The reference: the running sums of ``log sigmoid(f) [..., L]`` restarted every
     ``chunk`` elements."""
     sums = torch.cumsum(_chunked(torch.nn.functional.logsigmoid(f), chunk), dim=-1)
-    return sums.reshape(*f.shape[:-1], -1)[..., :f.shape[-1]]
+    return sums.flatten(-2)[..., :f.shape[-1]]
 
 
 def _chunk_log_forget_backward(g: torch.Tensor, f: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -80,7 +82,7 @@ def _chunk_log_forget_backward(g: torch.Tensor, f: torch.Tensor, chunk: int) -> 
     restarted every ``chunk`` elements (in g's dtype)."""
     blocks = _chunked(g, chunk)
     rev = torch.flip(torch.cumsum(torch.flip(blocks, dims=(-1,)), dim=-1), dims=(-1,))
-    rev = rev.reshape(*g.shape[:-1], -1)[..., :g.shape[-1]]
+    rev = rev.flatten(-2)[..., :g.shape[-1]]
     return torch.sigmoid(-f.to(g.dtype)) * rev
 
 
