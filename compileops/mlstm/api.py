@@ -178,12 +178,13 @@ def mlstm(
     whatever the other documents hold (NaN and Inf included): its chunks start at its own
     start and no kernel reads past its end. Only the chunkwise form takes them
     (``kernel="auto"`` picks it; ``kernel="parallel"`` raises). No host sync: the kernels
-    find their document on the device, and one compile serves every packing. Checked: the
-    shape, dtype and device of ``cu_seqlens``, eagerly and while tracing; its values (from 0,
-    never decreasing, ending at S) on the host for CPU tensors, eagerly and when the
-    compiled code runs, and on CUDA only under ``compileops.strict_offset_checks()`` (one
-    host sync per call). Unchecked invalid values on CUDA never read or write out of
-    bounds; the output is then NaN.
+    find their document on the device, and one compile serves every packing (the reference
+    backend, plain PyTorch, runs the documents one by one and so reads ``cu_seqlens`` on the
+    host). Checked: the shape, dtype and device of ``cu_seqlens``, eagerly and while
+    tracing; its values (from 0, never decreasing, ending at S) on the host for CPU tensors,
+    eagerly and when the compiled code runs, and on CUDA only under
+    ``compileops.strict_offset_checks()`` (one host sync per call). Unchecked invalid values
+    on CUDA never read or write out of bounds; the output is then NaN.
 
     Memory: the forward keeps the raw h ``[B, NH, S, DV]`` for the norm's backward when a
     gradient is needed (one extra activation of the output's size); nothing ``S x S`` is
