@@ -46,7 +46,7 @@ def test_moe_layer_benchmark_smoke(tmp_path):
     markdown table."""
     out = run_script("benchmarks/bench_moe_layer.py", "--smoke", "--modes", "static",
                      "--impls", "grouped_mm", "compileops",
-                     env=dict(os.environ, OUT=str(tmp_path)))
+                     env=dict(os.environ, COMPILEOPS_BENCH_OUT=str(tmp_path)))
     with open(tmp_path / "moe_layer.csv") as f:
         rows = list(csv.DictReader(f))
     assert {(r["routing"], r["impl"]) for r in rows} == {
