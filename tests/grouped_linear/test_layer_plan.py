@@ -85,19 +85,20 @@ def test_row_scale_is_a_template_input_not_an_epilogue(dynamic, top_k):
 # The pinned configs of the benchmark's layer
 
 # (op, m, n, k, groups) -> (block_m, block_n, block_k, num_warps, num_stages, flatten,
-# programs_per_sm, tma); dW rows: the eager dW kernel's pick on the part, with its variant
-# flags (ragged_tma, tma_store, epilogue_subtile, group_n) instead of tma.
-SWIGLU_128 = (128, 128, 64, 8, 3, False, 1, True)
-FWD_128x256 = (128, 256, 64, 8, 4, True, 1, True)
+# programs_per_sm, tma, tma_store); dW rows: the eager dW kernel's pick on the part, with its
+# variant flags (ragged_tma, tma_store, epilogue_subtile, group_n) instead of the last two.
+SWIGLU_128 = (128, 128, 64, 8, 3, False, 1, True, False)
+SWIGLU_128_TMA_STORE = (128, 128, 64, 8, 3, False, 1, True, True)  # the H200's measured pick
+FWD_128x256 = (128, 256, 64, 8, 4, True, 1, True, False)
 WGRAD_LONG = (64, 128, 256, 8, 3, True, 1, (True, True, False, 8))
 WGRAD_MID = (64, 128, 256, 8, 4, True, 1, (True, True, True, 8))
 WGRAD_SHORT = (64, 128, 128, 4, 3, False, 2, (True, False, False, 1))
 
 
-def _layer_plan(m, d, h, g, wgrad):
+def _layer_plan(m, d, h, g, wgrad, swiglu=SWIGLU_128):
     """The six grouped-linear calls of one layer, T * k = ``m`` routed rows."""
     return {
-        ("grouped_linear_swiglu_with_preact", m, h, d, g): SWIGLU_128,
+        ("grouped_linear_swiglu_with_preact", m, h, d, g): swiglu,
         ("grouped_linear_row_scaled", m, d, h, g): FWD_128x256,
         ("grouped_linear_dx", m, h, d, g): FWD_128x256,  # dh = dy W_down
         ("grouped_linear_dx", m, d, 2 * h, g): FWD_128x256,  # dx = d(preact) W_gate_up
@@ -106,13 +107,17 @@ def _layer_plan(m, d, h, g, wgrad):
     }
 
 
-# Per bench shape (D, H, experts, top-k, tokens): the same on an H100 and an H200, static and
-# dynamic (the H200 has no measured row yet: the generic rule gives the H100's tiles).
+# Per part and bench shape (D, H, experts, top-k, tokens), static and dynamic alike. Each
+# part's measured row (config.TUNED); the H200's dW is not measured: the generic rule, which
+# gives the H100's dW tiles there.
 PINNED = {
-    "mixtral": _layer_plan(16384, 4096, 14336, 8, WGRAD_LONG),  # 2048 rows per expert
-    "qwen3-30b": _layer_plan(65536, 2048, 768, 128, WGRAD_MID),  # 512
-    "deepseek-v3": _layer_plan(32768, 7168, 2048, 32, WGRAD_LONG),  # 1024
-    "qwen3-235b": _layer_plan(65536, 4096, 1536, 128, WGRAD_MID),  # 512
+    part: {
+        "mixtral": _layer_plan(16384, 4096, 14336, 8, WGRAD_LONG, swiglu),  # 2048 rows/expert
+        "qwen3-30b": _layer_plan(65536, 2048, 768, 128, WGRAD_MID, swiglu),  # 512
+        "deepseek-v3": _layer_plan(32768, 7168, 2048, 32, WGRAD_LONG, swiglu),  # 1024
+        "qwen3-235b": _layer_plan(65536, 4096, 1536, 128, WGRAD_MID, swiglu),  # 512
+    }
+    for part, swiglu in (("h100", SWIGLU_128), ("h200", SWIGLU_128_TMA_STORE))
 }
 DEVICES = {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA H200": "h200"}
 
@@ -123,7 +128,7 @@ def _summary(call) -> tuple:
             c["flatten"], c["programs_per_sm"])
     if call["tma"] is None:  # a dW call: its variant flags
         return (*tile, (c["ragged_tma"], c["tma_store"], c["epilogue_subtile"], c["group_n"]))
-    return (*tile, call["tma"])
+    return (*tile, call["tma"], c["tma_store"])
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +151,5 @@ def test_bench_layer_configs_are_pinned(bench_plan):
         got = {(c["op"], c["m"], c["n"], c["k"], c["groups"]): _summary(c)
                for c in entry["calls"]}
         assert len(got) == len(entry["calls"]), entry["calls"]  # one config per call
-        assert got == PINNED[shape], (shape, mode, device)
-    assert seen == {(s, m, d) for s in PINNED for m in ("static", "dynamic")
-                    for d in DEVICES.values()}
+        assert got == PINNED[DEVICES[device]][shape], (shape, mode, device)
+    assert seen == {(s, m, d) for d in PINNED for s in PINNED[d] for m in ("static", "dynamic")}

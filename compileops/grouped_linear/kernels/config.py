@@ -198,7 +198,14 @@ TUNED: dict[str, dict[str, Config]] = {
         "wgrad_mid": WGRAD_MID_CONFIG,
         "wgrad_short": WGRAD_SHORT_CONFIG,
     },
-    # NVIDIA H200: no row yet (generic rule). Fill it from the sweep run on an H200.
+    # H200 (141 GB), torch 2.11 / triton 3.6, 2026-11-27: `sweep_grouped_linear.py
+    # --layer-shapes --passes swiglu fwd dX --table-row` over the MoE layers' own GEMMs
+    # (balanced and skewed splits): the H100's fwd tile (1.09x torch._grouped_mm on average);
+    # SwiGLU with TMA stores (1.23x _grouped_mm + eager SwiGLU). dW not swept: generic.
+    "NVIDIA H200": {
+        "swiglu": Config(128, 128, 64, num_warps=8, num_stages=3, tma_store=True),
+        "fwd": Config(128, 256, 64, num_warps=8, num_stages=4, flatten=True),
+    },
 }
 
 
