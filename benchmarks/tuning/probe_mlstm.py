@@ -75,7 +75,7 @@ def bench(seq, tokens, cfgs_fw, cfgs_bw):
             def fn():
                 dh, r, beta, dm, pw, pb = kernels.norm_backward(go, h, w, m, rs, True, 1e-6,
                                                                 1e-6, False, cfg)
-                return kernels.cell_backward(q, k, v, dh, ig, logf, m, r, beta, cfg)
+                return kernels.cell_backward(q, k, v, dh, ig, logf, r, beta, cfg)
             ms = triton.testing.do_bench(fn, warmup=25, rep=100)
             print(f"bw S={seq} {cfg}: {ms:.3f} ms {2.5 * flops / ms / 1e9:.0f} TFLOP/s (2.5x count)",
                   flush=True)
@@ -112,7 +112,9 @@ def breakdown(seq, tokens, configs=()):
         print(f"norm S={seq} rows={rows} warps={warps} programs={programs}: {t:.3f} ms "
               f"({stream / t / 1e6:.0f} GB/s)", flush=True)
     dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    rg, cg = torch.empty_like(logf), torch.empty_like(logf)
+    rg, cg = torch.empty_like(ig), torch.empty_like(ig)
+    from compileops.mlstm.kernels.stabiliser import column_terms
+    terms = column_terms(ig, logf)  # what cell_backward computes ahead of the kernels
     strides = (*q.stride(), *k.stride(), *v.stride(), *dh.stride())
     scale = 1 / math.sqrt(dqk)
     import importlib
@@ -139,11 +141,11 @@ def breakdown(seq, tokens, configs=()):
 
         try:
             t_dq = triton.testing.do_bench(lambda: mod.mlstm_dq_kernel[grid(cfg.block_m)](
-                q, k, v, dh, ig, logf, m, r, beta, r, r, r, dq, rg, seq, seq, nh, *strides,
+                q, k, v, dh, *terms, r, beta, r, r, r, dq, rg, seq, seq, nh, *strides,
                 scale, **common, **dq_tiles), rep=50)
             t_dkv = triton.testing.do_bench(lambda: mod.mlstm_dkv_kernel[grid(cfg.block_n)](
-                q, k, v, dh, ig, logf, m, r, beta, r, r, r, dk, dvv, cg, seq, seq, nh, *strides,
-                scale, **common, **dkv_tiles), rep=50)
+                q, k, v, dh, ig, logf, *terms, r, beta, r, r, r, dk, dvv, cg, seq, seq, nh,
+                *strides, scale, **common, **dkv_tiles), rep=50)
         except Exception as e:  # noqa: BLE001  (a config past the shared memory, say)
             print(f"breakdown [{name}] S={seq} {cfg}: FAILED {type(e).__name__}: "
                   f"{str(e)[:120]}", flush=True)

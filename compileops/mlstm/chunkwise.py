@@ -77,6 +77,7 @@ def global_log_forget(logf: torch.Tensor, chunk: int) -> torch.Tensor:
 def _reference_forward(q, k, v, igate, logf, c0, n0, m0, chunk, eps):
     """Plain PyTorch, chunk by chunk (differentiable: the reference backward's autograd)."""
     acc = reference.gate_dtype(q.dtype)
+    logf = logf.to(acc)  # the chunk's sums (fp64 in: the reference backward keeps those)
     b, nh, seq, dqk = q.shape
     dv = v.shape[-1]
     scale = 1.0 / math.sqrt(dqk)
@@ -228,7 +229,7 @@ def _backward(ctx, grad_out, _gh, _gm, _gb, _gc, _gn, _gms, grad_c, grad_n, grad
                            "needed: call compileops.mlstm, which keeps h when it must")
     if grad_out is None:
         grad_out = torch.zeros(_out_shape(q, v, ctx.normed), dtype=v.dtype, device=v.device)
-    acc = logf.dtype
+    acc = igate.dtype
     b, nh, _, dqk = q.shape
     dv_len = v.shape[-1]
     grad_c = grad_c if grad_c is not None else q.new_zeros((b, nh, dqk, dv_len), dtype=acc)
@@ -290,9 +291,9 @@ def mlstm_chunkwise_backward_op(
     dcs, dns, dc0 = chunkwise.chunk_state_grads(q, dh, lf, m2, r, beta, mst, chunk,
                                                 (grad_c, grad_n))
     dq, dk, dv, row_grad, col_grad = kernels.cell_backward(
-        q, k, v, dh, ig, lf, m2, r, beta, cfg, chunk=chunk, states=(cst, nst, mst),
+        q, k, v, dh, ig, lf, r, beta, cfg, chunk=chunk, states=(cst, nst, mst),
         state_grads=(dcs, dns))
-    keys = ig - global_log_forget(lf, chunk)
+    keys = ig - global_log_forget(lf.double(), chunk)
     has_state = c0 is not None
     if has_state:  # the initial state: a column before the first, with logD = F_i + m0
         shares = stabiliser_column_grad(torch.cat([m0[..., None], keys], -1),
@@ -307,13 +308,14 @@ def mlstm_chunkwise_backward_op(
     row_grad = row_grad + dm
     if seq:
         row_grad = torch.cat([row_grad[..., :-1], row_grad[..., -1:] + read_last[..., None]], -1)
-    dlogf = _local_log_forget_grad(row_grad - col_grad, chunk)
+    # row_grad, col_grad are fp64 (kernels.cell_backward: their difference cancels).
+    dlogf = _local_log_forget_grad(row_grad - col_grad, chunk).to(lf.dtype)
     if normed:
         dweight = parts_w.sum(dim=(0, 1)).reshape(-1)
         dbias = parts_b.sum(dim=(0, 1)).reshape(-1)
     else:
         dweight, dbias = q.new_empty((0,), dtype=acc), q.new_empty((0,), dtype=acc)
-    return dq, dk, dv, col_grad, dlogf, dweight, dbias, dc0, dn0, dm0
+    return dq, dk, dv, col_grad.to(ig.dtype), dlogf, dweight, dbias, dc0, dn0, dm0
 
 
 def _local_log_forget_grad(d_global: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -361,11 +363,13 @@ def _reference_backward(grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf, 
         raise NotImplementedError(
             "mlstm_chunkwise_backward: the reference backend has no gradient through "
             "initial or last states; use the triton backend")
+    # The whole-row sums in fp64 (reference.FORGET_SUM_DTYPE): rebuilt in fp32 they would be
+    # rounded at their size, which grows with S.
     dq, dk, dv, dig, dlf, dweight, dbias = parallel_backward(
-        grad_out, q, k, v, igate, global_log_forget(logf, chunk), norm_weight, normed,
+        grad_out, q, k, v, igate, global_log_forget(logf.double(), chunk), norm_weight, normed,
         norm_eps, eps, residual_weight, acc)
     b, nh, _, dqk = q.shape
     dv_len = v.shape[-1]
-    return (dq, dk, dv, dig, _local_log_forget_grad(dlf, chunk), dweight, dbias,
+    return (dq, dk, dv, dig, _local_log_forget_grad(dlf, chunk).to(logf.dtype), dweight, dbias,
             q.new_zeros((b, nh, dqk, dv_len), dtype=acc), q.new_zeros((b, nh, dqk), dtype=acc),
             q.new_zeros((b, nh), dtype=acc))

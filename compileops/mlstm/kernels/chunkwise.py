@@ -86,20 +86,22 @@ def chunk_states_kernel(
         rows = c * CHUNK + lanes
         row_ok = rows < seq_len
         last = tl.minimum(c * CHUNK + CHUNK, seq_len) - 1
+        # The forget sums' differences in their dtype (fp64: kernels.stabiliser), then ACC.
         f_end = tl.load(logf_ptr + gate_off + last)
         f = tl.load(logf_ptr + gate_off + rows, mask=row_ok, other=0.0)
         ig = tl.load(igate_ptr + gate_off + rows, mask=row_ok, other=0.0)
-        u = tl.where(row_ok, f_end - f + ig, float("-inf"))
-        m_new = tl.maximum(m + f_end, tl.max(u, axis=0))
-        decay = tl.exp(m + f_end - m_new)
+        u = tl.where(row_ok, (f_end - f).to(ACC) + ig, float("-inf"))
+        carried = m + f_end  # the state's exponent at the chunk's end
+        m_new = tl.maximum(carried.to(ACC), tl.max(u, axis=0))
+        decay = tl.exp((carried - m_new).to(ACC))
         state = state * decay
         norm = norm * decay
         # Rows in sub-blocks: long chunks would not fit their k and v tiles in shared memory.
         for sub in range(0, CHUNK, SUB):
             part = c * CHUNK + sub + tl.arange(0, SUB)
             part_ok = part < seq_len
-            u_part = tl.where(part_ok, f_end - tl.load(logf_ptr + gate_off + part, mask=part_ok,
-                                                        other=0.0)
+            f_part = tl.load(logf_ptr + gate_off + part, mask=part_ok, other=0.0)
+            u_part = tl.where(part_ok, (f_end - f_part).to(ACC)
                               + tl.load(igate_ptr + gate_off + part, mask=part_ok, other=0.0),
                               float("-inf"))
             weight = tl.exp(u_part - m_new)
@@ -165,7 +167,7 @@ def chunk_state_grads_kernel(
         f_end = tl.load(logf_ptr + gate_off + last)
         m = tl.load(m_ptr + slot)
         m_next = tl.load(m_ptr + slot + 1)
-        decay = tl.exp(m + f_end - m_next)
+        decay = tl.exp((m + f_end - m_next).to(ACC))
         grad = grad * decay
         grad_n = grad_n * decay
         for sub in range(0, CHUNK, SUB):
@@ -175,8 +177,9 @@ def chunk_state_grads_kernel(
             m2 = tl.load(m2_ptr + gate_off + rows, mask=row_ok, other=0.0)
             r = tl.load(r_ptr + gate_off + rows, mask=row_ok, other=0.0)
             beta = tl.load(beta_ptr + gate_off + rows, mask=row_ok, other=0.0)
-            # The forward tile's expression for the state's row factor, bitwise.
-            a = tl.where(row_ok, tl.exp2(f * LOG2E + m * LOG2E - m2), 0.0) * scale
+            # The forward tile's state row factor, exp2(m * log2(e) - colmax_i), from m2 = logf
+            # * log2(e) + colmax (summed in logf's dtype: fp64, as the forward's).
+            a = tl.where(row_ok, tl.exp2((f * LOG2E + m * LOG2E - m2).to(ACC)), 0.0) * scale
             q = load_tile(q_base, rows, stride_qs, dqk, stride_qd, seq_len, DQK, BLOCK_DQK, True)
             dh = load_tile(h_base, rows, stride_hs, dv, stride_hd, seq_len, DV, BLOCK_V, True)
             weighted = (dh.to(ACC) * (a * r)[:, None]).to(q.dtype)
@@ -213,13 +216,14 @@ def chunk_states(
     initial: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(C, n, m, C_last)`` (module docstring) for ``k [B, NH, S, DQK]``, ``v [B, NH, S,
-    DV]`` (any strides), ``igate``/``logf [B, NH, S]`` contiguous in the accumulation dtype
-    (``logf`` restarted every ``chunk`` rows), and an optional initial ``(C0 [B, NH, DQK,
-    DV], n0 [B, NH, DQK], m0 [B, NH])`` in the accumulation dtype."""
+    DV]`` (any strides), ``igate``/``logf [B, NH, S]`` contiguous (``igate`` in the
+    accumulation dtype, ``logf`` restarted every ``chunk`` rows, fp64 or that dtype), and an
+    optional initial ``(C0 [B, NH, DQK, DV], n0 [B, NH, DQK], m0 [B, NH])`` in the
+    accumulation dtype."""
     batch, heads, seq, dqk = k.shape
     dv = v.shape[-1]
     nc = num_chunks(seq, chunk)
-    acc = logf.dtype
+    acc = igate.dtype
     dev = k.device
     c = torch.empty((batch * heads, nc, dqk, dv), dtype=k.dtype, device=dev)
     n = torch.empty((batch * heads, nc + 1, dqk), dtype=acc, device=dev)
@@ -244,12 +248,13 @@ def chunk_state_grads(
     """``(dC [B * NH, NC, DQK, DV], dn [B * NH, NC + 1, DQK], dC0 [B, NH, DQK, DV])``: the
     gradients of the states leaving each chunk and of the initial state (its ``dn`` in slot
     0), for the raw h's gradient ``dh [B, NH, S, DV]`` (any strides), the per-row
-    ``logf``, ``m_log2``, ``r``, ``beta`` ``[B, NH, S]`` and the forward's ``m_states``.
-    ``last_grad``: ``(dC_last [B, NH, DQK, DV], dn_last [B, NH, DQK])``."""
+    ``logf`` (fp64 or the accumulation dtype), ``m_log2``, ``r``, ``beta`` ``[B, NH, S]``
+    and the forward's ``m_states``. ``last_grad``: ``(dC_last [B, NH, DQK, DV], dn_last [B,
+    NH, DQK])``."""
     batch, heads, seq, dqk = q.shape
     dv = dh.shape[-1]
     nc = num_chunks(seq, chunk)
-    acc = logf.dtype
+    acc = m_log2.dtype
     dev = q.device
     dc = torch.empty((batch * heads, nc, dqk, dv), dtype=q.dtype, device=dev)
     dn = torch.empty((batch * heads, nc + 1, dqk), dtype=acc, device=dev)
