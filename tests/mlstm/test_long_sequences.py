@@ -128,3 +128,38 @@ def test_fp32_at_s4096_gpu(monkeypatch, kernel, normed):
     x = regime_inputs(1, 4096, 128, 256, list(REGIMES.values()), normed=normed, seed=3,
                       device="cuda")
     assert_within_bound(head_errors(x, "triton", kernel), list(REGIMES))
+
+
+# --------------------------------------------------------------------------- the sums alone
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_log_forget_sums_in_fp64(backend):
+    """``compileops::mlstm_log_forget`` sums in fp64: returned in fp64 (``fp64=True``) they
+    are the fp64 sums; in fp32, those sums rounded once (an fp32 running sum of 4096 terms
+    drifts by many ulps)."""
+    from compileops.mlstm.gates import log_forget_op
+
+    fgate = torch.randn(2, 3, 4096, generator=torch.Generator().manual_seed(4)) - 1.0
+    want = torch.cumsum(torch.nn.functional.logsigmoid(fgate.double()), dim=-1)
+    with compileops.use_backend(backend):
+        precise = log_forget_op(fgate, fp64=True)
+        rounded = log_forget_op(fgate)
+        torch.library.opcheck(log_forget_op, (fgate.requires_grad_(), 0, True))
+    assert precise.dtype == torch.float64 and rounded.dtype == torch.float32
+    torch.testing.assert_close(precise, want, rtol=1e-13, atol=1e-10)
+    assert ((rounded.double() - want).abs() <= want.abs() * 2.0**-24).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_log_forget_backward_sums_an_fp64_gradient_in_fp64(backend):
+    """The forget sums' gradient (row sums less column sums of dlogD) is reverse-summed as
+    it comes: here its fp32 rounding would lose the 1 next to 1e8."""
+    from compileops.mlstm.gates import log_forget_backward_op
+
+    fgate = torch.zeros(1, 1, 3)
+    grad = torch.tensor([[[1e-3, 1e8 + 1.0, -1e8]]], dtype=torch.float64)
+    with compileops.use_backend(backend):
+        got = log_forget_backward_op(grad, fgate)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.tensor([[[0.5005, 0.5, -5e7]]]))
