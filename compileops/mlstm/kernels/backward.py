@@ -252,8 +252,9 @@ def mlstm_dq_tile(
     :func:`mlstm_dq_kernel`, and the chunkwise form's per document, :mod:`.chunk_tiles`).
     Writes their rows of ``dq_ptr [B, NH, S, DQK]`` contiguous and of ``far_row_ptr [B *
     NH, S]``: ``sum_j dlogD_ij`` over the keys outside the row's block of ``NEAR`` (the
-    dK/dV programs' key tile; a multiple of ``BLOCK_N``, dividing ``BLOCK_M``), the state
-    entering the chunk included: ``q_i . dq_i`` read before that block's tiles.
+    dK/dV programs' key tile; a multiple of ``BLOCK_N``, dividing ``BLOCK_M``): ``q_i .
+    dq_i`` read before that block's tiles, plus ``q_i`` dotted with the share of dq of the
+    state entering the chunk.
 
     ``dh_ptr``: the raw h's gradient, (batch, head, seq, channel) strides given;
     ``term_hi_ptr``, ``term_lo_ptr``, ``colmax_hi_ptr``, ``colmax_lo_ptr`` (the forward's
@@ -302,16 +303,6 @@ def mlstm_dq_tile(
             DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, False, ACC, INPUT_PRECISION, UPCAST)
     rows_scale = row_factor(col_ref, row_ref_hi, row_ref_lo, has_ref)
     dq = dq * tl.where(row_ok, rows_scale, 0.0)[:, None]
-    if HAS_STATE:  # before the diagonal tiles: a far term (module docstring)
-        c = tl.load(cstate_ptr + (bh.to(tl.int64) * slots + chunk) * DQK * DV
-                    + dqk[:, None] * DV + dv[None, :],
-                    mask=(dqk[:, None] < DQK) & (dv[None, :] < DV), other=0.0)
-        n = tl.load(nstate_ptr + slot * DQK + dqk, mask=dqk < DQK, other=0.0)
-        a = tl.where(row_ok, tl.exp2(decay_exponent(state_ref, 0.0, row_ref_hi, row_ref_lo)),
-                     0.0)
-        weighted = (dh.to(ACC) * (a * r_i)[:, None]).to(dh.dtype)
-        dq = mma(weighted, tl.trans(c.to(dh.dtype)), dq, INPUT_PRECISION, UPCAST)
-        dq = dq + (a * beta_i)[:, None] * n[None, :]
     q_base = q_ptr + batch64 * stride_qb + head64 * stride_qh
     far_row = tl.zeros((BLOCK_M,), dtype=ACC)
     # The diagonal tiles, not software-pipelined: a second pipelined loop makes ptxas
@@ -331,6 +322,24 @@ def mlstm_dq_tile(
             v_base, term_hi_ptr + gate_off, term_lo_ptr + gate_off, seq_len,
             stride_ks, stride_kd, stride_vs, stride_vd,
             DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, True, ACC, INPUT_PRECISION, UPCAST)
+    if HAS_STATE:
+        # The state entering the chunk: a far term (module docstring), so its own q . dq
+        # joins far_row. Added after the diagonal tiles, not before them: there its fp32
+        # [DQK, DV] tile took shared memory next to the diagonal loop's (256 KB at DQK 128,
+        # DV 256, past the H100's 227 KB); here 192 KB, as before the near/far split.
+        c = tl.load(cstate_ptr + (bh.to(tl.int64) * slots + chunk) * DQK * DV
+                    + dqk[:, None] * DV + dv[None, :],
+                    mask=(dqk[:, None] < DQK) & (dv[None, :] < DV), other=0.0)
+        n = tl.load(nstate_ptr + slot * DQK + dqk, mask=dqk < DQK, other=0.0)
+        a = tl.where(row_ok, tl.exp2(decay_exponent(state_ref, 0.0, row_ref_hi, row_ref_lo)),
+                     0.0)
+        weighted = (dh.to(ACC) * (a * r_i)[:, None]).to(dh.dtype)
+        dq_state = mma(weighted, tl.trans(c.to(dh.dtype)),
+                       tl.zeros((BLOCK_M, BLOCK_DQK), dtype=ACC), INPUT_PRECISION, UPCAST)
+        dq_state = dq_state + (a * beta_i)[:, None] * n[None, :]
+        q = load_tile(q_base, rows, stride_qs, dqk, stride_qd, seq_len, DQK, BLOCK_DQK, True)
+        far_row += tl.sum(q.to(ACC) * dq_state, axis=1)
+        dq = dq + dq_state
     dq = dq * scale
     out = dq_ptr + gate_off * DQK + rows[:, None] * DQK + dqk[None, :]
     tl.store(out, dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None] & (dqk[None, :] < DQK))
