@@ -14,6 +14,14 @@ if not torch.cuda.is_available():
 
 import compileops  # noqa: E402  (registers the ops after the interpreter switch)
 
+# Under the interpreter, every kernel load and store is checked against the storages of the
+# launch's tensors (tests/bounds.py): what would be an illegal memory access on a GPU fails
+# the test here instead of reading host memory silently.
+if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("COMPILEOPS_CHECK_BOUNDS") != "0":
+    from tests import bounds  # noqa: E402
+
+    bounds.install()
+
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
