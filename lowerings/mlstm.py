@@ -7,8 +7,7 @@ consumers, the xLSTM block's output gate ``sigmoid(o) * h`` and casts, fuse as i
 The norm is a reduction over DV, so it cannot be an epilogue: it runs inside the template,
 where a program holds whole rows. The raw h (when the backward needs it), the stabiliser and
 the row sum are extra outputs, allocated here and passed as mutated inputs. The column terms
-and their running max (``compileops::mlstm_column_terms``, each a pair of arrays) are an
-extern call just before it.
+and their running max (``compileops::mlstm_column_terms``) are an extern call just before it.
 
 Sizes: the head dims are static (they are constexpr tile widths); the sequence length and the
 batch stay symbolic under ``dynamic=True`` (the kernel masks ragged tiles). The one guard:
@@ -87,12 +86,12 @@ def lower_mlstm_parallel(q, k, v, igate, logf, norm_weight, norm_bias, normed, n
                    and _compat.multiple_of(seq, 16, what="the mLSTM sequence length"))
     # The kernel indexes the per-row gates and the norm's affine densely.
     igate, logf = _compat.require_contiguous(igate), _compat.require_contiguous(logf)
-    # The column terms and their running max (hi and lo arrays each), ahead of the template
-    # as the eager launcher computes them ahead of its kernel (an extern call of
-    # compileops::mlstm_column_terms).
-    terms = _compat.fallback(torch.ops.compileops.mlstm_column_terms.default)(igate, logf)
+    # The column terms and their running max, ahead of the template as the eager launcher
+    # computes them ahead of its kernel (an extern call of compileops::mlstm_column_terms).
+    terms, colmax = _compat.fallback(torch.ops.compileops.mlstm_column_terms.default)(
+        igate, logf)
     affine = [_compat.require_contiguous(p) for p in (norm_weight, norm_bias) if p is not None]
-    nodes = _compat.realize_inputs(q, k, v, logf, *terms, *affine)
+    nodes = _compat.realize_inputs(q, k, v, igate, logf, terms, colmax, *affine)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     save_h = bool(save_h and normed)
     extras = ([_compat.empty_buffer(device, dtype, [batch, heads, seq, dv])] if save_h else [])

@@ -228,16 +228,6 @@ def invalid_cu_seqlens(seq: int) -> st.SearchStrategy[list[int]]:
     return st.one_of(not_from_zero, short, past, decreasing, negative)
 
 
-def gate_regimes(max_input_spread: float = 2.0) -> st.SearchStrategy[tuple[float, ...]]:
-    """``(igate_mean, igate_std, fgate_mean, fgate_std)`` of normally drawn gate
-    pre-activations, over the regimes a trained recurrent cell lives in: forget gates from
-    closing (mean -1.5: each step keeps about a fifth) to open (mean 4), input gates spread
-    up to ``max_input_spread`` nats. Long sequences of closing gates make the forget-gate
-    sums large, and a spread input gate makes the normaliser cancel."""
-    return st.tuples(st.floats(-1.0, 0.5), st.floats(0.5, max_input_spread),
-                     st.floats(-1.5, 4.0), st.floats(0.5, 1.5))
-
-
 # ---------------------------------------------------------------------------------------
 # Layouts
 

@@ -75,7 +75,7 @@ def bench(seq, tokens, cfgs_fw, cfgs_bw):
             def fn():
                 dh, r, beta, dm, pw, pb = kernels.norm_backward(go, h, w, m, rs, True, 1e-6,
                                                                 1e-6, False, cfg)
-                return kernels.cell_backward(q, k, v, dh, ig, logf, r, beta, cfg)
+                return kernels.cell_backward(q, k, v, dh, ig, logf, m, r, beta, cfg)
             ms = triton.testing.do_bench(fn, warmup=25, rep=100)
             print(f"bw S={seq} {cfg}: {ms:.3f} ms {2.5 * flops / ms / 1e9:.0f} TFLOP/s (2.5x count)",
                   flush=True)
@@ -112,9 +112,7 @@ def breakdown(seq, tokens, configs=()):
         print(f"norm S={seq} rows={rows} warps={warps} programs={programs}: {t:.3f} ms "
               f"({stream / t / 1e6:.0f} GB/s)", flush=True)
     dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    far_row, far_col, near_col, near_cross = (torch.empty_like(ig) for _ in range(4))
-    from compileops.mlstm.kernels.stabiliser import column_terms
-    terms = column_terms(ig, logf)  # what cell_backward computes ahead of the kernels
+    rg, cg = torch.empty_like(logf), torch.empty_like(logf)
     strides = (*q.stride(), *k.stride(), *v.stride(), *dh.stride())
     scale = 1 / math.sqrt(dqk)
     import importlib
@@ -128,9 +126,8 @@ def breakdown(seq, tokens, configs=()):
         if name.startswith("_backward_") and name.endswith(".py")]
     for (name, mod), cfg in itertools.product(versions, [default, *configs]):
         common = dict(DQK=dqk, DV=dv, BLOCK_DQK=dqk, BLOCK_DV=dv, BLOCK_M=cfg.block_m,
-                      ACC=tl.float32, INPUT_PRECISION="tf32", UPCAST=False)
-        dq_tiles = dict(BLOCK_N=cfg.dq_tile, NEAR=cfg.block_n, num_warps=cfg.dq_warps,
-                        num_stages=cfg.dq_stages)
+                      ACC=tl.float32, INPUT_PRECISION="tf32", UPCAST=False, HAS_STATE=False)
+        dq_tiles = dict(BLOCK_N=cfg.dq_tile, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)
         dkv_tiles = dict(BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
                          num_stages=cfg.num_stages)
         # Kernels with head_major_tile take a flat grid; older copies (bh, tile).
@@ -142,11 +139,11 @@ def breakdown(seq, tokens, configs=()):
 
         try:
             t_dq = triton.testing.do_bench(lambda: mod.mlstm_dq_kernel[grid(cfg.block_m)](
-                q, k, v, dh, *terms, r, beta, dq, far_row, seq, nh, *strides, scale,
-                **common, **dq_tiles), rep=50)
+                q, k, v, dh, ig, logf, m, r, beta, r, r, r, dq, rg, seq, seq, nh, *strides,
+                scale, **common, **dq_tiles), rep=50)
             t_dkv = triton.testing.do_bench(lambda: mod.mlstm_dkv_kernel[grid(cfg.block_n)](
-                q, k, v, dh, *terms, r, beta, dk, dvv, far_col, near_col, near_cross, seq,
-                nh, *strides, scale, **common, **dkv_tiles), rep=50)
+                q, k, v, dh, ig, logf, m, r, beta, r, r, r, dk, dvv, cg, seq, seq, nh, *strides,
+                scale, **common, **dkv_tiles), rep=50)
         except Exception as e:  # noqa: BLE001  (a config past the shared memory, say)
             print(f"breakdown [{name}] S={seq} {cfg}: FAILED {type(e).__name__}: "
                   f"{str(e)[:120]}", flush=True)

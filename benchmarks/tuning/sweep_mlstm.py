@@ -112,8 +112,8 @@ class Case:
         h, m, b = self._saved
         dh, r, beta, dm, _, _ = self.kernels.norm_backward(
             self.cot, h, self.w, m, b, True, self.norm_eps, self.eps, False, config)
-        return self.kernels.cell_backward(self.q, self.k, self.v, dh, self.igate, self.logf, r,
-                                          beta, config)
+        return self.kernels.cell_backward(self.q, self.k, self.v, dh, self.igate, self.logf, m,
+                                          r, beta, config)
 
     def make_config(self, pass_: str, c):
         cls = self.kernels.ForwardConfig if pass_ == "fw" else self.kernels.BackwardConfig

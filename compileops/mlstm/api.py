@@ -103,8 +103,7 @@ def mlstm_with_stats(
     check_gates_floating(igate, fgate)  # the rest is checked by the op, eagerly and traced
     acc = gate_dtype(q.dtype)
     if form == "parallel":
-        # fp64 sums: the parallel form reads differences of them across the whole row.
-        logf = log_forget_op(fgate.to(acc), fp64=True)
+        logf = log_forget_op(fgate.to(acc))
         out, _, m_log2, b = mlstm_parallel_op(
             q, k, v, igate.to(acc), logf, norm_weight, norm_bias, normed, float(norm_eps),
             float(eps), bool(residual_weight), save_h)
@@ -113,7 +112,7 @@ def mlstm_with_stats(
         chunk = int(chunk_size) if chunk_size is not None else DEFAULT_CHUNK
         check_chunk(chunk)
         c0, n0, m0 = initial_state if initial_state is not None else (None, None, None)
-        logf = log_forget_op(fgate.to(acc), chunk, cu_seqlens, fp64=True)
+        logf = log_forget_op(fgate.to(acc), chunk, cu_seqlens)
         out, _, m_log2, b, _, _, _, c_last, n_last, m_last = mlstm_chunkwise_op(
             q, k, v, igate.to(acc), logf, norm_weight, norm_bias, c0, n0, m0, cu_seqlens,
             chunk, normed, float(norm_eps), float(eps), bool(residual_weight), save_h)
@@ -147,14 +146,12 @@ def mlstm(
     ``logD_ij = F_i - F_j + igate_j`` (``j <= i``), ``m_i = max_j logD_ij``,
     ``C = q k^T / sqrt(DQK) * exp(logD - m)``, ``h_i = sum_j C_ij v_j / (max(|sum_j C_ij|,
     exp(-m_i)) + eps)``, then per head over DV: ``(h - mean) / sqrt(var + norm_eps)`` times
-    the weight, plus the bias. The forget-gate sums ``F`` are fp64 (they grow like S, and
-    the cell reads their differences); stabilisers and norm statistics are fp32 (fp64 for
+    the weight, plus the bias. Gate sums, stabilisers and norm statistics are fp32 (fp64 for
     fp64 inputs); the products accumulate in fp32.
 
     Precision (axis B, against the fp64 reference; tests/mlstm): fp64 and fp32 (IEEE dots)
-    within 1e-5 relative (L2), the output and every gradient, both forms, at sequence
-    lengths up to 4096 (tests/mlstm/test_long_sequences.py: forget gates N(-1, 1) and N(0,
-    1), input gates N(-1, 2**2); at S = 1024 the worst measured is 1e-6); bf16 within a
+    within 1e-5 relative (L2), except the fp32 forget-gate gradient without a norm, within
+    3e-5 (its reverse cumulative sum cancels large fp32 row and column sums); bf16 within a
     relative L2 error of 2e-2 for the output and 4e-2 for the gradients (8e-2 chunkwise: its
     states enter the MMAs in bf16); fp16 within a
     relative L2 error of 1e-3 for the output and 4e-3 for the gradients. Deterministic and batch-invariant bitwise, forward and backward.

@@ -88,15 +88,11 @@ def check_backward_grad(grad: torch.Tensor, expected: tuple, what: str) -> None:
 
 
 def check_log_gates(q: torch.Tensor, igate: torch.Tensor, logf: torch.Tensor) -> None:
-    """The op's gate inputs: ``igate`` in the accumulation dtype (fp32, fp64 for fp64
-    inputs), ``logf`` in that dtype or fp64 (the precise forget-gate sums)."""
+    """The op's gate inputs are in the accumulation dtype (fp32, fp64 for fp64 inputs)."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    torch._check(igate.dtype == acc, lambda: f"igate must be {acc} for {q.dtype} inputs (the "
-                 f"gates' accumulation dtype), got {igate.dtype}; compileops.mlstm converts")
-    torch._check(logf.dtype in (acc, torch.float64), lambda: f"logf must be torch.float64 "
-                 f"(or {acc}) for {q.dtype} inputs, got {logf.dtype}; compileops.mlstm "
-                 f"converts")
-
+    for name, g in (("igate", igate), ("logf", logf)):
+        torch._check(g.dtype == acc, lambda: f"{name} must be {acc} for {q.dtype} inputs (the "
+                     f"gates' accumulation dtype), got {g.dtype}; compileops.mlstm converts")
 
 
 def check_cu_seqlens(cu_seqlens: Optional[torch.Tensor], q: torch.Tensor,

@@ -4,11 +4,11 @@
   m0?, cu_seqlens?, chunk, normed, norm_eps, eps, residual_weight, save_h) -> (out, h,
   m_log2, b, c_states, n_states, m_states, c_last, n_last, m_last)``. As ``mlstm_parallel``
   (op.py), except: ``logf`` is the forget-gate sum restarted every ``chunk`` rows of each
-  document (``log_forget_op(fgate, chunk, cu_seqlens, fp64=True)``: fp64, or the
-  accumulation dtype); the optional initial state ``c0 [B, NH, DQK, DV]``, ``n0 [B, NH,
-  DQK]``, ``m0 [B, NH]`` (accumulation dtype; all three or none); the states entering each
-  chunk (kept for the backward, layout of ``kernels.chunkwise``) and the last state
-  ``(c_last, n_last, m_last)``, with m in natural-log units.
+  document (``log_forget_op(fgate, chunk, cu_seqlens)``); the optional initial state ``c0
+  [B, NH, DQK, DV]``, ``n0 [B, NH, DQK]``, ``m0 [B, NH]`` (accumulation dtype; all three or
+  none); the states entering each chunk (kept for the backward, layout of
+  ``kernels.chunkwise``) and the last state ``(c_last, n_last, m_last)``, with m in
+  natural-log units.
 * ``compileops::mlstm_chunkwise_backward(...)``: the gradients, the initial state's and
   the last state's included.
 
@@ -29,9 +29,8 @@ different summation order), so the same identities hold: ``sum_j dlogD_ij = q_i 
 column (``kernels.chunk_gates``; the initial state is a column before the first).
 The returned ``C = exp(-m) C~`` depends on m, so the last state's gradient adds
 ``dm_last - <dC_last, C_last> - <dn_last, n_last>`` to the last row's stabiliser gradient.
-The reference backend's backward is written by hand, document by document, states
-included (:func:`_document_backward`); its plain-PyTorch forward is the oracle the tests
-differentiate with autograd.
+The reference backend's backward is autograd through its plain-PyTorch forward, states
+included.
 """
 from __future__ import annotations
 
@@ -87,7 +86,6 @@ def _reference_forward(q, k, v, igate, logf, c0, n0, m0, chunk, eps):
     """Plain PyTorch, chunk by chunk, one document (differentiable: the tests hold the
     kernels and the reference backward to its autograd)."""
     acc = reference.gate_dtype(q.dtype)
-    logf = logf.to(acc)  # the chunk's sums (fp64 in: the reference backward keeps those)
     b, nh, seq, dqk = q.shape
     dv = v.shape[-1]
     scale = 1.0 / math.sqrt(dqk)
@@ -296,7 +294,7 @@ def _backward(ctx, grad_out, _gh, _gm, _gb, _gc, _gn, _gms, grad_c, grad_n, grad
                            "needed: call compileops.mlstm, which keeps h when it must")
     if grad_out is None:
         grad_out = torch.zeros(_out_shape(q, v, ctx.normed), dtype=v.dtype, device=v.device)
-    acc = igate.dtype
+    acc = logf.dtype
     b, nh, _, dqk = q.shape
     dv_len = v.shape[-1]
     if cu_seqlens is not None or (grad_c is None and grad_n is None and grad_m is None):
@@ -366,9 +364,8 @@ def mlstm_chunkwise_backward_op(
             dm = torch.cat([dm[..., :-1], dm[..., -1:] + dm_last[..., None]], -1).contiguous()
     dcs, dns, dc0 = chunkwise.chunk_state_grads(q, dh, lf, m2, r, beta, mst, chunk, tables,
                                                 (grad_c, grad_n) if has_last else None)
-    # row_grad, col_grad: fp64 (kernels.backward.dlogd_sums: their difference cancels).
     dq, dk, dv, row_grad, col_grad = chunk_tiles.chunk_cell_backward(
-        q, k, v, dh, ig, lf, r, beta, chunk, (cst, nst, mst), (dcs, dns), tables, cfg)
+        q, k, v, dh, ig, lf, m2, r, beta, chunk, (cst, nst, mst), (dcs, dns), tables, cfg)
     if has_last and seq:
         row_grad = torch.cat([row_grad[..., :-1], row_grad[..., -1:] + read_last[..., None]],
                              -1).contiguous()
@@ -467,11 +464,7 @@ def _document_backward(grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf, n
     D``, ``dlogD = dS S``; the last state ``C = sum_j D_Lj k_j v_j^T + w0_L C0`` (its
     stabiliser is the last row's: ``dm_L += grad_m - <grad_c, C> - <grad_n, n>``); ``dm``
     to each row's maximal column (:func:`.op.stabiliser_column_grad`); then the forget sums
-    ``F`` (rows minus columns) back to the chunk-restarted ``logf``. As in the parallel
-    reference (:func:`.reference.decay_exponents`, :func:`.op._reference_backward`), ``F``
-    and ``logD`` are fp64, ``m`` is rounded to ``acc`` before the exponents are taken
-    against it, and the row and column sums that the forget gates' reverse sum cancels are
-    fp64."""
+    ``F`` (rows minus columns) back to the chunk-restarted ``logf``."""
     from compileops.mlstm.op import _layernorm_backward, normaliser_terms, \
         stabiliser_column_grad
 
@@ -479,14 +472,14 @@ def _document_backward(grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf, n
     scale = 1.0 / math.sqrt(dqk)
     qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
     has_state, has_last = c0 is not None, grad_c is not None
-    forget = _global_log_forget(logf.to(reference.FORGET_SUM_DTYPE), chunk)
-    log_d = forget[..., :, None] - forget[..., None, :] + igate.to(forget.dtype)[..., None, :]
+    forget = _global_log_forget(logf, chunk)
+    log_d = forget[..., :, None] - forget[..., None, :] + igate[..., None, :]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
     log_d = log_d.masked_fill(~causal, float("-inf"))
     state_col = forget + m0[..., None] if has_state else torch.full_like(forget, float("-inf"))
-    m = torch.maximum(state_col, log_d.amax(dim=-1)).to(acc)
-    decay = torch.exp((log_d - m.to(forget.dtype)[..., None]).to(acc))
-    w0 = torch.exp((state_col - m.to(forget.dtype)).to(acc))
+    m = torch.maximum(state_col, log_d.amax(dim=-1))
+    decay = torch.exp(log_d - m[..., None])
+    w0 = torch.exp(state_col - m)
     scores = (qa @ ka.transpose(-1, -2)) * scale
     cmat = scores * decay
     row_sum = cmat.sum(-1)
@@ -537,19 +530,16 @@ def _document_backward(grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf, n
             dn0 = dn0 + last_w0[..., None] * gn
             d_col0 = d_col0.clone()
             d_col0[..., -1] += last_w0 * ((gc * c0).sum((-2, -1)) + (gn * n0).sum(-1))
-    # Summed in fp64: the forget gates' reverse sum of rows - columns cancels the two down
-    # to the pairs that span each step.
-    col = d_log_d.sum(-2, dtype=forget.dtype)
-    row = d_log_d.sum(-1, dtype=forget.dtype) + dm
-    keys = igate.to(forget.dtype) - forget
+    keys = igate - forget
     if has_state:
-        shares = stabiliser_column_grad(torch.cat([m0[..., None].to(keys.dtype), keys], -1),
+        shares = stabiliser_column_grad(torch.cat([m0[..., None], keys], -1),
                                         torch.cat([torch.zeros_like(dm[..., :1]), dm], -1))
-        col = col + shares[..., 1:]
-        row = row + d_col0
+        col = d_log_d.sum(-2) + shares[..., 1:]
+        row = d_log_d.sum(-1) + dm + d_col0
         dm0 = d_col0.sum(-1) + shares[..., 0]
     else:
-        col = col + stabiliser_column_grad(keys, dm)
+        col = d_log_d.sum(-2) + stabiliser_column_grad(keys, dm)
+        row = d_log_d.sum(-1) + dm
     dlogf = _local_log_forget_grad(row - col, chunk)
     state = (dc0, dn0, dm0) if has_state else ()
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), col.to(igate.dtype),

@@ -1,14 +1,12 @@
 """The forget-gate prefix sum as ops: ``compileops::mlstm_log_forget(fgate) -> logf`` and
 ``compileops::mlstm_log_forget_backward(grad, fgate) -> dfgate``; and
-``compileops::mlstm_column_terms(igate, logf) -> (term_hi, term_lo, colmax_hi, colmax_lo)``,
-the kernels' column terms and their running max, which the forward's lowering uses.
+``compileops::mlstm_column_terms(igate, logf) -> (terms, colmax)``, the forward's column terms
+and their running max, which the forward's lowering uses.
 
-``logf = cumsum(log sigmoid(fgate))`` ``[B, NH, S]``, summed in fp64 on both backends and
-rounded once: to fp64 with ``fp64=True`` (what both mLSTM forms ask for:
-reference.FORGET_SUM_DTYPE), else to fgate's accumulation dtype (fp32; fp64 for fp64). On the
-Triton backend one program sums one row (or one chunk of one document) in a fixed order, so
-the result is bitwise batch-invariant, which ``torch.cumsum`` on CUDA is not (it picks its
-scan by the row count). Under ``torch.compile`` both stay extern calls of these kernels.
+``logf = cumsum(log sigmoid(fgate))`` ``[B, NH, S]`` in the accumulation dtype (fp32, fp64 for
+fp64). On the Triton backend one program sums one row in a fixed order, so the result is
+bitwise batch-invariant, which ``torch.cumsum`` on CUDA is not (it picks its scan by the row
+count). Under ``torch.compile`` both stay extern calls of these kernels.
 """
 from __future__ import annotations
 
@@ -19,11 +17,12 @@ import torch
 from compileops import backends
 from compileops._library import custom_op
 from compileops.mlstm.checks import check_cu_seqlens, check_cu_seqlens_eagerly
-from compileops.mlstm.reference import FORGET_SUM_DTYPE, LOG2E, gate_dtype, log_forget_cumsum
+from compileops.mlstm.reference import LOG2E, gate_dtype, log_forget_cumsum
 
 
 def _use_triton(op: str, t: torch.Tensor) -> bool:
     return backends.select(op, t.device) == "triton"
+
 
 
 def _chunked(t: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -35,22 +34,16 @@ def _chunked(t: torch.Tensor, chunk: int) -> torch.Tensor:
                                                         chunk)
 
 
-def _sums_dtype(fgate: torch.Tensor, fp64: bool) -> torch.dtype:
-    return FORGET_SUM_DTYPE if fp64 else gate_dtype(fgate.dtype)
-
-
 @custom_op("mlstm_log_forget")
 def log_forget_op(fgate: torch.Tensor, chunk: int = 0,
-                  cu_seqlens: Optional[torch.Tensor] = None, fp64: bool = False) -> torch.Tensor:
-    """``fgate [B, NH, S]`` -> ``cumsum(log sigmoid(fgate), -1)``, summed in fp64 and returned
-    in fp64 when ``fp64`` (reference.FORGET_SUM_DTYPE), else in fgate's accumulation dtype;
+                  cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``fgate [B, NH, S]`` -> ``cumsum(log sigmoid(fgate), -1)`` in the accumulation dtype;
     with ``chunk`` > 0 (a power of two) the sums restart every ``chunk`` elements of each
     document (``cu_seqlens [N + 1]``, B = 1: the packed documents' cumulative ends; None:
-    the row is one document), as the chunkwise kernels read them. (fgate is read as it is:
-    no conversion kernel ahead of this one.)"""
+    the row is one document), as the chunkwise kernels read them."""
     _check_log_forget_args(fgate, chunk, cu_seqlens)
     check_cu_seqlens_eagerly(cu_seqlens, fgate.shape[-1])
-    acc = _sums_dtype(fgate, fp64)
+    acc = gate_dtype(fgate.dtype)
     if _use_triton("mlstm_log_forget", fgate):
         from compileops.mlstm.kernels import gates
 
@@ -60,8 +53,8 @@ def log_forget_op(fgate: torch.Tensor, chunk: int = 0,
             return chunk_gates.log_forget(fgate, acc, chunk, _tables(fgate, chunk, cu_seqlens))
         return gates.log_forget(fgate, acc)
     if chunk:
-        return _per_document(fgate, chunk, cu_seqlens, _chunk_log_forget, fgate).to(acc)
-    return log_forget_cumsum(fgate).to(acc).contiguous()
+        return _per_document(fgate, chunk, cu_seqlens, _chunk_log_forget, fgate.to(acc))
+    return log_forget_cumsum(fgate.to(acc)).contiguous()
 
 
 def _check_log_forget_args(fgate, chunk, cu_seqlens) -> None:
@@ -79,9 +72,9 @@ def _tables(t: torch.Tensor, chunk: int, cu_seqlens: Optional[torch.Tensor]):
 
 def _chunk_log_forget(f: torch.Tensor, chunk: int) -> torch.Tensor:
     """The reference: the running sums of ``log sigmoid(f) [..., L]`` restarted every
-    ``chunk`` elements, in fp64."""
-    terms = torch.nn.functional.logsigmoid(f.to(FORGET_SUM_DTYPE))
-    return torch.cumsum(_chunked(terms, chunk), dim=-1).flatten(-2)[..., :f.shape[-1]]
+    ``chunk`` elements."""
+    sums = torch.cumsum(_chunked(torch.nn.functional.logsigmoid(f), chunk), dim=-1)
+    return sums.flatten(-2)[..., :f.shape[-1]]
 
 
 def _chunk_log_forget_backward(g: torch.Tensor, f: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -108,20 +101,20 @@ def _per_document(like: torch.Tensor, chunk: int, cu_seqlens: Optional[torch.Ten
 
 
 @log_forget_op.register_fake
-def _log_forget_fake(fgate, chunk=0, cu_seqlens=None, fp64=False):
+def _log_forget_fake(fgate, chunk=0, cu_seqlens=None):
     _check_log_forget_args(fgate, chunk, cu_seqlens)
-    return fgate.new_empty(fgate.shape, dtype=_sums_dtype(fgate, fp64))
+    return fgate.new_empty(fgate.shape, dtype=gate_dtype(fgate.dtype))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    fgate, chunk, cu_seqlens, _ = inputs
+    fgate, chunk, cu_seqlens = inputs
     ctx.save_for_backward(fgate, cu_seqlens)
     ctx.chunk = chunk
 
 
 def _backward(ctx, grad):
     fgate, cu_seqlens = ctx.saved_tensors
-    return log_forget_backward_op(grad, fgate, ctx.chunk, cu_seqlens), None, None, None
+    return log_forget_backward_op(grad, fgate, ctx.chunk, cu_seqlens), None, None
 
 
 backends.register_autograd(log_forget_op, _backward, _setup_context)
@@ -130,22 +123,20 @@ backends.register_autograd(log_forget_op, _backward, _setup_context)
 @custom_op("mlstm_log_forget_backward")
 def log_forget_backward_op(grad: torch.Tensor, fgate: torch.Tensor, chunk: int = 0,
                            cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``sigmoid(-fgate) * revcumsum(grad)`` ``[B, NH, S]`` in fgate's dtype, summed in fp64
-    (the reverse sums restarted every ``chunk`` elements of each document when ``chunk`` >
-    0). ``grad`` is the gradient of the sums (fp64, or fgate's accumulation dtype): row sums
-    less column sums of the cell's ``dlogD``, whose reverse sum cancels them down to the few
-    pairs that span each step, so it is read as it comes."""
+    """``sigmoid(-fgate) * revcumsum(grad)`` ``[B, NH, S]`` in fgate's dtype (the reverse
+    sums restarted every ``chunk`` elements of each document when ``chunk`` > 0)."""
     _check_log_forget_args(fgate, chunk, cu_seqlens)
     if _use_triton("mlstm_log_forget_backward", fgate):
         from compileops.mlstm.kernels import gates
 
+        g = grad.to(gate_dtype(fgate.dtype))
         if chunk:
             from compileops.mlstm.kernels import chunk_gates
 
-            return chunk_gates.log_forget_backward(grad, fgate, chunk,
+            return chunk_gates.log_forget_backward(g, fgate, chunk,
                                                    _tables(fgate, chunk, cu_seqlens))
-        return gates.log_forget_backward(grad, fgate)
-    g = grad.to(FORGET_SUM_DTYPE)
+        return gates.log_forget_backward(g, fgate)
+    g = grad.to(gate_dtype(fgate.dtype))
     if chunk:
         return _per_document(g, chunk, cu_seqlens, _chunk_log_forget_backward, g,
                              fgate).to(fgate.dtype)
@@ -160,54 +151,34 @@ def _log_forget_backward_fake(grad, fgate, chunk=0, cu_seqlens=None):
 
 
 @custom_op("mlstm_column_terms")
-def column_terms_op(igate: torch.Tensor, logf: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``igate [B, NH, S]`` (the accumulation dtype) and ``logf [B, NH, S]`` (fp64, or
-    igate's dtype) -> ``(term_hi, term_lo, colmax_hi, colmax_lo)``, each ``[B, NH, S]`` in
-    igate's dtype: the kernels' column terms ``(igate - logf) * log2(e)`` and their running
-    max along S (the row's stabiliser less ``logf``, log2 units), each computed in fp64 and
-    kept as an unevaluated sum ``hi + lo`` of two numbers of igate's dtype
-    (:mod:`compileops.mlstm.kernels.stabiliser` says why; ``lo`` is 0 in fp64). Internal:
-    the Inductor lowering of ``mlstm_parallel`` calls it ahead of its template, as the eager
-    launcher calls the kernel ahead of its own. Not differentiable (nothing differentiates
-    through it: the stabiliser's gradient is the forward op's)."""
+def column_terms_op(igate: torch.Tensor, logf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``igate``, ``logf`` ``[B, NH, S]`` (the accumulation dtype) -> ``(terms, colmax)``, both
+    ``[B, NH, S]``: the parallel forward's column terms ``(igate - logf) * log2(e)`` and their
+    running max along S (its stabiliser less ``logf``, log2 units). Internal: the Inductor
+    lowering of ``mlstm_parallel`` calls it ahead of its template, as the eager launcher calls
+    the kernel ahead of its own. Not differentiable (nothing differentiates through it: the
+    stabiliser's gradient is the forward op's)."""
     _check_column_terms_inputs(igate, logf)
     if _use_triton("mlstm_column_terms", logf):
         from compileops.mlstm.kernels import stabiliser
 
         return stabiliser.column_terms(igate.contiguous(), logf.contiguous())
-    return reference_column_terms(igate, logf)
-
-
-def split_sum(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (fp64) as ``(hi, lo)`` in ``dtype``: ``hi`` the rounded value, ``lo`` the rounded
-    remainder (0 where ``hi`` is infinite)."""
-    hi = x.to(dtype)
-    rest = torch.where(torch.isfinite(hi), x - hi.to(x.dtype), torch.zeros_like(x))
-    return hi.contiguous(), rest.to(dtype).contiguous()
-
-
-def reference_column_terms(igate: torch.Tensor, logf: torch.Tensor):
-    """:func:`column_terms_op` in plain PyTorch."""
-    terms = (igate.to(FORGET_SUM_DTYPE) - logf.to(FORGET_SUM_DTYPE)) * LOG2E
+    terms = ((igate - logf) * LOG2E).contiguous()
     if terms.shape[-1] == 0:
-        colmax = terms.clone()
-    else:
-        colmax = torch.cummax(terms, dim=-1).values
-    return (*split_sum(terms, igate.dtype), *split_sum(colmax, igate.dtype))
+        return terms, terms.clone()
+    return terms, torch.cummax(terms, dim=-1).values.contiguous()
 
 
 def _check_column_terms_inputs(igate, logf) -> None:
-    if igate.shape != logf.shape or logf.dtype not in (igate.dtype, FORGET_SUM_DTYPE):
+    if igate.shape != logf.shape or igate.dtype != logf.dtype:
         raise ValueError(f"igate ({tuple(igate.shape)}, {igate.dtype}) and logf "
-                         f"({tuple(logf.shape)}, {logf.dtype}) must match (logf may be "
-                         f"{FORGET_SUM_DTYPE})")
+                         f"({tuple(logf.shape)}, {logf.dtype}) must match")
 
 
 @column_terms_op.register_fake
 def _column_terms_fake(igate, logf):
     _check_column_terms_inputs(igate, logf)
-    return tuple(igate.new_empty(igate.shape) for _ in range(4))
+    return logf.new_empty(logf.shape), logf.new_empty(logf.shape)
 
 
 __all__ = ["column_terms_op", "log_forget_backward_op", "log_forget_op"]

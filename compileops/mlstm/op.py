@@ -9,12 +9,9 @@
 * ``compileops::mlstm_parallel_backward(grad, q, k, v, igate, logf, norm_weight?, h, m_log2,
   b, normed, norm_eps, eps, residual_weight) -> (dq, dk, dv, digate, dlogf, dweight, dbias)``.
 
-The gates enter as ``igate`` ``[B, NH, S]`` in the accumulation dtype (fp32, fp64 for fp64)
-and ``logf = cumsum(log sigmoid(fgate))`` ``[B, NH, S]`` in fp64 (or, less precise past a few
-hundred steps, the accumulation dtype): the cell reads only differences of ``logf``, which an
-fp32 sum rounds at the sum's size (reference.FORGET_SUM_DTYPE). The public function computes
-``logf`` with ``compileops::mlstm_log_forget``, so autograd handles the cumsum and the
-sigmoid.
+The gates enter as ``igate`` and ``logf = cumsum(log sigmoid(fgate))``, both ``[B, NH, S]`` in
+the accumulation dtype (fp32, fp64 for fp64): the public function computes ``logf`` with
+torch ops, so autograd (and Inductor, which fuses them) handles the cumsum and the sigmoid.
 
 Both functional; the forward's autograd calls the backward op, so the compiled backward
 graph holds a compileops op too.
@@ -172,18 +169,17 @@ def _kernel_backward(grad_out, q, k, v, igate, logf, norm_weight, h, m, b, norme
         grad_out, h, _dense(norm_weight), m.contiguous(), b.contiguous(), normed, norm_eps,
         eps, residual_weight, cfg)
     dq, dk, dv, row_grad, col_grad = kernels.cell_backward(
-        q, k, v, dh, igate.contiguous(), logf.contiguous(), r, beta, cfg)
+        q, k, v, dh, igate.contiguous(), logf.contiguous(), m, r, beta, cfg)
     col_grad = col_grad + stabiliser_column_grad(igate - logf, dm)
     # logD_ij = F_i - F_j + igate_j: dF gets the row sums of dlogD minus its column sums
-    # (dm: the stabiliser's share, which sits in row i too). Both are fp64, put together so
-    # that the reverse sum that follows (the forget gates' gradient) cancels them exactly.
-    dlogf = ((row_grad + dm) - col_grad).to(logf.dtype)
+    # (dm: the stabiliser's share, which sits in row i too).
+    dlogf = row_grad + dm - col_grad
     if normed:
         dweight = parts_w.sum(dim=(0, 1)).reshape(-1)
         dbias = parts_b.sum(dim=(0, 1)).reshape(-1)
     else:
         dweight, dbias = q.new_empty((0,), dtype=acc), q.new_empty((0,), dtype=acc)
-    return dq, dk, dv, col_grad.to(igate.dtype), dlogf, dweight, dbias
+    return dq, dk, dv, col_grad, dlogf, dweight, dbias
 
 
 def stabiliser_column_grad(keys: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
@@ -232,8 +228,10 @@ def _reference_backward(grad_out, q, k, v, igate, logf, norm_weight, normed, nor
     if seq == 0:
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
                 torch.zeros_like(igate), torch.zeros_like(logf), dweight, dbias)
-    exponents, _, first_max = reference.decay_exponents(igate, logf, acc)
-    decay = torch.exp(exponents)  # 0 above the diagonal
+    log_d = logf[..., :, None] - logf[..., None, :] + igate[..., None, :]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    log_d = log_d.masked_fill(~causal, float("-inf"))
+    decay = torch.exp(log_d - m[..., None])  # 0 above the diagonal
     qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
     scores = (qa @ ka.transpose(-1, -2)) / math.sqrt(dqk)
     r, beta, dm = normaliser_terms(m * LOG2E, b, (dh * h).sum(-1), eps)
@@ -244,13 +242,12 @@ def _reference_backward(grad_out, q, k, v, igate, logf, norm_weight, normed, nor
     dv = (scores * decay * r[..., None]).transpose(-1, -2) @ dh
     d_log_d = d_s * scores
     # The stabiliser m_i = max_j logD_ij: its gradient goes to the row's first maximal column.
+    first_max = log_d.max(dim=-1).indices
     d_log_d = d_log_d.scatter_add(-1, first_max[..., None], dm[..., None])
-    # Summed in logf's dtype: the forget gates' reverse sum of dF = rows - columns cancels
-    # the two down to the pairs that span each step.
-    col = d_log_d.sum(dim=-2, dtype=logf.dtype)
-    dlogf = d_log_d.sum(dim=-1, dtype=logf.dtype) - col
+    col = d_log_d.sum(dim=-2)
+    dlogf = d_log_d.sum(dim=-1) - col
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), col.to(igate.dtype),
-            dlogf, dweight, dbias)
+            dlogf.to(logf.dtype), dweight, dbias)
 
 
 def _layernorm_backward(grad_out, h, weight, norm_eps, residual_weight, acc):

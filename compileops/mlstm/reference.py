@@ -21,22 +21,13 @@ LOG2E = 1.0 / math.log(2.0)
 
 
 def gate_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of stabilisers, row sums and norm statistics: fp32, or fp64 for fp64."""
+    """The dtype of gate cumsums, stabilisers and norm statistics: fp32, or fp64 for fp64."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-#: The forget-gate sums ``F`` are fp64 for every input dtype. The cell reads only their
-#: differences ``F_i - F_j``, but a running sum of S log forget gates grows like S: in fp32
-#: each ``F`` is rounded at its own size (``|F| ~ 1000`` at S = 1024: 6e-5), which reaches the
-#: decays ``exp(F_i - F_j + igate_j)`` as that relative error, whatever ``i - j``. In fp64
-#: the difference keeps fp32's precision at every S this library runs.
-FORGET_SUM_DTYPE = torch.float64
-
-
 def log_forget_cumsum(fgate: torch.Tensor) -> torch.Tensor:
-    """``F_t = sum_{tau<=t} log sigmoid(fgate_tau)`` ``[B, NH, S]`` in fp64
-    (:data:`FORGET_SUM_DTYPE`)."""
-    return torch.cumsum(F.logsigmoid(fgate.to(FORGET_SUM_DTYPE)), dim=-1)
+    """``F_t = sum_{tau<=t} log sigmoid(fgate_tau)`` ``[B, NH, S]`` in the accumulation dtype."""
+    return torch.cumsum(F.logsigmoid(fgate.to(gate_dtype(fgate.dtype))), dim=-1)
 
 
 def cell(
@@ -47,42 +38,26 @@ def cell(
     the signed row sum ``b = sum_j C_ij`` (``n = max(|b|, exp(-m))``), which the backward's
     normaliser term needs."""
     acc = gate_dtype(q.dtype)
-    return cell_from_log_gates(q, k, v, igate.to(acc), log_forget_cumsum(fgate), eps)
-
-
-def decay_exponents(igate: torch.Tensor, log_f: torch.Tensor, acc: torch.dtype
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logD - m, m, first_max)``: the stabilised exponents ``[B, NH, S, S]`` (``-inf``
-    above the diagonal) and the stabiliser ``m_i = max_j logD_ij`` ``[B, NH, S]``, both in
-    ``acc``, and each row's first maximal column ``[B, NH, S]`` (where m's gradient goes).
-
-    ``logD_ij = F_i - F_j + igate_j`` is formed in ``log_f``'s dtype (fp64: its differences
-    keep their digits), ``m`` is rounded to ``acc`` first and the exponents are taken against
-    that rounded ``m``, so that a stored ``m`` reproduces them (the backward)."""
-    seq = log_f.shape[-1]
-    log_d = log_f[..., :, None] - log_f[..., None, :] + igate.to(log_f.dtype)[..., None, :]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=log_f.device).tril()
-    log_d = log_d.masked_fill(~causal, float("-inf"))  # [B, NH, S, S]
-    row_max = log_d.max(dim=-1)  # its gradient goes to the first max
-    m = row_max.values.to(acc)
-    return (log_d - m.to(log_d.dtype)[..., None]).to(acc), m, row_max.indices
+    return cell_from_log_gates(q, k, v, igate.to(acc), log_forget_cumsum(fgate.to(acc)), eps)
 
 
 def cell_from_log_gates(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     igate: torch.Tensor, log_f: torch.Tensor, eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`cell` from the input gate ``[B, NH, S]`` in the accumulation dtype and ``F =
-    cumsum(log sigmoid(fgate))`` ``[B, NH, S]`` in fp64 (or, less precise at long S, in the
-    accumulation dtype)."""
+    """:func:`cell` from the input gate and ``F = cumsum(log sigmoid(fgate))``, both
+    ``[B, NH, S]`` in the accumulation dtype."""
     acc = gate_dtype(q.dtype)
     seq = q.shape[-2]
     if seq == 0:  # max over an empty row is undefined; an empty sequence has empty results
-        empty = igate.new_zeros(igate.shape, dtype=acc)
-        return v.new_zeros(v.shape, dtype=acc), empty, empty.clone()
-    exponents, m, _ = decay_exponents(igate, log_f, acc)
+        return v.new_zeros(v.shape, dtype=acc), log_f.new_zeros(log_f.shape), \
+            log_f.new_zeros(log_f.shape)
+    log_d = log_f[..., :, None] - log_f[..., None, :] + igate[..., None, :]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    log_d = log_d.masked_fill(~causal, float("-inf"))  # [B, NH, S, S]
+    m = log_d.max(dim=-1).values  # [B, NH, S]; its gradient goes to the first max
     scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    c = scores * torch.exp(exponents)
+    c = scores * torch.exp(log_d - m[..., None])
     b = c.sum(dim=-1)
     n = torch.maximum(b.abs(), torch.exp(-m))
     h = (c @ v.to(acc)) / (n[..., None] + eps)
@@ -98,9 +73,8 @@ def mlstm_parallel(
     ``F_t = sum_{tau<=t} log sigmoid(fgate_tau)``; ``logD_ij = F_i - F_j + igate_j`` for
     ``j <= i`` (else -inf); ``m_i = max_j logD_ij``; ``C = (q k^T / sqrt(DQK)) * exp(logD - m)``;
     ``n_i = max(|sum_j C_ij|, exp(-m_i))``; ``h_i = sum_j C_ij v_j / (n_i + eps)``.
-    ``F`` and ``logD`` are fp64; ``m``, ``n`` and the rest fp32 (fp64 for fp64 inputs); ``h``
-    is returned in v's dtype (in that accumulation dtype if not ``round_h``, as the fused
-    norm reads it).
+    Gates, ``m`` and ``n`` are computed in fp32 (fp64 for fp64 inputs); ``h`` is returned in
+    v's dtype (in that accumulation dtype if not ``round_h``, as the fused norm reads it).
     """
     h, b, m = cell(q, k, v, igate, fgate, eps)
     n = torch.maximum(b.abs(), torch.exp(-m))

@@ -1,5 +1,4 @@
-"""The mLSTM backward: norm preprocess, dQ and dK/dV tile bodies (the parallel form's
-programs here, the chunkwise form's per document in :mod:`.chunk_tiles`), launcher.
+"""The parallel mLSTM backward: norm preprocess, dQ programs, dK/dV programs, launcher.
 
 With ``r_i = 1 / (n_i + eps)`` and the upstream gradient ``dh`` of the raw h, the cell's
 gradient is, per (batch, head), for ``j <= i`` (the stabiliser ``m`` held constant):
@@ -11,17 +10,6 @@ gradient is, per (batch, head), for ``j <= i`` (the stabiliser ``m`` held consta
   ``dv = (C * r)^T dh``;
 * ``dlogD = dS * S``: its row sums and column sums give the gate gradients (the op finishes
   them: ``digate = colsum``, ``dF = rowsum - colsum``, ``dfgate = sigmoid(-f) revcumsum(dF)``).
-
-The forget gates' reverse sum cancels: ``revcumsum(dF)_t`` is the sum of ``dlogD_ij`` over the
-pairs ``j < t <= i`` only, while each row and column sum carries its own diagonal, the
-largest entry when the gates forget. Row sums taken as ``q_i . dq_i`` (no ``q k^T`` in the dQ
-programs) are exact up to ``eps |q_i| |dq_i|``, and that error, summed over S rows, cost the
-forget gates' gradient 1e-5 relative at S = 1024 (DQK 128). So the pairs are split by blocks
-of ``BLOCK_N`` keys (the dK/dV programs' tile): the pairs of one block ("near") are summed
-directly by the dK/dV program that owns that block, from one ``dlogD`` tile, into its column
-sums and into the within-block reverse sum ``near_cross_t = sum_{j < t <= i, i, j in t's
-block} dlogD_ij``; the other ("far") pairs go through ``q . dq`` and ``k . dk``, read before
-the near tiles join the accumulators. :func:`dlogd_sums` puts the parts together.
 
 No atomics: dQ programs walk the key tiles of their query rows, dK/dV programs the query
 tiles of their key rows, each in a fixed order, so the backward is bitwise reproducible.
@@ -40,18 +28,12 @@ import triton.language as tl
 from compileops.mlstm.kernels.common import (
     LOG2E,
     accumulation_dtype,
+    column_term_max,
     head_major_tile,
     input_precision,
     load_tile,
     mma,
     upcast_dots,
-)
-from compileops.mlstm.kernels.stabiliser import (
-    column_factor,
-    column_terms,
-    decay_exponent,
-    row_factor,
-    with_state_ref,
 )
 from compileops.mlstm.kernels.config import (
     BackwardConfig,
@@ -172,8 +154,8 @@ def norm_backward_kernel(
 
 @triton.jit
 def _dq_step(
-    dq, dh, row_ref_hi, row_ref_lo, r_i, beta_i, col_ref, rows, start_n, k_base, v_base,
-    term_hi_ptr, term_lo_ptr, seq_len, stride_ks, stride_kd, stride_vs, stride_vd,
+    dq, dh, logf_i, m2_i, r_i, beta_i, col_ref, rows, start_n, k_base, v_base,
+    logf_ptr, igate_ptr, seq_len, stride_ks, stride_kd, stride_vs, stride_vd,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACC: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -181,9 +163,8 @@ def _dq_step(
     """Key tile ``[start_n, start_n + BLOCK_N)`` into the unscaled dQ accumulator
     ``[BLOCK_M, BLOCK_DQK]`` (``MASKED``: causal and bounds masks). No ``q k^T``: dQ needs
     only ``dS = dC * decay``; the row sums of ``dlogD = dS * S`` come from ``q . dq`` at
-    the end. Masked tiles take the exact decay ``exp2(term_j - colmax_i)``; unmasked tiles
-    only its column factor ``exp2(term_j - col_ref)``: the caller applies the row factor
-    once (see the forward)."""
+    the end. Unmasked tiles take only the column factor ``exp2(igate_j - logf_j - col_ref)``
+    of the factorised decay; the caller applies the row factor once (see the forward)."""
     cols = start_n + tl.arange(0, BLOCK_N)
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
@@ -191,14 +172,17 @@ def _dq_step(
     v = load_tile(v_base, cols, stride_vs, dv, stride_vd, seq_len, DV, BLOCK_DV, MASKED)
     if MASKED:
         col_ok = cols < seq_len
-        term_hi = tl.load(term_hi_ptr + cols, mask=col_ok, other=0.0)
-        term_lo = tl.load(term_lo_ptr + cols, mask=col_ok, other=0.0)
+        logf_j = tl.load(logf_ptr + cols, mask=col_ok, other=0.0) * LOG2E
+        igate_j = tl.load(igate_ptr + cols, mask=col_ok, other=0.0) * LOG2E
         live = (cols[None, :] <= rows[:, None]) & col_ok[None, :] & (rows[:, None] < seq_len)
-        exponent = decay_exponent(term_hi[None, :], term_lo[None, :], row_ref_hi[:, None],
-                                  row_ref_lo[:, None])
-        decay = tl.exp2(tl.where(live, exponent, float("-inf")))
+        log_d = tl.where(live, logf_i[:, None] - logf_j[None, :] + igate_j[None, :],
+                         float("-inf"))
+        decay = tl.exp2(log_d - m2_i[:, None])
     else:
-        decay = column_factor(term_hi_ptr, term_lo_ptr, cols, cols, col_ref, False)[None, :]
+        # Left of the diagonal the decay factorises (see the forward): logD_ij = logf_i +
+        # col_j with col_j = igate_j - logf_j.
+        col_term = (tl.load(igate_ptr + cols) - tl.load(logf_ptr + cols)) * LOG2E
+        decay = tl.exp2(col_term - col_ref)[None, :]
     d_c = mma(dh, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
               INPUT_PRECISION, UPCAST) * r_i[:, None] + beta_i[:, None]
     d_s = d_c * decay
@@ -207,63 +191,55 @@ def _dq_step(
 
 @triton.jit
 def mlstm_dq_kernel(
-    q_ptr, k_ptr, v_ptr, dh_ptr, term_hi_ptr, term_lo_ptr, colmax_hi_ptr, colmax_lo_ptr,
-    r_ptr, beta_ptr, dq_ptr, far_row_ptr, seq_len, num_heads,
+    q_ptr, k_ptr, v_ptr, dh_ptr, igate_ptr, logf_ptr, m2_ptr, r_ptr, beta_ptr,
+    cstate_ptr, nstate_ptr, mstate_ptr, dq_ptr, row_grad_ptr, seq_len, chunk_len, num_heads,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_hb, stride_hh, stride_hs, stride_hd,
     scale,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NEAR: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_STATE: tl.constexpr, ACC: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Grid ``(B * NH * cdiv(S, BLOCK_M),)``, head-major (:func:`.common.head_major_tile`),
-    within a head the longest rows first: :func:`mlstm_dq_tile` over whole rows, no
-    states."""
+    within a head the longest rows first. Writes ``dq_ptr [B, NH,
+    S, DQK]`` contiguous and ``row_grad_ptr [B * NH, S]`` (``sum_j dlogD_ij = q_i . dq_i``).
+
+    ``dh_ptr``: the raw h's gradient, (batch, head, seq, channel) strides given;
+    ``igate_ptr``, ``logf_ptr`` (the forward's gates), ``m2_ptr`` (the forward's stabiliser,
+    log2 units), ``r_ptr``, ``beta_ptr``: ``[B * NH, S]`` contiguous, ``ACC``. Chunks and
+    ``HAS_STATE`` (the states entering each chunk) as in the forward tile: the state's
+    share of dq is ``a_i (C (r_i dh_i) + beta_i n)`` with ``a_i = exp(logf_i + m - m_i)``."""
     num_tiles = tl.cdiv(seq_len, BLOCK_M)
     bh, tile = head_major_tile(num_tiles)
     mlstm_dq_tile(
-        q_ptr, k_ptr, v_ptr, dh_ptr, term_hi_ptr, term_lo_ptr, colmax_hi_ptr, colmax_lo_ptr,
-        r_ptr, beta_ptr, r_ptr, r_ptr, r_ptr, dq_ptr, far_row_ptr, bh,
-        (num_tiles - 1 - tile) * BLOCK_M, seq_len, seq_len, num_heads,
+        q_ptr, k_ptr, v_ptr, dh_ptr, igate_ptr, logf_ptr, m2_ptr, r_ptr, beta_ptr, cstate_ptr,
+        nstate_ptr, mstate_ptr, dq_ptr, row_grad_ptr, bh, (num_tiles - 1 - tile) * BLOCK_M,
+        seq_len, chunk_len, num_heads,
         stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
         stride_vb, stride_vh, stride_vs, stride_vd, stride_hb, stride_hh, stride_hs, stride_hd,
-        scale, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, NEAR, False, ACC,
-        INPUT_PRECISION, UPCAST)
+        scale, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_STATE, ACC, INPUT_PRECISION,
+        UPCAST)
 
 
 @triton.jit
 def mlstm_dq_tile(
-    q_ptr, k_ptr, v_ptr, dh_ptr, term_hi_ptr, term_lo_ptr, colmax_hi_ptr, colmax_lo_ptr,
-    r_ptr, beta_ptr, cstate_ptr, nstate_ptr, mstate_ptr, dq_ptr, far_row_ptr, bh, start_m,
-    seq_len, chunk_len, num_heads,
+    q_ptr, k_ptr, v_ptr, dh_ptr, igate_ptr, logf_ptr, m2_ptr, r_ptr, beta_ptr,
+    cstate_ptr, nstate_ptr, mstate_ptr, dq_ptr, row_grad_ptr, bh, start_m, seq_len, chunk_len,
+    num_heads,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_hb, stride_hh, stride_hs, stride_hd,
     scale,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NEAR: tl.constexpr,
-    HAS_STATE: tl.constexpr, ACC: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_STATE: tl.constexpr, ACC: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Query rows ``start_m + arange(BLOCK_M)`` of head ``bh`` (the parallel form's program,
-    :func:`mlstm_dq_kernel`, and the chunkwise form's per document, :mod:`.chunk_tiles`).
-    Writes their rows of ``dq_ptr [B, NH, S, DQK]`` contiguous and of ``far_row_ptr [B *
-    NH, S]``: ``sum_j dlogD_ij`` over the keys outside the row's block of ``NEAR`` (the
-    dK/dV programs' key tile; a multiple of ``BLOCK_N``, dividing ``BLOCK_M``): ``q_i .
-    dq_i`` read before that block's tiles, plus ``q_i`` dotted with the share of dq of the
-    state entering the chunk.
-
-    ``dh_ptr``: the raw h's gradient, (batch, head, seq, channel) strides given;
-    ``term_hi_ptr``, ``term_lo_ptr``, ``colmax_hi_ptr``, ``colmax_lo_ptr`` (the forward's
-    column terms and their running max, :func:`.stabiliser.column_terms`), ``r_ptr``,
-    ``beta_ptr``: ``[B * NH, S]`` contiguous, ``ACC``. Chunks of ``chunk_len`` rows (keys
-    from the start of the rows' chunk) and ``HAS_STATE`` (the states entering each chunk,
-    ``cstate_ptr``, ``nstate_ptr``, ``mstate_ptr``) as in the forward tile: the state's
-    share of dq is ``a_i (C (r_i dh_i) + beta_i n)`` with ``a_i = exp(logf_i + m - m_i) =
-    exp2(m * log2(e) - colmax_i)``."""
+    """Query rows ``start_m + arange(BLOCK_M)`` of head ``bh``: the program of
+    :func:`mlstm_dq_kernel` (its arguments), also the chunkwise form's per document
+    (:mod:`.chunk_tiles`)."""
     window = (start_m // chunk_len) * chunk_len
     batch64 = (bh // num_heads).to(tl.int64)
     head64 = (bh % num_heads).to(tl.int64)
@@ -274,96 +250,73 @@ def mlstm_dq_tile(
     dv = tl.arange(0, BLOCK_DV)
     dh = load_tile(dh_ptr + batch64 * stride_hb + head64 * stride_hh, rows, stride_hs, dv,
                    stride_hd, seq_len, DV, BLOCK_DV, True).to(k_ptr.dtype.element_ty)
-    row_ref_hi = tl.load(colmax_hi_ptr + gate_off + rows, mask=row_ok, other=0.0)
-    row_ref_lo = tl.load(colmax_lo_ptr + gate_off + rows, mask=row_ok, other=0.0)
+    logf_i = tl.load(logf_ptr + gate_off + rows, mask=row_ok, other=0.0) * LOG2E
+    m2_i = tl.load(m2_ptr + gate_off + rows, mask=row_ok, other=0.0)
     r_i = tl.load(r_ptr + gate_off + rows, mask=row_ok, other=0.0)
     beta_i = tl.load(beta_ptr + gate_off + rows, mask=row_ok, other=0.0)
-    if HAS_STATE:
-        chunk = start_m // chunk_len
-        slots = tl.maximum(tl.cdiv(seq_len, chunk_len), 1)
-        slot = bh.to(tl.int64) * (slots + 1) + chunk
-        state_ref = tl.load(mstate_ptr + slot) * LOG2E
-        # The forward's reference, the state's column included (its m_i = logf_i + this).
-        row_ref_hi, row_ref_lo = with_state_ref(row_ref_hi, row_ref_lo, state_ref)
     k_base = k_ptr + batch64 * stride_kb + head64 * stride_kh
     v_base = v_ptr + batch64 * stride_vb + head64 * stride_vh
     dq = tl.zeros((BLOCK_M, BLOCK_DQK), dtype=ACC)
-    # One reference for the key tiles left of the diagonal, >= each of their column terms
-    # (the running max just before the tile): both factors of the decay are <= 1 (the
-    # forward's argument), and the row factor is applied once after the loop.
-    ref = tl.load(colmax_hi_ptr + gate_off + tl.maximum(start_m - 1, window),
-                  mask=start_m > window, other=float("-inf"))
+    # One reference for the key tiles left of the diagonal, >= each of their column terms:
+    # the saved m_i >= logf_i + ref, so both factors of the decay are <= 1 (the forward's
+    # argument), and the row factor is applied once after the loop.
+    ref = column_term_max(igate_ptr + gate_off, logf_ptr + gate_off, window, start_m,
+                          8 * BLOCK_M, ACC)
     has_ref = ref > float("-inf")
     col_ref = tl.where(has_ref, ref, 0.0)
     for start_n in range(window, start_m, BLOCK_N):
         dq = _dq_step(
-            dq, dh, row_ref_hi, row_ref_lo, r_i, beta_i, col_ref, rows, start_n, k_base,
-            v_base, term_hi_ptr + gate_off, term_lo_ptr + gate_off, seq_len,
+            dq, dh, logf_i, m2_i, r_i, beta_i, col_ref, rows, start_n, k_base, v_base,
+            logf_ptr + gate_off, igate_ptr + gate_off, seq_len,
             stride_ks, stride_kd, stride_vs, stride_vd,
             DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, False, ACC, INPUT_PRECISION, UPCAST)
-    rows_scale = row_factor(col_ref, row_ref_hi, row_ref_lo, has_ref)
-    dq = dq * tl.where(row_ok, rows_scale, 0.0)[:, None]
-    q_base = q_ptr + batch64 * stride_qb + head64 * stride_qh
-    far_row = tl.zeros((BLOCK_M,), dtype=ACC)
+    row_factor = tl.where(has_ref, tl.exp2(logf_i + col_ref - m2_i), 0.0)
+    dq = dq * tl.where(row_ok, row_factor, 0.0)[:, None]
     # The diagonal tiles, not software-pipelined: a second pipelined loop makes ptxas
     # serialise the kernel's wgmma (its warning C7515: the accumulator defined by non-wgmma
     # instructions inside a pipeline stage). H100, dQ: 3.31 / 10.64 ms at S = 1024 / 4096
     # against 3.55 / 11.65 with both loops pipelined.
     for start_n in tl.range(start_m, tl.minimum(start_m + BLOCK_M, seq_len), BLOCK_N,
                             num_stages=1):
-        if start_n % NEAR == 0:
-            # The rows of the block starting here have every key left of it in dq now.
-            q = load_tile(q_base, rows, stride_qs, dqk, stride_qd, seq_len, DQK, BLOCK_DQK,
-                          True)
-            block_rows = (rows >= start_n) & (rows < start_n + NEAR)
-            far_row = tl.where(block_rows, tl.sum(q.to(ACC) * dq, axis=1), far_row)
         dq = _dq_step(
-            dq, dh, row_ref_hi, row_ref_lo, r_i, beta_i, col_ref, rows, start_n, k_base,
-            v_base, term_hi_ptr + gate_off, term_lo_ptr + gate_off, seq_len,
+            dq, dh, logf_i, m2_i, r_i, beta_i, col_ref, rows, start_n, k_base, v_base,
+            logf_ptr + gate_off, igate_ptr + gate_off, seq_len,
             stride_ks, stride_kd, stride_vs, stride_vd,
             DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, True, ACC, INPUT_PRECISION, UPCAST)
     if HAS_STATE:
-        # The state entering the chunk: a far term (module docstring), so its own q . dq
-        # joins far_row. Added after the diagonal tiles, not before them: there its fp32
-        # [DQK, DV] tile took shared memory next to the diagonal loop's (256 KB at DQK 128,
-        # DV 256, past the H100's 227 KB); here 192 KB, as before the near/far split.
+        chunk = start_m // chunk_len
+        slots = tl.maximum(tl.cdiv(seq_len, chunk_len), 1)
+        slot = bh.to(tl.int64) * (slots + 1) + chunk
         c = tl.load(cstate_ptr + (bh.to(tl.int64) * slots + chunk) * DQK * DV
                     + dqk[:, None] * DV + dv[None, :],
                     mask=(dqk[:, None] < DQK) & (dv[None, :] < DV), other=0.0)
         n = tl.load(nstate_ptr + slot * DQK + dqk, mask=dqk < DQK, other=0.0)
-        a = tl.where(row_ok, tl.exp2(decay_exponent(state_ref, 0.0, row_ref_hi, row_ref_lo)),
-                     0.0)
+        a = tl.where(row_ok, tl.exp2(logf_i + tl.load(mstate_ptr + slot) * LOG2E - m2_i), 0.0)
         weighted = (dh.to(ACC) * (a * r_i)[:, None]).to(dh.dtype)
-        dq_state = mma(weighted, tl.trans(c.to(dh.dtype)),
-                       tl.zeros((BLOCK_M, BLOCK_DQK), dtype=ACC), INPUT_PRECISION, UPCAST)
-        dq_state = dq_state + (a * beta_i)[:, None] * n[None, :]
-        q = load_tile(q_base, rows, stride_qs, dqk, stride_qd, seq_len, DQK, BLOCK_DQK, True)
-        far_row += tl.sum(q.to(ACC) * dq_state, axis=1)
-        dq = dq + dq_state
+        dq = mma(weighted, tl.trans(c.to(dh.dtype)), dq, INPUT_PRECISION, UPCAST)
+        dq = dq + (a * beta_i)[:, None] * n[None, :]
     dq = dq * scale
+    q = load_tile(q_ptr + batch64 * stride_qb + head64 * stride_qh, rows, stride_qs, dqk,
+                  stride_qd, seq_len, DQK, BLOCK_DQK, True)
     out = dq_ptr + gate_off * DQK + rows[:, None] * DQK + dqk[None, :]
     tl.store(out, dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None] & (dqk[None, :] < DQK))
-    tl.store(far_row_ptr + gate_off + rows, far_row * scale, mask=row_ok)
+    tl.store(row_grad_ptr + gate_off + rows, tl.sum(q.to(ACC) * dq, axis=1), mask=row_ok)
 
 
 @triton.jit
 def _dkv_step(
     dk, dv_acc, k, v, col_scale, tile_ref, cols, start_m, q_base, h_base,
-    colmax_hi_ptr, colmax_lo_ptr, r_ptr, beta_ptr, seq_len, term_hi_j, term_lo_j, state_ref,
+    logf_ptr, m2_ptr, r_ptr, beta_ptr, seq_len, logf_j, igate_j,
     stride_qs, stride_qd, stride_hs, stride_hd, scale,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    WANT_D_LOG_D: tl.constexpr, HAS_STATE: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACC: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Query tile ``[start_m, start_m + BLOCK_M)`` into the dK ``[BLOCK_N, BLOCK_DQK]`` and
-    the dV ``[BLOCK_N, BLOCK_DV]`` accumulators (``MASKED``: the causal and bounds masks, on
-    the transposed ``[BLOCK_N, BLOCK_M]`` tile); returns ``(dk, dv, dlogD^T)``, the last the
-    tile ``[BLOCK_N, BLOCK_M]`` when ``WANT_D_LOG_D`` (else 0). Masked tiles take the exact
-    decay ``exp2(term_j - colmax_i)``; unmasked ones the factorised one: ``col_scale =
-    exp2(term_j - tile_ref)`` (log2 units, ``tile_ref`` the largest column term of the key
-    tile) times a per-row factor. ``state_ref`` (``HAS_STATE``): the term of the state
-    entering the chunk, which joins the rows' references as in the forward."""
+    """Query tile ``[start_m, start_m + BLOCK_M)`` into the unscaled dK ``[BLOCK_N,
+    BLOCK_DQK]`` and the dV ``[BLOCK_N, BLOCK_DV]`` accumulators (``MASKED``: the causal and
+    bounds masks, on the transposed ``[BLOCK_N, BLOCK_M]`` tile). Unmasked tiles use the
+    factorised decay: ``col_scale = exp2(igate_j - logf_j - tile_ref)`` (log2 units,
+    ``tile_ref`` the largest column term of the key tile) times a per-row factor."""
     rows = start_m + tl.arange(0, BLOCK_M)
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
@@ -372,70 +325,34 @@ def _dkv_step(
                    MASKED).to(q.dtype)
     if MASKED:
         row_ok = rows < seq_len
-        row_ref_hi = tl.load(colmax_hi_ptr + rows, mask=row_ok, other=0.0)
-        row_ref_lo = tl.load(colmax_lo_ptr + rows, mask=row_ok, other=0.0)
+        logf_i = tl.load(logf_ptr + rows, mask=row_ok, other=0.0) * LOG2E
+        m2_i = tl.load(m2_ptr + rows, mask=row_ok, other=0.0)
         r_i = tl.load(r_ptr + rows, mask=row_ok, other=0.0)
         beta_i = tl.load(beta_ptr + rows, mask=row_ok, other=0.0)
+        live = (cols[:, None] <= rows[None, :]) & row_ok[None, :] & (cols[:, None] < seq_len)
+        log_d = tl.where(live, logf_i[None, :] - logf_j[:, None] + igate_j[:, None]
+                         - m2_i[None, :], float("-inf"))
+        decay = tl.exp2(log_d)  # [BLOCK_N, BLOCK_M]
     else:
-        row_ref_hi = tl.load(colmax_hi_ptr + rows)
-        row_ref_lo = tl.load(colmax_lo_ptr + rows)
+        logf_i = tl.load(logf_ptr + rows) * LOG2E
+        m2_i = tl.load(m2_ptr + rows)
         r_i = tl.load(r_ptr + rows)
         beta_i = tl.load(beta_ptr + rows)
-    if HAS_STATE:
-        row_ref_hi, row_ref_lo = with_state_ref(row_ref_hi, row_ref_lo, state_ref)
-    if MASKED:
-        live = (cols[:, None] <= rows[None, :]) & row_ok[None, :] & (cols[:, None] < seq_len)
-        exponent = decay_exponent(term_hi_j[:, None], term_lo_j[:, None], row_ref_hi[None, :],
-                                  row_ref_lo[None, :])
-        decay = tl.exp2(tl.where(live, exponent, float("-inf")))  # [BLOCK_N, BLOCK_M]
-    else:
-        decay = col_scale[:, None] * row_factor(tile_ref, row_ref_hi, row_ref_lo, True)[None, :]
-    raw_scores = mma(k, tl.trans(q), tl.zeros((BLOCK_N, BLOCK_M), dtype=ACC),
-                     INPUT_PRECISION, UPCAST)
-    c_scaled = raw_scores * scale * decay * r_i[None, :]
+        decay = col_scale[:, None] * tl.exp2(logf_i + tile_ref - m2_i)[None, :]
+    scores = mma(k, tl.trans(q), tl.zeros((BLOCK_N, BLOCK_M), dtype=ACC),
+                 INPUT_PRECISION, UPCAST) * scale
+    c_scaled = scores * decay * r_i[None, :]
     dv_acc = mma(c_scaled.to(dh.dtype), dh, dv_acc, INPUT_PRECISION, UPCAST)
-    # dC with 1/sqrt(DQK) folded into the row terms: dk accumulates scaled, so that k . dk
-    # can be read between query tiles.
-    d_c = (mma(v, tl.trans(dh), tl.zeros((BLOCK_N, BLOCK_M), dtype=ACC),
-               INPUT_PRECISION, UPCAST) * (r_i * scale)[None, :] + (beta_i * scale)[None, :])
-    d_s = d_c * decay
-    dk = mma(d_s.to(q.dtype), q, dk, INPUT_PRECISION, UPCAST)
-    if WANT_D_LOG_D:
-        d_log_d = d_s * raw_scores
-    else:
-        d_log_d = 0.0
-    return dk, dv_acc, d_log_d
-
-
-@triton.jit
-def _near_block_sums(d_log_d, cols, rows, start_n, BLOCK_N: tl.constexpr):
-    """From the diagonal query tile's ``dlogD^T [BLOCK_N, BLOCK_M]`` (keys ``cols`` =
-    ``start_n + arange(BLOCK_N)``, the block; rows ``rows``): ``(far_col, near_col,
-    near_cross)``: per key, the sums over the rows past the block and over the block's rows
-    (``[BLOCK_N]``), and per row ``t`` of the block (``[BLOCK_M]``, 0 elsewhere) ``sum_{j < t
-    <= i} dlogD_ij`` over the block's pairs: an exclusive prefix sum of column sums less row
-    sums, both without the diagonal ``i = j``, which they share (it cancels exactly, and it
-    is the largest entry where the gates forget). At the block's first row it is 0 by
-    construction, not ``step - step``: the row before the block reads it (its reverse sum
-    telescopes to it), and across a document boundary of packed documents it must not carry
-    a NaN or Inf of the next document's."""
-    block_rows = (rows >= start_n) & (rows < start_n + BLOCK_N)
-    below = tl.where(rows[None, :] > cols[:, None], d_log_d, 0.0)  # i > j
-    below_col = tl.sum(tl.where(block_rows[None, :], below, 0.0), axis=1)
-    diagonal = tl.sum(tl.where(rows[None, :] == cols[:, None], d_log_d, 0.0), axis=1)
-    far_col = tl.sum(tl.where(rows[None, :] >= start_n + BLOCK_N, d_log_d, 0.0), axis=1)
-    left_row = tl.sum(below, axis=0)  # the block's rows: their keys here are the block's
-    below_col_by_row = tl.sum(tl.where(cols[:, None] == rows[None, :], below_col[:, None], 0.0),
-                              axis=0)
-    step = tl.where(block_rows, below_col_by_row - left_row, 0.0)
-    cross = tl.where(rows == start_n, 0.0, tl.cumsum(step, axis=0) - step)
-    return far_col, below_col + diagonal, cross
+    d_c = mma(v, tl.trans(dh), tl.zeros((BLOCK_N, BLOCK_M), dtype=ACC),
+              INPUT_PRECISION, UPCAST) * r_i[None, :] + beta_i[None, :]
+    dk = mma((d_c * decay).to(q.dtype), q, dk, INPUT_PRECISION, UPCAST)
+    return dk, dv_acc
 
 
 @triton.jit
 def mlstm_dkv_kernel(
-    q_ptr, k_ptr, v_ptr, dh_ptr, term_hi_ptr, term_lo_ptr, colmax_hi_ptr, colmax_lo_ptr,
-    r_ptr, beta_ptr, dk_ptr, dv_ptr, far_col_ptr, near_col_ptr, near_cross_ptr, seq_len,
+    q_ptr, k_ptr, v_ptr, dh_ptr, igate_ptr, logf_ptr, m2_ptr, r_ptr, beta_ptr,
+    dcstate_ptr, dnstate_ptr, mstate_ptr, dk_ptr, dv_ptr, col_grad_ptr, seq_len, chunk_len,
     num_heads,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -443,28 +360,33 @@ def mlstm_dkv_kernel(
     stride_hb, stride_hh, stride_hs, stride_hd,
     scale,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_STATE: tl.constexpr, ACC: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Grid ``(B * NH * cdiv(S, BLOCK_N),)``, head-major (:func:`.common.head_major_tile`),
-    within a head the earliest keys (most query tiles) first: :func:`mlstm_dkv_tile` over
-    whole rows, no states."""
+    within a head the earliest keys (most query tiles) first.
+    Writes ``dk_ptr [B, NH, S, DQK]``, ``dv_ptr [B, NH, S, DV]`` contiguous and
+    ``col_grad_ptr [B * NH, S]`` (``sum_i dlogD_ij = k_j . dk_j``). Query tiles run to the
+    end of the keys' chunk; with ``HAS_STATE`` the gradient of the state leaving the chunk
+    (``dcstate_ptr [B * NH, NC, DQK, DV]`` in k's dtype, ``dnstate_ptr [B * NH, NC + 1,
+    DQK]``; the state's ``mstate_ptr``) adds the later chunks' share: with ``w_j =
+    exp(logf_end - logf_j + igate_j - m)``, ``dk_j += w_j (dC v_j + dn)``, ``dv_j += w_j
+    dC^T k_j``. Other arguments as :func:`mlstm_dq_kernel`."""
     bh, tile = head_major_tile(tl.cdiv(seq_len, BLOCK_N))
     mlstm_dkv_tile(
-        q_ptr, k_ptr, v_ptr, dh_ptr, r_ptr, r_ptr, term_hi_ptr, term_lo_ptr, colmax_hi_ptr,
-        colmax_lo_ptr, r_ptr, beta_ptr, r_ptr, r_ptr, r_ptr, dk_ptr, dv_ptr, far_col_ptr,
-        near_col_ptr, near_cross_ptr, bh, tile * BLOCK_N, seq_len, seq_len, num_heads,
+        q_ptr, k_ptr, v_ptr, dh_ptr, igate_ptr, logf_ptr, m2_ptr, r_ptr, beta_ptr, dcstate_ptr,
+        dnstate_ptr, mstate_ptr, dk_ptr, dv_ptr, col_grad_ptr, bh, tile * BLOCK_N, seq_len,
+        chunk_len, num_heads,
         stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
         stride_vb, stride_vh, stride_vs, stride_vd, stride_hb, stride_hh, stride_hs, stride_hd,
-        scale, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, False, ACC, INPUT_PRECISION,
+        scale, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_STATE, ACC, INPUT_PRECISION,
         UPCAST)
 
 
 @triton.jit
 def mlstm_dkv_tile(
-    q_ptr, k_ptr, v_ptr, dh_ptr, igate_ptr, logf_ptr, term_hi_ptr, term_lo_ptr,
-    colmax_hi_ptr, colmax_lo_ptr, r_ptr, beta_ptr, dcstate_ptr, dnstate_ptr, mstate_ptr,
-    dk_ptr, dv_ptr, far_col_ptr, near_col_ptr, near_cross_ptr, bh, start_n, seq_len,
+    q_ptr, k_ptr, v_ptr, dh_ptr, igate_ptr, logf_ptr, m2_ptr, r_ptr, beta_ptr,
+    dcstate_ptr, dnstate_ptr, mstate_ptr, dk_ptr, dv_ptr, col_grad_ptr, bh, start_n, seq_len,
     chunk_len, num_heads,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -475,21 +397,9 @@ def mlstm_dkv_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_STATE: tl.constexpr, ACC: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Key rows ``start_n + arange(BLOCK_N)`` of head ``bh`` (the parallel form's program,
-    :func:`mlstm_dkv_kernel`, and the chunkwise form's per document, :mod:`.chunk_tiles`).
-    Writes their rows of ``dk_ptr [B, NH, S, DQK]``, ``dv_ptr [B, NH, S, DV]`` contiguous
-    and, ``[B * NH, S]`` (module docstring): ``far_col_ptr`` (``sum_i dlogD_ij`` over the
-    rows past the key's block: ``k_j . dk_j`` before the diagonal query tile joins, plus
-    that tile's rows past the block, summed directly), ``near_col_ptr`` (over the block's
-    rows) and ``near_cross_ptr`` (the within-block reverse sum, 0 at the block's first
-    row). Query tiles run to the end of the keys' chunk of ``chunk_len`` rows, the diagonal
-    one last; with ``HAS_STATE`` the gradient of the state leaving the chunk
-    (``dcstate_ptr [B * NH, NC, DQK, DV]`` in k's dtype, ``dnstate_ptr [B * NH, NC + 1,
-    DQK]``; the state's ``mstate_ptr``) adds the later chunks' share: with ``w_j =
-    exp(logf_end - logf_j + igate_j - m)``, ``dk_j += w_j (dC v_j + dn)``, ``dv_j += w_j
-    dC^T k_j``, read from ``igate_ptr`` (``ACC``) and ``logf_ptr`` (fp64 or ``ACC``, the
-    chunk-restarted sums), ``[B * NH, S]``, only with ``HAS_STATE``. Other arguments as
-    :func:`mlstm_dq_tile`."""
+    """Key rows ``start_n + arange(BLOCK_N)`` of head ``bh``: the program of
+    :func:`mlstm_dkv_kernel` (its arguments), also the chunkwise form's per document
+    (:mod:`.chunk_tiles`)."""
     batch64 = (bh // num_heads).to(tl.int64)
     head64 = (bh % num_heads).to(tl.int64)
     gate_off = bh.to(tl.int64) * seq_len
@@ -501,83 +411,69 @@ def mlstm_dkv_tile(
                   stride_kd, seq_len, DQK, BLOCK_DQK, True)
     v = load_tile(v_ptr + batch64 * stride_vb + head64 * stride_vh, cols, stride_vs, dv,
                   stride_vd, seq_len, DV, BLOCK_DV, True)
-    term_hi_j = tl.load(term_hi_ptr + gate_off + cols, mask=col_ok, other=float("-inf"))
-    term_lo_j = tl.load(term_lo_ptr + gate_off + cols, mask=col_ok, other=0.0)
+    logf_j = tl.load(logf_ptr + gate_off + cols, mask=col_ok, other=0.0) * LOG2E
+    igate_j = tl.load(igate_ptr + gate_off + cols, mask=col_ok, other=0.0) * LOG2E
     # The factorised decay of the unmasked query tiles (rows below every key of this tile).
-    tile_ref = tl.max(term_hi_j, axis=0)
-    col_scale = tl.exp2((term_hi_j - tile_ref) + term_lo_j)
+    col_term = tl.where(col_ok, igate_j - logf_j, float("-inf"))
+    tile_ref = tl.max(col_term, axis=0)
+    col_scale = tl.exp2(col_term - tile_ref)
     q_base = q_ptr + batch64 * stride_qb + head64 * stride_qh
     h_base = dh_ptr + batch64 * stride_hb + head64 * stride_hh
     dk = tl.zeros((BLOCK_N, BLOCK_DQK), dtype=ACC)
     dv_acc = tl.zeros((BLOCK_N, BLOCK_DV), dtype=ACC)
-    colmax_hi_h = colmax_hi_ptr + gate_off
-    colmax_lo_h = colmax_lo_ptr + gate_off
+    logf_h = logf_ptr + gate_off
+    m2_h = m2_ptr + gate_off
     r_h = r_ptr + gate_off
     beta_h = beta_ptr + gate_off
     chunk = start_n // chunk_len
     window_end = tl.minimum((chunk + 1) * chunk_len, seq_len)
-    if HAS_STATE:
-        slots = tl.maximum(tl.cdiv(seq_len, chunk_len), 1)
-        state_ref = tl.load(mstate_ptr + bh.to(tl.int64) * (slots + 1) + chunk) * LOG2E
-    else:
-        state_ref = 0.0
-    # The full query tiles below the diagonal one, the ragged end, the state leaving the chunk
-    # (every pair of these is far), then the diagonal tile, masked.
+    # The query tile holding the diagonal, masked; the full tiles below it; the ragged end.
     first_m = (start_n // BLOCK_M) * BLOCK_M
     full_end = (first_m + BLOCK_M
                 + tl.maximum(window_end - first_m - BLOCK_M, 0) // BLOCK_M * BLOCK_M)
+    dk, dv_acc = _dkv_step(
+        dk, dv_acc, k, v, col_scale, tile_ref, cols, first_m, q_base, h_base,
+        logf_h, m2_h, r_h, beta_h, seq_len, logf_j, igate_j,
+        stride_qs, stride_qd, stride_hs, stride_hd, scale,
+        DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, True, ACC, INPUT_PRECISION, UPCAST)
     for start_m in range(first_m + BLOCK_M, full_end, BLOCK_M):
-        dk, dv_acc, _ = _dkv_step(
+        dk, dv_acc = _dkv_step(
             dk, dv_acc, k, v, col_scale, tile_ref, cols, start_m, q_base, h_base,
-            colmax_hi_h, colmax_lo_h, r_h, beta_h, seq_len, term_hi_j, term_lo_j, state_ref,
+            logf_h, m2_h, r_h, beta_h, seq_len, logf_j, igate_j,
             stride_qs, stride_qd, stride_hs, stride_hd, scale,
-            DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, False, False, HAS_STATE, ACC,
-            INPUT_PRECISION, UPCAST)
+            DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, False, ACC, INPUT_PRECISION, UPCAST)
     if full_end < window_end:
-        dk, dv_acc, _ = _dkv_step(
+        dk, dv_acc = _dkv_step(
             dk, dv_acc, k, v, col_scale, tile_ref, cols, full_end, q_base, h_base,
-            colmax_hi_h, colmax_lo_h, r_h, beta_h, seq_len, term_hi_j, term_lo_j, state_ref,
+            logf_h, m2_h, r_h, beta_h, seq_len, logf_j, igate_j,
             stride_qs, stride_qd, stride_hs, stride_hd, scale,
-            DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, True, False, HAS_STATE, ACC,
-            INPUT_PRECISION, UPCAST)
+            DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, True, ACC, INPUT_PRECISION, UPCAST)
+    dk = dk * scale
     if HAS_STATE:
+        slots = tl.maximum(tl.cdiv(seq_len, chunk_len), 1)
         slot = bh.to(tl.int64) * (slots + 1) + chunk + 1
         dc = tl.load(dcstate_ptr + (bh.to(tl.int64) * slots + chunk) * DQK * DV
                      + dqk[:, None] * DV + dv[None, :],
                      mask=(dqk[:, None] < DQK) & (dv[None, :] < DV), other=0.0).to(k.dtype)
         dn = tl.load(dnstate_ptr + slot * DQK + dqk, mask=dqk < DQK, other=0.0)
-        # Natural-log units, with the state kernels' expression for the same weight (the
-        # forget sums' difference taken in their dtype).
-        logf_h = logf_ptr + gate_off
+        # Natural-log units, with the state kernels' expression for the same weight.
         logf_end = tl.load(logf_h + window_end - 1)
         lf_nat = tl.load(logf_h + cols, mask=col_ok, other=0.0)
         ig_nat = tl.load(igate_ptr + gate_off + cols, mask=col_ok, other=0.0)
-        w = tl.where(col_ok, tl.exp((logf_end - lf_nat).to(ACC) + ig_nat
-                                    - tl.load(mstate_ptr + slot)), 0.0)
+        w = tl.where(col_ok, tl.exp(logf_end - lf_nat + ig_nat - tl.load(mstate_ptr + slot)),
+                     0.0)
         dk_state = mma(v, tl.trans(dc), tl.zeros((BLOCK_N, BLOCK_DQK), dtype=ACC),
                        INPUT_PRECISION, UPCAST) + dn[None, :]
         dk = dk + w[:, None] * dk_state
         dv_state = mma(k, dc, tl.zeros((BLOCK_N, BLOCK_DV), dtype=ACC),
                        INPUT_PRECISION, UPCAST)
         dv_acc = dv_acc + w[:, None] * dv_state
-    far_col = tl.sum(k.to(ACC) * dk, axis=1)
-    dk, dv_acc, d_log_d = _dkv_step(
-        dk, dv_acc, k, v, col_scale, tile_ref, cols, first_m, q_base, h_base,
-        colmax_hi_h, colmax_lo_h, r_h, beta_h, seq_len, term_hi_j, term_lo_j, state_ref,
-        stride_qs, stride_qd, stride_hs, stride_hd, scale,
-        DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, True, True, HAS_STATE, ACC,
-        INPUT_PRECISION, UPCAST)
-    rows = first_m + tl.arange(0, BLOCK_M)
-    far_in_tile, near_col, near_cross = _near_block_sums(d_log_d, cols, rows, start_n, BLOCK_N)
-    tl.store(far_col_ptr + gate_off + cols, far_col + far_in_tile, mask=col_ok)
-    tl.store(near_col_ptr + gate_off + cols, near_col, mask=col_ok)
-    tl.store(near_cross_ptr + gate_off + rows, near_cross,
-             mask=(rows >= start_n) & (rows < start_n + BLOCK_N) & (rows < seq_len))
     mask = col_ok[:, None]
     tl.store(dk_ptr + gate_off * DQK + cols[:, None] * DQK + dqk[None, :],
              dk.to(dk_ptr.dtype.element_ty), mask=mask & (dqk[None, :] < DQK))
     tl.store(dv_ptr + gate_off * DV + cols[:, None] * DV + dv[None, :],
              dv_acc.to(dv_ptr.dtype.element_ty), mask=mask & (dv[None, :] < DV))
+    tl.store(col_grad_ptr + gate_off + cols, tl.sum(k.to(ACC) * dk, axis=1), mask=col_ok)
 
 
 def _dims(t: torch.Tensor, normed: bool, dv: int) -> tuple[int, int, int, int]:
@@ -626,68 +522,51 @@ def norm_backward(
     return dh, r, beta, dm, parts_w, parts_b
 
 
-def near_block(config: BackwardConfig) -> int:
-    """The blocks of near pairs (module docstring): the dK/dV programs' key tile, which the
-    dQ programs' key tiles must divide."""
-    if config.block_n % config.dq_tile:
-        raise ValueError(f"the dK/dV key tile ({config.block_n}) must be a multiple of the dQ "
-                         f"key tile ({config.dq_tile}): it is the blocks of near pairs")
-    return config.block_n
-
-
-def dlogd_sums(far_row: torch.Tensor, far_col: torch.Tensor, near_col: torch.Tensor,
-               near_cross: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(row_grad, col_grad)`` ``[B, NH, S]`` fp64: ``sum_j dlogD_ij`` and ``sum_i
-    dlogD_ij`` put together from the dQ and dK/dV programs' far and near parts (module
-    docstring), so that ``row_grad - col_grad``, whose reverse sum the forget gates take, is
-    that of the far parts plus the exact telescoping of the near reverse sums. Elementwise
-    but for row ``t + 1``'s ``near_cross``, which is 0 where a block starts (so also at each
-    packed document's first row)."""
-    # near_cross is 0 at each block's first row, so its differences telescope block by block
-    # (exactly, in fp64): the reverse sum of row_grad - col_grad gives it back.
-    cross = near_cross.double()
-    cross_next = torch.nn.functional.pad(cross[..., 1:], (0, 1))
-    near = near_col.double()
-    return far_row.double() + near + (cross - cross_next), far_col.double() + near
-
-
 def cell_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dh: torch.Tensor,
-    igate: torch.Tensor, logf: torch.Tensor, r: torch.Tensor, beta: torch.Tensor,
-    config: Optional[BackwardConfig] = None,
+    igate: torch.Tensor, logf: torch.Tensor, m_log2: torch.Tensor,
+    r: torch.Tensor, beta: torch.Tensor,
+    config: Optional[BackwardConfig] = None, chunk: int = 0,
+    states: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    state_grads: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv, row_grad, col_grad)``: the parallel cell's gradients for the raw h's
-    gradient ``dh [B, NH, S, DV]`` (any strides). Per-row ``[B, NH, S]`` contiguous inputs:
-    the gates (``igate`` in the accumulation dtype, ``logf`` in fp64 or that dtype; the
-    column terms and their running max are computed from them here, as the forward's
-    launcher does), ``r = 1 / (n + eps)`` and ``beta`` (module docstring).
-    ``row_grad``/``col_grad``: ``sum_j dlogD_ij`` and ``sum_i dlogD_ij`` with the
-    stabiliser held constant (its gradient is the caller's), in fp64 (:func:`dlogd_sums`).
-    (The chunkwise form's: :func:`.chunk_tiles.chunk_cell_backward`.)"""
+    """``(dq, dk, dv, row_grad, col_grad)``: the cell's gradients for the raw h's gradient
+    ``dh [B, NH, S, DV]`` (any strides). Per-row ``[B, NH, S]`` contiguous inputs in the
+    accumulation dtype: the gates, the stabiliser in log2 units, ``r = 1 / (n + eps)``
+    and ``beta`` (module docstring). ``row_grad``/``col_grad``: ``sum_j dlogD_ij`` and
+    ``sum_i dlogD_ij`` with the stabiliser held constant (its gradient is the caller's).
+
+    ``chunk`` > 0: the chunkwise form (``logf`` restarted at each chunk), with the forward's
+    ``states`` ``(C, n, m)`` entering each chunk and ``state_grads`` ``(dC, dn)``, the
+    gradients of the states leaving each chunk (:func:`.chunkwise.chunk_state_grads`)."""
     batch, heads, seq, dqk = q.shape
     dvh = v.shape[-1]
     cfg = config or choose_backward_config(q, dqk, dvh)
     dq = torch.empty((batch, heads, seq, dqk), dtype=q.dtype, device=q.device)
     dk = torch.empty((batch, heads, seq, dqk), dtype=k.dtype, device=q.device)
     dv = torch.empty((batch, heads, seq, dvh), dtype=v.dtype, device=q.device)
-    far_row, far_col, near_col, near_cross = (torch.empty_like(igate) for _ in range(4))
+    row_grad = torch.empty_like(logf)
+    col_grad = torch.empty_like(logf)
     if batch * heads == 0 or seq == 0:
-        empty = torch.empty(igate.shape, dtype=torch.float64, device=q.device)
-        return dq, dk, dv, empty, empty.clone()
+        return dq, dk, dv, row_grad, col_grad
+    if chunk and chunk % cfg.block_m:
+        raise ValueError(f"chunk ({chunk}) must be a multiple of block_m ({cfg.block_m})")
     common = dict(
         DQK=dqk, DV=dvh, BLOCK_DQK=head_tile(dqk), BLOCK_DV=head_tile(dvh),
-        BLOCK_M=cfg.block_m, ACC=accumulation_dtype(q.dtype),
+        BLOCK_M=cfg.block_m, HAS_STATE=states is not None, ACC=accumulation_dtype(q.dtype),
         INPUT_PRECISION=input_precision(q.dtype), UPCAST=upcast_dots(q),
     )
+    cstates, nstates, mstates = states if states is not None else (r, r, r)
+    dcstates, dnstates = state_grads if state_grads is not None else (r, r)
+    chunk_len = chunk if chunk else seq
     strides = (*q.stride(), *k.stride(), *v.stride(), *dh.stride())
     scale = 1.0 / math.sqrt(dqk)
-    terms = column_terms(igate, logf)  # (term_hi, term_lo, colmax_hi, colmax_lo)
     mlstm_dq_kernel[(batch * heads * triton.cdiv(seq, cfg.block_m),)](
-        q, k, v, dh, *terms, r, beta, dq, far_row, seq, heads, *strides, scale,
-        BLOCK_N=cfg.dq_tile, NEAR=near_block(cfg), **common, num_warps=cfg.dq_warps,
-        num_stages=cfg.dq_stages)
+        q, k, v, dh, igate, logf, m_log2, r, beta, cstates, nstates, mstates, dq, row_grad,
+        seq, chunk_len, heads, *strides, scale, BLOCK_N=cfg.dq_tile, **common,
+        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)
     mlstm_dkv_kernel[(batch * heads * triton.cdiv(seq, cfg.block_n),)](
-        q, k, v, dh, *terms, r, beta, dk, dv, far_col, near_col, near_cross, seq, heads,
-        *strides, scale, BLOCK_N=cfg.block_n, **common, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
-    return (dq, dk, dv, *dlogd_sums(far_row, far_col, near_col, near_cross))
+        q, k, v, dh, igate, logf, m_log2, r, beta, dcstates, dnstates, mstates, dk, dv,
+        col_grad, seq, chunk_len, heads, *strides, scale, BLOCK_N=cfg.block_n, **common,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dq, dk, dv, row_grad, col_grad

@@ -5,10 +5,7 @@ gradients (the stabiliser's share, the chunk-restarted sums' gradient).
 Every kernel finds its document and chunk on the device (:mod:`.documents`) and works on
 the document's rows only, from its own first row, as it does for the document alone: a
 document's results are bitwise those of the document alone, whatever the others hold. All
-rows ``[B * NH, S]`` contiguous. As in the parallel form (:mod:`.gates`, :mod:`.stabiliser`,
-:mod:`.backward`), the forget-gate sums and everything taken from them are fp64: the sums,
-the column terms (kept as ``hi + lo`` pairs), and the gate gradients, whose reverse sums
-cancel row sums against column sums.
+rows ``[B * NH, S]`` contiguous, in the accumulation dtype.
 """
 from __future__ import annotations
 
@@ -31,8 +28,7 @@ SUB = 64
 def log_forget_chunks_kernel(f_ptr, out_ptr, bounds_ptr, slot_first_ptr, slot_doc_ptr,
                              seq_len, num_docs, num_slots, CHUNK: tl.constexpr):
     """Grid ``(R * U,)``: chunk slot ``pid % U`` of row ``pid // U`` -> the running sum of
-    ``log sigmoid(f)`` over the chunk's rows, from the chunk's first row, in fp64 (stored in
-    out's dtype)."""
+    ``log sigmoid(f)`` over the chunk's rows, from the chunk's first row."""
     pid = tl.program_id(0)
     row = pid // num_slots
     doc, chunk, start, length = locate_slot(pid % num_slots, bounds_ptr, slot_first_ptr,
@@ -41,8 +37,8 @@ def log_forget_chunks_kernel(f_ptr, out_ptr, bounds_ptr, slot_first_ptr, slot_do
     idx = chunk * CHUNK + tl.arange(0, CHUNK)
     live = idx < length
     x = tl.load(f_ptr + base + idx, mask=live, other=0.0)
-    sums = tl.cumsum(tl.where(live, _log_sigmoid(x), 0.0), axis=0)
-    tl.store(out_ptr + base + idx, sums.to(out_ptr.dtype.element_ty), mask=live)
+    tl.store(out_ptr + base + idx, tl.cumsum(tl.where(live, _log_sigmoid(x), 0.0), axis=0),
+             mask=live)
 
 
 @triton.jit
@@ -50,7 +46,7 @@ def log_forget_chunks_backward_kernel(grad_ptr, f_ptr, out_ptr, bounds_ptr, slot
                                       slot_doc_ptr, seq_len, num_docs, num_slots,
                                       CHUNK: tl.constexpr):
     """Grid as :func:`log_forget_chunks_kernel`: ``sigmoid(-f)`` times the reverse running
-    sum of ``grad`` within the chunk, in fp64 (``out`` in f's dtype)."""
+    sum of ``grad`` within the chunk (``out`` in f's dtype)."""
     pid = tl.program_id(0)
     row = pid // num_slots
     doc, chunk, start, length = locate_slot(pid % num_slots, bounds_ptr, slot_first_ptr,
@@ -58,18 +54,17 @@ def log_forget_chunks_backward_kernel(grad_ptr, f_ptr, out_ptr, bounds_ptr, slot
     base = row.to(tl.int64) * seq_len + start
     idx = chunk * CHUNK + tl.arange(0, CHUNK)
     live = idx < length
-    g = tl.load(grad_ptr + base + idx, mask=live, other=0.0).to(tl.float64)
-    x = tl.load(f_ptr + base + idx, mask=live, other=0.0).to(tl.float64)
+    g = tl.load(grad_ptr + base + idx, mask=live, other=0.0)
+    x = tl.load(f_ptr + base + idx, mask=live, other=0.0).to(g.dtype)
     running = tl.cumsum(g, axis=0, reverse=True)
     tl.store(out_ptr + base + idx, (running / (1.0 + tl.exp(x))).to(out_ptr.dtype.element_ty),
              mask=live)
 
 
 @triton.jit
-def column_terms_chunks_kernel(igate_ptr, logf_ptr, term_hi_ptr, term_lo_ptr, colmax_hi_ptr,
-                               colmax_lo_ptr, bounds_ptr, slot_first_ptr, slot_doc_ptr,
-                               seq_len, num_docs, num_slots, CHUNK: tl.constexpr,
-                               BLOCK: tl.constexpr):
+def column_terms_chunks_kernel(igate_ptr, logf_ptr, term_ptr, colmax_ptr, bounds_ptr,
+                               slot_first_ptr, slot_doc_ptr, seq_len, num_docs, num_slots,
+                               CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """Grid as :func:`log_forget_chunks_kernel`: the forward's column terms and their running
     max over one chunk (:func:`.stabiliser.column_terms_span`)."""
     pid = tl.program_id(0)
@@ -77,8 +72,8 @@ def column_terms_chunks_kernel(igate_ptr, logf_ptr, term_hi_ptr, term_lo_ptr, co
     doc, chunk, start, length = locate_slot(pid % num_slots, bounds_ptr, slot_first_ptr,
                                             slot_doc_ptr, num_docs)
     first = chunk * CHUNK
-    column_terms_span(igate_ptr, logf_ptr, term_hi_ptr, term_lo_ptr, colmax_hi_ptr,
-                      colmax_lo_ptr, row.to(tl.int64) * seq_len + start, first,
+    column_terms_span(igate_ptr, logf_ptr, term_ptr, colmax_ptr,
+                      row.to(tl.int64) * seq_len + start, first,
                       tl.minimum(first + CHUNK, length), BLOCK)
 
 
@@ -102,28 +97,27 @@ def stabiliser_shares_kernel(igate_ptr, logf_ptr, dm_ptr, col_ptr, m0_ptr, out_p
     ``m0_ptr [B * NH * N]`` with ``HAS_INITIAL``, is a column before the first). The
     maximal column never moves back, so the rows sharing a column are a run: walked in
     order, each column's share is written once, when its run ends. Writes ``out = col +
-    share`` in fp64 (``col_ptr``: the cell's column sums ``sum_i dlogD_ij``, fp64) and
-    ``share0_ptr [B * NH * N]``, the initial state's share (dm's dtype). The keys ``igate_j
-    - F_j`` are taken in fp64 (``logf`` fp64: its sums grow with the document)."""
+    share`` (``col_ptr``: the cell's column sums ``sum_i dlogD_ij``) and ``share0_ptr [B *
+    NH * N]``, the initial state's share."""
     pid = tl.program_id(0)
     start, length = document_rows(bounds_ptr, pid % num_docs, num_docs)
     base = (pid // num_docs).to(tl.int64) * seq_len + start
     lanes = tl.arange(0, SUB)
     zero = tl.zeros((), dtype=dm_ptr.dtype.element_ty)
     if HAS_INITIAL:
-        best = tl.load(m0_ptr + pid).to(tl.float64)
+        best = tl.load(m0_ptr + pid) + zero
     else:
-        best = tl.full((), float("-inf"), tl.float64)
+        best = zero + float("-inf")
     best_idx = tl.full((), -1, tl.int32)
     run = zero  # the dm of the rows whose maximal column is best_idx, so far
     share0 = zero
-    offset = tl.zeros((), dtype=tl.float64)  # the forget sums of the earlier chunks
+    offset = zero  # the forget sums of the earlier chunks
     for c in range(0, tl.cdiv(length, CHUNK)):
         for sub in range(0, tl.minimum(CHUNK, length - c * CHUNK), SUB):
             rows = c * CHUNK + sub + lanes
             ok = rows < length
-            ig = tl.load(igate_ptr + base + rows, mask=ok, other=0.0).to(tl.float64)
-            lf = tl.load(logf_ptr + base + rows, mask=ok, other=0.0).to(tl.float64)
+            ig = tl.load(igate_ptr + base + rows, mask=ok, other=0.0)
+            lf = tl.load(logf_ptr + base + rows, mask=ok, other=0.0)
             key = tl.where(ok, ig - (lf + offset), float("-inf"))
             value, arg = tl.associative_scan((key, tl.where(ok, rows, -1)), 0, _later_max)
             carried = ~((value > best) | ((value == best) & (arg > best_idx)))
@@ -151,8 +145,7 @@ def stabiliser_shares_kernel(igate_ptr, logf_ptr, dm_ptr, col_ptr, m0_ptr, out_p
             tl.store(out_ptr + base + rows, col + share, mask=ok & (rows != new_idx))
             best = new_best
             best_idx = new_idx
-        offset += tl.load(logf_ptr + base + tl.minimum(c * CHUNK + CHUNK, length) - 1
-                          ).to(tl.float64)
+        offset += tl.load(logf_ptr + base + tl.minimum(c * CHUNK + CHUNK, length) - 1)
     write = best_idx >= 0
     tl.store(out_ptr + base + best_idx,
              tl.load(col_ptr + base + best_idx, mask=write, other=0.0) + run, mask=write)
@@ -167,25 +160,22 @@ def local_forget_grad_kernel(row_ptr, dm_ptr, digate_ptr, out_ptr, bounds_ptr, s
     With ``d = row + dm - digate``, the gradient of the whole-document forget sums
     (``logD_ij = F_i - F_j + igate_j``: rows minus columns, the stabiliser's row share
     ``dm`` included), the chunk-restarted sums' gradient: ``d``, plus at each chunk's last
-    row the total of the document's later chunks (that sum enters every later row). In
-    fp64 (``row_ptr``, ``digate_ptr`` and ``out_ptr`` fp64): the forget gates' reverse sum
-    of ``d`` cancels its rows against its columns."""
+    row the total of the document's later chunks (that sum enters every later row)."""
     pid = tl.program_id(0)
     start, length = document_rows(bounds_ptr, pid % num_docs, num_docs)
     base = (pid // num_docs).to(tl.int64) * seq_len + start
     lanes = tl.arange(0, SUB)
-    later = tl.zeros((), dtype=tl.float64)
+    later = tl.zeros((), dtype=out_ptr.dtype.element_ty)
     chunks = tl.cdiv(length, CHUNK)
     for i in range(0, chunks):
         c = chunks - 1 - i
-        total = tl.zeros((), dtype=tl.float64)
+        total = tl.zeros((), dtype=out_ptr.dtype.element_ty)
         for sub in range(0, CHUNK, SUB):
             rows = c * CHUNK + sub + lanes
             ok = rows < length
-            row = (tl.load(row_ptr + base + rows, mask=ok, other=0.0).to(tl.float64)
-                   + tl.load(dm_ptr + base + rows, mask=ok, other=0.0).to(tl.float64))
-            d = tl.where(ok, row - tl.load(digate_ptr + base + rows, mask=ok, other=0.0)
-                         .to(tl.float64), 0.0)
+            d = tl.where(ok, (tl.load(row_ptr + base + rows, mask=ok, other=0.0)
+                              + tl.load(dm_ptr + base + rows, mask=ok, other=0.0))
+                         - tl.load(digate_ptr + base + rows, mask=ok, other=0.0), 0.0)
             tl.store(out_ptr + base + rows,
                      d + tl.where(rows == c * CHUNK + CHUNK - 1, later, 0.0), mask=ok)
             total += tl.sum(d, axis=0)
@@ -198,10 +188,10 @@ def _grid_args(tables: DocumentTables) -> tuple:
 
 def log_forget(fgate: torch.Tensor, acc: torch.dtype, chunk: int,
                tables: DocumentTables) -> torch.Tensor:
-    """``fgate [B, NH, S]`` -> ``cumsum(log sigmoid(fgate))`` summed in fp64, stored in
-    ``acc``, restarted at each chunk of each document, contiguous."""
-    f = fgate.contiguous()
-    out = torch.empty(f.shape, dtype=acc, device=f.device)
+    """``fgate [B, NH, S]`` -> ``cumsum(log sigmoid(fgate))`` in ``acc``, restarted at each
+    chunk of each document, contiguous."""
+    f = fgate.to(acc).contiguous()
+    out = torch.empty_like(f)
     seq = f.shape[-1]
     rows = f.numel() // max(seq, 1)
     if f.numel():
@@ -213,7 +203,7 @@ def log_forget(fgate: torch.Tensor, acc: torch.dtype, chunk: int,
 def log_forget_backward(grad: torch.Tensor, fgate: torch.Tensor, chunk: int,
                         tables: DocumentTables) -> torch.Tensor:
     """``sigmoid(-fgate)`` times the reverse sums of ``grad`` within each chunk, in fgate's
-    dtype (computed in fp64)."""
+    dtype (computed in grad's)."""
     g = grad.contiguous()
     f = fgate.contiguous()
     out = torch.empty(f.shape, dtype=fgate.dtype, device=f.device)
@@ -225,18 +215,18 @@ def log_forget_backward(grad: torch.Tensor, fgate: torch.Tensor, chunk: int,
     return out
 
 
-def column_terms(igate: torch.Tensor, logf: torch.Tensor, chunk: int, tables: DocumentTables
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(term_hi, term_lo, colmax_hi, colmax_lo)`` ``[B, NH, S]`` in igate's dtype, as
-    :func:`.stabiliser.column_terms` returns them, the running max restarted at each chunk
-    of each document (``igate``, ``logf`` contiguous)."""
-    outs = tuple(torch.empty_like(igate) for _ in range(4))
+def column_terms(igate: torch.Tensor, logf: torch.Tensor, chunk: int,
+                 tables: DocumentTables) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(terms, colmax)`` ``[B, NH, S]`` of :func:`.stabiliser.column_terms`, the running
+    max restarted at each chunk of each document (``igate``, ``logf`` contiguous)."""
+    terms = torch.empty_like(logf)
+    colmax = torch.empty_like(logf)
     seq = logf.shape[-1]
     if logf.numel():
         column_terms_chunks_kernel[(logf.numel() // seq * tables.slots,)](
-            igate, logf, *outs, *_grid_args(tables), seq, tables.docs, tables.slots,
+            igate, logf, terms, colmax, *_grid_args(tables), seq, tables.docs, tables.slots,
             CHUNK=chunk, BLOCK=min(TERMS_BLOCK, chunk))
-    return outs
+    return terms, colmax
 
 
 def gate_grads(igate: torch.Tensor, logf: torch.Tensor, dm: torch.Tensor,
@@ -244,23 +234,22 @@ def gate_grads(igate: torch.Tensor, logf: torch.Tensor, dm: torch.Tensor,
                tables: DocumentTables, m0=None) -> tuple[torch.Tensor, torch.Tensor,
                                                          torch.Tensor]:
     """``(digate, dlogf, share0)`` from the cell's row and column sums of ``dlogD``
-    (``[B, NH, S]`` fp64, :func:`.backward.dlogd_sums`) and the stabiliser's gradient
-    ``dm``: the input gate's gradient (the column sums plus the stabiliser's share, in
-    igate's dtype), the chunk-restarted forget sums' gradient (in logf's dtype, fp64), and
-    the initial state's share of ``dm`` per (row, document) ``[B * NH * N]`` (``m0 [B * NH
-    * N]``: the initial stabiliser, when there is an initial state)."""
-    columns = torch.empty_like(col_grad)  # digate, in fp64 for the forget sums' gradient
-    dlogf = torch.empty_like(logf)
+    (``[B, NH, S]``) and the stabiliser's gradient ``dm``: the input gate's gradient (the
+    column sums plus the stabiliser's share), the chunk-restarted forget sums' gradient,
+    and the initial state's share of ``dm`` per (row, document) ``[B * NH * N]`` (``m0 [B *
+    NH * N]``: the initial stabiliser, when there is an initial state)."""
+    digate = torch.empty_like(col_grad)
+    dlogf = torch.empty_like(col_grad)
     rows = col_grad.shape[:-1].numel()  # B * NH, also when S = 0
     share0 = torch.empty((rows * tables.docs,), dtype=dm.dtype, device=dm.device)
     if rows * tables.docs == 0:
-        return columns.to(igate.dtype), dlogf, share0
+        return digate, dlogf, share0
     seq = col_grad.shape[-1]
     sub = min(SUB, chunk)
     grid = (rows * tables.docs,)
     stabiliser_shares_kernel[grid](
-        igate, logf, dm, col_grad, m0 if m0 is not None else dm, columns, share0,
+        igate, logf, dm, col_grad, m0 if m0 is not None else dm, digate, share0,
         tables.bounds, seq, tables.docs, CHUNK=chunk, SUB=sub, HAS_INITIAL=m0 is not None)
-    local_forget_grad_kernel[grid](row_grad, dm, columns, dlogf, tables.bounds, seq,
+    local_forget_grad_kernel[grid](row_grad, dm, digate, dlogf, tables.bounds, seq,
                                    tables.docs, CHUNK=chunk, SUB=sub)
-    return columns.to(igate.dtype), dlogf, share0
+    return digate, dlogf, share0

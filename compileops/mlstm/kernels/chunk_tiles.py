@@ -24,12 +24,7 @@ import triton.language as tl
 
 from compileops.mlstm.documents import DocumentTables
 from compileops.mlstm.kernels import chunk_gates
-from compileops.mlstm.kernels.backward import (
-    dlogd_sums,
-    mlstm_dkv_tile,
-    mlstm_dq_tile,
-    near_block,
-)
+from compileops.mlstm.kernels.backward import mlstm_dkv_tile, mlstm_dq_tile
 from compileops.mlstm.kernels.common import accumulation_dtype, input_precision, upcast_dots
 from compileops.mlstm.kernels.config import (
     BackwardConfig,
@@ -49,8 +44,8 @@ from compileops.mlstm.kernels.forward import mlstm_forward_tile
 
 @triton.jit
 def chunk_forward_kernel(
-    q_ptr, k_ptr, v_ptr, logf_ptr, term_hi_ptr, term_lo_ptr, colmax_hi_ptr, colmax_lo_ptr,
-    weight_ptr, bias_ptr, h_ptr, m_ptr, b_ptr, cstate_ptr, nstate_ptr, mstate_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, term_ptr, colmax_ptr, weight_ptr, bias_ptr,
+    h_ptr, m_ptr, b_ptr, cstate_ptr, nstate_ptr, mstate_ptr, out_ptr,
     bounds_ptr, slot_first_ptr, slot_doc_ptr, seq_len, num_heads, num_docs, num_slots,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -63,10 +58,9 @@ def chunk_forward_kernel(
     RESIDUAL_WEIGHT: tl.constexpr, SAVE_H: tl.constexpr,
     ACC: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """The arguments of :func:`.forward.mlstm_forward_tile` (``HAS_STATE`` always: the
-    states entering each chunk, in the slots of :mod:`compileops.mlstm.documents`; the
-    column terms restarted at each chunk of each document), plus the output's and the
-    document tables. Rows of an invalid ``cu_seqlens`` come out NaN."""
+    """The arguments of :func:`.forward.mlstm_forward_kernel` (``HAS_STATE`` always: the
+    states entering each chunk, in the slots of :mod:`compileops.mlstm.documents`), plus
+    the document tables. Rows of an invalid ``cu_seqlens`` come out NaN."""
     bh, slot, tile = split_program(tl.program_id(0), num_slots, CHUNK // BLOCK_M)
     doc, chunk, start, length = locate_slot(slot, bounds_ptr, slot_first_ptr, slot_doc_ptr,
                                             num_docs)
@@ -82,9 +76,8 @@ def chunk_forward_kernel(
             q_ptr + batch64 * stride_qb + head64 * stride_qh + start64 * stride_qs,
             k_ptr + batch64 * stride_kb + head64 * stride_kh + start64 * stride_ks,
             v_ptr + batch64 * stride_vb + head64 * stride_vh + start64 * stride_vs,
-            logf_ptr + rows_off, term_hi_ptr + rows_off, term_lo_ptr + rows_off,
-            colmax_hi_ptr + rows_off, colmax_lo_ptr + rows_off, weight_ptr + head * DV,
-            bias_ptr + head * DV,
+            igate_ptr + rows_off, logf_ptr + rows_off, term_ptr + rows_off,
+            colmax_ptr + rows_off, weight_ptr + head * DV, bias_ptr + head * DV,
             h_ptr + rows_off * DV, m_ptr + rows_off, b_ptr + rows_off,
             cstate_ptr + c_slot * DQK * DV, nstate_ptr + nm_slot * DQK, mstate_ptr + nm_slot,
             bh * 0, start_m, length, CHUNK, 1,
@@ -106,8 +99,8 @@ def chunk_forward_kernel(
 
 @triton.jit
 def chunk_dq_kernel(
-    q_ptr, k_ptr, v_ptr, dh_ptr, term_hi_ptr, term_lo_ptr, colmax_hi_ptr, colmax_lo_ptr,
-    r_ptr, beta_ptr, cstate_ptr, nstate_ptr, mstate_ptr, dq_ptr, far_row_ptr,
+    q_ptr, k_ptr, v_ptr, dh_ptr, igate_ptr, logf_ptr, m2_ptr, r_ptr, beta_ptr,
+    cstate_ptr, nstate_ptr, mstate_ptr, dq_ptr, row_grad_ptr,
     bounds_ptr, slot_first_ptr, slot_doc_ptr, seq_len, num_heads, num_docs, num_slots,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -115,10 +108,10 @@ def chunk_dq_kernel(
     stride_hb, stride_hh, stride_hs, stride_hd,
     scale,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NEAR: tl.constexpr, CHUNK: tl.constexpr,
-    ACC: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, ACC: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """:func:`.backward.mlstm_dq_tile`'s arguments (with the states), plus the document
+    """:func:`.backward.mlstm_dq_kernel`'s arguments (with the states), plus the document
     tables."""
     bh, slot, tile = split_program(tl.program_id(0), num_slots, CHUNK // BLOCK_M)
     doc, chunk, start, length = locate_slot(slot, bounds_ptr, slot_first_ptr, slot_doc_ptr,
@@ -135,22 +128,20 @@ def chunk_dq_kernel(
             k_ptr + batch64 * stride_kb + head64 * stride_kh + start64 * stride_ks,
             v_ptr + batch64 * stride_vb + head64 * stride_vh + start64 * stride_vs,
             dh_ptr + batch64 * stride_hb + head64 * stride_hh + start64 * stride_hs,
-            term_hi_ptr + rows_off, term_lo_ptr + rows_off, colmax_hi_ptr + rows_off,
-            colmax_lo_ptr + rows_off, r_ptr + rows_off, beta_ptr + rows_off,
-            cstate_ptr + c_slot * DQK * DV, nstate_ptr + nm_slot * DQK, mstate_ptr + nm_slot,
-            dq_ptr + rows_off * DQK, far_row_ptr + rows_off,
+            igate_ptr + rows_off, logf_ptr + rows_off, m2_ptr + rows_off, r_ptr + rows_off,
+            beta_ptr + rows_off, cstate_ptr + c_slot * DQK * DV, nstate_ptr + nm_slot * DQK,
+            mstate_ptr + nm_slot, dq_ptr + rows_off * DQK, row_grad_ptr + rows_off,
             bh * 0, start_m, length, CHUNK, 1,
             stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks,
             stride_kd, stride_vb, stride_vh, stride_vs, stride_vd, stride_hb, stride_hh,
             stride_hs, stride_hd, scale, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N,
-            NEAR, True, ACC, INPUT_PRECISION, UPCAST)
+            True, ACC, INPUT_PRECISION, UPCAST)
 
 
 @triton.jit
 def chunk_dkv_kernel(
-    q_ptr, k_ptr, v_ptr, dh_ptr, igate_ptr, logf_ptr, term_hi_ptr, term_lo_ptr,
-    colmax_hi_ptr, colmax_lo_ptr, r_ptr, beta_ptr, dcstate_ptr, dnstate_ptr, mstate_ptr,
-    dk_ptr, dv_ptr, far_col_ptr, near_col_ptr, near_cross_ptr,
+    q_ptr, k_ptr, v_ptr, dh_ptr, igate_ptr, logf_ptr, m2_ptr, r_ptr, beta_ptr,
+    dcstate_ptr, dnstate_ptr, mstate_ptr, dk_ptr, dv_ptr, col_grad_ptr,
     bounds_ptr, slot_first_ptr, slot_doc_ptr, seq_len, num_heads, num_docs, num_slots,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -161,9 +152,8 @@ def chunk_dkv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, ACC: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """:func:`.backward.mlstm_dkv_tile`'s arguments (with the states' gradients), plus the
-    document tables. The tile's blocks of near pairs start at the document's start (its key
-    tiles do), so ``near_cross`` is 0 at each document's first row."""
+    """:func:`.backward.mlstm_dkv_kernel`'s arguments (with the states' gradients), plus the
+    document tables."""
     bh, slot, tile = split_program(tl.program_id(0), num_slots, CHUNK // BLOCK_N)
     doc, chunk, start, length = locate_slot(slot, bounds_ptr, slot_first_ptr, slot_doc_ptr,
                                             num_docs)
@@ -179,12 +169,10 @@ def chunk_dkv_kernel(
             k_ptr + batch64 * stride_kb + head64 * stride_kh + start64 * stride_ks,
             v_ptr + batch64 * stride_vb + head64 * stride_vh + start64 * stride_vs,
             dh_ptr + batch64 * stride_hb + head64 * stride_hh + start64 * stride_hs,
-            igate_ptr + rows_off, logf_ptr + rows_off, term_hi_ptr + rows_off,
-            term_lo_ptr + rows_off, colmax_hi_ptr + rows_off, colmax_lo_ptr + rows_off,
-            r_ptr + rows_off, beta_ptr + rows_off, dcstate_ptr + c_slot * DQK * DV,
+            igate_ptr + rows_off, logf_ptr + rows_off, m2_ptr + rows_off, r_ptr + rows_off,
+            beta_ptr + rows_off, dcstate_ptr + c_slot * DQK * DV,
             dnstate_ptr + nm_slot * DQK, mstate_ptr + nm_slot, dk_ptr + rows_off * DQK,
-            dv_ptr + rows_off * DV, far_col_ptr + rows_off, near_col_ptr + rows_off,
-            near_cross_ptr + rows_off,
+            dv_ptr + rows_off * DV, col_grad_ptr + rows_off,
             bh * 0, start_n, length, CHUNK, 1,
             stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks,
             stride_kd, stride_vb, stride_vh, stride_vs, stride_vd, stride_hb, stride_hh,
@@ -211,23 +199,23 @@ def chunk_forward(
     """Eager launch: ``(out, h_raw or None, m_log2 [B, NH, S], b [B, NH, S])`` as
     :func:`.forward.mlstm_forward` returns them, for the chunkwise form: ``logf`` restarted
     at each chunk of each document, the ``states`` entering each chunk
-    (:func:`.chunkwise.chunk_states`), ``igate`` (the accumulation dtype) and ``logf`` (fp64
-    or that dtype) contiguous."""
+    (:func:`.chunkwise.chunk_states`), ``igate``/``logf`` contiguous in the accumulation
+    dtype."""
     batch, heads, seq, dqk = q.shape
     dv = v.shape[-1]
     cfg = config or choose_forward_config(q, dqk, dv, with_state=True, max_block_m=chunk)
     out = v.new_empty((batch, seq, heads * dv) if normed else (batch, heads, seq, dv))
     h_raw = v.new_empty((batch, heads, seq, dv)) if save_h else None
-    m = torch.empty((batch, heads, seq), dtype=igate.dtype, device=q.device)
+    m = torch.empty((batch, heads, seq), dtype=logf.dtype, device=q.device)
     b = torch.empty_like(m)
     if batch * heads == 0 or seq == 0:
         return out, h_raw, m, b
     if chunk % cfg.block_m:
         raise ValueError(f"chunk ({chunk}) must be a multiple of block_m ({cfg.block_m})")
-    terms = chunk_gates.column_terms(igate, logf, chunk, tables)
+    terms, colmax = chunk_gates.column_terms(igate, logf, chunk, tables)
     grid = (batch * heads * tables.slots * (chunk // cfg.block_m),)
     chunk_forward_kernel[grid](
-        q, k, v, logf, *terms,
+        q, k, v, igate, logf, terms, colmax,
         norm_weight if norm_weight is not None else m,
         norm_bias if norm_bias is not None else m,
         h_raw if save_h else m, m, b, *states, out,
@@ -246,15 +234,15 @@ def chunk_forward(
 
 def chunk_cell_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dh: torch.Tensor,
-    igate: torch.Tensor, logf: torch.Tensor, r: torch.Tensor, beta: torch.Tensor, chunk: int,
+    igate: torch.Tensor, logf: torch.Tensor, m_log2: torch.Tensor,
+    r: torch.Tensor, beta: torch.Tensor, chunk: int,
     states: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     state_grads: tuple[torch.Tensor, torch.Tensor], tables: DocumentTables,
     config: Optional[BackwardConfig] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv, row_grad, col_grad)`` as :func:`.backward.cell_backward` returns them
-    (the last two fp64, :func:`.backward.dlogd_sums`), for the chunkwise form: ``logf``
-    restarted at each chunk of each document, the forward's ``states`` entering each chunk
-    and ``state_grads``, the gradients of the states leaving each chunk
+    """``(dq, dk, dv, row_grad, col_grad)`` as :func:`.backward.cell_backward` returns them,
+    for the chunkwise form: the forward's ``states`` entering each chunk and
+    ``state_grads``, the gradients of the states leaving each chunk
     (:func:`.chunkwise.chunk_state_grads`)."""
     batch, heads, seq, dqk = q.shape
     dvh = v.shape[-1]
@@ -262,10 +250,10 @@ def chunk_cell_backward(
     dq = torch.empty((batch, heads, seq, dqk), dtype=q.dtype, device=q.device)
     dk = torch.empty((batch, heads, seq, dqk), dtype=k.dtype, device=q.device)
     dv = torch.empty((batch, heads, seq, dvh), dtype=v.dtype, device=q.device)
-    far_row, far_col, near_col, near_cross = (torch.empty_like(igate) for _ in range(4))
+    row_grad = torch.empty_like(logf)
+    col_grad = torch.empty_like(logf)
     if batch * heads == 0 or seq == 0:
-        empty = torch.empty(igate.shape, dtype=torch.float64, device=q.device)
-        return dq, dk, dv, empty, empty.clone()
+        return dq, dk, dv, row_grad, col_grad
     if chunk % cfg.block_m:
         raise ValueError(f"chunk ({chunk}) must be a multiple of block_m ({cfg.block_m})")
     common = dict(
@@ -278,14 +266,12 @@ def chunk_cell_backward(
     strides = (*q.stride(), *k.stride(), *v.stride(), *dh.stride())
     scale = 1.0 / math.sqrt(dqk)
     per_head = batch * heads * tables.slots
-    # (term_hi, term_lo, colmax_hi, colmax_lo), as the forward's launcher computes them
-    terms = chunk_gates.column_terms(igate, logf, chunk, tables)
     chunk_dq_kernel[(per_head * (chunk // cfg.block_m),)](
-        q, k, v, dh, *terms, r, beta, *states, dq, far_row, *docs, *strides, scale,
-        BLOCK_N=cfg.dq_tile, NEAR=near_block(cfg), **common, num_warps=cfg.dq_warps,
+        q, k, v, dh, igate, logf, m_log2, r, beta, *states, dq, row_grad, *docs, *strides,
+        scale, BLOCK_N=cfg.dq_tile, **common, num_warps=cfg.dq_warps,
         num_stages=cfg.dq_stages)
     chunk_dkv_kernel[(per_head * (chunk // cfg.block_n),)](
-        q, k, v, dh, igate, logf, *terms, r, beta, *state_grads, states[2], dk, dv, far_col,
-        near_col, near_cross, *docs, *strides, scale, BLOCK_N=cfg.block_n, **common,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return (dq, dk, dv, *dlogd_sums(far_row, far_col, near_col, near_cross))
+        q, k, v, dh, igate, logf, m_log2, r, beta, *state_grads, states[2], dk, dv, col_grad,
+        *docs, *strides, scale, BLOCK_N=cfg.block_n, **common, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return dq, dk, dv, row_grad, col_grad

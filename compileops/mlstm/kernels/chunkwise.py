@@ -78,8 +78,8 @@ def chunk_states_kernel(
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Grid ``(B * NH * N * cdiv(DV, BLOCK_V),)``: (row, document, DV tile), head-major.
-    ``igate_ptr`` (``ACC``), ``logf_ptr`` (fp64 or ``ACC``; restarted at each chunk of each
-    document) ``[B * NH, S]``, contiguous; ``c0_ptr [B * NH * N, DQK, DV]``, ``n0_ptr [B * NH * N,
+    ``igate_ptr``, ``logf_ptr [B * NH, S]`` (``logf`` restarted at each chunk of each
+    document), ``ACC``, contiguous; ``c0_ptr [B * NH * N, DQK, DV]``, ``n0_ptr [B * NH * N,
     DQK]``, ``m0_ptr [B * NH * N]`` (``ACC``): the initial state of each document when
     ``HAS_INITIAL``. The document tables: :mod:`compileops.mlstm.documents`. Writes the
     layout of the module docstring; an empty document's state passes through."""
@@ -115,22 +115,20 @@ def chunk_states_kernel(
         row_ok = rows < length
         # The chunk's last row: c < chunks, so it is a row of the document.
         last = tl.minimum(c * CHUNK + CHUNK, length) - 1
-        # The forget sums' differences in their dtype (fp64: kernels.stabiliser), then ACC.
         f_end = tl.load(logf_ptr + gate_off + last)
         f = tl.load(logf_ptr + gate_off + rows, mask=row_ok, other=0.0)
         ig = tl.load(igate_ptr + gate_off + rows, mask=row_ok, other=0.0)
-        u = tl.where(row_ok, (f_end - f).to(ACC) + ig, float("-inf"))
-        carried = m + f_end  # the state's exponent at the chunk's end
-        m_new = tl.maximum(carried.to(ACC), tl.max(u, axis=0))
-        decay = tl.exp((carried - m_new).to(ACC))
+        u = tl.where(row_ok, f_end - f + ig, float("-inf"))
+        m_new = tl.maximum(m + f_end, tl.max(u, axis=0))
+        decay = tl.exp(m + f_end - m_new)
         state = state * decay
         norm = norm * decay
         # Rows in sub-blocks: long chunks would not fit their k and v tiles in shared memory.
         for sub in range(0, CHUNK, SUB):
             part = c * CHUNK + sub + tl.arange(0, SUB)
             part_ok = part < length
-            f_part = tl.load(logf_ptr + gate_off + part, mask=part_ok, other=0.0)
-            u_part = tl.where(part_ok, (f_end - f_part).to(ACC)
+            u_part = tl.where(part_ok, f_end - tl.load(logf_ptr + gate_off + part, mask=part_ok,
+                                                        other=0.0)
                               + tl.load(igate_ptr + gate_off + part, mask=part_ok, other=0.0),
                               float("-inf"))
             weight = tl.exp(u_part - m_new)
@@ -204,7 +202,7 @@ def chunk_state_grads_kernel(
         f_end = tl.load(logf_ptr + gate_off + last)
         m = tl.load(m_ptr + nm_slot + c)
         m_next = tl.load(m_ptr + nm_slot + c + 1)
-        decay = tl.exp((m + f_end - m_next).to(ACC))
+        decay = tl.exp(m + f_end - m_next)
         grad = grad * decay
         grad_n = grad_n * decay
         for sub in range(0, CHUNK, SUB):
@@ -214,9 +212,8 @@ def chunk_state_grads_kernel(
             m2 = tl.load(m2_ptr + gate_off + rows, mask=row_ok, other=0.0)
             r = tl.load(r_ptr + gate_off + rows, mask=row_ok, other=0.0)
             beta = tl.load(beta_ptr + gate_off + rows, mask=row_ok, other=0.0)
-            # The forward tile's state row factor, exp2(m * log2(e) - colmax_i), from m2 = logf
-            # * log2(e) + colmax (summed in logf's dtype: fp64, as the forward's).
-            a = tl.where(row_ok, tl.exp2((f * LOG2E + m * LOG2E - m2).to(ACC)), 0.0) * scale
+            # The forward tile's expression for the state's row factor, bitwise.
+            a = tl.where(row_ok, tl.exp2(f * LOG2E + m * LOG2E - m2), 0.0) * scale
             q = load_tile(q_base, rows, stride_qs, dqk, stride_qd, length, DQK, BLOCK_DQK, True)
             dh = load_tile(h_base, rows, stride_hs, dv, stride_hd, length, DV, BLOCK_V, True)
             weighted = (dh.to(ACC) * (a * r)[:, None]).to(q.dtype)
@@ -253,15 +250,14 @@ def chunk_states(
     initial: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(C, n, m, C_last)`` (module docstring) for ``k [B, NH, S, DQK]``, ``v [B, NH, S,
-    DV]`` (any strides), ``igate``/``logf [B, NH, S]`` contiguous (``igate`` in the
-    accumulation dtype; ``logf`` restarted at each chunk of each document, fp64 or that
-    dtype), the document ``tables``, and an optional initial ``(C0 [B * NH * N, DQK, DV], n0
-    [B * NH * N, DQK], m0 [B * NH * N])`` in the accumulation dtype (any shape with those
-    elements: ``[B, NH, ...]`` for N = 1)."""
+    DV]`` (any strides), ``igate``/``logf [B, NH, S]`` contiguous in the accumulation dtype
+    (``logf`` restarted at each chunk of each document), the document ``tables``, and an
+    optional initial ``(C0 [B * NH * N, DQK, DV], n0 [B * NH * N, DQK], m0 [B * NH * N])``
+    in the accumulation dtype (any shape with those elements: ``[B, NH, ...]`` for N = 1)."""
     batch, heads, seq, dqk = k.shape
     dv = v.shape[-1]
     docs, slots = tables.docs, tables.slots
-    acc = igate.dtype
+    acc = logf.dtype
     dev = k.device
     c = torch.empty((batch * heads, slots, dqk, dv), dtype=k.dtype, device=dev)
     n = torch.empty((batch * heads, slots + docs, dqk), dtype=acc, device=dev)
@@ -286,13 +282,13 @@ def chunk_state_grads(
     """``(dC [B * NH, U, DQK, DV], dn [B * NH, U + N, DQK], dC0 [B * NH * N, DQK, DV])``:
     the gradients of the states leaving each chunk and of the initial states (their ``dn``
     in each document's slot 0), for the raw h's gradient ``dh [B, NH, S, DV]`` (any
-    strides), the per-row ``logf`` (fp64 or the accumulation dtype), ``m_log2``, ``r``,
-    ``beta`` ``[B, NH, S]`` and the forward's ``m_states``. ``last_grad``: ``(dC_last,
-    dn_last)``, the last states' gradients (``[B * NH * N, ...]`` elements)."""
+    strides), the per-row ``logf``, ``m_log2``, ``r``, ``beta`` ``[B, NH, S]`` and the
+    forward's ``m_states``. ``last_grad``: ``(dC_last, dn_last)``, the last states'
+    gradients (``[B * NH * N, ...]`` elements)."""
     batch, heads, seq, dqk = q.shape
     dv = dh.shape[-1]
     docs, slots = tables.docs, tables.slots
-    acc = m_log2.dtype
+    acc = logf.dtype
     dev = q.device
     dc = torch.empty((batch * heads, slots, dqk, dv), dtype=q.dtype, device=dev)
     dn = torch.empty((batch * heads, slots + docs, dqk), dtype=acc, device=dev)

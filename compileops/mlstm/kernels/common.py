@@ -36,6 +36,22 @@ def load_tile(base, rows, row_stride, cols, col_stride, n_rows, N_COLS: tl.const
     return tl.load(ptrs)
 
 
+@triton.jit
+def column_term_max(igate_ptr, logf_ptr, start, end, BLOCK: tl.constexpr, ACC: tl.constexpr):
+    """``max_{start <= j < end} (igate_j - logf_j)`` (log2 units; ``-inf`` when empty) of one
+    row's gates at ``igate_ptr``, ``logf_ptr``: the reference of the factorised decay left of
+    a query tile. Wide blocks of ``BLOCK`` gates, so that the scan is a few loads."""
+    lanes = tl.arange(0, BLOCK)
+    best = tl.full((BLOCK,), float("-inf"), dtype=ACC)
+    for first in range(start, end, BLOCK):
+        cols = first + lanes
+        ok = cols < end
+        term = (tl.load(igate_ptr + cols, mask=ok, other=0.0)
+                - tl.load(logf_ptr + cols, mask=ok, other=0.0)) * LOG2E
+        best = tl.maximum(best, tl.where(ok, term, float("-inf")))
+    return tl.max(best, axis=0)
+
+
 def accumulation_dtype(dtype: torch.dtype):
     """Triton dtype of gate sums, stabilisers and norm statistics: fp64 for fp64, else fp32."""
     return tl.float64 if dtype == torch.float64 else tl.float32

@@ -10,10 +10,9 @@ diagonal tiles with the exact exponential). The ``S x S`` matrices never leave t
 the end ``h = acc / (max(|b|, exp(-m)) + eps)``, and the per-head layernorm over DV runs on
 the fp32 rows in registers, which is why a program holds whole rows.
 
-Exponentials are ``exp2``, and the stabilised exponents come from the gates' column terms
-alone: ``logD_ij - m_i = term_j - colmax_i`` (log2 units, :mod:`.stabiliser`), each term a
-pair ``hi + lo`` of fp32 numbers so that the exponent keeps its digits at any S (the
-backward takes the same expression, bitwise); the public function converts ``m``.
+Exponentials are ``exp2``: the gates are multiplied by ``log2(e)`` as they load, so ``logD``
+and the stabiliser are in log2 units (the backward recomputes ``logD`` with the same
+expression, bitwise); the public function converts ``m``.
 """
 from __future__ import annotations
 
@@ -34,29 +33,22 @@ from compileops.mlstm.kernels.common import (
     upcast_dots,
 )
 from compileops.mlstm.kernels.config import ForwardConfig, choose_forward_config, head_tile
-from compileops.mlstm.kernels.stabiliser import (
-    column_factor,
-    column_terms,
-    decay_exponent,
-    row_factor,
-    stabiliser_rows,
-    with_state_ref,
-)
+from compileops.mlstm.kernels.stabiliser import column_terms
 
 #: The widest spread of a query tile's column terms (``high - low``, log2 units) that runs
 #: the one-loop form; fp16's tighter bound keeps the column-scaled scores it feeds the second
 #: MMA above its subnormals. fp32 inputs never take it: factorising the diagonal tiles rounds
-#: both factors' exponents at the size of the spread (up to 64: 4e-6 relative), where the
-#: exact diagonal exponent is rounded at its own size; 16-bit inputs round far more than
-#: that, and fp64 far less.
+#: each exponent at the magnitude of the forget-gate sum, not of its differences, which cost
+#: fp32's gradients their 1e-5 bound (dq 1.14e-5 on an H100 at S = 256); 16-bit inputs round
+#: far more than that, and fp64 far less.
 ONE_LOOP_SPREAD = tl.constexpr(64.0)
 ONE_LOOP_SPREAD_FP16 = tl.constexpr(8.0)
 
 
 @triton.jit
 def mlstm_forward_tile(
-    q_ptr, k_ptr, v_ptr, logf_ptr, term_hi_ptr, term_lo_ptr, colmax_hi_ptr, colmax_lo_ptr,
-    weight_ptr, bias_ptr, h_ptr, m_ptr, b_ptr, cstate_ptr, nstate_ptr, mstate_ptr,
+    q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, term_ptr, colmax_ptr, weight_ptr, bias_ptr,
+    h_ptr, m_ptr, b_ptr, cstate_ptr, nstate_ptr, mstate_ptr,
     bh, start_m, seq_len, chunk_len, num_heads,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -73,18 +65,16 @@ def mlstm_forward_tile(
 
     * ``q_ptr [B, NH, S, DQK]``, ``k_ptr [B, NH, S, DQK]``, ``v_ptr [B, NH, S, DV]``: any
       strides, given per dimension; ``bh = b * num_heads + head``.
-    * ``logf_ptr``: ``[B * NH, S]`` contiguous, fp64 or ``ACC``: the cumulative log forget
-      gate ``sum_{tau<=t} log sigmoid(f)`` (read for the stabiliser ``m = logf + colmax``);
-      ``term_hi_ptr``, ``term_lo_ptr``, ``colmax_hi_ptr``, ``colmax_lo_ptr``: ``[B * NH, S]``
-      contiguous, ``ACC``: the column terms ``(igate - logf) * log2(e)`` and their running
-      max, each an unevaluated sum ``hi + lo`` (:func:`.stabiliser.column_terms`, restarted
-      with ``logf``).
+    * ``igate_ptr``, ``logf_ptr``, ``term_ptr``, ``colmax_ptr``: ``[B * NH, S]`` contiguous,
+      ``ACC``: the input-gate pre-activation, the cumulative log forget gate ``sum_{tau<=t}
+      log sigmoid(f)``, the column terms ``(igate - logf) * log2(e)`` and their running max
+      (:func:`.stabiliser.column_terms`, restarted with ``logf``).
     * ``weight_ptr``, ``bias_ptr``: ``[NH * DV]`` norm affine (read when ``HAS_WEIGHT`` /
       ``HAS_BIAS``; ``RESIDUAL_WEIGHT``: the scale is ``1 + weight``).
     * Written here: ``m_ptr`` and ``b_ptr`` ``[B * NH, S]`` ``ACC`` (the stabiliser in log2
-      units, ``logf + colmax`` summed in fp64 and rounded, and the signed row sum ``sum_j
-      C_ij``); ``h_ptr [B * NH, S, DV]`` contiguous, the raw h in v's dtype, when
-      ``SAVE_H`` (the norm's backward reads it).
+      units, the max of the ``logD`` values up to rounding, and the signed
+      row sum ``sum_j C_ij``); ``h_ptr [B * NH, S, DV]`` contiguous, the
+      raw h in v's dtype, when ``SAVE_H`` (the norm's backward reads it).
     * ``scale = 1 / sqrt(DQK)``; ``eps``: the cell's; ``norm_eps``: the layernorm's.
     * Chunks (:mod:`.chunkwise`): keys are read from the start of the query rows' chunk of
       ``chunk_len`` (a multiple of ``BLOCK_M``; the parallel form passes ``chunk_len >=
@@ -107,35 +97,35 @@ def mlstm_forward_tile(
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
     q = load_tile(q_base, rows, stride_qs, dqk, stride_qd, seq_len, DQK, BLOCK_DQK, True)
+    logf_i = tl.load(logf_ptr + gate_off + rows, mask=row_ok, other=0.0) * LOG2E
 
     window = (start_m // chunk_len) * chunk_len
     # The stabiliser comes first, from the gates alone: m_i = max_{j<=i} logD_ij = logf_i +
     # colmax_i, the running max of the column terms (igate_j - logf_j) over the row's window
     # (:mod:`.stabiliser`). Knowing m_i before the key loop means the accumulators never need
     # rescaling (FlashAttention's online max rescales a [BLOCK_M, DV] tile per key tile; here
-    # DV = 256 made that a large share). Every exponent is then term_j - colmax_i.
-    row_ref_hi = tl.load(colmax_hi_ptr + gate_off + rows, mask=row_ok, other=0.0)
-    row_ref_lo = tl.load(colmax_lo_ptr + gate_off + rows, mask=row_ok, other=0.0)
+    # DV = 256 made that a large share).
+    colmax_i = tl.load(colmax_ptr + gate_off + rows, mask=row_ok, other=0.0)
+    row_max = logf_i + colmax_i
     # colmax never decreases along a window, and a tile's rows share one: `low` is its first
     # row's, `high` its last live row's, >= every column term up to the tile's end.
-    low = tl.load(colmax_hi_ptr + gate_off + start_m)
-    high = tl.load(colmax_hi_ptr + gate_off + tl.minimum(start_m + BLOCK_M, seq_len) - 1)
-    before = tl.load(colmax_hi_ptr + gate_off + tl.maximum(start_m - 1, window),
+    low = tl.load(colmax_ptr + gate_off + start_m)
+    high = tl.load(colmax_ptr + gate_off + tl.minimum(start_m + BLOCK_M, seq_len) - 1)
+    before = tl.load(colmax_ptr + gate_off + tl.maximum(start_m - 1, window),
                      mask=start_m > window, other=float("-inf"))
-    # The decay factorises: logD_ij - m_i = term_j - colmax_i. A reference `ref` >= every
-    # column term a loop sees splits exp2(term_j - colmax_i) = exp2(ref - colmax_i) *
-    # exp2(term_j - ref): the column factor (with 1/sqrt(DQK)) scales the scores in the loop,
+    # The decay factorises: logD_ij = logf_i + (igate_j - logf_j). A reference `ref` >= every
+    # column term a loop sees splits exp2(logD_ij - m_i) = exp2(logf_i + ref - m_i) *
+    # exp2(col_j - ref): the column factor (with 1/sqrt(DQK)) scales the scores in the loop,
     # the row factor is applied once after it. No per-tile max, no per-tile row exponentials,
     # no rescaling.
     if HAS_STATE:
         acc, row_sum, state_ref = _state_rows(
             q, cstate_ptr, nstate_ptr, mstate_ptr, bh, start_m // chunk_len,
             seq_len, chunk_len, DQK, DV, BLOCK_DQK, BLOCK_DV, ACC, INPUT_PRECISION, UPCAST)
-        row_ref_hi, row_ref_lo = with_state_ref(row_ref_hi, row_ref_lo, state_ref)
+        row_max = tl.maximum(row_max, logf_i + state_ref)
         low = tl.maximum(low, state_ref)
         high = tl.maximum(high, state_ref)
         before = tl.maximum(before, state_ref)
-    row_max = stabiliser_rows(logf_ptr + gate_off, rows, row_ok, row_ref_hi, row_ref_lo, ACC)
     # One loop over every key tile, the diagonal ones masked, with ref = high: then each
     # column factor is <= 1 and each row factor <= 2**(high - low), and a row's largest term
     # is >= 2**-(high - low) before its row factor. That is exact while high - low stays far
@@ -161,7 +151,7 @@ def mlstm_forward_tile(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=ACC)
         row_sum = tl.zeros((BLOCK_M,), dtype=ACC)
-    rows_scale = row_factor(col_ref, row_ref_hi, row_ref_lo, has_ref)
+    row_factor = tl.where(has_ref, tl.exp2(logf_i + col_ref - row_max), 0.0)
     if one_loop:
         # One software pipeline through the diagonal tiles: against two loops (the diagonal
         # tiles' own prologue, their exact exponentials) 4-7% faster on an H100.
@@ -171,19 +161,19 @@ def mlstm_forward_tile(
             k = load_tile(k_base, cols, stride_ks, dqk, stride_kd, seq_len, DQK, BLOCK_DQK,
                           True)
             v = load_tile(v_base, cols, stride_vs, dv, stride_vd, seq_len, DV, BLOCK_DV, True)
-            col_scale = column_factor(term_hi_ptr + gate_off, term_lo_ptr + gate_off, cols,
-                                      col_ok, col_ref, True) * scale
+            col_term = tl.load(term_ptr + gate_off + cols, mask=col_ok, other=float("-inf"))
+            col_scale = tl.exp2(col_term - col_ref) * scale
             scores = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
                          INPUT_PRECISION, UPCAST)
             c = tl.where(cols[None, :] <= rows[:, None], scores * col_scale[None, :], 0.0)
             row_sum += tl.sum(c, axis=1)
             acc = mma(c.to(v.dtype), v, acc, INPUT_PRECISION, UPCAST)
-        acc = acc * rows_scale[:, None]
-        row_sum = row_sum * rows_scale
+        acc = acc * row_factor[:, None]
+        row_sum = row_sum * row_factor
     elif v_ptr.dtype.element_ty == tl.float32:
         acc, row_sum = _left_then_diagonal(
-            acc, row_sum, rows_scale, q, k_base, v_base, term_hi_ptr, term_lo_ptr, gate_off,
-            rows, row_ref_hi, row_ref_lo, col_ref, window, start_m, seq_len, scale,
+            acc, row_sum, row_factor, q, k_base, v_base, igate_ptr, logf_ptr, term_ptr,
+            gate_off, rows, logf_i, row_max, col_ref, window, start_m, seq_len, scale,
             stride_ks, stride_kd, stride_vs, stride_vd, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
             BLOCK_N, ACC, INPUT_PRECISION, UPCAST, None)
     else:
@@ -191,8 +181,8 @@ def mlstm_forward_tile(
         # made ptxas serialise every wgmma of the kernel (C7515) once S is a compile-time
         # constant (the static template), and spill more.
         acc, row_sum = _left_then_diagonal(
-            acc, row_sum, rows_scale, q, k_base, v_base, term_hi_ptr, term_lo_ptr, gate_off,
-            rows, row_ref_hi, row_ref_lo, col_ref, window, start_m, seq_len, scale,
+            acc, row_sum, row_factor, q, k_base, v_base, igate_ptr, logf_ptr, term_ptr,
+            gate_off, rows, logf_i, row_max, col_ref, window, start_m, seq_len, scale,
             stride_ks, stride_kd, stride_vs, stride_vd, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
             BLOCK_N, ACC, INPUT_PRECISION, UPCAST, 1)
 
@@ -213,47 +203,48 @@ def mlstm_forward_tile(
 
 
 @triton.jit
-def _left_then_diagonal(acc, row_sum, rows_scale, q, k_base, v_base, term_hi_ptr, term_lo_ptr,
-                        gate_off, rows, row_ref_hi, row_ref_lo, col_ref, window, start_m,
+def _left_then_diagonal(acc, row_sum, row_factor, q, k_base, v_base, igate_ptr, logf_ptr,
+                        term_ptr, gate_off, rows, logf_i, row_max, col_ref, window, start_m,
                         seq_len, scale, stride_ks, stride_kd, stride_vs, stride_vd,
                         DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr,
                         BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         ACC: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                         UPCAST: tl.constexpr, STAGES: tl.constexpr):
     """The two-loop form of :func:`mlstm_forward_tile`'s key loop, ``(acc, row_sum)``: left of
-    the diagonal factorised around ``col_ref`` (>= those columns' terms), then ``rows_scale``
-    (its row factor) applied, then the diagonal tiles with the exact exponential ``term_j -
-    colmax_i``, masked (j > i, j past the sequence). ``STAGES``: the loops' software-pipeline
-    depth (None: the launch's)."""
+    the diagonal factorised around ``col_ref`` (>= those columns' terms), then ``row_factor``
+    applied, then the diagonal tiles with the exact exponential, masked (j > i, j past the
+    sequence). ``STAGES``: the loops' software-pipeline depth (None: the launch's)."""
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
     for start_n in tl.range(window, start_m, BLOCK_N, num_stages=STAGES):
         cols = start_n + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, cols, stride_ks, dqk, stride_kd, seq_len, DQK, BLOCK_DQK, False)
         v = load_tile(v_base, cols, stride_vs, dv, stride_vd, seq_len, DV, BLOCK_DV, False)
-        col_scale = column_factor(term_hi_ptr + gate_off, term_lo_ptr + gate_off, cols, cols,
-                                  col_ref, False) * scale
+        col_term = tl.load(term_ptr + gate_off + cols)
+        col_scale = tl.exp2(col_term - col_ref) * scale
         scores = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
                      INPUT_PRECISION, UPCAST)
         c = scores * col_scale[None, :]
         row_sum += tl.sum(c, axis=1)
         acc = mma(c.to(v.dtype), v, acc, INPUT_PRECISION, UPCAST)
-    acc = acc * rows_scale[:, None]
-    row_sum = row_sum * rows_scale
+    acc = acc * row_factor[:, None]
+    row_sum = row_sum * row_factor
     for start_n in tl.range(start_m, tl.minimum(start_m + BLOCK_M, seq_len), BLOCK_N,
                             num_stages=STAGES):
         cols = start_n + tl.arange(0, BLOCK_N)
         col_ok = cols < seq_len
         k = load_tile(k_base, cols, stride_ks, dqk, stride_kd, seq_len, DQK, BLOCK_DQK, True)
         v = load_tile(v_base, cols, stride_vs, dv, stride_vd, seq_len, DV, BLOCK_DV, True)
+        logf_j = tl.load(logf_ptr + gate_off + cols, mask=col_ok, other=0.0) * LOG2E
+        igate_j = tl.load(igate_ptr + gate_off + cols, mask=col_ok, other=0.0) * LOG2E
         scores = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC),
                      INPUT_PRECISION, UPCAST) * scale
         live = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
-        term_hi = tl.load(term_hi_ptr + gate_off + cols, mask=col_ok, other=0.0)
-        term_lo = tl.load(term_lo_ptr + gate_off + cols, mask=col_ok, other=0.0)
-        exponent = decay_exponent(term_hi[None, :], term_lo[None, :], row_ref_hi[:, None],
-                                  row_ref_lo[:, None])
-        c = scores * tl.exp2(tl.where(live, exponent, float("-inf")))
+        # logf_i - logf_j first: it cancels exactly where the two are close, which the column
+        # terms (large when the forget gates close) would not.
+        log_d = tl.where(live, logf_i[:, None] - logf_j[None, :] + igate_j[None, :],
+                         float("-inf"))
+        c = scores * tl.exp2(log_d - row_max[:, None])
         row_sum += tl.sum(c, axis=1)
         acc = mma(c.to(v.dtype), v, acc, INPUT_PRECISION, UPCAST)
     return acc, row_sum
@@ -316,8 +307,8 @@ def _layernorm_rows(acc, inv, weight_ptr, bias_ptr, head, norm_eps, DV: tl.const
 
 @triton.jit
 def mlstm_forward_kernel(
-    q_ptr, k_ptr, v_ptr, logf_ptr, term_hi_ptr, term_lo_ptr, colmax_hi_ptr, colmax_lo_ptr,
-    weight_ptr, bias_ptr, h_ptr, m_ptr, b_ptr, out_ptr, seq_len, num_heads,
+    q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, term_ptr, colmax_ptr, weight_ptr, bias_ptr,
+    h_ptr, m_ptr, b_ptr, cstate_ptr, nstate_ptr, mstate_ptr, out_ptr, seq_len, chunk_len, num_heads,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -326,26 +317,25 @@ def mlstm_forward_kernel(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    RESIDUAL_WEIGHT: tl.constexpr, SAVE_H: tl.constexpr,
+    RESIDUAL_WEIGHT: tl.constexpr, SAVE_H: tl.constexpr, HAS_STATE: tl.constexpr,
     ACC: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Grid ``(B * NH * cdiv(S, BLOCK_M),)``, head-major (:func:`.common.head_major_tile`);
-    within a head the last query tiles (the longest rows) start first: the parallel form,
-    :func:`mlstm_forward_tile` over whole rows, no states. ``out_ptr``: ``[B, S, NH * DV]``
-    (normed) or ``[B, NH, S, DV]`` (raw), addressed by the strides of its (batch, head, seq,
-    channel) dimensions."""
+    within a head the last query tiles (the longest rows) start first. ``out_ptr``: ``[B, S,
+    NH * DV]`` (normed) or ``[B, NH, S, DV]`` (raw), addressed by the strides of its
+    (batch, head, seq, channel) dimensions."""
     num_tiles = tl.cdiv(seq_len, BLOCK_M)
     bh, tile = head_major_tile(num_tiles)
     start_m = (num_tiles - 1 - tile) * BLOCK_M
     out = mlstm_forward_tile(
-        q_ptr, k_ptr, v_ptr, logf_ptr, term_hi_ptr, term_lo_ptr, colmax_hi_ptr, colmax_lo_ptr,
-        weight_ptr, bias_ptr, h_ptr, m_ptr, b_ptr, m_ptr, m_ptr, m_ptr, bh,
-        start_m, seq_len, seq_len, num_heads,
+        q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, term_ptr, colmax_ptr, weight_ptr, bias_ptr,
+        h_ptr, m_ptr, b_ptr, cstate_ptr, nstate_ptr, mstate_ptr, bh, start_m, seq_len,
+        chunk_len, num_heads,
         stride_qb, stride_qh, stride_qs, stride_qd,
         stride_kb, stride_kh, stride_ks, stride_kd,
         stride_vb, stride_vh, stride_vs, stride_vd,
         scale, eps, norm_eps, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N,
-        HAS_NORM, HAS_WEIGHT, HAS_BIAS, RESIDUAL_WEIGHT, SAVE_H, False, ACC,
+        HAS_NORM, HAS_WEIGHT, HAS_BIAS, RESIDUAL_WEIGHT, SAVE_H, HAS_STATE, ACC,
         INPUT_PRECISION, UPCAST,
     )
     rows = start_m + tl.arange(0, BLOCK_M)
@@ -362,22 +352,26 @@ def mlstm_forward(
     igate: torch.Tensor, logf: torch.Tensor,
     norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
     normed: bool, norm_eps: float, eps: float, residual_weight: bool, save_h: bool,
-    config: Optional[ForwardConfig] = None,
+    config: Optional[ForwardConfig] = None, chunk: int = 0,
+    states: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Eager launch of the parallel form: ``(out, h_raw or None, m_log2 [B, NH, S], b [B,
-    NH, S])``. (The chunkwise form's: :func:`.chunk_tiles.chunk_forward`.)
+    """Eager launch: ``(out, h_raw or None, m_log2 [B, NH, S], b [B, NH, S])``.
 
-    ``igate`` (the accumulation dtype), ``logf`` (fp64, or the accumulation dtype): ``[B, NH,
-    S]`` contiguous, the input gate and the cumulative log forget gate; the column terms and
-    their running max are computed from them here (:func:`.stabiliser.column_terms`).
-    ``out`` is ``[B, S, NH * DV]`` when
+    ``chunk`` > 0: the chunkwise form's within-chunk part, plus the ``states`` entering each
+    chunk (``(C, n, m)`` as :func:`.chunkwise.chunk_states` returns them); ``logf`` then holds
+    the sums restarted at each chunk. ``chunk`` must be a multiple of the config's ``block_m``.
+
+    ``igate``, ``logf``: ``[B, NH, S]`` contiguous in the accumulation dtype (the input gate
+    and the cumulative log forget gate; the column terms and their running max are computed
+    from them here, :func:`.stabiliser.column_terms`). ``out`` is ``[B, S, NH * DV]`` when
     ``normed`` else ``[B, NH, S, DV]``, in v's dtype; ``h_raw [B, NH, S, DV]`` (v's dtype)
     only when ``save_h``.
     """
     batch, heads, seq, dqk = q.shape
     dv = v.shape[-1]
-    acc_dtype = igate.dtype
-    cfg = config or choose_forward_config(q, dqk, dv)
+    acc_dtype = logf.dtype
+    cfg = config or choose_forward_config(q, dqk, dv, with_state=states is not None,
+                                          max_block_m=chunk)
     if normed:
         out = v.new_empty((batch, seq, heads * dv))
         so_b, so_s, so_c = out.stride()
@@ -391,20 +385,24 @@ def mlstm_forward(
     b = torch.empty_like(m)
     if batch * heads == 0 or seq == 0:
         return out, h_raw, m, b
-    terms = column_terms(igate, logf)
+    if chunk and chunk % cfg.block_m:
+        raise ValueError(f"chunk ({chunk}) must be a multiple of block_m ({cfg.block_m})")
+    cstates, nstates, mstates = states if states is not None else (m, m, m)
+    terms, colmax = column_terms(igate, logf, chunk)
     grid = (batch * heads * triton.cdiv(seq, cfg.block_m),)
     mlstm_forward_kernel[grid](
-        q, k, v, logf, *terms,
+        q, k, v, igate, logf, terms, colmax,
         norm_weight if norm_weight is not None else m,
         norm_bias if norm_bias is not None else m,
-        h_raw if save_h else m, m, b, out, seq, heads,
+        h_raw if save_h else m, m, b, cstates, nstates, mstates, out, seq,
+        chunk if chunk else seq, heads,
         *q.stride(), *k.stride(), *v.stride(), *out_strides,
         1.0 / math.sqrt(dqk), eps, norm_eps,
         DQK=dqk, DV=dv, BLOCK_DQK=head_tile(dqk),
         BLOCK_DV=head_tile(dv),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HAS_NORM=normed, HAS_WEIGHT=norm_weight is not None, HAS_BIAS=norm_bias is not None,
-        RESIDUAL_WEIGHT=residual_weight, SAVE_H=save_h,
+        RESIDUAL_WEIGHT=residual_weight, SAVE_H=save_h, HAS_STATE=states is not None,
         ACC=accumulation_dtype(q.dtype), INPUT_PRECISION=input_precision(q.dtype),
         UPCAST=upcast_dots(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

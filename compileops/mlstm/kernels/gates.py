@@ -4,11 +4,6 @@ per (batch, head) row.
 A row's result depends on that row only and is summed in a fixed order, so it is bitwise the
 same whatever else is in the batch. (``torch.cumsum`` on CUDA picks its scan by the number of
 rows, which broke the mLSTM's batch invariance on the H100.)
-
-Both sum in fp64 whatever the tensors' dtype, and round once when they store: an fp32 running
-sum rounds each step at the size of the sum (S steps of ``log sigmoid`` grow like S), and
-fp32's ``log(1 + exp(-x))`` loses the small terms of open gates; the backward's reverse sum of
-the gradients cancels row sums against column sums. Each is one pass over ``[B, NH, S]``.
 """
 from __future__ import annotations
 
@@ -21,43 +16,39 @@ BLOCK = 1024
 
 @triton.jit
 def _log_sigmoid(x):
-    """``log sigmoid(x) = min(x, 0) - log(1 + exp(-|x|))`` (no libdevice: the interpreter),
-    in fp64."""
-    x = x.to(tl.float64)
+    """``log sigmoid(x) = min(x, 0) - log(1 + exp(-|x|))`` (no libdevice: the interpreter)."""
     return tl.minimum(x, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(x)))
 
 
 @triton.jit
 def log_forget_kernel(f_ptr, out_ptr, seq_len, BLOCK: tl.constexpr):
-    """Row ``program_id(0)`` of ``f_ptr [R, S]`` (contiguous) -> ``out_ptr [R, S]``: the
-    running sum of ``log sigmoid(f)``, block by block, in fp64."""
+    """Row ``program_id(0)`` of ``f_ptr [R, S]`` (contiguous, the accumulation dtype) ->
+    ``out_ptr [R, S]``: the running sum of ``log sigmoid(f)``, block by block."""
     base = tl.program_id(0).to(tl.int64) * seq_len
     lanes = tl.arange(0, BLOCK)
-    carry = tl.zeros((1,), dtype=tl.float64)
+    carry = tl.zeros((1,), dtype=out_ptr.dtype.element_ty)
     for start in range(0, seq_len, BLOCK):
         live = start + lanes < seq_len
         x = tl.load(f_ptr + base + start + lanes, mask=live, other=0.0)
         terms = tl.where(live, _log_sigmoid(x), 0.0)
         running = tl.cumsum(terms, axis=0) + carry
-        tl.store(out_ptr + base + start + lanes, running.to(out_ptr.dtype.element_ty),
-                 mask=live)
+        tl.store(out_ptr + base + start + lanes, running, mask=live)
         carry = tl.sum(tl.where(lanes == BLOCK - 1, running, 0.0), axis=0, keep_dims=True)
 
 
 @triton.jit
 def log_forget_backward_kernel(grad_ptr, f_ptr, out_ptr, seq_len, BLOCK: tl.constexpr):
-    """Row ``program_id(0)``: ``out = sigmoid(-f) * revcumsum(grad)``, blocks from the end,
-    in fp64."""
+    """Row ``program_id(0)``: ``out = sigmoid(-f) * revcumsum(grad)``, blocks from the end."""
     base = tl.program_id(0).to(tl.int64) * seq_len
     lanes = tl.arange(0, BLOCK)
-    carry = tl.zeros((1,), dtype=tl.float64)
+    carry = tl.zeros((1,), dtype=grad_ptr.dtype.element_ty)
     num_blocks = tl.cdiv(seq_len, BLOCK)
     for i in range(0, num_blocks):
         start = (num_blocks - 1 - i) * BLOCK
         live = start + lanes < seq_len
-        g = tl.load(grad_ptr + base + start + lanes, mask=live, other=0.0).to(tl.float64)
+        g = tl.load(grad_ptr + base + start + lanes, mask=live, other=0.0)
         running = tl.cumsum(g, axis=0, reverse=True) + carry
-        x = tl.load(f_ptr + base + start + lanes, mask=live, other=0.0).to(tl.float64)
+        x = tl.load(f_ptr + base + start + lanes, mask=live, other=0.0).to(g.dtype)
         tl.store(out_ptr + base + start + lanes,
                  (running / (1.0 + tl.exp(x))).to(out_ptr.dtype.element_ty), mask=live)
         carry = tl.sum(tl.where(lanes == 0, running, 0.0), axis=0, keep_dims=True)
@@ -68,10 +59,10 @@ def _block(seq: int) -> int:
 
 
 def log_forget(fgate: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """``[B, NH, S]`` -> ``cumsum(log sigmoid(fgate))`` summed in fp64, stored in ``acc``,
-    contiguous. (The chunkwise form's sums, restarted at each chunk: :mod:`.chunk_gates`.)"""
-    f = fgate.contiguous()
-    out = torch.empty(f.shape, dtype=acc, device=f.device)
+    """``[B, NH, S]`` -> ``cumsum(log sigmoid(fgate))`` in ``acc``, contiguous. (The
+    chunkwise form's sums, restarted at each chunk: :mod:`.chunk_gates`.)"""
+    f = fgate.to(acc).contiguous()
+    out = torch.empty_like(f)
     seq = f.shape[-1]
     rows = f.numel() // max(seq, 1)
     if f.numel():
@@ -80,7 +71,7 @@ def log_forget(fgate: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
 
 
 def log_forget_backward(grad: torch.Tensor, fgate: torch.Tensor) -> torch.Tensor:
-    """``sigmoid(-fgate) * revcumsum(grad)`` in fgate's dtype (computed in fp64)."""
+    """``sigmoid(-fgate) * revcumsum(grad)`` in fgate's dtype (computed in grad's)."""
     g = grad.contiguous()
     f = fgate.contiguous()
     out = torch.empty(f.shape, dtype=fgate.dtype, device=f.device)
