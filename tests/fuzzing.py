@@ -181,53 +181,6 @@ def routing_orders(draw, n: int):
     return values, fault
 
 
-# Packed documents (``cu_seqlens``: the cumulative ends of documents packed in one row)
-
-#: What a document may hold that must not reach the documents packed with it: non-finite
-#: values and gate pre-activations far outside a trained model's range.
-HOSTILE_VALUES = (math.inf, -math.inf, math.nan, 1e4, -1e4)
-
-
-def document_lengths(max_docs: int, max_length: int) -> st.SearchStrategy[list[int]]:
-    """The lengths of 1 to ``max_docs`` packed documents, each in ``[0, max_length]``
-    (empty documents and :data:`SPECIAL_SIZES` often)."""
-    return st.lists(sizes(max_length), min_size=1, max_size=max_docs)
-
-
-def cumulative_ends(lengths: Sequence[int]) -> list[int]:
-    """``cu_seqlens`` of documents of ``lengths``: ``[0, l0, l0 + l1, ...]``."""
-    ends = [0]
-    for length in lengths:
-        ends.append(ends[-1] + length)
-    return ends
-
-
-def hostile_fills() -> st.SearchStrategy[float]:
-    return st.sampled_from(HOSTILE_VALUES)
-
-
-def invalid_cu_seqlens(seq: int) -> st.SearchStrategy[list[int]]:
-    """Values that are not the cumulative ends of documents packing ``seq`` rows (at least
-    two entries): not starting at 0, not ending at ``seq`` (short of it or past it), a
-    decrease, a negative entry."""
-    inner = st.lists(st.integers(0, seq), max_size=4).map(sorted)
-
-    def packing(ends):
-        return [0, *ends, seq]
-
-    not_from_zero = st.tuples(st.integers(1, seq + 3), inner).map(
-        lambda t: [t[0], *[max(e, t[0]) for e in t[1]], max(seq, t[0])])
-    short = inner.filter(lambda e: seq > 0).map(
-        lambda e: [0, *[x for x in e if x < seq], seq - 1]) if seq > 0 else st.nothing()
-    past = st.tuples(inner, st.integers(1, 5)).map(lambda t: [0, *t[0], seq + t[1]])
-    decreasing = st.tuples(inner.filter(len), st.integers(0, 3)).map(
-        lambda t: packing(t[0])).filter(lambda e: len(e) >= 3).flatmap(
-        lambda e: st.integers(1, len(e) - 2).map(
-            lambda i: e[:i] + [e[i - 1] - 1 if e[i - 1] > 0 else -1] + e[i:]))
-    negative = st.tuples(inner, st.integers(-5, -1)).map(lambda t: [0, t[1], *t[0], seq])
-    return st.one_of(not_from_zero, short, past, decreasing, negative)
-
-
 # ---------------------------------------------------------------------------------------
 # Layouts
 

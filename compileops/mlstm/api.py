@@ -41,39 +41,33 @@ def choose_kernel(kernel: str, seq: int, with_state: bool, training: bool = True
     return "chunkwise" if with_state or seq > limit else "parallel"
 
 
-def check_initial_state(initial_state) -> None:
-    """``initial_state``: None, or ``(C, n, m)``, a tuple (or list) of three tensors (as
-    ``return_last_state=True`` returns it); their shapes and dtypes are the op's checks."""
-    if initial_state is None:
-        return
-    expected = ("initial_state must be a tuple (C [B, NH, DQK, DV], n [B, NH, DQK], m [B, NH]) "
-                "of three tensors, as return_last_state=True returns it")
-    if not isinstance(initial_state, (tuple, list)):
-        raise TypeError(f"{expected}; got {type(initial_state).__name__}")
-    if len(initial_state) != 3:
-        raise ValueError(f"{expected}; got {len(initial_state)} items")
-    for name, t in zip(("C", "n", "m"), initial_state):
-        if t is None:
-            raise ValueError(f"{expected}; got a partial state ({name} is None)")
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{expected}; got {type(t).__name__} for {name}")
+#: The log forget gate at a packed document's first token (``cu_seqlens``): ``log sigmoid(x)
+#: = x`` there, and ``exp(-200)`` is 0 in fp32 and 1e-87 in fp64, so nothing from an earlier
+#: document reaches it, its stabiliser included, as long as input gates within a pack stay
+#: within 150 of each other (the layer soft-caps them at 15).
+DOCUMENT_RESET = -200.0
 
 
-def _packed_kernel(kernel: str, cu_seqlens, initial_state, return_last_state: bool) -> str:
-    """The form that runs packed documents: the chunkwise one, whose chunks start at each
-    document's start, so each document is computed as it is alone (bitwise)."""
-    check_kernel(kernel)
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"cu_seqlens must be a tensor [N + 1] of cumulative document ends, "
-                        f"got {type(cu_seqlens).__name__}")
-    if initial_state is not None or return_last_state:
-        raise ValueError("cu_seqlens takes no initial_state and returns no last state "
-                         "(each document starts empty)")
-    if kernel == "parallel":
-        raise ValueError("kernel='parallel' takes no cu_seqlens: packed documents run on the "
-                         "chunkwise form, which computes each document as it runs alone; use "
-                         "kernel='chunkwise' or 'auto'")
-    return "chunkwise"
+def reset_at_documents(fgate: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``fgate [1, NH, S]`` with ``DOCUMENT_RESET`` at each document's first token, from the
+    cumulative document ends ``cu_seqlens [N + 1]`` (int32, on fgate's device; no host sync:
+    the starts are scattered into a mask). The replaced entries get no gradient, as the first
+    forget gate of a document run alone gets none."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor of cumulative document ends, "
+                         f"got shape {tuple(cu_seqlens.shape)} and {cu_seqlens.dtype}")
+    if cu_seqlens.device != fgate.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, fgate on {fgate.device}")
+    if fgate.shape[0] != 1:
+        raise ValueError(f"with cu_seqlens the documents are packed in one row: B must be 1, "
+                         f"got {fgate.shape[0]}")
+    seq = fgate.shape[-1]
+    starts = torch.zeros(seq + 1, dtype=torch.bool, device=fgate.device)
+    # Each document's start; an empty document's start equals the next one's (harmless), and
+    # the final end lands in the extra slot.
+    starts = starts.index_put((cu_seqlens[:-1].long().clamp(0, seq),),
+                              torch.ones((), dtype=torch.bool, device=fgate.device))[:seq]
+    return torch.where(starts, torch.full_like(fgate, DOCUMENT_RESET), fgate)
 
 
 def mlstm_with_stats(
@@ -86,15 +80,15 @@ def mlstm_with_stats(
 ):
     """:func:`mlstm`, also returning the normaliser and the stabiliser: ``(out, n [B, NH, S],
     m [B, NH, S])`` in fp32 (fp64 for fp64 inputs), then the last state when
-    ``return_last_state``. ``n`` and ``m`` carry no gradient. With ``cu_seqlens``, ``m`` and
-    the row sums behind ``n`` are each document's own, bitwise; ``n = max(|b|, exp(-m))``
-    itself is evaluated on the packed row, and on CPU tensors torch rounds a vectorised
-    ``exp`` and its scalar tail differently, so there it may differ in the last bit from
-    the document alone."""
+    ``return_last_state``. ``n`` and ``m`` carry no gradient."""
     normed = norm_weight is not None or norm_bias is not None
-    check_initial_state(initial_state)
     if cu_seqlens is not None:
-        kernel = _packed_kernel(kernel, cu_seqlens, initial_state, return_last_state)
+        if initial_state is not None or return_last_state:
+            raise ValueError("cu_seqlens takes no initial_state and returns no last state "
+                             "(each document starts empty)")
+        fgate = reset_at_documents(fgate, cu_seqlens)
+        if kernel == "auto":  # the chunkwise form restarts its forget sums every chunk,
+            kernel = "chunkwise"  # so the resets cost no fp32 precision beyond their chunk
     with_state = initial_state is not None or return_last_state
     training = _needs_grad(q, k, v, igate, fgate, norm_weight, norm_bias,
                            *(initial_state or ()))
@@ -112,10 +106,10 @@ def mlstm_with_stats(
         chunk = int(chunk_size) if chunk_size is not None else DEFAULT_CHUNK
         check_chunk(chunk)
         c0, n0, m0 = initial_state if initial_state is not None else (None, None, None)
-        logf = log_forget_op(fgate.to(acc), chunk, cu_seqlens)
+        logf = log_forget_op(fgate.to(acc), chunk)
         out, _, m_log2, b, _, _, _, c_last, n_last, m_last = mlstm_chunkwise_op(
-            q, k, v, igate.to(acc), logf, norm_weight, norm_bias, c0, n0, m0, cu_seqlens,
-            chunk, normed, float(norm_eps), float(eps), bool(residual_weight), save_h)
+            q, k, v, igate.to(acc), logf, norm_weight, norm_bias, c0, n0, m0, chunk, normed,
+            float(norm_eps), float(eps), bool(residual_weight), save_h)
         last = (c_last, n_last, m_last)
     n = torch.maximum(b.abs(), torch.exp2(-m_log2))
     # ln 2 as a literal here: a module-level float becomes a symbolic input under dynamic=True.
@@ -167,24 +161,15 @@ def mlstm(
     States (chunkwise): ``initial_state=(C [B, NH, DQK, DV], n [B, NH, DQK], m [B, NH])``
     in fp32 (fp64 for fp64 inputs), stabilised as in ``compileops.mlstm.recurrent``
     (``C = exp(-m) sum_j exp(F - F_j + igate_j) k_j v_j^T``); ``return_last_state=True``
-    returns ``(out, (C, n, m))``. Both carry gradients on every backend (the reference
-    backend's: autograd through its plain-PyTorch chunk loop). A sequence cut in two calls
-    at a chunk boundary, the state carried, gives the one call's result bitwise. An empty
-    sequence (S = 0) gives empty outputs and returns the initial state (or the empty one).
+    returns ``(out, (C, n, m))``. Both carry gradients. A sequence cut in two calls at a
+    chunk boundary, the state carried, gives the one call's result bitwise.
 
-    Packed documents: ``cu_seqlens [N + 1]`` (int32 or int64 cumulative ends from 0 to S, on
-    q's device; B = 1; no states in or out): each document is computed exactly as if it ran
-    alone with the same ``kernel`` and ``chunk_size``, outputs and gradients bitwise equal,
-    whatever the other documents hold (NaN and Inf included): its chunks start at its own
-    start and no kernel reads past its end. Only the chunkwise form takes them
-    (``kernel="auto"`` picks it; ``kernel="parallel"`` raises). No host sync: the kernels
-    find their document on the device, and one compile serves every packing (the reference
-    backend, plain PyTorch, runs the documents one by one and so reads ``cu_seqlens`` on the
-    host). Checked: the shape, dtype and device of ``cu_seqlens``, eagerly and while
-    tracing; its values (from 0, never decreasing, ending at S) on the host for CPU tensors,
-    eagerly and when the compiled code runs, and on CUDA only under
-    ``compileops.strict_offset_checks()`` (one host sync per call). Unchecked invalid values
-    on CUDA never read or write out of bounds; the output is then NaN.
+    Packed documents: ``cu_seqlens [N + 1]`` (int32 cumulative ends, on the device; B = 1):
+    no document sees another's state, as if each ran alone (to rounding: fp64 1e-13). It
+    resets the forget gate at each document's start (``DOCUMENT_RESET``), so it costs what
+    the unpacked row costs and compiles once for every packing; ``kernel="auto"`` then takes
+    the chunkwise form (the parallel form's whole-row forget sums lose fp32 precision past
+    each reset).
 
     Memory: the forward keeps the raw h ``[B, NH, S, DV]`` for the norm's backward when a
     gradient is needed (one extra activation of the output's size); nothing ``S x S`` is

@@ -1,10 +1,7 @@
 """Preconditions of the mLSTM ops, shared by the fake functions and the eager paths.
 
 Every check is a ``torch._check`` with a message naming the argument, so it raises the same
-clear error eagerly and while ``torch.compile`` traces; except the values of ``cu_seqlens``,
-which live on the device: :func:`check_cu_seqlens_eagerly` reads them on the host for CPU
-tensors, and on CUDA only in strict mode (:func:`compileops.strict_offset_checks`, the rule
-of the grouped linear's offsets), so that no CUDA call syncs by default.
+clear error eagerly and while ``torch.compile`` traces.
 """
 from __future__ import annotations
 
@@ -13,7 +10,6 @@ from typing import Optional
 import torch
 
 from compileops._library import check_same_device
-from compileops.modes import STRICT_OFFSET_CHECKS
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 #: Head dims the Triton kernels hold in registers (a program owns whole rows).
@@ -93,45 +89,3 @@ def check_log_gates(q: torch.Tensor, igate: torch.Tensor, logf: torch.Tensor) ->
     for name, g in (("igate", igate), ("logf", logf)):
         torch._check(g.dtype == acc, lambda: f"{name} must be {acc} for {q.dtype} inputs (the "
                      f"gates' accumulation dtype), got {g.dtype}; compileops.mlstm converts")
-
-
-def check_cu_seqlens(cu_seqlens: Optional[torch.Tensor], q: torch.Tensor,
-                     name: str = "q") -> None:
-    """``cu_seqlens [N + 1]`` (N >= 1), int32 or int64, on q's device, with q's B = 1 (the
-    documents are packed in one row; ``name``: q's name in the messages). Its values:
-    :func:`check_cu_seqlens_eagerly`."""
-    if cu_seqlens is None:
-        return
-    torch._check_value(cu_seqlens.dim() == 1 and cu_seqlens.shape[0] >= 2, lambda: (
-        f"cu_seqlens must be 1-D [N + 1] (the cumulative ends of N >= 1 documents, from 0), "
-        f"got shape {tuple(cu_seqlens.shape)}"))
-    torch._check_type(cu_seqlens.dtype in (torch.int32, torch.int64), lambda: (
-        f"cu_seqlens must be an int32 or int64 tensor of cumulative document ends, got "
-        f"{cu_seqlens.dtype}"))
-    torch._check(cu_seqlens.device == q.device, lambda: (
-        f"cu_seqlens is on {cu_seqlens.device} but {name} is on {q.device}; move them to "
-        "the same device"))
-    torch._check_value(q.shape[0] == 1, lambda: (
-        f"with cu_seqlens the documents are packed in one row: {name} must have B = 1, got "
-        f"B = {q.shape[0]}"))
-
-
-def check_cu_seqlens_values(cu_seqlens: torch.Tensor, seq: int) -> None:
-    """Raise ``ValueError`` naming ``cu_seqlens`` unless it starts at 0, never decreases and
-    ends at S = ``seq`` (reads it on the host: a device sync on GPUs)."""
-    ends = [int(v) for v in cu_seqlens.detach().cpu().tolist()]
-    if ends[0] != 0 or ends[-1] != seq or any(b < a for a, b in zip(ends, ends[1:])):
-        raise ValueError(f"cu_seqlens must rise from 0 to S = {seq} (the cumulative ends of "
-                         f"the packed documents, never decreasing), got {ends}")
-
-
-def check_cu_seqlens_eagerly(cu_seqlens: Optional[torch.Tensor], seq: int) -> None:
-    """:func:`check_cu_seqlens_values` where it is cheap or asked for: always on CPU
-    tensors, on other devices only with strict offset checks on, never while tracing (the
-    check runs again when the compiled graph calls the op). Unchecked, invalid values never
-    take a kernel out of bounds (they are clamped into a valid packing, and the Triton
-    forward writes NaN outputs)."""
-    if cu_seqlens is None or torch.compiler.is_compiling():
-        return
-    if cu_seqlens.device.type == "cpu" or STRICT_OFFSET_CHECKS.enabled():
-        check_cu_seqlens_values(cu_seqlens, seq)

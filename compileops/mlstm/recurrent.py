@@ -33,7 +33,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from compileops.mlstm.checks import check_cu_seqlens_values
 from compileops.mlstm.reference import gate_dtype
 
 State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -116,7 +115,9 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq: int) -> None:
                          f"{tuple(cu_seqlens.shape)}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
-    check_cu_seqlens_values(cu_seqlens, seq)
+    ends = cu_seqlens.tolist()
+    if ends[0] != 0 or ends[-1] != seq or any(b < a for a, b in zip(ends, ends[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to S = {seq}, got {ends}")
 
 
 def parallel_reference_with_state(

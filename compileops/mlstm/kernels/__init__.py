@@ -3,9 +3,6 @@
 * :mod:`.forward`: the parallel forward with the multi-head layernorm fused (tile body,
   kernel, launcher); the Inductor template calls the same tile body;
 * :mod:`.backward`: the norm-backward row preprocess, the dQ programs and the dK/dV programs;
-* :mod:`.chunkwise`, :mod:`.chunk_tiles`, :mod:`.chunk_gates`: the chunkwise form (the
-  states between chunks; the tile bodies run per chunk; the per-row gate work), each
-  document on its own chunk grid, found through the tables of :mod:`.documents`;
 * :mod:`.common`: the MMA wrapper and tile loads they share;
 * :mod:`.config`: tile configs and the heuristics that pick them.
 """

@@ -213,33 +213,7 @@ def mlstm_dq_kernel(
     share of dq is ``a_i (C (r_i dh_i) + beta_i n)`` with ``a_i = exp(logf_i + m - m_i)``."""
     num_tiles = tl.cdiv(seq_len, BLOCK_M)
     bh, tile = head_major_tile(num_tiles)
-    mlstm_dq_tile(
-        q_ptr, k_ptr, v_ptr, dh_ptr, igate_ptr, logf_ptr, m2_ptr, r_ptr, beta_ptr, cstate_ptr,
-        nstate_ptr, mstate_ptr, dq_ptr, row_grad_ptr, bh, (num_tiles - 1 - tile) * BLOCK_M,
-        seq_len, chunk_len, num_heads,
-        stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
-        stride_vb, stride_vh, stride_vs, stride_vd, stride_hb, stride_hh, stride_hs, stride_hd,
-        scale, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_STATE, ACC, INPUT_PRECISION,
-        UPCAST)
-
-
-@triton.jit
-def mlstm_dq_tile(
-    q_ptr, k_ptr, v_ptr, dh_ptr, igate_ptr, logf_ptr, m2_ptr, r_ptr, beta_ptr,
-    cstate_ptr, nstate_ptr, mstate_ptr, dq_ptr, row_grad_ptr, bh, start_m, seq_len, chunk_len,
-    num_heads,
-    stride_qb, stride_qh, stride_qs, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_hb, stride_hh, stride_hs, stride_hd,
-    scale,
-    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_STATE: tl.constexpr, ACC: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """Query rows ``start_m + arange(BLOCK_M)`` of head ``bh``: the program of
-    :func:`mlstm_dq_kernel` (its arguments), also the chunkwise form's per document
-    (:mod:`.chunk_tiles`)."""
+    start_m = (num_tiles - 1 - tile) * BLOCK_M
     window = (start_m // chunk_len) * chunk_len
     batch64 = (bh // num_heads).to(tl.int64)
     head64 = (bh % num_heads).to(tl.int64)
@@ -373,33 +347,7 @@ def mlstm_dkv_kernel(
     exp(logf_end - logf_j + igate_j - m)``, ``dk_j += w_j (dC v_j + dn)``, ``dv_j += w_j
     dC^T k_j``. Other arguments as :func:`mlstm_dq_kernel`."""
     bh, tile = head_major_tile(tl.cdiv(seq_len, BLOCK_N))
-    mlstm_dkv_tile(
-        q_ptr, k_ptr, v_ptr, dh_ptr, igate_ptr, logf_ptr, m2_ptr, r_ptr, beta_ptr, dcstate_ptr,
-        dnstate_ptr, mstate_ptr, dk_ptr, dv_ptr, col_grad_ptr, bh, tile * BLOCK_N, seq_len,
-        chunk_len, num_heads,
-        stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
-        stride_vb, stride_vh, stride_vs, stride_vd, stride_hb, stride_hh, stride_hs, stride_hd,
-        scale, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_STATE, ACC, INPUT_PRECISION,
-        UPCAST)
-
-
-@triton.jit
-def mlstm_dkv_tile(
-    q_ptr, k_ptr, v_ptr, dh_ptr, igate_ptr, logf_ptr, m2_ptr, r_ptr, beta_ptr,
-    dcstate_ptr, dnstate_ptr, mstate_ptr, dk_ptr, dv_ptr, col_grad_ptr, bh, start_n, seq_len,
-    chunk_len, num_heads,
-    stride_qb, stride_qh, stride_qs, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_hb, stride_hh, stride_hs, stride_hd,
-    scale,
-    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_STATE: tl.constexpr, ACC: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """Key rows ``start_n + arange(BLOCK_N)`` of head ``bh``: the program of
-    :func:`mlstm_dkv_kernel` (its arguments), also the chunkwise form's per document
-    (:mod:`.chunk_tiles`)."""
+    start_n = tile * BLOCK_N
     batch64 = (bh // num_heads).to(tl.int64)
     head64 = (bh % num_heads).to(tl.int64)
     gate_off = bh.to(tl.int64) * seq_len

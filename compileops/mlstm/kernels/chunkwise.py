@@ -1,11 +1,9 @@
 """The chunkwise mLSTM's recurrent part: the states between chunks, forward and backward.
 
-Each document (:mod:`compileops.mlstm.documents`: a batch row, or one of the documents
-packed by ``cu_seqlens``) is cut into chunks of ``chunk`` rows from its own start. Within a
-chunk the parallel kernels run as they are (:mod:`.chunk_tiles`: their key loops start at
-the chunk, ``logf`` restarts its sums there); the rows before the chunk reach it through the
-state entering it, one ``[DQK, DV]`` matrix per (batch, head, chunk), so the cost is linear
-in S.
+The sequence is cut into chunks of ``chunk`` rows. Within a chunk the parallel kernels run
+as they are (their key loops start at the chunk, ``logf`` restarts its sums there); the
+rows before the chunk reach it through the state entering it, one ``[DQK, DV]`` matrix per
+(batch, head, chunk), so the cost is linear in S.
 
 State convention (``compileops.mlstm.recurrent``): ``(C [DQK, DV], n [DQK], m)`` with
 ``C = exp(-m) sum_j exp(F - F_j + igate_j) k_j v_j^T`` over the rows so far (k unscaled),
@@ -14,19 +12,14 @@ An empty state is ``(0, 0, -inf)``. Leaving chunk c (``f`` its restarted forget 
 ``f_end`` the last): ``m' = max(m + f_end, max_j (f_end - f_j + igate_j))``, ``C' =
 exp(m + f_end - m') C + sum_j exp(f_end - f_j + igate_j - m') k_j v_j^T``.
 
-One program per (batch * head, document, DV tile) walks the document's chunks in order
-(forward) or in reverse (backward), carrying its state tile in fp32 registers; ``n`` and
-``m`` are computed by every program alike and stored by the first. Fixed order, no atomics:
-bitwise reproducible, batch-invariant, and a document's states are those of the document
-alone.
+One program per (batch * head, DV tile) walks the chunks in order (forward) or in reverse
+(backward), carrying its state tile in fp32 registers; ``n`` and ``m`` are computed by every
+program alike and stored by the first. Fixed order, no atomics: bitwise reproducible and
+batch-invariant.
 
-Storage, per (batch * head), in the chunk slots of :mod:`compileops.mlstm.documents` (a
-document's chunks own consecutive slots, an empty document one): the states entering each
-chunk as ``C [B * NH, U, DQK, DV]`` in the inputs' dtype (the MMA operand the chunk kernels
-read); ``n [B * NH, U + N, DQK]`` and ``m [B * NH, U + N]`` in fp32, where each document has
-one more slot, the state leaving its last chunk; and that last ``C [B * NH * N, DQK, DV]``
-in fp32. Without packed documents (N = 1): ``NC = U`` slots, ``n``/``m`` slot ``NC`` the
-last state.
+Storage: the states entering chunks ``0 .. NC-1`` as ``C [B * NH, NC, DQK, DV]`` in the
+inputs' dtype (the MMA operand the chunk kernels read), plus the last state in fp32;
+``n [B * NH, NC + 1, DQK]`` and ``m [B * NH, NC + 1]`` in fp32 (slot ``NC``: the last).
 """
 from __future__ import annotations
 
@@ -40,81 +33,59 @@ import triton.language as tl
 from compileops.mlstm.kernels.common import (
     LOG2E,
     accumulation_dtype,
+    head_major_tile,
     input_precision,
     load_tile,
     mma,
     upcast_dots,
 )
-from compileops.mlstm.documents import DocumentTables
 from compileops.mlstm.kernels.config import head_tile
-from compileops.mlstm.kernels.documents import document_rows, state_slot_offsets
-
-
-@triton.jit
-def _locate_document(bounds_ptr, slot_first_ptr, num_heads, num_docs, num_slots,
-                     BLOCK_V: tl.constexpr, DV: tl.constexpr):
-    """This state program's ``(bh, doc, pv)`` and its document's rows and state slots
-    (:func:`.documents.state_slot_offsets`)."""
-    tiles_v = tl.cdiv(DV, BLOCK_V)
-    pid = tl.program_id(0)
-    pv = pid % tiles_v
-    doc = (pid // tiles_v) % num_docs
-    bh = pid // tiles_v // num_docs
-    start, length = document_rows(bounds_ptr, doc, num_docs)
-    c_slot, nm_slot = state_slot_offsets(bh, doc, tl.load(slot_first_ptr + doc), num_slots,
-                                         num_docs)
-    return bh, doc, pv, start.to(tl.int64), length, c_slot, nm_slot
 
 
 @triton.jit
 def chunk_states_kernel(
     k_ptr, v_ptr, igate_ptr, logf_ptr, c0_ptr, n0_ptr, m0_ptr,
-    c_ptr, n_ptr, m_ptr, c_last_ptr, bounds_ptr, slot_first_ptr, seq_len, num_heads,
-    num_docs, num_slots,
+    c_ptr, n_ptr, m_ptr, c_last_ptr, seq_len, num_heads, num_chunks,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_V: tl.constexpr,
     CHUNK: tl.constexpr, SUB: tl.constexpr, HAS_INITIAL: tl.constexpr, ACC: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Grid ``(B * NH * N * cdiv(DV, BLOCK_V),)``: (row, document, DV tile), head-major.
-    ``igate_ptr``, ``logf_ptr [B * NH, S]`` (``logf`` restarted at each chunk of each
-    document), ``ACC``, contiguous; ``c0_ptr [B * NH * N, DQK, DV]``, ``n0_ptr [B * NH * N,
-    DQK]``, ``m0_ptr [B * NH * N]`` (``ACC``): the initial state of each document when
-    ``HAS_INITIAL``. The document tables: :mod:`compileops.mlstm.documents`. Writes the
-    layout of the module docstring; an empty document's state passes through."""
-    bh, doc, pv, start, length, c_slot, nm_slot = _locate_document(
-        bounds_ptr, slot_first_ptr, num_heads, num_docs, num_slots, BLOCK_V, DV)
-    seg = bh.to(tl.int64) * num_docs + doc
+    """Grid ``(B * NH * cdiv(DV, BLOCK_V),)``, head-major. ``igate_ptr``, ``logf_ptr [B *
+    NH, S]`` (``logf`` restarted at each chunk), ``ACC``, contiguous; ``c0_ptr [B * NH, DQK,
+    DV]``, ``n0_ptr [B * NH, DQK]``, ``m0_ptr [B * NH]`` (``ACC``): the initial state when
+    ``HAS_INITIAL``. Writes the layout of the module docstring."""
+    bh, pv = head_major_tile(tl.cdiv(DV, BLOCK_V))
     batch64 = (bh // num_heads).to(tl.int64)
     head64 = (bh % num_heads).to(tl.int64)
-    gate_off = bh.to(tl.int64) * seq_len + start
+    gate_off = bh.to(tl.int64) * seq_len
     dqk = tl.arange(0, BLOCK_DQK)
     dv = pv * BLOCK_V + tl.arange(0, BLOCK_V)
     tile_mask = (dqk[:, None] < DQK) & (dv[None, :] < DV)
     tile = dqk[:, None] * DV + dv[None, :]
     if HAS_INITIAL:
-        state = tl.load(c0_ptr + seg * DQK * DV + tile, mask=tile_mask, other=0.0).to(ACC)
-        norm = tl.load(n0_ptr + seg * DQK + dqk, mask=dqk < DQK, other=0.0).to(ACC)
-        m = tl.load(m0_ptr + seg).to(ACC)
+        state = tl.load(c0_ptr + bh.to(tl.int64) * DQK * DV + tile, mask=tile_mask,
+                        other=0.0).to(ACC)
+        norm = tl.load(n0_ptr + bh.to(tl.int64) * DQK + dqk, mask=dqk < DQK, other=0.0).to(ACC)
+        m = tl.load(m0_ptr + bh).to(ACC)
     else:
         state = tl.zeros((BLOCK_DQK, BLOCK_V), dtype=ACC)
         norm = tl.zeros((BLOCK_DQK,), dtype=ACC)
         m = tl.full((), float("-inf"), dtype=ACC)
-    k_base = k_ptr + batch64 * stride_kb + head64 * stride_kh + start * stride_ks
-    v_base = v_ptr + batch64 * stride_vb + head64 * stride_vh + start * stride_vs
+    k_base = k_ptr + batch64 * stride_kb + head64 * stride_kh
+    v_base = v_ptr + batch64 * stride_vb + head64 * stride_vh
     lanes = tl.arange(0, CHUNK)
-    chunks = tl.cdiv(length, CHUNK)
-    for c in range(0, chunks):
-        tl.store(c_ptr + (c_slot + c) * DQK * DV + tile, state.to(c_ptr.dtype.element_ty),
-                 mask=tile_mask)
+    for c in range(0, num_chunks):
+        slot = bh.to(tl.int64) * (num_chunks + 1) + c
+        tl.store(c_ptr + (bh.to(tl.int64) * num_chunks + c) * DQK * DV + tile,
+                 state.to(c_ptr.dtype.element_ty), mask=tile_mask)
         if pv == 0:
-            tl.store(n_ptr + (nm_slot + c) * DQK + dqk, norm, mask=dqk < DQK)
-            tl.store(m_ptr + nm_slot + c, m)
+            tl.store(n_ptr + slot * DQK + dqk, norm, mask=dqk < DQK)
+            tl.store(m_ptr + slot, m)
         rows = c * CHUNK + lanes
-        row_ok = rows < length
-        # The chunk's last row: c < chunks, so it is a row of the document.
-        last = tl.minimum(c * CHUNK + CHUNK, length) - 1
+        row_ok = rows < seq_len
+        last = tl.minimum(c * CHUNK + CHUNK, seq_len) - 1
         f_end = tl.load(logf_ptr + gate_off + last)
         f = tl.load(logf_ptr + gate_off + rows, mask=row_ok, other=0.0)
         ig = tl.load(igate_ptr + gate_off + rows, mask=row_ok, other=0.0)
@@ -126,107 +97,95 @@ def chunk_states_kernel(
         # Rows in sub-blocks: long chunks would not fit their k and v tiles in shared memory.
         for sub in range(0, CHUNK, SUB):
             part = c * CHUNK + sub + tl.arange(0, SUB)
-            part_ok = part < length
+            part_ok = part < seq_len
             u_part = tl.where(part_ok, f_end - tl.load(logf_ptr + gate_off + part, mask=part_ok,
                                                         other=0.0)
                               + tl.load(igate_ptr + gate_off + part, mask=part_ok, other=0.0),
                               float("-inf"))
             weight = tl.exp(u_part - m_new)
-            k = load_tile(k_base, part, stride_ks, dqk, stride_kd, length, DQK, BLOCK_DQK, True)
-            v = load_tile(v_base, part, stride_vs, dv, stride_vd, length, DV, BLOCK_V, True)
+            k = load_tile(k_base, part, stride_ks, dqk, stride_kd, seq_len, DQK, BLOCK_DQK, True)
+            v = load_tile(v_base, part, stride_vs, dv, stride_vd, seq_len, DV, BLOCK_V, True)
             kw = k.to(ACC) * weight[:, None]
             state = mma(tl.trans(kw.to(k.dtype)), v, state, INPUT_PRECISION, UPCAST)
             norm = norm + tl.sum(kw, axis=0)
         m = m_new
-    if chunks == 0:  # an empty document still has its slot: the state entering nothing
-        tl.store(c_ptr + c_slot * DQK * DV + tile, state.to(c_ptr.dtype.element_ty),
-                 mask=tile_mask)
-        if pv == 0:
-            tl.store(n_ptr + nm_slot * DQK + dqk, norm, mask=dqk < DQK)
-            tl.store(m_ptr + nm_slot, m)
-    last_slot = nm_slot + tl.maximum(chunks, 1)
-    tl.store(c_last_ptr + seg * DQK * DV + tile, state, mask=tile_mask)
+    slot = bh.to(tl.int64) * (num_chunks + 1) + num_chunks
+    tl.store(c_last_ptr + bh.to(tl.int64) * DQK * DV + tile, state, mask=tile_mask)
     if pv == 0:
-        tl.store(n_ptr + last_slot * DQK + dqk, norm, mask=dqk < DQK)
-        tl.store(m_ptr + last_slot, m)
+        tl.store(n_ptr + slot * DQK + dqk, norm, mask=dqk < DQK)
+        tl.store(m_ptr + slot, m)
 
 
 @triton.jit
 def chunk_state_grads_kernel(
     q_ptr, dh_ptr, logf_ptr, m2_ptr, r_ptr, beta_ptr, m_ptr, dc_last_ptr, dn_last_ptr,
-    dc_ptr, dn_ptr, dc0_ptr, bounds_ptr, slot_first_ptr, seq_len, num_heads, num_docs,
-    num_slots, scale,
+    dc_ptr, dn_ptr, dc0_ptr, seq_len, num_heads, num_chunks, scale,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_hb, stride_hh, stride_hs, stride_hd,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_V: tl.constexpr,
     CHUNK: tl.constexpr, SUB: tl.constexpr, HAS_LAST_GRAD: tl.constexpr, ACC: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Grid as :func:`chunk_states_kernel`, chunks in reverse. The gradient of the state
-    leaving chunk c: the later chunks' rows read it as ``a_i q_i C / sqrt(DQK)`` with ``a_i =
-    exp(logf_i + m - m_i)`` (``m_i`` the row's stabiliser ``m2_ptr``, log2 units), so ``dC
-    += sum_i a_i r_i q_i dh_i^T / sqrt(DQK)`` and ``dn += sum_i a_i beta_i q_i / sqrt(DQK)``
-    (``r``, ``beta``: the norm preprocess's per-row terms), carried back through ``exp(m +
-    f_end - m')``. Writes, in the state slots of the module docstring, ``dc_ptr [B * NH, U,
-    DQK, DV]`` (q's dtype; a document's slot c: leaving its chunk c), ``dn_ptr [B * NH, U +
-    N, DQK]`` (a document's slot c + 1: leaving chunk c; slot 0: its initial state's) and
-    ``dc0_ptr [B * NH * N, DQK, DV]`` (``ACC``: the initial states'). ``HAS_LAST_GRAD``:
-    start from ``dc_last_ptr [B * NH * N, DQK, DV]``/``dn_last_ptr [B * NH * N, DQK]`` (the
-    returned last states' gradient, ``ACC``)."""
-    bh, doc, pv, start, length, c_slot, nm_slot = _locate_document(
-        bounds_ptr, slot_first_ptr, num_heads, num_docs, num_slots, BLOCK_V, DV)
-    seg = bh.to(tl.int64) * num_docs + doc
+    """Grid ``(B * NH * cdiv(DV, BLOCK_V),)``, head-major, chunks in reverse. The gradient of
+    the state leaving chunk c: the later chunks' rows read it as ``a_i q_i C / sqrt(DQK)``
+    with ``a_i = exp(logf_i + m - m_i)`` (``m_i`` the row's stabiliser ``m2_ptr``, log2 units),
+    so ``dC += sum_i a_i r_i q_i dh_i^T / sqrt(DQK)`` and ``dn += sum_i a_i beta_i q_i /
+    sqrt(DQK)`` (``r``, ``beta``: the norm preprocess's per-row terms), carried back
+    through ``exp(m + f_end - m')``. Writes ``dc_ptr [B * NH, NC, DQK, DV]`` (q's dtype;
+    slot c: leaving chunk c), ``dn_ptr [B * NH, NC + 1, DQK]`` (slot c + 1: leaving chunk
+    c; slot 0: the initial state's) and ``dc0_ptr [B * NH, DQK, DV]`` (``ACC``: the initial
+    state's). ``HAS_LAST_GRAD``: start from ``dc_last_ptr``/``dn_last_ptr`` (the returned
+    last state's gradient, ``ACC``)."""
+    bh, pv = head_major_tile(tl.cdiv(DV, BLOCK_V))
     batch64 = (bh // num_heads).to(tl.int64)
     head64 = (bh % num_heads).to(tl.int64)
-    gate_off = bh.to(tl.int64) * seq_len + start
+    gate_off = bh.to(tl.int64) * seq_len
     dqk = tl.arange(0, BLOCK_DQK)
     dv = pv * BLOCK_V + tl.arange(0, BLOCK_V)
     tile_mask = (dqk[:, None] < DQK) & (dv[None, :] < DV)
     tile = dqk[:, None] * DV + dv[None, :]
     if HAS_LAST_GRAD:
-        grad = tl.load(dc_last_ptr + seg * DQK * DV + tile, mask=tile_mask, other=0.0).to(ACC)
-        grad_n = tl.load(dn_last_ptr + seg * DQK + dqk, mask=dqk < DQK, other=0.0).to(ACC)
+        grad = tl.load(dc_last_ptr + bh.to(tl.int64) * DQK * DV + tile, mask=tile_mask,
+                       other=0.0).to(ACC)
+        grad_n = tl.load(dn_last_ptr + bh.to(tl.int64) * DQK + dqk, mask=dqk < DQK,
+                         other=0.0).to(ACC)
     else:
         grad = tl.zeros((BLOCK_DQK, BLOCK_V), dtype=ACC)
         grad_n = tl.zeros((BLOCK_DQK,), dtype=ACC)
-    q_base = q_ptr + batch64 * stride_qb + head64 * stride_qh + start * stride_qs
-    h_base = dh_ptr + batch64 * stride_hb + head64 * stride_hh + start * stride_hs
-    chunks = tl.cdiv(length, CHUNK)
-    for i in range(0, chunks):
-        c = chunks - 1 - i
-        tl.store(dc_ptr + (c_slot + c) * DQK * DV + tile, grad.to(dc_ptr.dtype.element_ty),
-                 mask=tile_mask)
+    q_base = q_ptr + batch64 * stride_qb + head64 * stride_qh
+    h_base = dh_ptr + batch64 * stride_hb + head64 * stride_hh
+    for i in range(0, num_chunks):
+        c = num_chunks - 1 - i
+        slot = bh.to(tl.int64) * (num_chunks + 1) + c
+        tl.store(dc_ptr + (bh.to(tl.int64) * num_chunks + c) * DQK * DV + tile,
+                 grad.to(dc_ptr.dtype.element_ty), mask=tile_mask)
         if pv == 0:
-            tl.store(dn_ptr + (nm_slot + c + 1) * DQK + dqk, grad_n, mask=dqk < DQK)
-        last = tl.minimum(c * CHUNK + CHUNK, length) - 1
+            tl.store(dn_ptr + (slot + 1) * DQK + dqk, grad_n, mask=dqk < DQK)
+        last = tl.minimum(c * CHUNK + CHUNK, seq_len) - 1
         f_end = tl.load(logf_ptr + gate_off + last)
-        m = tl.load(m_ptr + nm_slot + c)
-        m_next = tl.load(m_ptr + nm_slot + c + 1)
+        m = tl.load(m_ptr + slot)
+        m_next = tl.load(m_ptr + slot + 1)
         decay = tl.exp(m + f_end - m_next)
         grad = grad * decay
         grad_n = grad_n * decay
         for sub in range(0, CHUNK, SUB):
             rows = c * CHUNK + sub + tl.arange(0, SUB)
-            row_ok = rows < length
+            row_ok = rows < seq_len
             f = tl.load(logf_ptr + gate_off + rows, mask=row_ok, other=0.0)
             m2 = tl.load(m2_ptr + gate_off + rows, mask=row_ok, other=0.0)
             r = tl.load(r_ptr + gate_off + rows, mask=row_ok, other=0.0)
             beta = tl.load(beta_ptr + gate_off + rows, mask=row_ok, other=0.0)
             # The forward tile's expression for the state's row factor, bitwise.
             a = tl.where(row_ok, tl.exp2(f * LOG2E + m * LOG2E - m2), 0.0) * scale
-            q = load_tile(q_base, rows, stride_qs, dqk, stride_qd, length, DQK, BLOCK_DQK, True)
-            dh = load_tile(h_base, rows, stride_hs, dv, stride_hd, length, DV, BLOCK_V, True)
+            q = load_tile(q_base, rows, stride_qs, dqk, stride_qd, seq_len, DQK, BLOCK_DQK, True)
+            dh = load_tile(h_base, rows, stride_hs, dv, stride_hd, seq_len, DV, BLOCK_V, True)
             weighted = (dh.to(ACC) * (a * r)[:, None]).to(q.dtype)
             grad = mma(tl.trans(q), weighted, grad, INPUT_PRECISION, UPCAST)
             grad_n = grad_n + tl.sum(q.to(ACC) * (a * beta)[:, None], axis=0)
-    if chunks == 0:  # an empty document: its slot gets the state's gradient, passed through
-        tl.store(dc_ptr + c_slot * DQK * DV + tile, grad.to(dc_ptr.dtype.element_ty),
-                 mask=tile_mask)
-        if pv == 0:
-            tl.store(dn_ptr + (nm_slot + 1) * DQK + dqk, grad_n, mask=dqk < DQK)
-    tl.store(dc0_ptr + seg * DQK * DV + tile, grad, mask=tile_mask)
+    tl.store(dc0_ptr + bh.to(tl.int64) * DQK * DV + tile, grad, mask=tile_mask)
     if pv == 0:
-        tl.store(dn_ptr + nm_slot * DQK + dqk, grad_n, mask=dqk < DQK)
+        tl.store(dn_ptr + bh.to(tl.int64) * (num_chunks + 1) * DQK + dqk, grad_n,
+                 mask=dqk < DQK)
 
 
 def _block_v(dv: int, device: torch.device) -> int:
@@ -244,63 +203,64 @@ def _launch_opts(q: torch.Tensor, chunk: int, dqk: int) -> dict:
     )
 
 
+def num_chunks(seq: int, chunk: int) -> int:
+    """Chunks of a row of ``seq``: at least one (an empty row keeps its state slots)."""
+    return max(1, -(-seq // chunk))
+
+
 def chunk_states(
     k: torch.Tensor, v: torch.Tensor, igate: torch.Tensor, logf: torch.Tensor, chunk: int,
-    tables: DocumentTables,
     initial: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(C, n, m, C_last)`` (module docstring) for ``k [B, NH, S, DQK]``, ``v [B, NH, S,
     DV]`` (any strides), ``igate``/``logf [B, NH, S]`` contiguous in the accumulation dtype
-    (``logf`` restarted at each chunk of each document), the document ``tables``, and an
-    optional initial ``(C0 [B * NH * N, DQK, DV], n0 [B * NH * N, DQK], m0 [B * NH * N])``
-    in the accumulation dtype (any shape with those elements: ``[B, NH, ...]`` for N = 1)."""
+    (``logf`` restarted every ``chunk`` rows), and an optional initial ``(C0 [B, NH, DQK,
+    DV], n0 [B, NH, DQK], m0 [B, NH])`` in the accumulation dtype."""
     batch, heads, seq, dqk = k.shape
     dv = v.shape[-1]
-    docs, slots = tables.docs, tables.slots
+    nc = num_chunks(seq, chunk)
     acc = logf.dtype
     dev = k.device
-    c = torch.empty((batch * heads, slots, dqk, dv), dtype=k.dtype, device=dev)
-    n = torch.empty((batch * heads, slots + docs, dqk), dtype=acc, device=dev)
-    m = torch.empty((batch * heads, slots + docs), dtype=acc, device=dev)
-    c_last = torch.empty((batch * heads * docs, dqk, dv), dtype=acc, device=dev)
+    c = torch.empty((batch * heads, nc, dqk, dv), dtype=k.dtype, device=dev)
+    n = torch.empty((batch * heads, nc + 1, dqk), dtype=acc, device=dev)
+    m = torch.empty((batch * heads, nc + 1), dtype=acc, device=dev)
+    c_last = torch.empty((batch, heads, dqk, dv), dtype=acc, device=dev)
     if batch * heads == 0:
         return c, n, m, c_last
     c0, n0, m0 = (t.contiguous() for t in initial) if initial is not None else (m, m, m)
     block_v = _block_v(dv, dev)
-    chunk_states_kernel[(batch * heads * docs * triton.cdiv(dv, block_v),)](
-        k, v, igate, logf, c0, n0, m0, c, n, m, c_last, tables.bounds, tables.slot_first,
-        seq, heads, docs, slots, *k.stride(), *v.stride(), DV=dv, BLOCK_V=block_v,
-        HAS_INITIAL=initial is not None, **_launch_opts(k, chunk, dqk))
+    chunk_states_kernel[(batch * heads * triton.cdiv(dv, block_v),)](
+        k, v, igate, logf, c0, n0, m0, c, n, m, c_last, seq, heads, nc,
+        *k.stride(), *v.stride(), DV=dv, BLOCK_V=block_v, HAS_INITIAL=initial is not None,
+        **_launch_opts(k, chunk, dqk))
     return c, n, m, c_last
 
 
 def chunk_state_grads(
     q: torch.Tensor, dh: torch.Tensor, logf: torch.Tensor, m_log2: torch.Tensor,
     r: torch.Tensor, beta: torch.Tensor, m_states: torch.Tensor, chunk: int,
-    tables: DocumentTables, last_grad: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    last_grad: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dC [B * NH, U, DQK, DV], dn [B * NH, U + N, DQK], dC0 [B * NH * N, DQK, DV])``:
-    the gradients of the states leaving each chunk and of the initial states (their ``dn``
-    in each document's slot 0), for the raw h's gradient ``dh [B, NH, S, DV]`` (any
-    strides), the per-row ``logf``, ``m_log2``, ``r``, ``beta`` ``[B, NH, S]`` and the
-    forward's ``m_states``. ``last_grad``: ``(dC_last, dn_last)``, the last states'
-    gradients (``[B * NH * N, ...]`` elements)."""
+    """``(dC [B * NH, NC, DQK, DV], dn [B * NH, NC + 1, DQK], dC0 [B, NH, DQK, DV])``: the
+    gradients of the states leaving each chunk and of the initial state (its ``dn`` in slot
+    0), for the raw h's gradient ``dh [B, NH, S, DV]`` (any strides), the per-row
+    ``logf``, ``m_log2``, ``r``, ``beta`` ``[B, NH, S]`` and the forward's ``m_states``.
+    ``last_grad``: ``(dC_last [B, NH, DQK, DV], dn_last [B, NH, DQK])``."""
     batch, heads, seq, dqk = q.shape
     dv = dh.shape[-1]
-    docs, slots = tables.docs, tables.slots
+    nc = num_chunks(seq, chunk)
     acc = logf.dtype
     dev = q.device
-    dc = torch.empty((batch * heads, slots, dqk, dv), dtype=q.dtype, device=dev)
-    dn = torch.empty((batch * heads, slots + docs, dqk), dtype=acc, device=dev)
-    dc0 = torch.empty((batch * heads * docs, dqk, dv), dtype=acc, device=dev)
+    dc = torch.empty((batch * heads, nc, dqk, dv), dtype=q.dtype, device=dev)
+    dn = torch.empty((batch * heads, nc + 1, dqk), dtype=acc, device=dev)
+    dc0 = torch.empty((batch, heads, dqk, dv), dtype=acc, device=dev)
     if batch * heads == 0:
         return dc, dn, dc0
     dc_last, dn_last = ((t.contiguous() for t in last_grad) if last_grad is not None
                         else (dn, dn))
     block_v = _block_v(dv, dev)
-    chunk_state_grads_kernel[(batch * heads * docs * triton.cdiv(dv, block_v),)](
-        q, dh, logf, m_log2, r, beta, m_states, dc_last, dn_last, dc, dn, dc0, tables.bounds,
-        tables.slot_first, seq, heads, docs, slots, 1.0 / math.sqrt(dqk), *q.stride(),
-        *dh.stride(), DV=dv, BLOCK_V=block_v, HAS_LAST_GRAD=last_grad is not None,
-        **_launch_opts(q, chunk, dqk))
+    chunk_state_grads_kernel[(batch * heads * triton.cdiv(dv, block_v),)](
+        q, dh, logf, m_log2, r, beta, m_states, dc_last, dn_last, dc, dn, dc0, seq, heads, nc,
+        1.0 / math.sqrt(dqk), *q.stride(), *dh.stride(), DV=dv, BLOCK_V=block_v,
+        HAS_LAST_GRAD=last_grad is not None, **_launch_opts(q, chunk, dqk))
     return dc, dn, dc0

@@ -54,29 +54,60 @@ def log_forget_backward_kernel(grad_ptr, f_ptr, out_ptr, seq_len, BLOCK: tl.cons
         carry = tl.sum(tl.where(lanes == 0, running, 0.0), axis=0, keep_dims=True)
 
 
+@triton.jit
+def log_forget_chunks_kernel(f_ptr, out_ptr, seq_len, CHUNK: tl.constexpr):
+    """Chunk ``program_id(1)`` of row ``program_id(0)``: the running sum of ``log
+    sigmoid(f)`` restarted at the chunk's first element."""
+    base = tl.program_id(0).to(tl.int64) * seq_len
+    idx = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    live = idx < seq_len
+    x = tl.load(f_ptr + base + idx, mask=live, other=0.0)
+    tl.store(out_ptr + base + idx, tl.cumsum(tl.where(live, _log_sigmoid(x), 0.0), axis=0),
+             mask=live)
+
+
+@triton.jit
+def log_forget_chunks_backward_kernel(grad_ptr, f_ptr, out_ptr, seq_len, CHUNK: tl.constexpr):
+    """``sigmoid(-f)`` times the reverse running sum of ``grad`` within each chunk."""
+    base = tl.program_id(0).to(tl.int64) * seq_len
+    idx = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    live = idx < seq_len
+    g = tl.load(grad_ptr + base + idx, mask=live, other=0.0)
+    x = tl.load(f_ptr + base + idx, mask=live, other=0.0).to(g.dtype)
+    running = tl.cumsum(g, axis=0, reverse=True)
+    tl.store(out_ptr + base + idx, (running / (1.0 + tl.exp(x))).to(out_ptr.dtype.element_ty),
+             mask=live)
+
+
 def _block(seq: int) -> int:
     return min(BLOCK, max(16, triton.next_power_of_2(max(seq, 1))))
 
 
-def log_forget(fgate: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """``[B, NH, S]`` -> ``cumsum(log sigmoid(fgate))`` in ``acc``, contiguous. (The
-    chunkwise form's sums, restarted at each chunk: :mod:`.chunk_gates`.)"""
+def log_forget(fgate: torch.Tensor, acc: torch.dtype, chunk: int = 0) -> torch.Tensor:
+    """``[B, NH, S]`` -> ``cumsum(log sigmoid(fgate))`` in ``acc``, contiguous; restarted
+    every ``chunk`` elements when ``chunk`` (a power of two) is given."""
     f = fgate.to(acc).contiguous()
     out = torch.empty_like(f)
     seq = f.shape[-1]
     rows = f.numel() // max(seq, 1)
-    if f.numel():
+    if f.numel() and chunk:
+        log_forget_chunks_kernel[(rows, triton.cdiv(seq, chunk))](f, out, seq, CHUNK=chunk)
+    elif f.numel():
         log_forget_kernel[(rows,)](f, out, seq, BLOCK=_block(seq))
     return out
 
 
-def log_forget_backward(grad: torch.Tensor, fgate: torch.Tensor) -> torch.Tensor:
-    """``sigmoid(-fgate) * revcumsum(grad)`` in fgate's dtype (computed in grad's)."""
+def log_forget_backward(grad: torch.Tensor, fgate: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+    """``sigmoid(-fgate) * revcumsum(grad)`` in fgate's dtype (computed in grad's), the
+    reverse sums restarted every ``chunk`` elements when ``chunk`` is given."""
     g = grad.contiguous()
     f = fgate.contiguous()
     out = torch.empty(f.shape, dtype=fgate.dtype, device=f.device)
     seq = f.shape[-1]
     rows = f.numel() // max(seq, 1)
-    if f.numel():
+    if f.numel() and chunk:
+        log_forget_chunks_backward_kernel[(rows, triton.cdiv(seq, chunk))](
+            g, f, out, seq, CHUNK=chunk)
+    elif f.numel():
         log_forget_backward_kernel[(rows,)](g, f, out, seq, BLOCK=_block(seq))
     return out

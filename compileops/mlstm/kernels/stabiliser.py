@@ -36,16 +36,7 @@ def column_terms_kernel(igate_ptr, logf_ptr, term_ptr, colmax_ptr, seq_len, wind
     carry."""
     base = tl.program_id(0).to(tl.int64) * seq_len
     first = tl.program_id(1) * window
-    column_terms_span(igate_ptr, logf_ptr, term_ptr, colmax_ptr, base, first,
-                      tl.minimum(first + window, seq_len), BLOCK)
-
-
-@triton.jit
-def column_terms_span(igate_ptr, logf_ptr, term_ptr, colmax_ptr, base, first, end,
-                      BLOCK: tl.constexpr):
-    """Elements ``[first, end)`` of the row at offset ``base``: one window of
-    :func:`column_terms_kernel` (also the chunkwise form's per document,
-    :mod:`.chunk_gates`)."""
+    end = tl.minimum(first + window, seq_len)
     lanes = tl.arange(0, BLOCK)
     carry = tl.full((1,), float("-inf"), dtype=colmax_ptr.dtype.element_ty)
     for start in range(first, end, BLOCK):
