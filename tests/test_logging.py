@@ -244,7 +244,11 @@ def test_grouped_linear_reasons_off_the_cpu():
         "heuristic for 512 rows per group on NVIDIA H100 80GB HBM3 (measured row), "
         "no benchmarking")
     assert grouped_lowering._why_config(h200, 4096, 8, 1024, bf16, True) == (
-        "heuristic for 512 rows per group on NVIDIA H200 (generic rule), no benchmarking")
+        "heuristic for 512 rows per group on NVIDIA H200 (measured row), no benchmarking")
+    # A part without a row in TUNED (an H100 PCIe: 114 SMs) gets the generic rule.
+    h100_pcie = grouped_kernels.DeviceSpec("NVIDIA H100 PCIe", 114, 232448, (9, 0))
+    assert grouped_lowering._why_config(h100_pcie, 4096, 8, 1024, bf16, True) == (
+        "heuristic for 512 rows per group on NVIDIA H100 PCIe (generic rule), no benchmarking")
     with compileops.batch_invariant():
         assert grouped_lowering._why_config(h100, 4096, 8, 1024, bf16,
                                             False).startswith("batch-invariant")
