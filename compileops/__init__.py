@@ -29,6 +29,7 @@ from compileops.grouped_linear import (
 from compileops.mlstm import mlstm, mlstm_step, mlstm_with_stats
 from compileops import nn  # noqa: E402  (registers modules; cheap)
 from compileops import testing  # noqa: E402  (imports Inductor only when its helpers run)
+from compileops import divergence  # noqa: E402,F401  (documented as compileops.divergence.*)
 
 
 

@@ -92,3 +92,16 @@ def test_import_as_gives_the_subpackage_namespace():
     assert M.recurrent is recurrent and M.mLSTMLayer is compileops.nn.mLSTMLayer
     assert compileops.grouped_linear.scaled is scaled
     assert compileops.embedding.op.embedding is compileops.embedding
+
+
+def test_documented_modules_resolve_after_import_compileops_alone():
+    """``import compileops`` and nothing else: the documented modules are attributes (the
+    Triton kernels and the optional integrations stay imported on use)."""
+    import subprocess
+    import sys
+
+    code = ("import compileops; "
+            "compileops.grouped_linear.scaled.row_scaled_grouped_linear; "
+            "compileops.divergence.OpFingerprints; compileops.divergence.first_divergence; "
+            "compileops.mlstm.recurrent; compileops.grouped_linear.permute_by_expert")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -10,6 +10,7 @@ from compileops.grouped_linear.op import (
     splits_to_offsets,
 )
 from compileops.grouped_linear.routing import permute_by_expert, unpermute_and_combine
+from compileops.grouped_linear import scaled  # noqa: F401  (documented: the row-scaled autograd)
 from compileops.modes import (
     batch_invariant,
     is_batch_invariant,
