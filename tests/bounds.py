@@ -90,13 +90,14 @@ def install() -> None:
         finally:
             _current.launch = None
 
-    def create_masked_load(self, ptrs, mask, *rest):
+    # Newer interpreters pass options such as cache_policy by keyword: forward them all.
+    def create_masked_load(self, ptrs, mask, *rest, **options):
         _check(ptrs, mask, "load")
-        return masked_load(self, ptrs, mask, *rest)
+        return masked_load(self, ptrs, mask, *rest, **options)
 
-    def create_masked_store(self, ptrs, value, mask, *rest):
+    def create_masked_store(self, ptrs, value, mask, *rest, **options):
         _check(ptrs, mask, "store")
-        return masked_store(self, ptrs, value, mask, *rest)
+        return masked_store(self, ptrs, value, mask, *rest, **options)
 
     executor._init_args_hst = init_args_hst
     executor.__call__ = launch

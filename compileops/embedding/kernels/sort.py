@@ -47,17 +47,19 @@ KEY_PAD = tl.constexpr(2**63 - 1)  # sorts after every real key; never counted a
 
 
 @triton.jit
-def sort_key_blocks_kernel(ids_ptr, counts_ptr, block_keys_ptr, n_tokens, pos_bits, id_bits,
-                           SORT_BLOCK: tl.constexpr, HOT_FIRST: tl.constexpr):
+def sort_key_blocks_kernel(ids_ptr, counts_ptr, block_keys_ptr, n_tokens, num_ids, pos_bits,
+                           id_bits, SORT_BLOCK: tl.constexpr, HOT_FIRST: tl.constexpr):
     """Sort one block of packed keys; program ``b`` owns ids ``[b * SORT_BLOCK, +SORT_BLOCK)``.
 
     * ``ids_ptr``: ids ``[n_tokens]`` int32 or int64, contiguous.
-    * ``counts_ptr``: ``HOT_FIRST`` only, int32 ``[V]`` tokens per id, ``V <= 2**id_bits``.
+    * ``counts_ptr``: ``HOT_FIRST`` only, int32 ``[V]`` tokens per id, ``V = num_ids <=
+      2**id_bits``.
     * ``block_keys_ptr``: int64 ``[n_blocks * SORT_BLOCK]``, contiguous; block ``b`` gets
       ``id << pos_bits | position`` of its ids in increasing order, padded with ``KEY_PAD``.
 
     ``HOT_FIRST``: ``(n_tokens - counts[id]) << (id_bits + pos_bits)`` is added on top. An
-    id outside ``[0, 2**id_bits)`` counts 1 and keeps only its low ``id_bits`` in the key:
+    id outside ``[0, V)`` counts 1 (``counts`` is not read there) and keeps only its low
+    ``id_bits`` in the key:
     the run programs read the real id, which ``merge_rank_kernel`` gathers, and assert.
     """
     block = tl.program_id(0)
@@ -65,7 +67,8 @@ def sort_key_blocks_kernel(ids_ptr, counts_ptr, block_keys_ptr, n_tokens, pos_bi
     in_range = pos < n_tokens
     ids = tl.load(ids_ptr + pos, mask=in_range, other=0).to(tl.int64)  # [SORT_BLOCK]
     if HOT_FIRST:
-        id_ok = in_range & (ids >= 0) & (ids < (1 << id_bits))
+        # ids past V but below 2**id_bits would read past counts' end: not read.
+        id_ok = in_range & (ids >= 0) & (ids < num_ids)
         # A touched id counts >= 1, so the field n_tokens - count fits in pos_bits bits.
         count = tl.maximum(tl.load(counts_ptr + ids, mask=id_ok, other=1), 1).to(tl.int64)
         ids = ((n_tokens - count) << id_bits) | (ids & ((1 << id_bits) - 1))
@@ -174,8 +177,8 @@ def stable_sort_ids(flat_ids: torch.Tensor, sort_block: int = SORT_BLOCK,
         id_bits = max(1, (counts.numel() - 1).bit_length())
     block_keys = torch.empty(n_blocks * sort_block, dtype=torch.int64, device=device)
     launch(sort_key_blocks_kernel, (n_blocks,),
-           (flat_ids, flat_ids if counts is None else counts, block_keys, n_tokens, pos_bits,
-            id_bits),
+           (flat_ids, flat_ids if counts is None else counts, block_keys, n_tokens,
+            0 if counts is None else counts.numel(), pos_bits, id_bits),
            dict(SORT_BLOCK=sort_block, HOT_FIRST=counts is not None), dict(num_warps=4))
     nb = next_power_of_2(n_blocks)
     block_i = min(sort_block, 4096 // nb)  # ~4096 searches in flight per program
