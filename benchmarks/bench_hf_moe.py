@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import compileops  # noqa: E402,F401
 import compileops.integrations.transformers as cit  # noqa: E402  (registers "compileops")
-from benchmarks.harness import environment_line, out_dir  # noqa: E402
+from benchmarks.harness import environment_line, out_dir, sync, time_calls_ms  # noqa: E402
 
 BACKENDS = ("compileops", "grouped_mm")
 
@@ -86,32 +86,6 @@ def make_step(model, ids):
         return loss
 
     return step
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_steps(fn, device, warmup: int, iters: int) -> list[float]:
-    """Milliseconds of each of ``iters`` calls after ``warmup`` (CUDA events, or wall clock)."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
 
 
 def compile_model(model, backend: str):
@@ -216,7 +190,7 @@ def main() -> int:
             peak_gib = (torch.cuda.max_memory_allocated(device) - base) / 2**30
         else:
             peak_gib = float("nan")
-        times = time_steps(step, device, args.warmup, args.iters)
+        times = time_calls_ms(step, device, args.warmup, args.iters)
         ms = statistics.median(times)
         tokens_s = args.batch * args.seq / (ms * 1e-3)
         rows.append(dict(backend=backend, ms=ms, min_ms=min(times), tokens_per_s=tokens_s,

@@ -46,7 +46,6 @@ import csv
 import gc
 import os
 import sys
-import time
 
 import torch
 
@@ -55,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import compileops  # noqa: E402
 import compileops.integrations.transformers as cit  # noqa: E402
 from compileops.integrations import xlstm as cx  # noqa: E402
-from benchmarks.harness import environment_line, out_dir  # noqa: E402
+from benchmarks.harness import environment_line, out_dir, sync, time_calls_ms  # noqa: E402
 
 IMPLS = ("native", "compileops", "mlstm_kernels")
 XLSTM_7B = dict(vocab_size=50304, hidden_size=4096, num_heads=8, qk_dim_factor=0.5,
@@ -138,31 +137,9 @@ def use(model, impl: str, state: dict) -> None:
 # Timing
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed_ms(fn, device, warmup: int, iters: int) -> float:
-    """Median ms of ``fn()`` over ``iters`` calls after ``warmup`` (CUDA events on a GPU)."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
+    """Median ms of ``fn()`` over ``iters`` calls after ``warmup``."""
+    times = sorted(time_calls_ms(fn, device, warmup, iters))
     return times[len(times) // 2]
 
 

@@ -12,6 +12,7 @@ import datetime
 import os
 import platform
 import sys
+import time
 from typing import Callable, Optional
 
 import torch
@@ -46,6 +47,35 @@ def bench_ms(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> f
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def sync(device) -> None:
+    """Wait for ``device`` (a no-op off CUDA)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls_ms(fn: Callable[[], object], device, warmup: int, iters: int) -> list[float]:
+    """Milliseconds of each of ``iters`` calls of ``fn()`` after ``warmup`` calls: CUDA
+    events on a GPU, the wall clock elsewhere. For whole steps (a model's forward, a
+    training step) where do_bench's L2 flush between calls is not wanted."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        if torch.device(device).type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
 
 
 _copy_bandwidth_cache: dict[str, float] = {}

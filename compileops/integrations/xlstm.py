@@ -48,7 +48,7 @@ from typing import Optional
 import torch
 
 from compileops.mlstm.api import mlstm
-from compileops.mlstm.module import soft_cap
+from compileops.mlstm.module import layer_projections
 from compileops.mlstm.reference import gate_dtype
 from compileops.mlstm.step import mlstm_step
 
@@ -78,20 +78,10 @@ EMPTY_STATE = _EmptyState()
 
 def _projections(layer, x: torch.Tensor):
     """``(q, k [B, NH, S, DQK], v [B, NH, S, DV], o [B, S, NH * DV], i, f [B, NH, S])`` from
-    the layer's own Linear modules, gates soft-capped, as transformers' ``xLSTMLayer``."""
+    transformers' ``xLSTMLayer``'s own Linear modules, which carry mLSTMLayer's names."""
     config = layer.config
-    heads, cap = config.num_heads, config.gate_soft_cap
-    if config.weight_mode == "single":
-        q, k, v = layer.q(x), layer.k(x), layer.v(x)
-        o = layer.ogate_preact(x)
-        i = soft_cap(layer.igate_preact(x), cap)
-        f = soft_cap(layer.fgate_preact(x), cap)
-    else:  # "fused": rows q | k | v | o and i | f
-        q, k, v, o = torch.split(layer.qkv_opreact(x),
-                                 [layer.qk_dim, layer.qk_dim, layer.v_dim, layer.v_dim], dim=-1)
-        i, f = torch.split(soft_cap(layer.ifgate_preact(x), cap), [heads, heads], dim=-1)
-    q, k, v = (t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in (q, k, v))
-    return q, k, v, o, i.transpose(1, 2), f.transpose(1, 2)
+    return layer_projections(layer, x, config.num_heads, config.gate_soft_cap,
+                             config.weight_mode)
 
 
 def _norm_kwargs(norm, like: torch.Tensor) -> dict:

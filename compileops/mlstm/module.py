@@ -37,6 +37,29 @@ def soft_cap(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
     return cap * torch.tanh(x / cap)
 
 
+def layer_projections(layer: torch.nn.Module, x: torch.Tensor, num_heads: int,
+                      gate_soft_cap: Optional[float], weight_mode: str):
+    """The mLSTM layer's input projections of ``x [B, S, D]``: ``(q [B, NH, S, DQK], k,
+    v [B, NH, S, DV], o [B, S, v_dim], i [B, NH, S], f)``, the gates soft-capped.
+
+    ``layer`` holds the xLSTM-7B layer's Linear modules under their checkpoint names, as
+    :class:`mLSTMLayer` and transformers' ``xLSTMLayer`` both do: ``q``, ``k``, ``v``,
+    ``ogate_preact``, ``igate_preact``, ``fgate_preact`` (``weight_mode="single"``) or
+    ``qkv_opreact`` and ``ifgate_preact`` (``"fused"``), with ``qk_dim`` and ``v_dim``."""
+    if weight_mode == "single":
+        q, k, v = layer.q(x), layer.k(x), layer.v(x)
+        o = layer.ogate_preact(x)
+        i = soft_cap(layer.igate_preact(x), gate_soft_cap)
+        f = soft_cap(layer.fgate_preact(x), gate_soft_cap)
+    else:  # "fused": rows q | k | v | o and i | f
+        q, k, v, o = torch.split(layer.qkv_opreact(x),
+                                 [layer.qk_dim, layer.qk_dim, layer.v_dim, layer.v_dim], dim=-1)
+        i, f = torch.split(soft_cap(layer.ifgate_preact(x), gate_soft_cap),
+                           [num_heads, num_heads], dim=-1)
+    q, k, v = (t.unflatten(-1, (num_heads, -1)).transpose(1, 2) for t in (q, k, v))
+    return q, k, v, o, i.transpose(1, 2), f.transpose(1, 2)
+
+
 class MultiHeadLayerNorm(torch.nn.Module):
     """Layernorm per head: ``[B, NH, S, DH]`` -> ``[B, S, NH * DH]``.
 
@@ -245,18 +268,7 @@ class mLSTMLayer(torch.nn.Module):  # noqa: N801  (xlstm's name)
     def projections(self, x: torch.Tensor):
         """``(q [B, NH, S, DQK], k, v [B, NH, S, DV], o [B, S, v_dim], i [B, NH, S], f)``:
         the cell's inputs and the output gate's pre-activation, gates soft-capped."""
-        nh, cap = self.num_heads, self.gate_soft_cap
-        if self.weight_mode == "single":
-            q, k, v = self.q(x), self.k(x), self.v(x)
-            o = self.ogate_preact(x)
-            i = soft_cap(self.igate_preact(x), cap)
-            f = soft_cap(self.fgate_preact(x), cap)
-        else:
-            q, k, v, o = torch.split(self.qkv_opreact(x),
-                                     [self.qk_dim, self.qk_dim, self.v_dim, self.v_dim], dim=-1)
-            i, f = torch.split(soft_cap(self.ifgate_preact(x), cap), [nh, nh], dim=-1)
-        q, k, v = (t.unflatten(-1, (nh, -1)).transpose(1, 2) for t in (q, k, v))
-        return q, k, v, o, i.transpose(1, 2), f.transpose(1, 2)
+        return layer_projections(self, x, self.num_heads, self.gate_soft_cap, self.weight_mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [B, S, D]`` -> ``[B, S, D]``."""
