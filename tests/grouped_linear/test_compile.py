@@ -1,6 +1,8 @@
 """grouped_linear under torch.compile: no graph breaks or recompiles, the Triton template (run
 under the interpreter on CPU) with its fused epilogues, the lowering's config choice
 (max-autotune, batch-invariant mode). Graph/kernel snapshots: test_snapshots.py."""
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -159,15 +161,15 @@ def test_grouped_mm_anchor_choice_zeroes_the_tail():
                               max_relative_error=1e-2)
 
 
-def test_max_autotune_path_benchmarks_choices_on_skewed_offsets():
-    """The max-autotune branch (GPU-only by default) forced on CPU with two tiny template
-    configs (one through TMA descriptors) + the extern op: benchmarks run on generated skewed
-    offsets, result is right."""
+@contextlib.contextmanager
+def _max_autotune_over(configs):
+    """``mode="max-autotune"`` forced on CPU (Inductor's Triton codegen, a fresh cache) with
+    the lowering's configs replaced by ``configs`` (``[(Config, tma), ...]``); yields the list
+    of calls that generated skewed offsets for the benchmarks."""
     from unittest import mock
 
     import compileops.lowerings.grouped_linear as lowering
 
-    x, w, offs, b, _ = make([5, 0, 11, 14], extra_rows=10)
     calls = []
     real_gen = lowering.skewed_offsets
 
@@ -175,16 +177,25 @@ def test_max_autotune_path_benchmarks_choices_on_skewed_offsets():
         calls.append(args)
         return real_gen(*args, **kwargs)
 
-    def two_configs(*args, **kwargs):
-        return [(Config(16, 32, 16, 1, 1), False), (Config(16, 16, 16, 1, 1, flatten=True), True)], True
+    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu(), \
+            _compat.inductor_config_patch(max_autotune=True), \
+            mock.patch.object(lowering, "_configs", lambda *args, **kwargs: (configs, True)), \
+            mock.patch.object(lowering, "skewed_offsets", gen):
+        yield calls
+
+
+def test_max_autotune_path_benchmarks_choices_on_skewed_offsets():
+    """The max-autotune branch (GPU-only by default) forced on CPU with two tiny template
+    configs (one through TMA descriptors) + the extern op: benchmarks run on generated skewed
+    offsets, result is right."""
+    x, w, offs, b, _ = make([5, 0, 11, 14], extra_rows=10)
 
     def f(x, w, offs, b):
         return compileops.grouped_linear(x, w, offs, b) * 2
 
-    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu(), \
-            _compat.inductor_config_patch(max_autotune=True), \
-            mock.patch.object(lowering, "_configs", two_configs), \
-            mock.patch.object(lowering, "skewed_offsets", gen):
+    two_configs = [(Config(16, 32, 16, 1, 1), False),
+                   (Config(16, 16, 16, 1, 1, flatten=True), True)]
+    with _max_autotune_over(two_configs) as calls:
         out = torch.compile(f, fullgraph=True)(x, w, offs, b)
     assert calls, "autotuning must benchmark on generated (skewed) offsets"
     ref = 2 * reference.grouped_linear_forward(x.double(), w.double(), offs, b.double())
@@ -322,28 +333,12 @@ def test_max_autotune_of_the_swiglu_training_op_runs():
     """The SwiGLU op that also writes its pre-activations, autotuned over two template
     configs (tiny tiles, interpreter) with its extra output as a mutated input: benchmarked
     on skewed offsets, and the chosen kernel writes both outputs."""
-    from unittest import mock
-
-    import compileops.lowerings.grouped_linear as lowering
-
     x, w, offs, b, p = make([5, 0, 11, 3])
     for t in (x, w, b):
         t.requires_grad_()
     grad = torch.randn(21, 12)
-    calls = []
-    real_gen = lowering.skewed_offsets
-
-    def gen(*args, **kwargs):
-        calls.append(args)
-        return real_gen(*args, **kwargs)
-
-    def two_configs(*args, **kwargs):
-        return [(Config(16, 32, 16, 1, 1), False), (Config(16, 16, 16, 1, 1), False)], True
-
-    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu(), \
-            _compat.inductor_config_patch(max_autotune=True), \
-            mock.patch.object(lowering, "_configs", two_configs), \
-            mock.patch.object(lowering, "skewed_offsets", gen):
+    two_configs = [(Config(16, 32, 16, 1, 1), False), (Config(16, 16, 16, 1, 1), False)]
+    with _max_autotune_over(two_configs) as calls:
         out, _ = _compiled_fw_bw(moe_expert, (x, w, offs, b, p), grad)
     assert calls, "autotuning must benchmark on generated (skewed) offsets"
     _assert_fw_bw_match_fp64(out, grad, x, w, offs, b, p)
