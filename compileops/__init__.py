@@ -32,7 +32,6 @@ from compileops import testing  # noqa: E402  (imports Inductor only when its he
 from compileops import divergence  # noqa: E402,F401  (documented as compileops.divergence.*)
 
 
-
 def _checkout_lowerings():
     """``compileops.lowerings`` from a source checkout that was put on ``PYTHONPATH`` rather
     than installed: there the package sits beside ``compileops/`` as ``lowerings/``, which the
