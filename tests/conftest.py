@@ -66,9 +66,11 @@ def pytest_collection_modifyitems(config, items):
 # "ci" (the default): few examples, a fixed seed per test (derandomize) so CI is
 # reproducible, no example database. "long": COMPILEOPS_FUZZ_PROFILE=long, random seeds,
 # COMPILEOPS_FUZZ_MAX_EXAMPLES (default 2000) per test; the GPU variants always use it.
+# COMPILEOPS_FUZZ_SHRINK=0 reports the first failing example as drawn, without shrinking
+# it (on a GPU each shrink step may compile new kernel specialisations).
 # function_scoped_fixture: the autouse _fresh_dynamo fixture above runs once per test,
 # not per example, which is fine for eager fuzzing.
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 
 settings.register_profile(
     "ci",
@@ -84,5 +86,7 @@ settings.register_profile(
     parent=settings.get_profile("ci"),
     max_examples=int(os.environ.get("COMPILEOPS_FUZZ_MAX_EXAMPLES", "2000")),
     derandomize=False,
+    **({"phases": [Phase.explicit, Phase.reuse, Phase.generate]}
+       if os.environ.get("COMPILEOPS_FUZZ_SHRINK") == "0" else {}),
 )
 settings.load_profile(os.environ.get("COMPILEOPS_FUZZ_PROFILE", "ci"))

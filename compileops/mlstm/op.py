@@ -163,6 +163,7 @@ def _mlstm_parallel_backward_fake(grad_out, q, k, v, igate, logf, norm_weight, h
 def _kernel_backward(grad_out, q, k, v, igate, logf, norm_weight, h, m, b, normed,
                      norm_eps, eps, residual_weight, acc):
     from compileops.mlstm import kernels
+    from compileops.mlstm.kernels import gates
 
     cfg = kernels.choose_backward_config(q, q.shape[-1], v.shape[-1])
     dh, r, beta, dm, parts_w, parts_b = kernels.norm_backward(
@@ -170,7 +171,7 @@ def _kernel_backward(grad_out, q, k, v, igate, logf, norm_weight, h, m, b, norme
         eps, residual_weight, cfg)
     dq, dk, dv, row_grad, col_grad = kernels.cell_backward(
         q, k, v, dh, igate.contiguous(), logf.contiguous(), m, r, beta, cfg)
-    col_grad = col_grad + stabiliser_column_grad(igate - logf, dm)
+    col_grad = col_grad + stabiliser_column_grad(igate - logf, dm, gates.running_sum)
     # logD_ij = F_i - F_j + igate_j: dF gets the row sums of dlogD minus its column sums
     # (dm: the stabiliser's share, which sits in row i too).
     dlogf = row_grad + dm - col_grad
@@ -182,13 +183,17 @@ def _kernel_backward(grad_out, q, k, v, igate, logf, norm_weight, h, m, b, norme
     return dq, dk, dv, col_grad, dlogf, dweight, dbias
 
 
-def stabiliser_column_grad(keys: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+def stabiliser_column_grad(keys: torch.Tensor, dm: torch.Tensor,
+                           running_sum=None) -> torch.Tensor:
     """Where the stabiliser's gradient lands among the columns: ``[..., S]``.
 
     ``m_i = max_{j<=i} logD_ij = F_i + max_{j<=i} (igate_j - F_j)``, so row i's maximal
     column is the running argmax of ``keys = igate - F``; it never decreases along i, so
     the rows sharing a column are a contiguous run, and each column's share of ``dm`` is a
-    difference of two prefix sums (no scatter: deterministic on every device)."""
+    difference of two prefix sums (no scatter: deterministic on every device).
+    ``running_sum``: the prefix sum (default ``torch.cumsum``, whose CUDA scan depends on
+    the number of rows; the Triton backend passes its per-row kernel, so that a row's share
+    does not depend on the rest of the batch)."""
     seq = keys.shape[-1]
     if seq == 0:
         return torch.zeros_like(dm)
@@ -196,7 +201,8 @@ def stabiliser_column_grad(keys: torch.Tensor, dm: torch.Tensor) -> torch.Tensor
     columns = torch.arange(seq, device=keys.device).expand_as(argmax).contiguous()
     # rows_upto[j] = the number of rows whose maximal column is <= j.
     rows_upto = torch.searchsorted(argmax, columns, right=True)
-    prefix = torch.nn.functional.pad(torch.cumsum(dm, dim=-1), (1, 0))
+    sums = torch.cumsum(dm, dim=-1) if running_sum is None else running_sum(dm)
+    prefix = torch.nn.functional.pad(sums, (1, 0))
     below = torch.gather(prefix, -1, rows_upto)
     return torch.diff(below, dim=-1, prepend=torch.zeros_like(below[..., :1]))
 

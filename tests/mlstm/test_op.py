@@ -260,3 +260,37 @@ def test_op_rejects_gates_outside_the_accumulation_dtype():
     q, k, v, igate, logf, weight, bias = _op_inputs(True)
     with pytest.raises(RuntimeError, match="logf must be torch.float32"):
         forward_op(q, k, v, igate, logf.double(), weight, bias, True, 1e-6, 1e-6, False, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_stabiliser_shares_with_the_kernels_running_sum(dtype):
+    """The Triton backend's stabiliser shares take a per-row running sum (a fixed order per
+    row, where ``torch.cumsum`` on CUDA picks its scan by the row count): the same shares as
+    with ``torch.cumsum``, and a row's shares bitwise the same in any batch."""
+    from compileops.mlstm.kernels import gates
+    from compileops.mlstm.op import stabiliser_column_grad
+
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(5, 3, 1500, generator=gen, dtype=dtype).cumsum(-1)  # long runs
+    dm = torch.randn(5, 3, 1500, generator=gen, dtype=dtype)
+    want = stabiliser_column_grad(keys, dm)
+    got = stabiliser_column_grad(keys, dm, gates.running_sum)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3 if dtype == torch.float32 else 1e-10)
+    alone = stabiliser_column_grad(keys[2:3], dm[2:3], gates.running_sum)
+    assert torch.equal(alone, got[2:3])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_stabiliser_shares_are_batch_invariant():
+    from compileops.mlstm.kernels import gates
+    from compileops.mlstm.op import stabiliser_column_grad
+
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(21, 333, generator=gen).cumsum(-1).cuda()
+    dm = torch.randn(21, 333, generator=gen).cuda()
+    full = stabiliser_column_grad(keys, dm, gates.running_sum)
+    for rows in (slice(0, 12), slice(9, 10), slice(5, 21)):
+        assert torch.equal(stabiliser_column_grad(keys[rows], dm[rows], gates.running_sum),
+                           full[rows])

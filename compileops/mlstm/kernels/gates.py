@@ -1,5 +1,5 @@
-"""The forget-gate prefix sum ``F = cumsum(log sigmoid(f))`` and its backward, one program
-per (batch, head) row.
+"""The forget-gate prefix sum ``F = cumsum(log sigmoid(f))`` and its backward, and the plain
+running sum the stabiliser's gradient takes, one program per (batch, head) row.
 
 A row's result depends on that row only and is summed in a fixed order, so it is bitwise the
 same whatever else is in the batch. (``torch.cumsum`` on CUDA picks its scan by the number of
@@ -21,16 +21,20 @@ def _log_sigmoid(x):
 
 
 @triton.jit
-def log_forget_kernel(f_ptr, out_ptr, seq_len, BLOCK: tl.constexpr):
-    """Row ``program_id(0)`` of ``f_ptr [R, S]`` (contiguous, the accumulation dtype) ->
-    ``out_ptr [R, S]``: the running sum of ``log sigmoid(f)``, block by block."""
+def running_sum_kernel(x_ptr, out_ptr, seq_len, LOG_SIGMOID: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """Row ``program_id(0)`` of ``x_ptr [R, S]`` (contiguous, the accumulation dtype) ->
+    ``out_ptr [R, S]``: the running sum of ``x`` (``LOG_SIGMOID``: of ``log sigmoid(x)``),
+    block by block."""
     base = tl.program_id(0).to(tl.int64) * seq_len
     lanes = tl.arange(0, BLOCK)
     carry = tl.zeros((1,), dtype=out_ptr.dtype.element_ty)
     for start in range(0, seq_len, BLOCK):
         live = start + lanes < seq_len
-        x = tl.load(f_ptr + base + start + lanes, mask=live, other=0.0)
-        terms = tl.where(live, _log_sigmoid(x), 0.0)
+        x = tl.load(x_ptr + base + start + lanes, mask=live, other=0.0)
+        if LOG_SIGMOID:
+            x = _log_sigmoid(x)
+        terms = tl.where(live, x, 0.0)
         running = tl.cumsum(terms, axis=0) + carry
         tl.store(out_ptr + base + start + lanes, running, mask=live)
         carry = tl.sum(tl.where(lanes == BLOCK - 1, running, 0.0), axis=0, keep_dims=True)
@@ -93,7 +97,19 @@ def log_forget(fgate: torch.Tensor, acc: torch.dtype, chunk: int = 0) -> torch.T
     if f.numel() and chunk:
         log_forget_chunks_kernel[(rows, triton.cdiv(seq, chunk))](f, out, seq, CHUNK=chunk)
     elif f.numel():
-        log_forget_kernel[(rows,)](f, out, seq, BLOCK=_block(seq))
+        running_sum_kernel[(rows,)](f, out, seq, LOG_SIGMOID=True, BLOCK=_block(seq))
+    return out
+
+
+def running_sum(x: torch.Tensor) -> torch.Tensor:
+    """``[..., S]`` -> ``cumsum(x, -1)`` in x's dtype, contiguous, each row summed in a fixed
+    order: batch-invariant, where ``torch.cumsum`` on CUDA is not."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    seq = x.shape[-1]
+    if x.numel():
+        running_sum_kernel[(x.numel() // seq,)](x, out, seq, LOG_SIGMOID=False,
+                                                BLOCK=_block(seq))
     return out
 
 
