@@ -7,8 +7,8 @@ into another:
 
 * **strict index checks** (embedding): ids are validated on the host before each eager call
   (one device sync), so a bad id raises ``IndexError`` naming it instead of a device assert.
-* **strict offset checks** (grouped linear): offsets are validated on the host before each
-  eager CUDA call (one device sync).
+* **strict offset checks** (grouped linear, and the mLSTM's ``cu_seqlens``): offsets are
+  validated on the host before each eager CUDA call (one device sync).
 * **batch-invariant mode** (grouped linear): one fixed tile config for the row-wise products,
   so a row's output never depends on the other rows or on the group sizes. Read when a kernel
   launches eagerly and when Inductor lowers: switch it on before compiling.

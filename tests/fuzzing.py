@@ -161,6 +161,37 @@ def per_group_checkpoints(draw, num_groups: int, shapes: dict) -> dict:
 ORDER_FAULTS = ("none", "too large", "negative", "duplicate")
 
 
+def document_lengths(max_docs: int, max_length: int) -> st.SearchStrategy[list[int]]:
+    """The lengths of 1 to ``max_docs`` packed documents, each in ``[0, max_length]``
+    (empty documents and :data:`SPECIAL_SIZES` often)."""
+    return st.lists(sizes(max_length), min_size=1, max_size=max_docs)
+
+
+def cumulative_ends(lengths: Sequence[int]) -> list[int]:
+    """``cu_seqlens`` of documents of ``lengths``: ``[0, l0, l0 + l1, ...]``."""
+    ends = [0]
+    for length in lengths:
+        ends.append(ends[-1] + length)
+    return ends
+
+
+def invalid_cu_seqlens(seq: int) -> st.SearchStrategy[list[int]]:
+    """Values that are not the cumulative ends of documents packing ``seq`` rows (at least
+    two entries): not starting at 0, not ending at ``seq`` (short of it or past it), a
+    decrease, a negative entry."""
+    inner = st.lists(st.integers(0, seq), max_size=4).map(sorted)
+    not_from_zero = st.tuples(st.integers(1, seq + 3), inner).map(
+        lambda t: [t[0], *[max(e, t[0]) for e in t[1]], max(seq, t[0])])
+    short = inner.map(lambda e: [0, *[x for x in e if x < seq - 1], seq - 1]) if seq > 0 \
+        else st.nothing()
+    past = st.tuples(inner, st.integers(1, 5)).map(lambda t: [0, *t[0], seq + t[1]])
+    decreasing = inner.filter(len).map(lambda e: [0, *e, seq]).flatmap(
+        lambda e: st.integers(1, len(e) - 2).map(
+            lambda i: e[:i] + [e[i - 1] - 1] + e[i:]))
+    negative = st.tuples(inner, st.integers(-5, -1)).map(lambda t: [0, t[1], *t[0], seq])
+    return st.one_of(not_from_zero, short, past, decreasing, negative)
+
+
 @st.composite
 def routing_orders(draw, n: int):
     """``(values, fault)``: a permutation of ``0..n-1`` as a list, or one with a drawn fault

@@ -5,7 +5,12 @@ from typing import Optional
 
 import torch
 
-from compileops.mlstm.checks import check_gates_floating, check_kernel
+from compileops.mlstm.checks import (
+    check_cu_seqlens,
+    check_gates_floating,
+    check_initial_state,
+    check_kernel,
+)
 from compileops.mlstm.chunkwise import check_chunk, mlstm_chunkwise_op
 from compileops.mlstm.op import mlstm_parallel_op
 from compileops.mlstm.gates import log_forget_op
@@ -50,17 +55,12 @@ DOCUMENT_RESET = -200.0
 
 def reset_at_documents(fgate: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """``fgate [1, NH, S]`` with ``DOCUMENT_RESET`` at each document's first token, from the
-    cumulative document ends ``cu_seqlens [N + 1]`` (int32, on fgate's device; no host sync:
-    the starts are scattered into a mask). The replaced entries get no gradient, as the first
-    forget gate of a document run alone gets none."""
-    if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor of cumulative document ends, "
-                         f"got shape {tuple(cu_seqlens.shape)} and {cu_seqlens.dtype}")
-    if cu_seqlens.device != fgate.device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, fgate on {fgate.device}")
-    if fgate.shape[0] != 1:
-        raise ValueError(f"with cu_seqlens the documents are packed in one row: B must be 1, "
-                         f"got {fgate.shape[0]}")
+    cumulative document ends ``cu_seqlens [N + 1]`` (int32 or int64, on fgate's device; no
+    host sync: the starts are scattered into a mask). The replaced entries get no gradient,
+    as the first forget gate of a document run alone gets none. ``cu_seqlens`` is checked as
+    :func:`compileops.mlstm.checks.check_cu_seqlens` says: on the host where that is free,
+    on the device otherwise."""
+    check_cu_seqlens(cu_seqlens, fgate.shape[0], fgate.shape[-1], fgate.device)
     seq = fgate.shape[-1]
     starts = torch.zeros(seq + 1, dtype=torch.bool, device=fgate.device)
     # Each document's start; an empty document's start equals the next one's (harmless), and
@@ -82,6 +82,7 @@ def mlstm_with_stats(
     m [B, NH, S])`` in fp32 (fp64 for fp64 inputs), then the last state when
     ``return_last_state``. ``n`` and ``m`` carry no gradient."""
     normed = norm_weight is not None or norm_bias is not None
+    check_initial_state(initial_state)
     if cu_seqlens is not None:
         if initial_state is not None or return_last_state:
             raise ValueError("cu_seqlens takes no initial_state and returns no last state "
@@ -161,15 +162,24 @@ def mlstm(
     States (chunkwise): ``initial_state=(C [B, NH, DQK, DV], n [B, NH, DQK], m [B, NH])``
     in fp32 (fp64 for fp64 inputs), stabilised as in ``compileops.mlstm.recurrent``
     (``C = exp(-m) sum_j exp(F - F_j + igate_j) k_j v_j^T``); ``return_last_state=True``
-    returns ``(out, (C, n, m))``. Both carry gradients. A sequence cut in two calls at a
-    chunk boundary, the state carried, gives the one call's result bitwise.
+    returns ``(out, (C, n, m))``. Both carry gradients on every backend (the reference
+    backend's through the plain recursion, chunk by chunk). A sequence cut in two calls at a
+    chunk boundary, the state carried, gives the one call's result bitwise. S = 0 is
+    allowed: an empty output, and the initial state (or the empty one) as the last state.
+    Anything but a tuple of three tensors as ``initial_state`` raises, naming it.
 
-    Packed documents: ``cu_seqlens [N + 1]`` (int32 cumulative ends, on the device; B = 1):
-    no document sees another's state, as if each ran alone (to rounding: fp64 1e-13). It
-    resets the forget gate at each document's start (``DOCUMENT_RESET``), so it costs what
-    the unpacked row costs and compiles once for every packing; ``kernel="auto"`` then takes
-    the chunkwise form (the parallel form's whole-row forget sums lose fp32 precision past
-    each reset).
+    Packed documents: ``cu_seqlens [N + 1]`` (int32 or int64 cumulative ends, on the
+    inputs' device; B = 1): no document sees another's state, as if each ran alone (to
+    rounding: fp64 1e-13). It resets the forget gate at each document's start
+    (``DOCUMENT_RESET``), so it costs what the unpacked row costs and compiles once for
+    every packing; ``kernel="auto"`` then takes the chunkwise form (the parallel form's
+    whole-row forget sums lose fp32 precision past each reset). Limits of the reset: input
+    gates within a pack must stay within about 150 of each other, and every value finite;
+    an Inf or NaN in one document reaches the later ones. ``cu_seqlens`` is checked
+    (starting at 0, ending at S, never decreasing): on CPU tensors eagerly, naming the
+    entry; on CUDA eagerly only under ``compileops.strict_offset_checks()`` (one host sync),
+    otherwise, and whenever compiled, on the device with no host sync (a device-side
+    assert on CUDA, a ``RuntimeError`` on CPU).
 
     Memory: the forward keeps the raw h ``[B, NH, S, DV]`` for the norm's backward when a
     gradient is needed (one extra activation of the output's size); nothing ``S x S`` is

@@ -89,3 +89,86 @@ def check_log_gates(q: torch.Tensor, igate: torch.Tensor, logf: torch.Tensor) ->
     for name, g in (("igate", igate), ("logf", logf)):
         torch._check(g.dtype == acc, lambda: f"{name} must be {acc} for {q.dtype} inputs (the "
                      f"gates' accumulation dtype), got {g.dtype}; compileops.mlstm converts")
+
+
+#: The message of the device-side check of ``cu_seqlens`` (no host sync there, so it cannot
+#: name the entry; :func:`check_cu_seqlens_values` does, on the host).
+CU_SEQLENS_INVALID = (
+    "compileops.mlstm: cu_seqlens must be the cumulative document ends [0, ..., S], "
+    "non-decreasing, starting at 0 and ending at S (run eagerly under "
+    "compileops.strict_offset_checks() to see the bad entry)"
+)
+
+
+def check_cu_seqlens_layout(cu_seqlens, batch: int, device: torch.device) -> None:
+    """``cu_seqlens``: a 1-D int32 or int64 tensor ``[N + 1]`` (N >= 1 documents) on the
+    inputs' device, the documents packed in one row (B = 1). Static: no values read."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a tensor [N + 1] of cumulative document ends, "
+                        f"got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must be 1-D [N + 1] with N >= 1 documents (its first "
+                         f"entry 0, its last S), got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, the inputs on {device}")
+    if batch != 1:
+        raise ValueError(f"with cu_seqlens the documents are packed in one row: B must be 1, "
+                         f"got {batch}")
+
+
+def check_cu_seqlens_values(cu_seqlens: torch.Tensor, seq: int) -> None:
+    """Raise ``ValueError`` naming the first entry that keeps ``cu_seqlens`` from rising from
+    0 to ``seq`` without decreasing. Reads it on the host (a device sync on GPUs)."""
+    ends = cu_seqlens.detach().to("cpu", torch.int64).tolist()
+    if ends[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {ends[0]}")
+    if ends[-1] != seq:
+        raise ValueError(f"cu_seqlens must end at S = {seq} (the packed row's length), got "
+                         f"cu_seqlens[-1] = {ends[-1]}")
+    for i, (a, b) in enumerate(zip(ends, ends[1:])):
+        if b < a:
+            raise ValueError(f"cu_seqlens must not decrease, got cu_seqlens[{i}] = {a} and "
+                             f"cu_seqlens[{i + 1}] = {b}")
+
+
+def check_cu_seqlens(cu_seqlens, batch: int, seq: int, device: torch.device) -> None:
+    """All of ``cu_seqlens``'s checks, the values where they cost no host sync.
+
+    The layout always (:func:`check_cu_seqlens_layout`). The values
+    (:func:`check_cu_seqlens_values`, naming the entry): on CPU tensors, and on other devices
+    under :func:`compileops.strict_offset_checks` (one device sync per call), when running
+    eagerly. Otherwise (CUDA without strict checks, and everything compiled) they are checked
+    on the device with ``torch._assert_async``: compiled on CPU it raises a
+    ``RuntimeError`` with :data:`CU_SEQLENS_INVALID`; on CUDA it is a device-side assert,
+    which ends the process's CUDA context."""
+    from compileops.modes import STRICT_OFFSET_CHECKS
+
+    check_cu_seqlens_layout(cu_seqlens, batch, device)
+    if not torch.compiler.is_compiling() and (
+            cu_seqlens.device.type == "cpu" or STRICT_OFFSET_CHECKS.enabled()):
+        check_cu_seqlens_values(cu_seqlens, seq)
+        return
+    valid = ((cu_seqlens[0] == 0) & (cu_seqlens[-1] == seq)
+             & (cu_seqlens[1:] >= cu_seqlens[:-1]).all())
+    torch._assert_async(valid, CU_SEQLENS_INVALID)
+
+
+def check_initial_state(initial_state) -> None:
+    """``initial_state``: None, or ``(C, n, m)``, a tuple (or list) of three tensors, as
+    ``return_last_state=True`` returns it. Their shapes, dtypes and devices are the op's
+    checks."""
+    if initial_state is None:
+        return
+    expected = ("initial_state must be a tuple (C [B, NH, DQK, DV], n [B, NH, DQK], m [B, NH]) "
+                "of three tensors, as return_last_state=True returns it")
+    if not isinstance(initial_state, (tuple, list)):
+        raise TypeError(f"{expected}; got {type(initial_state).__name__}")
+    if len(initial_state) != 3:
+        raise ValueError(f"{expected}; got {len(initial_state)} items")
+    for name, t in zip(("C", "n", "m"), initial_state):
+        if t is None:
+            raise ValueError(f"{expected}; got a partial state ({name} is None)")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{expected}; got {type(t).__name__} for {name}")

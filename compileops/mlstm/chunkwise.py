@@ -141,9 +141,11 @@ def mlstm_chunkwise_op(
     check_log_gates(q, igate, logf)
     check_chunk(chunk)
     check_state(q, v, c0, n0, m0)
-    b, nh = q.shape[:2]
+    b, nh, seq = q.shape[:3]
     initial = (c0, n0, m0) if c0 is not None else None
-    if backends.select("mlstm_chunkwise", q.device) == "triton":
+    # S = 0 has no rows to compute: the plain path returns the initial (or empty) state as
+    # the last one, on every backend, with no kernel launch.
+    if seq and backends.select("mlstm_chunkwise", q.device) == "triton":
         check_kernel_head_dims(q, v)
         from compileops.mlstm.kernels import chunkwise, forward
 
@@ -164,6 +166,8 @@ def mlstm_chunkwise_op(
     else:
         out = h.to(v.dtype)
     kept = h.to(v.dtype) if (save_h and normed) else v.new_empty((0,))
+    if seq == 0:  # the last state is the initial one: a copy (an op's output is no alias)
+        c_last, n_last, m_last = (t.clone() for t in (c_last, n_last, m_last))
     return (out, kept, (m_rows * LOG2E).contiguous(), row_sum.contiguous(), cst.contiguous(),
             nst.contiguous(), mst.contiguous(), c_last.contiguous(), n_last.contiguous(),
             m_last.contiguous())
@@ -267,7 +271,7 @@ def mlstm_chunkwise_backward_op(
     check_backward_grad(grad_out, _out_shape(q, v, normed), "grad_out")
     acc = reference.gate_dtype(q.dtype)
     b, nh, seq, dqk = q.shape
-    if backends.select("mlstm_chunkwise_backward", q.device) != "triton":
+    if not seq or backends.select("mlstm_chunkwise_backward", q.device) != "triton":
         return _reference_backward(grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf,
                                    norm_weight, c0, n0, m0, chunk, normed, norm_eps, eps,
                                    residual_weight, acc)
@@ -353,14 +357,16 @@ def _reference_backward(grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf, 
                         c0, n0, m0, chunk, normed, norm_eps, eps, residual_weight, acc):
     """Without states the chunkwise output is the parallel form's function of the whole-row
     forget sums: the parallel reference backward (op.py), then the chunk-restarted sums'
-    gradient. The reference backend has no backward through states (the Triton kernels,
-    also under the interpreter on CPU, have)."""
+    gradient. With an initial state, or a gradient for the last state, (and at S = 0):
+    autograd through the chunk-by-chunk forward (:func:`_state_backward`)."""
     from compileops.mlstm.op import _reference_backward as parallel_backward
 
-    if c0 is not None or bool((grad_c != 0).any() | (grad_n != 0).any() | (grad_m != 0).any()):
-        raise NotImplementedError(
-            "mlstm_chunkwise_backward: the reference backend has no gradient through "
-            "initial or last states; use the triton backend")
+    with_states = c0 is not None or bool(
+        (grad_c != 0).any() | (grad_n != 0).any() | (grad_m != 0).any())
+    if with_states or q.shape[2] == 0:
+        return _state_backward(grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf,
+                               norm_weight, c0, n0, m0, chunk, normed, norm_eps, eps,
+                               residual_weight, acc)
     dq, dk, dv, dig, dlf, dweight, dbias = parallel_backward(
         grad_out, q, k, v, igate, global_log_forget(logf, chunk), norm_weight, normed,
         norm_eps, eps, residual_weight, acc)
@@ -369,3 +375,52 @@ def _reference_backward(grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf, 
     return (dq, dk, dv, dig, _local_log_forget_grad(dlf, chunk), dweight, dbias,
             q.new_zeros((b, nh, dqk, dv_len), dtype=acc), q.new_zeros((b, nh, dqk), dtype=acc),
             q.new_zeros((b, nh), dtype=acc))
+
+
+def _state_backward(grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf, norm_weight,
+                    c0, n0, m0, chunk, normed, norm_eps, eps, residual_weight, acc):
+    """The reference backend's gradient through the states: the vector-Jacobian product
+    (``torch.func.vjp``; plain autograd does not record inside an op's implementation) of
+    :func:`_reference_forward`, the plain recursion chunk by chunk, and the norm, for the
+    output's gradient and the last state's ``(grad_c, grad_n, grad_m)``. The norm's bias
+    enters as zeros: its gradient does not depend on its value, nor does any other."""
+    b, nh, _, dqk = q.shape
+    dv_len = v.shape[-1]
+    has_state = c0 is not None
+    weight = norm_weight if norm_weight is not None else torch.ones(
+        (nh * dv_len,), dtype=acc, device=q.device)
+    bias = torch.zeros((nh * dv_len,), dtype=acc, device=q.device)
+    state = (c0, n0, m0) if has_state else reference_empty_state(q, v, acc)
+
+    def forward(q, k, v, igate, logf, weight, bias, c0, n0, m0):
+        h, _, _, _, last = _reference_forward(q, k, v, igate, logf, c0, n0, m0, chunk, eps)
+        if normed:
+            out = reference.multihead_layernorm(
+                h, weight if norm_weight is not None else None, bias, norm_eps,
+                residual_weight, v.dtype)
+        else:
+            out = h.to(v.dtype)
+        return (out, *last)
+
+    outputs, vjp = torch.func.vjp(forward, q, k, v, igate, logf, weight, bias, *state)
+    cotangents = tuple(g.to(t.dtype) for t, g in zip(outputs, (grad_out, grad_c, grad_n,
+                                                                 grad_m)))
+    dq, dk, dv, dig, dlf, dweight, dbias, dc0, dn0, dm0 = vjp(cotangents)
+    if normed:
+        dweight, dbias = dweight.to(acc), dbias.to(acc)
+    else:
+        dweight, dbias = q.new_empty((0,), dtype=acc), q.new_empty((0,), dtype=acc)
+    if not has_state:  # the empty state is a constant: no gradient to return
+        dc0, dn0, dm0 = (torch.zeros_like(t) for t in state)
+    # A gradient that passes through unchanged (the last state of S = 0 is the initial
+    # one) would alias the cotangent: an op's outputs must not alias its inputs.
+    return tuple(g.clone() if any(g is x for x in (grad_out, grad_c, grad_n, grad_m))
+                 else g for g in (dq, dk, dv, dig, dlf, dweight, dbias, dc0, dn0, dm0))
+
+
+def reference_empty_state(q: torch.Tensor, v: torch.Tensor, acc: torch.dtype):
+    """The state before the first token: ``C = 0``, ``n = 0``, ``m = -inf``."""
+    b, nh, _, dqk = q.shape
+    return (q.new_zeros((b, nh, dqk, v.shape[-1]), dtype=acc),
+            q.new_zeros((b, nh, dqk), dtype=acc),
+            q.new_full((b, nh), float("-inf"), dtype=acc))

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from compileops.mlstm.reference import gate_dtype
+from compileops.mlstm.checks import check_cu_seqlens_layout, check_cu_seqlens_values
 
 State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -107,17 +108,8 @@ def recurrent_reference(
 
 
 def _check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq: int) -> None:
-    if batch != 1:
-        raise ValueError(f"cu_seqlens packs documents in one row: q must have B = 1, got "
-                         f"B = {batch}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError(f"cu_seqlens must be 1-D [N + 1] with N >= 1, got shape "
-                         f"{tuple(cu_seqlens.shape)}")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
-    ends = cu_seqlens.tolist()
-    if ends[0] != 0 or ends[-1] != seq or any(b < a for a, b in zip(ends, ends[1:])):
-        raise ValueError(f"cu_seqlens must rise from 0 to S = {seq}, got {ends}")
+    check_cu_seqlens_layout(cu_seqlens, batch, cu_seqlens.device)
+    check_cu_seqlens_values(cu_seqlens, seq)
 
 
 def parallel_reference_with_state(

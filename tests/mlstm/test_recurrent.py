@@ -259,11 +259,14 @@ def test_cu_seqlens_preconditions():
     x = make_inputs(2, 1, 6, 4, 4)
     one = make_inputs(1, 1, 6, 4, 4)
     args = (one.q, one.k, one.v, one.igate, one.fgate)
-    with pytest.raises(ValueError, match="B = 1"):
+    with pytest.raises(ValueError, match="B must be 1, got 2"):
         recurrent.parallel_reference_with_state(x.q, x.k, x.v, x.igate, x.fgate,
                                                 cu_seqlens=torch.tensor([0, 6]))
-    for bad in ([0, 4], [1, 6], [0, 4, 3, 6]):
-        with pytest.raises(ValueError, match="cu_seqlens must rise from 0 to S = 6"):
+    for bad, match in (([0, 4], r"must end at S = 6 .*cu_seqlens\[-1\] = 4"),
+                       ([1, 6], r"must start at 0, got cu_seqlens\[0\] = 1"),
+                       ([0, 4, 3, 6], r"must not decrease, got cu_seqlens\[1\] = 4 and "
+                                      r"cu_seqlens\[2\] = 3")):
+        with pytest.raises(ValueError, match=match):
             recurrent.parallel_reference_with_state(*args, cu_seqlens=torch.tensor(bad))
     with pytest.raises(ValueError, match="int32 or int64"):
         recurrent.parallel_reference_with_state(*args, cu_seqlens=torch.tensor([0., 6.]))
