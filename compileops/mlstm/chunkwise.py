@@ -71,7 +71,7 @@ def global_log_forget(logf: torch.Tensor, chunk: int) -> torch.Tensor:
     ends = blocks[..., -1]  # a chunk's total (the last chunk's is not used)
     offsets = torch.cumsum(ends, dim=-1) - ends
     full = blocks + offsets[..., None]
-    return full.reshape(*logf.shape[:-1], -1)[..., :logf.shape[-1]]
+    return full.flatten(-2)[..., :logf.shape[-1]]
 
 
 def _reference_forward(q, k, v, igate, logf, c0, n0, m0, chunk, eps):
@@ -121,9 +121,8 @@ def _reference_forward(q, k, v, igate, logf, c0, n0, m0, chunk, eps):
         h, row_sum, m_rows = torch.cat(hs, -2), torch.cat(bs, -1), torch.cat(ms, -1)
     ns.append(n)
     mstates.append(m)
-    states = (torch.stack(cs, 2).reshape(b * nh, -1, dqk, dv),
-              torch.stack(ns, 2).reshape(b * nh, -1, dqk),
-              torch.stack(mstates, 2).reshape(b * nh, -1))
+    states = (torch.stack(cs, 2).flatten(0, 1), torch.stack(ns, 2).flatten(0, 1),
+              torch.stack(mstates, 2).flatten(0, 1))
     return h, row_sum, m_rows, states, (c, n, m)
 
 
@@ -143,9 +142,9 @@ def mlstm_chunkwise_op(
     check_state(q, v, c0, n0, m0)
     b, nh, seq = q.shape[:3]
     initial = (c0, n0, m0) if c0 is not None else None
-    # S = 0 has no rows to compute: the plain path returns the initial (or empty) state as
-    # the last one, on every backend, with no kernel launch.
-    if seq and backends.select("mlstm_chunkwise", q.device) == "triton":
+    # S = 0 (or B * NH = 0) has no rows to compute: the plain path returns the initial (or
+    # empty) state as the last one, on every backend, with no kernel launch.
+    if b * nh * seq and backends.select("mlstm_chunkwise", q.device) == "triton":
         check_kernel_head_dims(q, v)
         from compileops.mlstm.kernels import chunkwise, forward
 
@@ -157,7 +156,8 @@ def mlstm_chunkwise_op(
             chunk=chunk, states=(cst, nst, mst))
         h = h if h is not None else v.new_empty((0,))
         return (out, h, m2, row_sum, cst, nst, mst, c_last,
-                nst[:, -1].reshape(b, nh, -1).clone(), mst[:, -1].reshape(b, nh).clone())
+                nst[:, -1].reshape(b, nh, q.shape[-1]).clone(),
+                mst[:, -1].reshape(b, nh).clone())
     h, row_sum, m_rows, (cst, nst, mst), (c_last, n_last, m_last) = _reference_forward(
         q, k, v, igate, logf, c0, n0, m0, chunk, eps)
     if normed:
@@ -271,7 +271,8 @@ def mlstm_chunkwise_backward_op(
     check_backward_grad(grad_out, _out_shape(q, v, normed), "grad_out")
     acc = reference.gate_dtype(q.dtype)
     b, nh, seq, dqk = q.shape
-    if not seq or backends.select("mlstm_chunkwise_backward", q.device) != "triton":
+    if not b * nh * seq or backends.select("mlstm_chunkwise_backward",
+                                           q.device) != "triton":
         return _reference_backward(grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf,
                                    norm_weight, c0, n0, m0, chunk, normed, norm_eps, eps,
                                    residual_weight, acc)
@@ -331,7 +332,7 @@ def _local_log_forget_grad(d_global: torch.Tensor, chunk: int) -> torch.Tensor:
     later = torch.flip(torch.cumsum(torch.flip(totals, (-1,)), -1), (-1,)) - totals
     last = torch.zeros_like(blocks)
     last[..., -1] = later
-    out = (blocks + last).reshape(*d_global.shape[:-1], -1)
+    out = (blocks + last).flatten(-2)
     # A partial last chunk has no later rows: its (padded) last slot carries 0.
     return out[..., :seq].contiguous()
 
@@ -363,7 +364,7 @@ def _reference_backward(grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf, 
 
     with_states = c0 is not None or bool(
         (grad_c != 0).any() | (grad_n != 0).any() | (grad_m != 0).any())
-    if with_states or q.shape[2] == 0:
+    if with_states or q.shape[:3].numel() == 0:
         return _state_backward(grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf,
                                norm_weight, c0, n0, m0, chunk, normed, norm_eps, eps,
                                residual_weight, acc)

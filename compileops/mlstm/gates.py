@@ -26,7 +26,8 @@ def _chunked(t: torch.Tensor, chunk: int) -> torch.Tensor:
     """``[..., S]`` -> ``[..., NC, chunk]``, zero-padded at the end."""
     seq = t.shape[-1]
     pad = -seq % chunk
-    return torch.nn.functional.pad(t, (0, pad)).reshape(*t.shape[:-1], -1, chunk)
+    return torch.nn.functional.pad(t, (0, pad)).reshape(*t.shape[:-1], (seq + pad) // chunk,
+                                                         chunk)
 
 
 @custom_op("mlstm_log_forget")
@@ -42,7 +43,7 @@ def log_forget_op(fgate: torch.Tensor, chunk: int = 0) -> torch.Tensor:
     if chunk:
         terms = torch.nn.functional.logsigmoid(fgate.to(acc))
         sums = torch.cumsum(_chunked(terms, chunk), dim=-1)
-        return sums.reshape(*fgate.shape[:-1], -1)[..., :fgate.shape[-1]].contiguous()
+        return sums.flatten(-2)[..., :fgate.shape[-1]].contiguous()
     return log_forget_cumsum(fgate.to(acc)).contiguous()
 
 
@@ -78,7 +79,7 @@ def log_forget_backward_op(grad: torch.Tensor, fgate: torch.Tensor,
     if chunk:
         blocks = _chunked(g, chunk)
         rev = torch.flip(torch.cumsum(torch.flip(blocks, dims=(-1,)), dim=-1), dims=(-1,))
-        rev = rev.reshape(*g.shape[:-1], -1)[..., :g.shape[-1]]
+        rev = rev.flatten(-2)[..., :g.shape[-1]]
     else:
         rev = torch.flip(torch.cumsum(torch.flip(g, dims=(-1,)), dim=-1), dims=(-1,))
     return (torch.sigmoid(-fgate.to(g.dtype)) * rev).to(fgate.dtype).contiguous()

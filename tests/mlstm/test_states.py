@@ -82,6 +82,36 @@ def test_empty_sequence(backend, compiled, case):
                 packed=case == "packed")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("batch,heads", [(0, 2), (2, 0)], ids=["B=0", "NH=0"])
+@pytest.mark.parametrize("with_state", [False, True], ids=["", "state"])
+def test_empty_batch_or_heads_chunkwise(backend, compiled, batch, heads, with_state):
+    """No rows (B = 0 or NH = 0): empty outputs and gradients, the states passed through."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(batch, heads, 20, 8, generator=gen) for _ in range(3)] + \
+        [torch.randn(batch, heads, 20, generator=gen) for _ in range(2)]
+    state = (torch.zeros(batch, heads, 8, 8), torch.zeros(batch, heads, 8),
+             torch.zeros(batch, heads)) if with_state else ()
+    leaves = [t.requires_grad_() for t in (*tensors, *state)]
+
+    def fn(*leaves):
+        out, last = compileops.mlstm(*leaves[:5], kernel="chunkwise", chunk_size=16,
+                                     initial_state=tuple(leaves[5:]) or None,
+                                     return_last_state=True)
+        return out, last
+
+    run = torch.compile(fn, fullgraph=True) if compiled else fn
+    with compileops.use_backend(backend):
+        out, last = run(*leaves)
+        assert out.shape == (batch, heads, 20, 8)
+        assert [tuple(t.shape) for t in last] == [(batch, heads, 8, 8), (batch, heads, 8),
+                                                  (batch, heads)]
+        grads = torch.autograd.grad(out.sum() + sum(t.sum() for t in last), leaves,
+                                    allow_unused=True)
+    assert all(g is None or g.shape == t.shape for g, t in zip(grads, leaves))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
