@@ -278,7 +278,7 @@ def mlstm_chunkwise_backward_op(
                                    residual_weight, acc)
     check_kernel_head_dims(q, v)
     from compileops.mlstm import kernels
-    from compileops.mlstm.kernels import chunkwise
+    from compileops.mlstm.kernels import chunkwise, gates
 
     cfg = _backward_config(q, v, chunk)
     dh, r, beta, dm, parts_w, parts_b = kernels.norm_backward(
@@ -301,12 +301,13 @@ def mlstm_chunkwise_backward_op(
     has_state = c0 is not None
     if has_state:  # the initial state: a column before the first, with logD = F_i + m0
         shares = stabiliser_column_grad(torch.cat([m0[..., None], keys], -1),
-                                        torch.cat([torch.zeros_like(dm[..., :1]), dm], -1))
+                                        torch.cat([torch.zeros_like(dm[..., :1]), dm], -1),
+                                        gates.running_sum)
         col_grad = col_grad + shares[..., 1:]
         dn0 = dns[:, 0].reshape(b, nh, dqk)
         dm0 = ((dc0 * c0).sum(dim=(-2, -1)) + (dn0 * n0).sum(dim=-1) + shares[..., 0])
     else:
-        col_grad = col_grad + stabiliser_column_grad(keys, dm)
+        col_grad = col_grad + stabiliser_column_grad(keys, dm, gates.running_sum)
         dn0 = q.new_zeros((b, nh, dqk), dtype=acc)
         dm0 = q.new_zeros((b, nh), dtype=acc)
     row_grad = row_grad + dm
