@@ -1,4 +1,4 @@
-"""Shared pieces of the property-fuzzing tests (issue 24): ``tests/<family>/test_fuzz.py``.
+"""Shared pieces of the property-fuzzing tests: ``tests/<family>/test_fuzz.py``.
 
 A property is a function ``check_<op>(data, device)`` that draws one example through an
 :class:`Example` (hypothesis's ``st.data()`` plus one seeded generator for tensor values, so

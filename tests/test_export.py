@@ -1,4 +1,4 @@
-"""torch.export and AOTInductor over every op family (issue 22).
+"""torch.export and AOTInductor over every op family.
 
 One tiny model uses all of them: ``compileops.nn.Embedding`` -> a SwiGLU MoE block
 (``permute_by_expert`` -> ``grouped_linear_swiglu`` -> ``compileops.nn.GroupedLinear`` with

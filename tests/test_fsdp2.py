@@ -1,5 +1,5 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) over ``GroupedLinear`` and ``Embedding``,
-compiled, in 2 CPU processes over gloo (issue 22).
+compiled, in 2 CPU processes over gloo.
 
 What is checked, per rank:
 

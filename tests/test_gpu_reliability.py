@@ -1,4 +1,4 @@
-"""GPU reliability (issue 24): tensors past 2**31 elements, and CUDA-graph capture and replay
+"""GPU reliability: tensors past 2**31 elements, and CUDA-graph capture and replay
 under ``torch.compile(mode="reduce-overhead")`` for every op.
 
 Large tensors. Each family has one ``check_*_large`` helper that takes its sizes and the

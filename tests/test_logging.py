@@ -1,4 +1,4 @@
-"""The ``compileops`` logger (issue 22, observability): one line per compiled op saying which
+"""The ``compileops`` logger (observability): one line per compiled op saying which
 lowering, config and TMA variant it got and why; every extern call and reference-backend run
 with its reason; every dynamic-shape guard; and nothing at all unless asked (COMPILEOPS_LOG or
 the user's own logging configuration).

@@ -201,12 +201,31 @@ def check_split_values(m_splits: torch.Tensor, m: int) -> None:
         )
 
 
-def check_splits_eagerly(m_splits: torch.Tensor, m: int) -> None:
-    """:func:`check_split_values` under the rule of :func:`check_offsets_eagerly`."""
+def check_splits_eagerly(m_splits: torch.Tensor, m: int) -> bool:
+    """:func:`check_split_values` under the rule of :func:`check_offsets_eagerly`; whether it
+    ran."""
     if torch.compiler.is_compiling():
-        return
+        return False
     if m_splits.device.type == "cpu" or STRICT_OFFSET_CHECKS.enabled():
         check_split_values(m_splits, m)
+        return True
+    return False
+
+
+#: The device-side message for ``m_splits`` that are negative or add up to more than M (no
+#: host sync there, so it cannot name the entry; :func:`check_split_values` does).
+SPLITS_INVALID = (
+    "compileops.grouped_linear_splits: m_splits must be >= 0 and add up to at most M, the rows "
+    "of x (run eagerly under compileops.strict_offset_checks() to see the values)"
+)
+
+
+def assert_split_values_on_device(m_splits: torch.Tensor, m: int) -> None:
+    """:func:`check_split_values` without a host sync, where it did not run on the host: a
+    device-side assert on CUDA, a ``RuntimeError`` when compiled on CPU. Summed in int64, so
+    splits that would wrap the int32 offsets are caught too."""
+    ok = (m_splits >= 0).all() & (m_splits.to(torch.int64).sum() <= m)
+    torch._assert_async(ok, SPLITS_INVALID)
 
 
 def check_permute_args(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> None:
@@ -230,14 +249,26 @@ def check_permute_args(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: i
              "to the same device")
 
 
+#: The device-side message for an expert id outside ``[0, num_experts)``.
+EXPERT_ID_OUT_OF_RANGE = (
+    "compileops.permute_by_expert: expert_ids holds an id outside [0, num_experts) (run "
+    "eagerly under compileops.strict_offset_checks() to see it)"
+)
+
+
 def check_expert_id_values(expert_ids: torch.Tensor, num_experts: int) -> None:
     """Raise ``IndexError`` naming the first expert id outside ``[0, num_experts)`` (an id
     out of range would silently route its row nowhere, or to expert 0). Reads the ids on the
-    host: on CPU tensors always, elsewhere only with strict offset checks, never while
-    compiling (the rule of :func:`check_offsets_eagerly`)."""
-    if torch.compiler.is_compiling() or expert_ids.numel() == 0:
+    host on CPU tensors, and elsewhere with strict offset checks, when running eagerly (the
+    rule of :func:`check_offsets_eagerly`); otherwise (CUDA without strict checks, and
+    everything compiled) checks them on the device with no host sync: a device-side assert
+    on CUDA, a ``RuntimeError`` naming ``expert_ids`` when compiled on CPU."""
+    if expert_ids.numel() == 0:
         return
-    if expert_ids.device.type != "cpu" and not STRICT_OFFSET_CHECKS.enabled():
+    if torch.compiler.is_compiling() or (expert_ids.device.type != "cpu"
+                                         and not STRICT_OFFSET_CHECKS.enabled()):
+        ok = ((expert_ids >= 0) & (expert_ids < num_experts)).all()
+        torch._assert_async(ok, EXPERT_ID_OUT_OF_RANGE)
         return
     bad = (expert_ids < 0) | (expert_ids >= num_experts)
     if bool(bad.any()):

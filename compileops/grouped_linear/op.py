@@ -36,6 +36,7 @@ from compileops import backends
 from compileops._library import custom_op
 from compileops.grouped_linear import reference
 from compileops.grouped_linear.checks import (
+    assert_split_values_on_device,
     check_dx_args,
     check_forward_args,
     check_kernel_dtype,
@@ -310,7 +311,7 @@ def _splits_tensor(m_splits) -> torch.Tensor:
     if isinstance(m_splits, torch.Tensor):
         return m_splits
     values = list(m_splits)  # (as_tensor keeps float values float, so the check sees them)
-    return torch.as_tensor(values) if values else torch.zeros(0, dtype=torch.int64)
+    return torch.as_tensor(values) if values else torch.zeros(0, dtype=torch.int32)
 
 
 def splits_to_offsets(m_splits: torch.Tensor) -> torch.Tensor:
@@ -318,6 +319,8 @@ def splits_to_offsets(m_splits: torch.Tensor) -> torch.Tensor:
     cumulative end rows ``[G]``, on the device."""
     m_splits = _splits_tensor(m_splits)
     check_splits(m_splits)
+    if m_splits.numel() == 0:  # no groups (a cumsum of nothing: its dtype is lost compiled)
+        return torch.zeros(0, dtype=torch.int32, device=m_splits.device)
     return torch.cumsum(m_splits, 0, dtype=torch.int32)
 
 
@@ -345,11 +348,14 @@ def grouped_linear(x, weight, offsets, bias=None, *, row_scale=None):
 def grouped_linear_splits(x, weight, m_splits, bias=None):
     """:func:`grouped_linear` with per-group row counts ``m_splits`` ``[G]`` (a device tensor).
 
-    ``m_splits`` must be integers >= 0 adding up to at most M; like offsets, their values are
-    checked eagerly on CPU tensors, elsewhere only with strict offset checks."""
+    ``m_splits`` must be integers >= 0 adding up to at most M. Their values are checked on
+    the host, naming them, on CPU tensors and elsewhere with strict offset checks, when
+    running eagerly; otherwise (CUDA without strict checks, and compiled) on the device with
+    no host sync: a device-side assert on CUDA, a ``RuntimeError`` when compiled on CPU."""
     m_splits = _splits_tensor(m_splits)
     check_splits(m_splits, weight.shape[0] if weight.dim() == 3 else None)
-    check_splits_eagerly(m_splits, x.shape[0])
+    if not check_splits_eagerly(m_splits, x.shape[0]) and m_splits.numel():
+        assert_split_values_on_device(m_splits, x.shape[0])
     return grouped_linear_op(x, weight, splits_to_offsets(m_splits).to(x.device), bias)
 
 

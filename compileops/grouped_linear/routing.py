@@ -27,8 +27,10 @@ def permute_by_expert(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: in
     ``order[i]`` is the flat assignment (``token * k + slot``) in sorted position i; assignments
     of one expert keep token order (stable sort). ``offsets[e]`` is the end row of expert e.
 
-    Ids must lie in ``[0, num_experts)``: a bad id raises ``IndexError`` naming it on CPU
-    tensors (elsewhere only with strict offset checks: the check reads the ids on the host).
+    Ids must lie in ``[0, num_experts)``: eagerly, a bad id raises ``IndexError`` naming it
+    on CPU tensors (on CUDA with strict offset checks: the check reads the ids on the host);
+    otherwise (CUDA without strict checks, and compiled) they are checked on the device with
+    no host sync: a device-side assert on CUDA, a ``RuntimeError`` when compiled on CPU.
     """
     checks.check_permute_args(x, expert_ids, num_experts)
     checks.check_expert_id_values(expert_ids, num_experts)

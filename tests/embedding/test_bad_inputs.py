@@ -109,7 +109,7 @@ BAD_IDS = {
     "int32 id = -2**31": (torch.int32, -(2**31)),
 }
 # The compiled (Inductor, CPU) message comes from lowerings/embedding.py's single assert; it
-# names the op and the bound, not `ids` (outside this family's checks; reported in issue 24).
+# names the op and the bound, not `ids` (outside this family's checks).
 ID_RANGE_COMPILED = r"compileops\.embedding: an id in ids is out of range \[0, num_embeddings\)"
 
 
@@ -190,7 +190,7 @@ BACKWARD_CASES = {
                         r"padding_idx must be in \[0, 6\)"),
     "ids on another device": (lambda g, i: (g, i.to("meta"), V, None, torch.float32),
                               RuntimeError, r"ids is on meta but grad is on cpu"),
-    # Unchecked before issue 24: the reference wrapped -1 to row V-1 and raised a bare
+    # Once unchecked: the reference wrapped -1 to row V-1 and raised a bare
     # "index 6 is out of bounds" for V; the kernels dropped both silently.
     "id = V": (lambda g, i: (g, _ids_with(torch.int64, V), V, None, torch.float32), IndexError,
                r"id 6 is out of range for a table of 6 rows \(valid ids are 0\.\.5\)"),

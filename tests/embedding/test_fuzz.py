@@ -1,4 +1,4 @@
-"""Property fuzzing of the embedding family (issue 24): ``compileops.embedding`` and
+"""Property fuzzing of the embedding family: ``compileops.embedding`` and
 ``compileops.nn.Embedding`` (hence ``compileops::embedding`` and
 ``compileops::embedding_backward``) on both backends, against an fp64 oracle written here.
 

@@ -1,4 +1,4 @@
-"""Property fuzzing of the grouped linear family (issue 24): ``grouped_linear``,
+"""Property fuzzing of the grouped linear family: ``grouped_linear``,
 ``grouped_linear_splits``, ``grouped_linear_swiglu`` (both backward forms), the
 ``compileops.nn.GroupedLinear`` module (hence ``compileops::grouped_linear*``,
 ``grouped_linear_dx`` and ``grouped_linear_wgrad``), and the routing helpers

@@ -1,4 +1,4 @@
-"""Property fuzzing of the mLSTM (issue 24): ``compileops.mlstm`` on both backends against an
+"""Property fuzzing of the mLSTM: ``compileops.mlstm`` on both backends against an
 fp64 oracle written here (the parallel formula, not ``compileops/mlstm/reference.py``),
 forward and backward, for drawn sizes (from 0), dtypes, layouts, norm options and eps; and
 no input (or memory around it) is written. Shared strategies: ``tests/fuzzing.py``."""

@@ -144,7 +144,7 @@ PROJECT_CASES = {
     "columns device": (lambda p, c: (p, c, _columns().to("meta")), RuntimeError,
                        r"columns is on meta but p is on cpu"),
     # The CSR buffers: the messages named the layout ("column CSR weights") but not the
-    # argument before issue 24.
+    # argument once.
     "col_weights fp64": (lambda p, c: (p, _csr(col_weights=c.col_weights.double()), None),
                          TypeError, r"col_weights: column CSR weights must be float32, "
                                     r"got torch\.float64"),
@@ -164,7 +164,7 @@ PROJECT_CASES = {
                      r"teacher columns \(valid ids are 0\.\.28\)"),
     "column = -1": (lambda p, c: (p, c, _shifted(_columns(), (0, 0, 0), -1)), IndexError,
                     r"columns holds teacher id -1, out of range"),
-    # Unchecked before issue 24: the kernels read out of bounds (a segfault under Triton's
+    # Once unchecked: the kernels read out of bounds (a segfault under Triton's
     # interpreter, see test_corrupt_csr_buffers_do_not_abort_the_process), the reference
     # raised torch's "index ... out of bounds" without naming a buffer.
     "decreasing col_indptr": (
@@ -237,7 +237,7 @@ BACKWARD_CASES = {
                           RuntimeError, r"row_indptr is on meta but grad is on cpu"),
     "column = V_t": (lambda: _backward_args(_grad(4), _shifted(_columns(), (0, 1, 2), V_T)),
                      IndexError, r"columns holds teacher id 29, out of range"),
-    # Unchecked before issue 24 (a segfault on the Triton path, see below).
+    # Once unchecked (a segfault on the Triton path, see below).
     "row_indptr past nnz": (
         lambda: _backward_args(row_indptr=_shifted(PROJ.row_indptr, -1, NNZ + 7)), ValueError,
         rf"row_indptr: row CSR indptr must start at 0, never decrease and end at nnz = {NNZ} "
@@ -261,7 +261,7 @@ def test_project_backward_rejects_bad_arguments(case, mode):
 
 
 def test_corrupt_csr_buffers_do_not_abort_the_process():
-    """Before issue 24 each of these segfaulted the interpreter-run Triton kernels (an
+    """Once each of these segfaulted the interpreter-run Triton kernels (an
     illegal memory access on a GPU), or read out of bounds silently: run them in a child
     process, which must exit normally with the named error for each."""
     script = textwrap.dedent("""
@@ -385,7 +385,7 @@ def test_chunk_sums_backward_rejects_bad_arguments(case, mode):
 
 
 MASK_CASES = {
-    # Unchecked before issue 24: [B, 1] against [B, C] broadcast silently, and other
+    # Once unchecked: [B, 1] against [B, C] broadcast silently, and other
     # mismatches raised torch's broadcasting error without an argument name.
     "teacher_sizes shape": (lambda s, t, v: (s, t[:, :3], v), ValueError,
                             r"teacher_sizes must be \[B, C\] = \(2, 4\) like student_sizes, "
@@ -540,7 +540,7 @@ def test_vocabulary_sizes_are_keyword_only(tmp_path):
 @pytest.mark.parametrize("normalize_rows", [False, True])
 def test_nan_and_inf_in_a_projection_file_propagate(normalize_rows, tmp_path):
     """Never silently zeroed: with ``normalize_rows`` a NaN made its whole row's total NaN,
-    and the row was dropped as if it were all zeros (issue 24); now the row is NaN."""
+    and the row was dropped as if it were all zeros; now the row is NaN."""
     path = tmp_path / "projection.pt"
     likelihoods = LIK.clone()
     likelihoods[0, 1] = float("nan")  # student 0 -> teacher 1

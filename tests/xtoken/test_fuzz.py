@@ -1,4 +1,4 @@
-"""Property fuzzing of the cross-tokenizer family (issue 24): ``compileops.xtoken.project``
+"""Property fuzzing of the cross-tokenizer family: ``compileops.xtoken.project``
 and ``SparseProjection`` (hence ``compileops::xtoken_project`` and its backward), and
 ``chunk_sums`` / ``chunk_average`` (``compileops::xtoken_chunk_sums`` and its backward), on
 both backends, against fp64 oracles written here.
