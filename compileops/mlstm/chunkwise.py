@@ -27,7 +27,7 @@ import torch
 
 from compileops import backends
 from compileops._library import custom_op
-from compileops.mlstm import reference
+from compileops.mlstm import recurrent, reference
 from compileops.mlstm.reference import LOG2E
 from compileops.mlstm.checks import (
     check_backward_grad,
@@ -392,7 +392,8 @@ def _state_backward(grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf, norm
     weight = norm_weight if norm_weight is not None else torch.ones(
         (nh * dv_len,), dtype=acc, device=q.device)
     bias = torch.zeros((nh * dv_len,), dtype=acc, device=q.device)
-    state = (c0, n0, m0) if has_state else reference_empty_state(q, v, acc)
+    state = (c0, n0, m0) if has_state else recurrent.empty_state(b, nh, dqk, dv_len, q.dtype,
+                                                                  q.device)
 
     def forward(q, k, v, igate, logf, weight, bias, c0, n0, m0):
         h, _, _, _, last = _reference_forward(q, k, v, igate, logf, c0, n0, m0, chunk, eps)
@@ -419,10 +420,3 @@ def _state_backward(grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf, norm
     return tuple(g.clone() if any(g is x for x in (grad_out, grad_c, grad_n, grad_m))
                  else g for g in (dq, dk, dv, dig, dlf, dweight, dbias, dc0, dn0, dm0))
 
-
-def reference_empty_state(q: torch.Tensor, v: torch.Tensor, acc: torch.dtype):
-    """The state before the first token: ``C = 0``, ``n = 0``, ``m = -inf``."""
-    b, nh, _, dqk = q.shape
-    return (q.new_zeros((b, nh, dqk, v.shape[-1]), dtype=acc),
-            q.new_zeros((b, nh, dqk), dtype=acc),
-            q.new_full((b, nh), float("-inf"), dtype=acc))
