@@ -27,6 +27,8 @@ import contextlib
 import contextvars
 from typing import Iterator
 
+import torch
+
 
 class Mode:
     """One boolean mode: a process-wide default plus a per-context override."""
@@ -80,6 +82,16 @@ def set_strict_offset_checks(enabled: bool) -> None:
 def strict_offset_checks(enabled: bool = True):
     """``with compileops.strict_offset_checks():`` strict offset checks in this context."""
     return STRICT_OFFSET_CHECKS.override(enabled)
+
+
+def host_value_checks(t: torch.Tensor) -> bool:
+    """Whether checks that read ``t``'s values on the host run now: eagerly, on CPU tensors
+    (free there) and elsewhere under strict offset checks (one device sync); never while
+    compiling (``is_compiling()`` first: Dynamo cannot trace a ContextVar read). Where they
+    do not run, the callers check on the device instead, or say what the user promises."""
+    if torch.compiler.is_compiling():
+        return False
+    return t.device.type == "cpu" or STRICT_OFFSET_CHECKS.enabled()
 
 
 def set_batch_invariant(enabled: bool) -> None:

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import torch
 
 from compileops._library import check_dim, check_same_device
-from compileops.modes import STRICT_OFFSET_CHECKS
+from compileops.modes import host_value_checks
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the Triton kernels'
@@ -151,9 +151,7 @@ def check_offset_values(offsets: torch.Tensor, m: int) -> None:
 def check_offsets_eagerly(offsets: torch.Tensor, m: int) -> None:
     """:func:`check_offset_values` where it is cheap or asked for: always on CPU tensors, on
     other devices only with strict offset checks on, never while compiling."""
-    if torch.compiler.is_compiling():
-        return
-    if offsets.device.type == "cpu" or STRICT_OFFSET_CHECKS.enabled():
+    if host_value_checks(offsets):
         check_offset_values(offsets, m)
 
 
@@ -204,9 +202,7 @@ def check_split_values(m_splits: torch.Tensor, m: int) -> None:
 def check_splits_eagerly(m_splits: torch.Tensor, m: int) -> bool:
     """:func:`check_split_values` under the rule of :func:`check_offsets_eagerly`; whether it
     ran."""
-    if torch.compiler.is_compiling():
-        return False
-    if m_splits.device.type == "cpu" or STRICT_OFFSET_CHECKS.enabled():
+    if host_value_checks(m_splits):
         check_split_values(m_splits, m)
         return True
     return False
@@ -265,8 +261,7 @@ def check_expert_id_values(expert_ids: torch.Tensor, num_experts: int) -> None:
     on CUDA, a ``RuntimeError`` naming ``expert_ids`` when compiled on CPU."""
     if expert_ids.numel() == 0:
         return
-    if torch.compiler.is_compiling() or (expert_ids.device.type != "cpu"
-                                         and not STRICT_OFFSET_CHECKS.enabled()):
+    if not host_value_checks(expert_ids):
         ok = ((expert_ids >= 0) & (expert_ids < num_experts)).all()
         torch._assert_async(ok, EXPERT_ID_OUT_OF_RANGE)
         return
@@ -364,9 +359,7 @@ def check_order_values(order: torch.Tensor) -> None:
 def check_order_eagerly(order: torch.Tensor) -> bool:
     """:func:`check_order_values` under the rule of :func:`check_offsets_eagerly` (on CPU
     tensors, elsewhere with strict offset checks, never while compiling); whether it ran."""
-    if torch.compiler.is_compiling():
-        return False
-    if order.device.type == "cpu" or STRICT_OFFSET_CHECKS.enabled():
+    if host_value_checks(order):
         check_order_values(order)
         return True
     return False

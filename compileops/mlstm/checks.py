@@ -143,11 +143,10 @@ def check_cu_seqlens(cu_seqlens, batch: int, seq: int, device: torch.device) -> 
     on the device with ``torch._assert_async``: compiled on CPU it raises a
     ``RuntimeError`` with :data:`CU_SEQLENS_INVALID`; on CUDA it is a device-side assert,
     which ends the process's CUDA context."""
-    from compileops.modes import STRICT_OFFSET_CHECKS
+    from compileops.modes import host_value_checks
 
     check_cu_seqlens_layout(cu_seqlens, batch, device)
-    if not torch.compiler.is_compiling() and (
-            cu_seqlens.device.type == "cpu" or STRICT_OFFSET_CHECKS.enabled()):
+    if host_value_checks(cu_seqlens):
         check_cu_seqlens_values(cu_seqlens, seq)
         return
     valid = ((cu_seqlens[0] == 0) & (cu_seqlens[-1] == seq)
