@@ -175,6 +175,36 @@ def cumulative_ends(lengths: Sequence[int]) -> list[int]:
     return ends
 
 
+#: What another packed document may hold (:func:`packed_documents`): a non-finite value in
+#: any input, or a gate far outside the usual range.
+DOCUMENT_POISONS = ("nan", "inf", "-inf", "1e4", "-1e4")
+
+
+@st.composite
+def packed_documents(draw, max_docs: int = 5, max_length: int = 40):
+    """``(lengths, target, poisons)``: 2 to ``max_docs`` packed documents (empty ones
+    included), the index of a non-empty ``target`` document, and up to three poisons of
+    the others: ``(document, input name, row within it, value)``, the value from
+    :data:`DOCUMENT_POISONS` (the gates' large values only in the gates)."""
+    lengths = draw(st.lists(sizes(max_length), min_size=2, max_size=max_docs), label="lengths")
+    live = [i for i, n in enumerate(lengths) if n]
+    assume_live = draw(st.sampled_from(live), label="target") if live else None
+    if assume_live is None:  # no non-empty document: give the first one a row
+        lengths[0] = 1
+        assume_live = 0
+    target = assume_live
+    others = [i for i, n in enumerate(lengths) if n and i != target]
+    poisons = []
+    for _ in range(draw(st.integers(0, 3) if others else st.just(0), label="poisons")):
+        doc = draw(st.sampled_from(others), label="poisoned document")
+        name = draw(st.sampled_from(["q", "k", "v", "igate", "fgate"]), label="input")
+        values = DOCUMENT_POISONS if name in ("igate", "fgate") else DOCUMENT_POISONS[:3]
+        value = draw(st.sampled_from(values), label="value")
+        row = draw(st.integers(0, lengths[doc] - 1), label="row")
+        poisons.append((doc, name, row, float(value)))
+    return lengths, target, poisons
+
+
 def invalid_cu_seqlens(seq: int) -> st.SearchStrategy[list[int]]:
     """Values that are not the cumulative ends of documents packing ``seq`` rows (at least
     two entries): not starting at 0, not ending at ``seq`` (short of it or past it), a

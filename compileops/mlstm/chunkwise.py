@@ -1,20 +1,27 @@
 """The chunkwise mLSTM ops: linear in S, with states in and out.
 
 * ``compileops::mlstm_chunkwise(q, k, v, igate, logf, norm_weight?, norm_bias?, c0?, n0?,
-  m0?, chunk, normed, norm_eps, eps, residual_weight, save_h) -> (out, h, m_log2, b,
-  c_states, n_states, m_states, c_last, n_last, m_last)``. As ``mlstm_parallel`` (op.py),
+  m0?, chunk, normed, norm_eps, eps, residual_weight, save_h, segments?) -> (out, h,
+  m_log2, b, c_states, n_states, m_states, c_last, n_last, m_last)``. As ``mlstm_parallel`` (op.py),
   except: ``logf`` is the forget-gate sum restarted every ``chunk`` rows
   (``log_forget_op(fgate, chunk)``); the optional initial state ``c0 [B, NH, DQK, DV]``,
   ``n0 [B, NH, DQK]``, ``m0 [B, NH]`` (accumulation dtype; all three or none); the
   states entering each chunk (kept for the backward, layout of ``kernels.chunkwise``) and
-  the last state ``(c_last, n_last, m_last)``, with m in natural-log units.
+  the last state ``(c_last, n_last, m_last)``, with m in natural-log units. ``segments``
+  (packed documents laid out by :mod:`.documents`): int32 ``[2, K + 1]``, row 0 the first
+  row of each of K segments and then S, row 1 where each segment's real rows end; every
+  segment starts on a chunk boundary, is entered with the empty state and is computed as
+  if it were a row of its own (no initial state then).
 * ``compileops::mlstm_chunkwise_backward(...)``: the gradients, the initial state's and
   the last state's included.
 
 Gradient: the chunkwise output is the parallel form's function (the same ``logD`` under a
 different summation order), so the same identities hold: ``sum_j dlogD_ij = q_i . dq_i``,
 ``sum_i dlogD_ij = k_j . dk_j``, and the stabiliser's gradient goes to each row's maximal
-column (``op.stabiliser_column_grad``; the initial state is a column before the first).
+column (:func:`stabiliser_shares`; the initial state is a column before the first).
+Here every scan along the row (the forget sums' chunk offsets, the stabiliser's running
+argmax and its shares, the chunk totals carried back) runs per segment, in blocks counted
+from the segment's start (:mod:`.kernels.segments`).
 The returned ``C = exp(-m) C~`` depends on m, so the last state's gradient adds
 ``dm_last - <dC_last, C_last> - <dn_last, n_last>`` to the last row's stabiliser gradient.
 """
@@ -36,7 +43,7 @@ from compileops.mlstm.checks import (
     check_log_gates,
 )
 from compileops.mlstm.gates import _chunked
-from compileops.mlstm.op import _dense, _out_shape, stabiliser_column_grad
+from compileops.mlstm.op import _dense, _out_shape
 
 
 
@@ -63,6 +70,18 @@ def check_state(q: torch.Tensor, v: torch.Tensor, c0, n0, m0) -> None:
                              f"accumulation dtype), got {t.dtype}")
         torch._check(t.device == q.device,
                      lambda: f"{name} is on {t.device}, q on {q.device}")
+
+
+def check_segments(q: torch.Tensor, segments: Optional[torch.Tensor], c0) -> None:
+    if segments is None:
+        return
+    torch._check(segments.dim() == 2 and segments.shape[0] == 2 and segments.shape[1] >= 2,
+                 lambda: f"segments must be [2, K + 1], got {list(segments.shape)}")
+    torch._check(segments.dtype == torch.int32,
+                 lambda: f"segments must be int32, got {segments.dtype}")
+    torch._check(segments.device == q.device,
+                 lambda: f"segments is on {segments.device}, q on {q.device}")
+    torch._check(c0 is None, lambda: "segments take no initial state (each starts empty)")
 
 
 def global_log_forget(logf: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -132,7 +151,7 @@ def mlstm_chunkwise_op(
     logf: torch.Tensor, norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
     c0: Optional[torch.Tensor], n0: Optional[torch.Tensor], m0: Optional[torch.Tensor],
     chunk: int, normed: bool, norm_eps: float, eps: float, residual_weight: bool,
-    save_h: bool,
+    save_h: bool, segments: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """See the module docstring."""
@@ -140,8 +159,14 @@ def mlstm_chunkwise_op(
     check_log_gates(q, igate, logf)
     check_chunk(chunk)
     check_state(q, v, c0, n0, m0)
+    check_segments(q, segments, c0)
     b, nh, seq = q.shape[:3]
     initial = (c0, n0, m0) if c0 is not None else None
+    if segments is not None and b * nh * seq and backends.select(
+            "mlstm_chunkwise", q.device) != "triton":
+        return _reference_forward_segments(q, k, v, igate, logf, norm_weight, norm_bias, chunk,
+                                           normed, norm_eps, eps, residual_weight, save_h,
+                                           segments)
     # S = 0 (or B * NH = 0) has no rows to compute: the plain path returns the initial (or
     # empty) state as the last one, on every backend, with no kernel launch.
     if b * nh * seq and backends.select("mlstm_chunkwise", q.device) == "triton":
@@ -149,7 +174,8 @@ def mlstm_chunkwise_op(
         from compileops.mlstm.kernels import chunkwise, forward
 
         ig, lf = igate.contiguous(), logf.contiguous()
-        cst, nst, mst, c_last = chunkwise.chunk_states(k, v, ig, lf, chunk, initial)
+        cst, nst, mst, c_last = chunkwise.chunk_states(k, v, ig, lf, chunk, initial,
+                                                       _resets(segments, seq, chunk))
         out, h, m2, row_sum = forward.mlstm_forward(
             q, k, v, ig, lf, _dense(norm_weight), _dense(norm_bias), normed, norm_eps, eps,
             residual_weight, save_h and normed, config=_forward_config(q, v, chunk),
@@ -173,6 +199,65 @@ def mlstm_chunkwise_op(
             m_last.contiguous())
 
 
+def _resets(segments: Optional[torch.Tensor], seq: int, chunk: int) -> Optional[torch.Tensor]:
+    if segments is None:
+        return None
+    from compileops.mlstm import documents
+    from compileops.mlstm.kernels.chunkwise import num_chunks
+
+    return documents.chunk_resets(segments[0], num_chunks(seq, chunk), chunk)
+
+
+def _segment_bounds(segments: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(first row, end of the real rows, end)`` of each segment, read on the host."""
+    starts, real_ends = segments.tolist()
+    return [(a, e, b) for a, e, b in zip(starts[:-1], real_ends[:-1], starts[1:])]
+
+
+def _reference_forward_segments(q, k, v, igate, logf, norm_weight, norm_bias, chunk, normed,
+                                norm_eps, eps, residual_weight, save_h, segments):
+    """The reference backend with segments: each segment's real rows run alone (the
+    reference forward, chunk by chunk, from the empty state), exactly as that document would
+    alone; pad rows read zeros. The states entering each chunk are placed at the segment's
+    chunks; the last state is the empty one."""
+    b, nh, seq, dqk = q.shape
+    dv = v.shape[-1]
+    acc = reference.gate_dtype(q.dtype)
+    nc = (seq + chunk - 1) // chunk
+    out = v.new_zeros(_out_shape(q, v, normed))
+    kept = v.new_zeros(v.shape) if (save_h and normed) else v.new_empty((0,))
+    m2 = logf.new_zeros(logf.shape)
+    row_sum = logf.new_zeros(logf.shape)
+    empty = recurrent.empty_state(b, nh, dqk, dv, q.dtype, q.device)
+    cst = empty[0].to(q.dtype)[:, :, None].expand(b, nh, nc, dqk, dv).flatten(0, 1).clone()
+    nst = empty[1][:, :, None].expand(b, nh, nc + 1, dqk).flatten(0, 1).clone()
+    mst = empty[2][:, :, None].expand(b, nh, nc + 1).flatten(0, 1).clone()
+    for start, real_end, _ in _segment_bounds(segments):
+        if real_end == start:
+            continue
+        rows = slice(start, real_end)
+        first = start // chunk
+        parts = mlstm_chunkwise_op(
+            q[:, :, rows], k[:, :, rows], v[:, :, rows], igate[..., rows], logf[..., rows],
+            norm_weight, norm_bias, None, None, None, chunk, normed, norm_eps, eps,
+            residual_weight, save_h)
+        o, h, m, r, c_s, n_s, m_s = parts[:7]
+        if normed:
+            out[:, rows] = o
+        else:
+            out[:, :, rows] = o
+        if kept.numel():
+            kept[:, :, rows] = h
+        m2[..., rows] = m
+        row_sum[..., rows] = r
+        count = c_s.shape[1]
+        cst[:, first:first + count] = c_s
+        nst[:, first:first + count] = n_s[:, :count]
+        mst[:, first:first + count] = m_s[:, :count]
+    c_last, n_last, m_last = (t.clone() for t in empty)
+    return out, kept, m2, row_sum, cst, nst, mst, c_last, n_last, m_last
+
+
 def _forward_config(q, v, chunk):
     from compileops.mlstm.kernels import config
 
@@ -188,11 +273,12 @@ def _backward_config(q, v, chunk):
 
 @mlstm_chunkwise_op.register_fake
 def _mlstm_chunkwise_fake(q, k, v, igate, logf, norm_weight, norm_bias, c0, n0, m0, chunk,
-                          normed, norm_eps, eps, residual_weight, save_h):
+                          normed, norm_eps, eps, residual_weight, save_h, segments=None):
     check_inputs(q, k, v, igate, logf, norm_weight, norm_bias, norm_eps, eps)
     check_log_gates(q, igate, logf)
     check_chunk(chunk)
     check_state(q, v, c0, n0, m0)
+    check_segments(q, segments, c0)
     acc = reference.gate_dtype(q.dtype)
     b, nh, seq, dqk = q.shape
     dv = v.shape[-1]
@@ -210,12 +296,12 @@ def _mlstm_chunkwise_fake(q, k, v, igate, logf, norm_weight, norm_bias, c0, n0, 
 
 def _setup_context(ctx, inputs, output) -> None:
     (q, k, v, igate, logf, norm_weight, norm_bias, c0, n0, m0, chunk, normed, norm_eps, eps,
-     residual, _) = inputs
+     residual, _, segments) = inputs
     out, h, m2, row_sum, cst, nst, mst, c_last, n_last, _m_last = output
     ctx.mark_non_differentiable(h, m2, row_sum, cst, nst, mst)
     kept_h = h if normed else out
     ctx.save_for_backward(q, k, v, igate, logf, norm_weight, c0, n0, m0, kept_h, m2, row_sum,
-                          cst, nst, mst, c_last, n_last)
+                          cst, nst, mst, c_last, n_last, segments)
     ctx.chunk = chunk
     ctx.normed = normed
     ctx.norm_eps = norm_eps
@@ -226,7 +312,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_out, _gh, _gm, _gb, _gc, _gn, _gms, grad_c, grad_n, grad_m):
     (q, k, v, igate, logf, norm_weight, c0, n0, m0, h, m2, row_sum, cst, nst, mst, c_last,
-     n_last) = ctx.saved_tensors
+     n_last, segments) = ctx.saved_tensors
     if ctx.normed and h.numel() == 0 and q.numel():
         raise RuntimeError("mlstm_chunkwise was called with save_h=False but a gradient is "
                            "needed: call compileops.mlstm, which keeps h when it must")
@@ -241,14 +327,14 @@ def _backward(ctx, grad_out, _gh, _gm, _gb, _gc, _gn, _gms, grad_c, grad_n, grad
     grads = mlstm_chunkwise_backward_op(
         grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf, norm_weight, c0, n0, m0, h,
         m2, row_sum, cst, nst, mst, c_last, n_last, ctx.chunk, ctx.normed, ctx.norm_eps,
-        ctx.eps, ctx.residual_weight)
+        ctx.eps, ctx.residual_weight, segments)
     dq, dk, dv, digate, dlogf, dweight, dbias, dc0, dn0, dm0 = grads
     dweight = dweight.to(norm_weight.dtype) if norm_weight is not None else None
     dbias = dbias.to(ctx.bias_dtype) if ctx.bias_dtype is not None else None
     has_state = c0 is not None
     return (dq, dk, dv, digate, dlogf, dweight, dbias, dc0 if has_state else None,
             dn0 if has_state else None, dm0 if has_state else None,
-            None, None, None, None, None, None)
+            None, None, None, None, None, None, None)
 
 
 backends.register_autograd(mlstm_chunkwise_op, _backward, _setup_context)
@@ -262,7 +348,7 @@ def mlstm_chunkwise_backward_op(
     n0: Optional[torch.Tensor], m0: Optional[torch.Tensor], h: torch.Tensor,
     m2: torch.Tensor, row_sum: torch.Tensor, cst: torch.Tensor, nst: torch.Tensor,
     mst: torch.Tensor, c_last: torch.Tensor, n_last: torch.Tensor, chunk: int, normed: bool,
-    norm_eps: float, eps: float, residual_weight: bool,
+    norm_eps: float, eps: float, residual_weight: bool, segments: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, digate, dlogf, dweight, dbias, dc0, dn0, dm0)`` for the output's and
@@ -271,14 +357,19 @@ def mlstm_chunkwise_backward_op(
     check_backward_grad(grad_out, _out_shape(q, v, normed), "grad_out")
     acc = reference.gate_dtype(q.dtype)
     b, nh, seq, dqk = q.shape
-    if not b * nh * seq or backends.select("mlstm_chunkwise_backward",
-                                           q.device) != "triton":
+    reference_backend = backends.select("mlstm_chunkwise_backward", q.device) != "triton"
+    if segments is not None and b * nh * seq and reference_backend:
+        return _reference_backward_segments(grad_out, q, k, v, igate, logf, norm_weight, chunk,
+                                            normed, norm_eps, eps, residual_weight, acc,
+                                            segments)
+    if not b * nh * seq or reference_backend:
         return _reference_backward(grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf,
                                    norm_weight, c0, n0, m0, chunk, normed, norm_eps, eps,
                                    residual_weight, acc)
     check_kernel_head_dims(q, v)
     from compileops.mlstm import kernels
-    from compileops.mlstm.kernels import chunkwise, gates
+    from compileops.mlstm.kernels import chunkwise
+    from compileops.mlstm.kernels import segments as segment_scans
 
     cfg = _backward_config(q, v, chunk)
     dh, r, beta, dm, parts_w, parts_b = kernels.norm_backward(
@@ -292,28 +383,32 @@ def mlstm_chunkwise_backward_op(
     if seq:
         dm = torch.cat([dm[..., :-1], dm[..., -1:] + dm_last[..., None]], dim=-1).contiguous()
     ig, lf = igate.contiguous(), logf.contiguous()
+    starts = segments[0] if segments is not None else None
     dcs, dns, dc0 = chunkwise.chunk_state_grads(q, dh, lf, m2, r, beta, mst, chunk,
-                                                (grad_c, grad_n))
+                                                (grad_c, grad_n), _resets(segments, seq, chunk))
     dq, dk, dv, row_grad, col_grad = kernels.cell_backward(
         q, k, v, dh, ig, lf, m2, r, beta, cfg, chunk=chunk, states=(cst, nst, mst),
         state_grads=(dcs, dns))
-    keys = ig - global_log_forget(lf, chunk)
+    # The stabiliser's gradient: m_i = F_i + max_{j<=i} (igate_j - F_j), F the segment's
+    # whole forget sums (the restarted ones plus the chunk offsets), the initial state a
+    # column before the first with key m0.
+    offsets = segment_scans.chunk_scan(lf, chunk, starts, reverse=False, last_only=True)
+    keys = ig - (lf + _per_row(offsets, chunk, seq))
     has_state = c0 is not None
-    if has_state:  # the initial state: a column before the first, with logD = F_i + m0
-        shares = stabiliser_column_grad(torch.cat([m0[..., None], keys], -1),
-                                        torch.cat([torch.zeros_like(dm[..., :1]), dm], -1),
-                                        gates.running_sum)
-        col_grad = col_grad + shares[..., 1:]
+    shares, initial_share = stabiliser_shares(keys, dm, starts, m0 if has_state else None)
+    col_grad = col_grad + shares
+    if has_state:
         dn0 = dns[:, 0].reshape(b, nh, dqk)
-        dm0 = ((dc0 * c0).sum(dim=(-2, -1)) + (dn0 * n0).sum(dim=-1) + shares[..., 0])
+        dm0 = (dc0 * c0).sum(dim=(-2, -1)) + (dn0 * n0).sum(dim=-1) + initial_share
     else:
-        col_grad = col_grad + stabiliser_column_grad(keys, dm, gates.running_sum)
         dn0 = q.new_zeros((b, nh, dqk), dtype=acc)
         dm0 = q.new_zeros((b, nh), dtype=acc)
     row_grad = row_grad + dm
     if seq:
         row_grad = torch.cat([row_grad[..., :-1], row_grad[..., -1:] + read_last[..., None]], -1)
-    dlogf = _local_log_forget_grad(row_grad - col_grad, chunk)
+    d_global = row_grad - col_grad
+    later = segment_scans.chunk_scan(d_global, chunk, starts, reverse=True, last_only=False)
+    dlogf = _with_later_chunks(d_global, later, chunk)
     if normed:
         dweight = parts_w.sum(dim=(0, 1)).reshape(-1)
         dbias = parts_b.sum(dim=(0, 1)).reshape(-1)
@@ -338,11 +433,73 @@ def _local_log_forget_grad(d_global: torch.Tensor, chunk: int) -> torch.Tensor:
     return out[..., :seq].contiguous()
 
 
+def _per_row(per_chunk: torch.Tensor, chunk: int, seq: int) -> torch.Tensor:
+    """``[..., NC]`` -> ``[..., S]``: each row gets its chunk's value."""
+    return per_chunk.repeat_interleave(chunk, dim=-1)[..., :seq]
+
+
+def _with_later_chunks(d_global: torch.Tensor, later: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The gradient of the chunk-restarted forget sums from that of the segment's whole
+    ones ``d_global [..., S]``: a chunk's last sum also carries into every later row of its
+    segment, whose gradients ``later [..., NC]`` sums (:func:`.kernels.segments.chunk_scan`).
+    A partial last chunk has no later rows: its padded last slot is dropped."""
+    seq = d_global.shape[-1]
+    if seq == 0:
+        return d_global
+    blocks = _chunked(d_global, chunk)
+    last = torch.zeros_like(blocks)
+    last[..., -1] = later
+    return (blocks + last).flatten(-2)[..., :seq].contiguous()
+
+
+def stabiliser_shares(keys: torch.Tensor, dm: torch.Tensor, starts: Optional[torch.Tensor],
+                      initial_key: Optional[torch.Tensor] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the stabiliser's gradient ``dm [..., S]`` lands among the columns, per segment
+    (``starts``: the segments' first rows, then S; None: one segment): ``(shares [..., S],
+    initial [...])``, ``initial`` the share of the initial state's key (a column before the
+    first; zeros without one).
+
+    Row i's maximal column is the running argmax of ``keys`` within its segment (the latest
+    of equal maxima); it never decreases, so the rows sharing a column are a contiguous run
+    and a column's share is the difference of the segment's running sums of ``dm`` at the
+    run's two ends. Both scans are Triton kernels in blocks from the segment's start
+    (:func:`.kernels.segments.stabiliser_scan`): no scatter, and a segment's shares do not
+    depend on any other row or segment."""
+    from compileops.mlstm.kernels import segments as segment_scans
+
+    seq = keys.shape[-1]
+    if seq == 0:
+        return torch.zeros_like(dm), dm.new_zeros(dm.shape[:-1])
+    argmax, prefix = segment_scans.stabiliser_scan(keys, dm, starts, initial_key)
+    columns = torch.arange(seq, device=keys.device, dtype=torch.int32)
+    if starts is None:
+        column_start = torch.zeros_like(columns, dtype=torch.int64)
+    else:
+        first = starts.long()
+        column_start = first[torch.searchsorted(first, columns.long(), right=True) - 1]
+    # rows_upto[j]: the rows whose maximal column is <= j (every earlier segment's rows too).
+    rows_upto = torch.searchsorted(argmax, columns.expand_as(argmax).contiguous(), right=True)
+    below = torch.where(rows_upto > column_start,
+                        prefix.gather(-1, (rows_upto - 1).clamp(min=0)),
+                        torch.zeros_like(prefix))
+    if initial_key is not None:
+        # The rows reading the initial state come first in the row: argmax -1.
+        reading = (argmax < 0).sum(dim=-1, keepdim=True)
+        initial = torch.where(reading > 0, prefix.gather(-1, (reading - 1).clamp(min=0)),
+                              torch.zeros_like(prefix[..., :1]))
+    else:
+        initial = torch.zeros_like(prefix[..., :1])
+    previous = torch.cat([initial, below[..., :-1]], dim=-1)
+    previous = torch.where(columns == column_start, initial, previous)
+    return below - previous, initial[..., 0]
+
+
 @mlstm_chunkwise_backward_op.register_fake
 def _mlstm_chunkwise_backward_fake(grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf,
                                    norm_weight, c0, n0, m0, h, m2, row_sum, cst, nst, mst,
                                    c_last, n_last, chunk, normed, norm_eps, eps,
-                                   residual_weight):
+                                   residual_weight, segments=None):
     check_backward_grad(grad_out, _out_shape(q, v, normed), "grad_out")
     acc = reference.gate_dtype(q.dtype)
     b, nh, _, dqk = q.shape
@@ -377,6 +534,38 @@ def _reference_backward(grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf, 
     return (dq, dk, dv, dig, _local_log_forget_grad(dlf, chunk), dweight, dbias,
             q.new_zeros((b, nh, dqk, dv_len), dtype=acc), q.new_zeros((b, nh, dqk), dtype=acc),
             q.new_zeros((b, nh), dtype=acc))
+
+
+def _reference_backward_segments(grad_out, q, k, v, igate, logf, norm_weight, chunk, normed,
+                                 norm_eps, eps, residual_weight, acc, segments):
+    """The reference backend's backward with segments: each segment's real rows alone (as
+    :func:`_reference_forward_segments`), pad rows a zero gradient; the norm's affine
+    gradients summed over the segments in order."""
+    b, nh, _, dqk = q.shape
+    dv_len = v.shape[-1]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dig, dlf = torch.zeros_like(igate), torch.zeros_like(logf)
+    channels = nh * dv_len if normed else 0
+    dweight = q.new_zeros((channels,), dtype=acc)
+    dbias = q.new_zeros((channels,), dtype=acc)
+    for start, real_end, _ in _segment_bounds(segments):
+        if real_end == start:
+            continue
+        rows = slice(start, real_end)
+        g = grad_out[:, rows] if normed else grad_out[:, :, rows]
+        parts = _reference_backward(
+            g, q.new_zeros((b, nh, dqk, dv_len), dtype=acc),
+            q.new_zeros((b, nh, dqk), dtype=acc), q.new_zeros((b, nh), dtype=acc),
+            q[:, :, rows], k[:, :, rows], v[:, :, rows], igate[..., rows], logf[..., rows],
+            norm_weight, None, None, None, chunk, normed, norm_eps, eps, residual_weight, acc)
+        dq[:, :, rows], dk[:, :, rows], dv[:, :, rows] = parts[:3]
+        dig[..., rows], dlf[..., rows] = parts[3], parts[4]
+        if normed:
+            dweight = dweight + parts[5]
+            dbias = dbias + parts[6]
+    zeros = (q.new_zeros((b, nh, dqk, dv_len), dtype=acc), q.new_zeros((b, nh, dqk), dtype=acc),
+             q.new_zeros((b, nh), dtype=acc))
+    return (dq, dk, dv, dig, dlf, dweight, dbias, *zeros)
 
 
 def _state_backward(grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf, norm_weight,

@@ -284,19 +284,23 @@ def _dkv_step(
     stride_qs, stride_qd, stride_hs, stride_hd, scale,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACC: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, CHECK_ROWS: tl.constexpr = False,
 ):
     """Query tile ``[start_m, start_m + BLOCK_M)`` into the unscaled dK ``[BLOCK_N,
-    BLOCK_DQK]`` and the dV ``[BLOCK_N, BLOCK_DV]`` accumulators (``MASKED``: the causal and
-    bounds masks, on the transposed ``[BLOCK_N, BLOCK_M]`` tile). Unmasked tiles use the
-    factorised decay: ``col_scale = exp2(igate_j - logf_j - tile_ref)`` (log2 units,
-    ``tile_ref`` the largest column term of the key tile) times a per-row factor."""
+    BLOCK_DQK]`` and the dV ``[BLOCK_N, BLOCK_DV]`` accumulators (``MASKED``: the diagonal
+    tile, with the causal and bounds masks, on the transposed ``[BLOCK_N, BLOCK_M]`` tile).
+    Tiles below the diagonal use the factorised decay: ``col_scale = exp2(igate_j - logf_j -
+    tile_ref)`` (log2 units, ``tile_ref`` the largest column term of the key tile) times a
+    per-row factor; ``CHECK_ROWS`` (the ragged last tile) masks the rows past ``seq_len``
+    and computes the live ones exactly as a full tile would, so that a row's sums do not
+    depend on where the sequence ends (a packed document is bitwise its own alone)."""
     rows = start_m + tl.arange(0, BLOCK_M)
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
-    q = load_tile(q_base, rows, stride_qs, dqk, stride_qd, seq_len, DQK, BLOCK_DQK, MASKED)
+    q = load_tile(q_base, rows, stride_qs, dqk, stride_qd, seq_len, DQK, BLOCK_DQK,
+                  MASKED or CHECK_ROWS)
     dh = load_tile(h_base, rows, stride_hs, dv, stride_hd, seq_len, DV, BLOCK_DV,
-                   MASKED).to(q.dtype)
+                   MASKED or CHECK_ROWS).to(q.dtype)
     if MASKED:
         row_ok = rows < seq_len
         logf_i = tl.load(logf_ptr + rows, mask=row_ok, other=0.0) * LOG2E
@@ -307,6 +311,14 @@ def _dkv_step(
         log_d = tl.where(live, logf_i[None, :] - logf_j[:, None] + igate_j[:, None]
                          - m2_i[None, :], float("-inf"))
         decay = tl.exp2(log_d)  # [BLOCK_N, BLOCK_M]
+    elif CHECK_ROWS:
+        row_ok = rows < seq_len
+        logf_i = tl.load(logf_ptr + rows, mask=row_ok, other=0.0) * LOG2E
+        m2_i = tl.load(m2_ptr + rows, mask=row_ok, other=0.0)
+        r_i = tl.load(r_ptr + rows, mask=row_ok, other=0.0)
+        beta_i = tl.load(beta_ptr + rows, mask=row_ok, other=0.0)
+        row_factor = tl.where(row_ok, tl.exp2(logf_i + tile_ref - m2_i), 0.0)
+        decay = col_scale[:, None] * row_factor[None, :]
     else:
         logf_i = tl.load(logf_ptr + rows) * LOG2E
         m2_i = tl.load(m2_ptr + rows)
@@ -395,7 +407,8 @@ def mlstm_dkv_kernel(
             dk, dv_acc, k, v, col_scale, tile_ref, cols, full_end, q_base, h_base,
             logf_h, m2_h, r_h, beta_h, seq_len, logf_j, igate_j,
             stride_qs, stride_qd, stride_hs, stride_hd, scale,
-            DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, True, ACC, INPUT_PRECISION, UPCAST)
+            DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, False, ACC, INPUT_PRECISION, UPCAST,
+            CHECK_ROWS=True)
     dk = dk * scale
     if HAS_STATE:
         slots = tl.maximum(tl.cdiv(seq_len, chunk_len), 1)
@@ -408,8 +421,11 @@ def mlstm_dkv_kernel(
         logf_end = tl.load(logf_h + window_end - 1)
         lf_nat = tl.load(logf_h + cols, mask=col_ok, other=0.0)
         ig_nat = tl.load(igate_ptr + gate_off + cols, mask=col_ok, other=0.0)
-        w = tl.where(col_ok, tl.exp(logf_end - lf_nat + ig_nat - tl.load(mstate_ptr + slot)),
-                     0.0)
+        # An m of -inf: the leaving state is empty, or the next chunk starts a new segment
+        # (packed documents) and nothing reads it; its weights are 0, not exp(+inf).
+        m_leaving = tl.load(mstate_ptr + slot)
+        w = tl.where(col_ok, tl.exp(logf_end - lf_nat + ig_nat - m_leaving), 0.0)
+        w = tl.where(m_leaving > float("-inf"), w, 0.0)
         dk_state = mma(v, tl.trans(dc), tl.zeros((BLOCK_N, BLOCK_DQK), dtype=ACC),
                        INPUT_PRECISION, UPCAST) + dn[None, :]
         dk = dk + w[:, None] * dk_state

@@ -42,20 +42,25 @@ from compileops.mlstm.kernels.common import (
 from compileops.mlstm.kernels.config import head_tile
 
 
-@triton.jit
+# num_chunks is not specialised: a packed document and the same document alone (a different
+# chunk count, maybe 1) must run the same compiled walk, so that they round alike.
+@triton.jit(do_not_specialize=["num_chunks"])
 def chunk_states_kernel(
-    k_ptr, v_ptr, igate_ptr, logf_ptr, c0_ptr, n0_ptr, m0_ptr,
+    k_ptr, v_ptr, igate_ptr, logf_ptr, c0_ptr, n0_ptr, m0_ptr, resets_ptr,
     c_ptr, n_ptr, m_ptr, c_last_ptr, seq_len, num_heads, num_chunks,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_V: tl.constexpr,
-    CHUNK: tl.constexpr, SUB: tl.constexpr, HAS_INITIAL: tl.constexpr, ACC: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    CHUNK: tl.constexpr, SUB: tl.constexpr, HAS_INITIAL: tl.constexpr,
+    HAS_RESETS: tl.constexpr, ACC: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """Grid ``(B * NH * cdiv(DV, BLOCK_V),)``, head-major. ``igate_ptr``, ``logf_ptr [B *
     NH, S]`` (``logf`` restarted at each chunk), ``ACC``, contiguous; ``c0_ptr [B * NH, DQK,
     DV]``, ``n0_ptr [B * NH, DQK]``, ``m0_ptr [B * NH]`` (``ACC``): the initial state when
-    ``HAS_INITIAL``. Writes the layout of the module docstring."""
+    ``HAS_INITIAL``. ``resets_ptr [NC]`` (int8, ``HAS_RESETS``): a chunk flagged 1 is
+    entered with the empty state, whatever came before (selected, never scaled to zero: an
+    Inf or NaN before it stays there). Writes the layout of the module docstring."""
     bh, pv = head_major_tile(tl.cdiv(DV, BLOCK_V))
     batch64 = (bh // num_heads).to(tl.int64)
     head64 = (bh % num_heads).to(tl.int64)
@@ -77,6 +82,11 @@ def chunk_states_kernel(
     v_base = v_ptr + batch64 * stride_vb + head64 * stride_vh
     lanes = tl.arange(0, CHUNK)
     for c in range(0, num_chunks):
+        if HAS_RESETS:
+            if tl.load(resets_ptr + c) != 0:
+                state = tl.zeros((BLOCK_DQK, BLOCK_V), dtype=ACC)
+                norm = tl.zeros((BLOCK_DQK,), dtype=ACC)
+                m = tl.full((), float("-inf"), dtype=ACC)
         slot = bh.to(tl.int64) * (num_chunks + 1) + c
         tl.store(c_ptr + (bh.to(tl.int64) * num_chunks + c) * DQK * DV + tile,
                  state.to(c_ptr.dtype.element_ty), mask=tile_mask)
@@ -116,15 +126,16 @@ def chunk_states_kernel(
         tl.store(m_ptr + slot, m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def chunk_state_grads_kernel(
     q_ptr, dh_ptr, logf_ptr, m2_ptr, r_ptr, beta_ptr, m_ptr, dc_last_ptr, dn_last_ptr,
-    dc_ptr, dn_ptr, dc0_ptr, seq_len, num_heads, num_chunks, scale,
+    resets_ptr, dc_ptr, dn_ptr, dc0_ptr, seq_len, num_heads, num_chunks, scale,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_hb, stride_hh, stride_hs, stride_hd,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_V: tl.constexpr,
-    CHUNK: tl.constexpr, SUB: tl.constexpr, HAS_LAST_GRAD: tl.constexpr, ACC: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    CHUNK: tl.constexpr, SUB: tl.constexpr, HAS_LAST_GRAD: tl.constexpr,
+    HAS_RESETS: tl.constexpr, ACC: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """Grid ``(B * NH * cdiv(DV, BLOCK_V),)``, head-major, chunks in reverse. The gradient of
     the state leaving chunk c: the later chunks' rows read it as ``a_i q_i C / sqrt(DQK)``
@@ -135,7 +146,9 @@ def chunk_state_grads_kernel(
     slot c: leaving chunk c), ``dn_ptr [B * NH, NC + 1, DQK]`` (slot c + 1: leaving chunk
     c; slot 0: the initial state's) and ``dc0_ptr [B * NH, DQK, DV]`` (``ACC``: the initial
     state's). ``HAS_LAST_GRAD``: start from ``dc_last_ptr``/``dn_last_ptr`` (the returned
-    last state's gradient, ``ACC``)."""
+    last state's gradient, ``ACC``). ``resets_ptr`` (``HAS_RESETS``): as the forward's; the
+    state leaving a chunk before a reset has no reader, so its gradient is zero (selected:
+    nothing from the later segment reaches it)."""
     bh, pv = head_major_tile(tl.cdiv(DV, BLOCK_V))
     batch64 = (bh // num_heads).to(tl.int64)
     head64 = (bh % num_heads).to(tl.int64)
@@ -156,6 +169,13 @@ def chunk_state_grads_kernel(
     h_base = dh_ptr + batch64 * stride_hb + head64 * stride_hh
     for i in range(0, num_chunks):
         c = num_chunks - 1 - i
+        if HAS_RESETS:
+            # Nothing reads the state leaving chunk c when chunk c + 1 starts a segment. (The
+            # slot the forward keeps for it holds the reset state's m, so its decay below is
+            # no number either: selected away too.)
+            read = (i == 0) | (tl.load(resets_ptr + tl.minimum(c + 1, num_chunks - 1)) == 0)
+            grad = tl.where(read, grad, 0.0)
+            grad_n = tl.where(read, grad_n, 0.0)
         slot = bh.to(tl.int64) * (num_chunks + 1) + c
         tl.store(dc_ptr + (bh.to(tl.int64) * num_chunks + c) * DQK * DV + tile,
                  grad.to(dc_ptr.dtype.element_ty), mask=tile_mask)
@@ -166,6 +186,8 @@ def chunk_state_grads_kernel(
         m = tl.load(m_ptr + slot)
         m_next = tl.load(m_ptr + slot + 1)
         decay = tl.exp(m + f_end - m_next)
+        if HAS_RESETS:
+            decay = tl.where(read, decay, 0.0)
         grad = grad * decay
         grad_n = grad_n * decay
         for sub in range(0, CHUNK, SUB):
@@ -211,11 +233,13 @@ def num_chunks(seq: int, chunk: int) -> int:
 def chunk_states(
     k: torch.Tensor, v: torch.Tensor, igate: torch.Tensor, logf: torch.Tensor, chunk: int,
     initial: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    resets: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(C, n, m, C_last)`` (module docstring) for ``k [B, NH, S, DQK]``, ``v [B, NH, S,
     DV]`` (any strides), ``igate``/``logf [B, NH, S]`` contiguous in the accumulation dtype
     (``logf`` restarted every ``chunk`` rows), and an optional initial ``(C0 [B, NH, DQK,
-    DV], n0 [B, NH, DQK], m0 [B, NH])`` in the accumulation dtype."""
+    DV], n0 [B, NH, DQK], m0 [B, NH])`` in the accumulation dtype. ``resets [NC]`` (int8):
+    the chunks entered with the empty state (packed documents)."""
     batch, heads, seq, dqk = k.shape
     dv = v.shape[-1]
     nc = num_chunks(seq, chunk)
@@ -230,8 +254,9 @@ def chunk_states(
     c0, n0, m0 = (t.contiguous() for t in initial) if initial is not None else (m, m, m)
     block_v = _block_v(dv, dev)
     chunk_states_kernel[(batch * heads * triton.cdiv(dv, block_v),)](
-        k, v, igate, logf, c0, n0, m0, c, n, m, c_last, seq, heads, nc,
-        *k.stride(), *v.stride(), DV=dv, BLOCK_V=block_v, HAS_INITIAL=initial is not None,
+        k, v, igate, logf, c0, n0, m0, resets if resets is not None else m, c, n, m, c_last,
+        seq, heads, nc, *k.stride(), *v.stride(), DV=dv, BLOCK_V=block_v,
+        HAS_INITIAL=initial is not None, HAS_RESETS=resets is not None,
         **_launch_opts(k, chunk, dqk))
     return c, n, m, c_last
 
@@ -240,12 +265,14 @@ def chunk_state_grads(
     q: torch.Tensor, dh: torch.Tensor, logf: torch.Tensor, m_log2: torch.Tensor,
     r: torch.Tensor, beta: torch.Tensor, m_states: torch.Tensor, chunk: int,
     last_grad: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    resets: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dC [B * NH, NC, DQK, DV], dn [B * NH, NC + 1, DQK], dC0 [B, NH, DQK, DV])``: the
     gradients of the states leaving each chunk and of the initial state (its ``dn`` in slot
     0), for the raw h's gradient ``dh [B, NH, S, DV]`` (any strides), the per-row
     ``logf``, ``m_log2``, ``r``, ``beta`` ``[B, NH, S]`` and the forward's ``m_states``.
-    ``last_grad``: ``(dC_last [B, NH, DQK, DV], dn_last [B, NH, DQK])``."""
+    ``last_grad``: ``(dC_last [B, NH, DQK, DV], dn_last [B, NH, DQK])``; ``resets``: as
+    :func:`chunk_states`."""
     batch, heads, seq, dqk = q.shape
     dv = dh.shape[-1]
     nc = num_chunks(seq, chunk)
@@ -260,7 +287,9 @@ def chunk_state_grads(
                         else (dn, dn))
     block_v = _block_v(dv, dev)
     chunk_state_grads_kernel[(batch * heads * triton.cdiv(dv, block_v),)](
-        q, dh, logf, m_log2, r, beta, m_states, dc_last, dn_last, dc, dn, dc0, seq, heads, nc,
+        q, dh, logf, m_log2, r, beta, m_states, dc_last, dn_last,
+        resets if resets is not None else dn, dc, dn, dc0, seq, heads, nc,
         1.0 / math.sqrt(dqk), *q.stride(), *dh.stride(), DV=dv, BLOCK_V=block_v,
-        HAS_LAST_GRAD=last_grad is not None, **_launch_opts(q, chunk, dqk))
+        HAS_LAST_GRAD=last_grad is not None, HAS_RESETS=resets is not None,
+        **_launch_opts(q, chunk, dqk))
     return dc, dn, dc0
