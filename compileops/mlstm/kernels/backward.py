@@ -301,29 +301,26 @@ def _dkv_step(
                   MASKED or CHECK_ROWS)
     dh = load_tile(h_base, rows, stride_hs, dv, stride_hd, seq_len, DV, BLOCK_DV,
                    MASKED or CHECK_ROWS).to(q.dtype)
-    if MASKED:
+    if MASKED or CHECK_ROWS:
         row_ok = rows < seq_len
         logf_i = tl.load(logf_ptr + rows, mask=row_ok, other=0.0) * LOG2E
         m2_i = tl.load(m2_ptr + rows, mask=row_ok, other=0.0)
         r_i = tl.load(r_ptr + rows, mask=row_ok, other=0.0)
         beta_i = tl.load(beta_ptr + rows, mask=row_ok, other=0.0)
-        live = (cols[:, None] <= rows[None, :]) & row_ok[None, :] & (cols[:, None] < seq_len)
-        log_d = tl.where(live, logf_i[None, :] - logf_j[:, None] + igate_j[:, None]
-                         - m2_i[None, :], float("-inf"))
-        decay = tl.exp2(log_d)  # [BLOCK_N, BLOCK_M]
-    elif CHECK_ROWS:
-        row_ok = rows < seq_len
-        logf_i = tl.load(logf_ptr + rows, mask=row_ok, other=0.0) * LOG2E
-        m2_i = tl.load(m2_ptr + rows, mask=row_ok, other=0.0)
-        r_i = tl.load(r_ptr + rows, mask=row_ok, other=0.0)
-        beta_i = tl.load(beta_ptr + rows, mask=row_ok, other=0.0)
-        row_factor = tl.where(row_ok, tl.exp2(logf_i + tile_ref - m2_i), 0.0)
-        decay = col_scale[:, None] * row_factor[None, :]
     else:
         logf_i = tl.load(logf_ptr + rows) * LOG2E
         m2_i = tl.load(m2_ptr + rows)
         r_i = tl.load(r_ptr + rows)
         beta_i = tl.load(beta_ptr + rows)
+    if MASKED:
+        live = (cols[:, None] <= rows[None, :]) & row_ok[None, :] & (cols[:, None] < seq_len)
+        log_d = tl.where(live, logf_i[None, :] - logf_j[:, None] + igate_j[:, None]
+                         - m2_i[None, :], float("-inf"))
+        decay = tl.exp2(log_d)  # [BLOCK_N, BLOCK_M]
+    elif CHECK_ROWS:
+        row_factor = tl.where(row_ok, tl.exp2(logf_i + tile_ref - m2_i), 0.0)
+        decay = col_scale[:, None] * row_factor[None, :]
+    else:
         decay = col_scale[:, None] * tl.exp2(logf_i + tile_ref - m2_i)[None, :]
     scores = mma(k, tl.trans(q), tl.zeros((BLOCK_N, BLOCK_M), dtype=ACC),
                  INPUT_PRECISION, UPCAST) * scale
