@@ -18,7 +18,8 @@
 Gradient: the chunkwise output is the parallel form's function (the same ``logD`` under a
 different summation order), so the same identities hold: ``sum_j dlogD_ij = q_i . dq_i``,
 ``sum_i dlogD_ij = k_j . dk_j``, and the stabiliser's gradient goes to each row's maximal
-column (:func:`stabiliser_shares`; the initial state is a column before the first).
+column (:func:`.kernels.segments.stabiliser_shares`; the initial state is a column before
+the first).
 Here every scan along the row (the forget sums' chunk offsets, the stabiliser's running
 argmax and its shares, the chunk totals carried back) runs per segment, in blocks counted
 from the segment's start (:mod:`.kernels.segments`).
@@ -395,7 +396,8 @@ def mlstm_chunkwise_backward_op(
     offsets = segment_scans.chunk_scan(lf, chunk, starts, reverse=False, last_only=True)
     keys = ig - (lf + _per_row(offsets, chunk, seq))
     has_state = c0 is not None
-    shares, initial_share = stabiliser_shares(keys, dm, starts, m0 if has_state else None)
+    shares, initial_share = segment_scans.stabiliser_shares(keys, dm, starts,
+                                                            m0 if has_state else None)
     col_grad = col_grad + shares
     if has_state:
         dn0 = dns[:, 0].reshape(b, nh, dqk)
@@ -418,19 +420,13 @@ def mlstm_chunkwise_backward_op(
 
 
 def _local_log_forget_grad(d_global: torch.Tensor, chunk: int) -> torch.Tensor:
-    """From the gradient of the whole-row forget sums to the chunk-restarted ones: a
-    chunk's last sum also carries into every later row."""
-    seq = d_global.shape[-1]
-    if seq == 0:
+    """:func:`_with_later_chunks` for one segment, the later chunks' sums in plain torch (the
+    reference backend)."""
+    if d_global.shape[-1] == 0:
         return d_global
-    blocks = _chunked(d_global, chunk)
-    totals = blocks.sum(dim=-1)
+    totals = _chunked(d_global, chunk).sum(dim=-1)
     later = torch.flip(torch.cumsum(torch.flip(totals, (-1,)), -1), (-1,)) - totals
-    last = torch.zeros_like(blocks)
-    last[..., -1] = later
-    out = (blocks + last).flatten(-2)
-    # A partial last chunk has no later rows: its (padded) last slot carries 0.
-    return out[..., :seq].contiguous()
+    return _with_later_chunks(d_global, later, chunk)
 
 
 def _per_row(per_chunk: torch.Tensor, chunk: int, seq: int) -> torch.Tensor:
@@ -450,49 +446,6 @@ def _with_later_chunks(d_global: torch.Tensor, later: torch.Tensor, chunk: int) 
     last = torch.zeros_like(blocks)
     last[..., -1] = later
     return (blocks + last).flatten(-2)[..., :seq].contiguous()
-
-
-def stabiliser_shares(keys: torch.Tensor, dm: torch.Tensor, starts: Optional[torch.Tensor],
-                      initial_key: Optional[torch.Tensor] = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where the stabiliser's gradient ``dm [..., S]`` lands among the columns, per segment
-    (``starts``: the segments' first rows, then S; None: one segment): ``(shares [..., S],
-    initial [...])``, ``initial`` the share of the initial state's key (a column before the
-    first; zeros without one).
-
-    Row i's maximal column is the running argmax of ``keys`` within its segment (the latest
-    of equal maxima); it never decreases, so the rows sharing a column are a contiguous run
-    and a column's share is the difference of the segment's running sums of ``dm`` at the
-    run's two ends. Both scans are Triton kernels in blocks from the segment's start
-    (:func:`.kernels.segments.stabiliser_scan`): no scatter, and a segment's shares do not
-    depend on any other row or segment."""
-    from compileops.mlstm.kernels import segments as segment_scans
-
-    seq = keys.shape[-1]
-    if seq == 0:
-        return torch.zeros_like(dm), dm.new_zeros(dm.shape[:-1])
-    argmax, prefix = segment_scans.stabiliser_scan(keys, dm, starts, initial_key)
-    columns = torch.arange(seq, device=keys.device, dtype=torch.int32)
-    if starts is None:
-        column_start = torch.zeros_like(columns, dtype=torch.int64)
-    else:
-        first = starts.long()
-        column_start = first[torch.searchsorted(first, columns.long(), right=True) - 1]
-    # rows_upto[j]: the rows whose maximal column is <= j (every earlier segment's rows too).
-    rows_upto = torch.searchsorted(argmax, columns.expand_as(argmax).contiguous(), right=True)
-    below = torch.where(rows_upto > column_start,
-                        prefix.gather(-1, (rows_upto - 1).clamp(min=0)),
-                        torch.zeros_like(prefix))
-    if initial_key is not None:
-        # The rows reading the initial state come first in the row: argmax -1.
-        reading = (argmax < 0).sum(dim=-1, keepdim=True)
-        initial = torch.where(reading > 0, prefix.gather(-1, (reading - 1).clamp(min=0)),
-                              torch.zeros_like(prefix[..., :1]))
-    else:
-        initial = torch.zeros_like(prefix[..., :1])
-    previous = torch.cat([initial, below[..., :-1]], dim=-1)
-    previous = torch.where(columns == column_start, initial, previous)
-    return below - previous, initial[..., 0]
 
 
 @mlstm_chunkwise_backward_op.register_fake

@@ -164,3 +164,44 @@ def stabiliser_scan(keys: torch.Tensor, dm: torch.Tensor, segments: Optional[tor
             initial.contiguous() if initial is not None else keys, seq,
             HAS_INITIAL=initial is not None, BLOCK=ROW_BLOCK)
     return argmax, prefix
+
+
+def stabiliser_shares(keys: torch.Tensor, dm: torch.Tensor, starts: Optional[torch.Tensor],
+                      initial_key: Optional[torch.Tensor] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the stabiliser's gradient ``dm [..., S]`` lands among the columns, per segment
+    (``starts``: the segments' first rows, then S; None: one segment): ``(shares [..., S],
+    initial [...])``, ``initial`` the share of the initial state's key (a column before the
+    first; zeros without one).
+
+    Row i's maximal column is the running argmax of ``keys`` within its segment (the latest
+    of equal maxima); it never decreases, so the rows sharing a column are a contiguous run
+    and a column's share is the difference of the segment's running sums of ``dm`` at the
+    run's two ends. Both scans are Triton kernels in blocks from the segment's start
+    (:func:`stabiliser_scan`): no scatter, and a segment's shares do not
+    depend on any other row or segment."""
+    seq = keys.shape[-1]
+    if seq == 0:
+        return torch.zeros_like(dm), dm.new_zeros(dm.shape[:-1])
+    argmax, prefix = stabiliser_scan(keys, dm, starts, initial_key)
+    columns = torch.arange(seq, device=keys.device, dtype=torch.int32)
+    if starts is None:
+        column_start = torch.zeros_like(columns, dtype=torch.int64)
+    else:
+        first = starts.long()
+        column_start = first[torch.searchsorted(first, columns.long(), right=True) - 1]
+    # rows_upto[j]: the rows whose maximal column is <= j (every earlier segment's rows too).
+    rows_upto = torch.searchsorted(argmax, columns.expand_as(argmax).contiguous(), right=True)
+    below = torch.where(rows_upto > column_start,
+                        prefix.gather(-1, (rows_upto - 1).clamp(min=0)),
+                        torch.zeros_like(prefix))
+    if initial_key is not None:
+        # The rows reading the initial state come first in the row: argmax -1.
+        reading = (argmax < 0).sum(dim=-1, keepdim=True)
+        initial = torch.where(reading > 0, prefix.gather(-1, (reading - 1).clamp(min=0)),
+                              torch.zeros_like(prefix[..., :1]))
+    else:
+        initial = torch.zeros_like(prefix[..., :1])
+    previous = torch.cat([initial, below[..., :-1]], dim=-1)
+    previous = torch.where(columns == column_start, initial, previous)
+    return below - previous, initial[..., 0]
