@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from compileops import backends
 
 #: The input gate of a document's pad rows: below every real gate by far, so a pad row never
 #: holds a running maximum a real row reads, yet finite, so that a tile of pad keys still has
@@ -86,14 +87,13 @@ def chunk_resets(starts: torch.Tensor, num_chunks, chunk: int) -> torch.Tensor:
     return flags.index_fill(0, first, 1)[:num_chunks]
 
 
+@backends.keeps_forward_backend
 class _ToLayout(torch.autograd.Function):
     """Each packed row copied to its laid-out row (``target``), pad rows filled; backward: a
     gather by ``target`` (no scatter-add: deterministic on every device)."""
 
     @staticmethod
-    def forward(ctx, x, target, pad_rows, dim, pad):
-        ctx.save_for_backward(target)
-        ctx.dim = dim
+    def forward(x, target, pad_rows, dim, pad):
         shape = list(x.shape)
         shape[dim] = target.shape[0] + pad_rows.shape[0]
         out = x.new_empty(shape)
@@ -101,21 +101,31 @@ class _ToLayout(torch.autograd.Function):
         return out.index_fill_(dim, pad_rows, pad)
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1])
+        ctx.dim = inputs[3]
+
+    @staticmethod
     def backward(ctx, grad):
         (target,) = ctx.saved_tensors
         return grad.index_select(ctx.dim, target), None, None, None, None
 
 
+@backends.keeps_forward_backend
 class _FromLayout(torch.autograd.Function):
     """Gather the packed rows by ``target``; backward: the laid-out gradient, zero on pad
     rows (a copy into zeros, no scatter-add)."""
 
     @staticmethod
-    def forward(ctx, x, target, dim):
+    def forward(x, target, dim):
+        return x.index_select(dim, target)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, target, dim = inputs
         ctx.save_for_backward(target)
         ctx.dim = dim
         ctx.rows = x.shape[dim]
-        return x.index_select(dim, target)
 
     @staticmethod
     def backward(ctx, grad):
