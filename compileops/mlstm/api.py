@@ -31,12 +31,20 @@ def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
 #: peak memory 1.02 GiB vs 1.59), 4.13 vs 2.50 at 4096.
 AUTO_PARALLEL_MAX_SEQ = 1024
 AUTO_PARALLEL_MAX_SEQ_INFERENCE = 2048
+#: fp32 inputs take the chunkwise form above this length: its forget-gate sums restart every
+#: chunk, where the parallel form's run the whole row, and an fp32 sum of magnitude |F|
+#: rounds each decay exponent by about |F| * 6e-8. Measured against fp64 at S = 1024
+#: on the CPU (gate distributions of tests/mlstm/test_precision.py): worst output / gradient
+#: error 1.3e-4 / 6.4e-4 for the parallel form, 3.0e-6 / 9.0e-5 for the chunkwise form.
+AUTO_PARALLEL_MAX_SEQ_FP32 = 128
 #: The chunkwise form's default chunk length (benchmarks/RESULTS.md, mLSTM).
 DEFAULT_CHUNK = 128
 
 
-def choose_kernel(kernel: str, seq: int, with_state: bool, training: bool = True) -> str:
-    """``"parallel"`` or ``"chunkwise"`` for :func:`mlstm`'s ``kernel`` argument."""
+def choose_kernel(kernel: str, seq: int, with_state: bool, training: bool = True,
+                  dtype: Optional[torch.dtype] = None) -> str:
+    """``"parallel"`` or ``"chunkwise"`` for :func:`mlstm`'s ``kernel`` argument (``dtype``:
+    the inputs')."""
     check_kernel(kernel)
     if kernel == "parallel" and with_state:
         raise ValueError("kernel='parallel' takes no initial_state and returns no last state: "
@@ -44,6 +52,8 @@ def choose_kernel(kernel: str, seq: int, with_state: bool, training: bool = True
     if kernel != "auto":
         return kernel
     limit = AUTO_PARALLEL_MAX_SEQ if training else AUTO_PARALLEL_MAX_SEQ_INFERENCE
+    if dtype == torch.float32:
+        limit = AUTO_PARALLEL_MAX_SEQ_FP32
     return "chunkwise" if with_state or seq > limit else "parallel"
 
 
@@ -83,7 +93,7 @@ def mlstm_with_stats(
     with_state = initial_state is not None or return_last_state
     training = _needs_grad(q, k, v, igate, fgate, norm_weight, norm_bias,
                            *(initial_state or ()))
-    form = choose_kernel(kernel, q.shape[-2], with_state, training)
+    form = choose_kernel(kernel, q.shape[-2], with_state, training, q.dtype)
     save_h = normed and training
     check_gates_floating(igate, fgate)  # the rest is checked by the op, eagerly and traced
     acc = gate_dtype(q.dtype)
@@ -169,8 +179,15 @@ def mlstm(
     fp64 inputs); the products accumulate in fp32.
 
     Precision (axis B, against the fp64 reference; tests/mlstm): fp64 and fp32 (IEEE dots)
-    within 1e-5 relative (L2), except the fp32 forget-gate gradient without a norm, within
-    3e-5 (its reverse cumulative sum cancels large fp32 row and column sums); bf16 within a
+    within 1e-5 relative (L2) on short rows (S <= 256), except the fp32 forget-gate gradient
+    without a norm, within 3e-5 (its reverse cumulative sum cancels large fp32 row and column
+    sums). On longer rows fp32 loses more, because a forget-gate sum of size |F| rounds
+    each decay exponent by about |F| * 6e-8 (plain fp32 autograd of the reference too): at
+    S <= 4096, with forget gates down to N(-1, 1) (tests/mlstm/test_precision.py), the
+    chunkwise form within 1e-5 for the output and 2e-4 for the gradients (its sums restart
+    every chunk; ``"auto"`` runs fp32 chunkwise above 128 rows), and the parallel form, whose
+    sums run the whole row, within 3e-4 and 2e-3 at S <= 1024 and 1e-3 and 1e-2 at
+    S <= 4096. bf16 within a
     relative L2 error of 2e-2 for the output and 4e-2 for the gradients (8e-2 chunkwise: its
     states enter the MMAs in bf16); fp16 within a
     relative L2 error of 1e-3 for the output and 4e-3 for the gradients. Deterministic and batch-invariant bitwise, forward and backward.
@@ -180,7 +197,8 @@ def mlstm(
     a power of two >= 16, plus a ``[DQK, DV]`` fp32 state carried between chunks: linear
     in S), or ``"auto"``: parallel up to ``AUTO_PARALLEL_MAX_SEQ`` rows (1024) when a
     gradient is needed and ``AUTO_PARALLEL_MAX_SEQ_INFERENCE`` (2048) when not, chunkwise
-    above and whenever a state goes in or out (the crossover measured on an H100). Under ``torch.compile(dynamic=True)`` the
+    above and whenever a state goes in or out (the crossover measured on an H100); fp32
+    inputs run chunkwise above ``AUTO_PARALLEL_MAX_SEQ_FP32`` rows (128), for precision. Under ``torch.compile(dynamic=True)`` the
     choice guards on S on one side of that length (one recompile when S crosses it).
 
     States (chunkwise): ``initial_state=(C [B, NH, DQK, DV], n [B, NH, DQK], m [B, NH])``

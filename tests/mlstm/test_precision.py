@@ -1,0 +1,118 @@
+"""fp32 precision on long rows: both forms against the fp64 reference at S = 1024 (CPU, the
+Triton kernels under the interpreter) and S = 1024 and 4096 (GPU), under gate distributions
+that make the forget-gate sums large.
+
+Why these: in fp32, a forget-gate sum ``F = cumsum(log sigmoid(fgate))`` of size ``|F|``
+rounds every decay exponent built from it by about ``|F| * 6e-8``. The parallel form sums the
+whole row, so its error grows with S and with how hard the gates forget; the chunkwise form
+restarts its sums every chunk. ``kernel="auto"`` therefore runs fp32 inputs chunkwise above
+``AUTO_PARALLEL_MAX_SEQ_FP32`` rows. The bounds are ``compileops.mlstm``'s docstring's
+(``FP32_LONG_ROWS`` below; test_docstring_states_the_long_row_bounds checks the text).
+
+Measured at S = 1024 on the CPU (B 1, NH 1, DQK 16, DV 32; relative L2, worst over the four
+distributions): chunkwise output 3.0e-6, gradients 2.0e-5 raw and 9.0e-5 normed (dfgate, forget
+gates at N(-1, 1)); parallel (raw) output 1.3e-4, gradients 6.4e-4 (dq, forget gates at
+N(0, 1), input gates at N(-1, 2^2)). Plain fp32 autograd of the reference on the CPU (whose
+cumsum accumulates in fp64) gave output errors up to 3.4e-5 and gradient errors up to 5.3e-5
+at the same length (B 1, NH 2).
+"""
+import pytest
+import torch
+
+import compileops
+from compileops.mlstm.api import AUTO_PARALLEL_MAX_SEQ_FP32, choose_kernel
+from compileops.testing import assert_close_to_reference
+from tests.mlstm._helpers import Inputs, cotangent, fw_bw, op_out, out_shape, reference_out
+
+#: ``(igate mean, igate std, fgate mean, fgate std)``: input gates spread wide with forget
+#: gates mostly open (far keys count), and forget gates at N(-1, 1) and N(0, 1) (sums of
+#: -1.3 and -0.8 per step: |F| in the thousands at S = 4096).
+GATES = [(-1.0, 2.0, 3.0, 1.0), (0.0, 1.0, -1.0, 1.0), (0.0, 1.0, 0.0, 1.0),
+         (-1.0, 2.0, 0.0, 1.0)]
+GATE_IDS = ["ig-1x2_fg3", "ig0_fg-1", "ig0_fg0", "ig-1x2_fg0"]
+
+#: fp32, relative L2 against fp64: ``{(form, max S): (output, gradients)}``, the bounds of
+#: ``compileops.mlstm``'s docstring.
+FP32_LONG_ROWS = {
+    ("chunkwise", 4096): (1e-5, 2e-4),
+    ("parallel", 1024): (3e-4, 2e-3),
+    ("parallel", 4096): (1e-3, 1e-2),
+}
+
+
+def long_row_inputs(shape, gates, *, normed, seed=0, device="cpu") -> Inputs:
+    b, nh, s, dqk, dv = shape
+    ig_mean, ig_std, fg_mean, fg_std = gates
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*size):
+        return torch.randn(*size, generator=gen, dtype=torch.float64)
+
+    x = Inputs(randn(b, nh, s, dqk), randn(b, nh, s, dqk), randn(b, nh, s, dv),
+               randn(b, nh, s) * ig_std + ig_mean, randn(b, nh, s) * fg_std + fg_mean,
+               randn(nh * dv) if normed else None, None)
+    return x.map(lambda t: t.to(device))
+
+
+def check_long_rows(shape, gates, form, normed, device="cpu"):
+    x = long_row_inputs(shape, gates, normed=normed, device=device)
+    bound = next(v for (f, s), v in sorted(FP32_LONG_ROWS.items())
+                 if f == form and shape[2] <= s)
+    rounded = x.map(lambda t: t.to(torch.float32).to(torch.float64))
+    grad = cotangent(out_shape(x), torch.float32, device=device)
+    want_out, want = fw_bw(reference_out, rounded, grad.double())
+    with compileops.use_backend("triton"):
+        got_out, got = fw_bw(lambda y: op_out(y, kernel=form),
+                             rounded.map(lambda t: t.to(torch.float32)), grad)
+    errors = [assert_close_to_reference(got_out, want_out, max_relative_error=bound[0],
+                                        what=f"fp32 {form} output").relative_error]
+    for name, g, w in zip(x.names(), got, want):
+        errors.append(assert_close_to_reference(
+            g, w, max_relative_error=bound[1], what=f"fp32 {form} d{name}").relative_error)
+    print(f"fp32 {form} S={shape[2]} gates {gates} {'normed' if normed else 'raw'}: "
+          + " ".join(f"{e:.2e}" for e in errors))
+
+
+def test_auto_runs_fp32_chunkwise_on_long_rows():
+    assert choose_kernel("auto", AUTO_PARALLEL_MAX_SEQ_FP32, False, True,
+                         torch.float32) == "parallel"
+    assert choose_kernel("auto", AUTO_PARALLEL_MAX_SEQ_FP32 + 1, False, True,
+                         torch.float32) == "chunkwise"
+    assert choose_kernel("auto", 1024, False, True, torch.bfloat16) == "parallel"
+
+
+def _short(x: float) -> str:
+    return f"{x:.0e}".replace("e-0", "e-")
+
+
+def test_docstring_states_the_long_row_bounds():
+    doc = " ".join(compileops.mlstm.__doc__.split())
+    chunk_out, chunk_grad = FP32_LONG_ROWS[("chunkwise", 4096)]
+    assert (f"the chunkwise form within {_short(chunk_out)} for the output and "
+            f"{_short(chunk_grad)} for the gradients") in doc
+    for s in (1024, 4096):
+        out, grad = FP32_LONG_ROWS[("parallel", s)]
+        assert f"{_short(out)} and {_short(grad)} at S <= {s}" in doc, s
+
+
+@pytest.mark.parametrize("gates", GATES, ids=GATE_IDS)
+@pytest.mark.parametrize("normed", [False, True], ids=["raw", "normed"])
+def test_fp32_chunkwise_s1024(gates, normed):
+    check_long_rows((1, 1, 1024, 16, 32), gates, "chunkwise", normed)
+
+
+@pytest.mark.parametrize("gates", GATES, ids=GATE_IDS)
+def test_fp32_parallel_s1024(gates):
+    """Raw h: the parallel form's worst case (the norm divides out part of the error)."""
+    check_long_rows((1, 1, 1024, 16, 32), gates, "parallel", False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gates", GATES, ids=GATE_IDS)
+@pytest.mark.parametrize("normed", [False, True], ids=["raw", "normed"])
+@pytest.mark.parametrize("form", ["chunkwise", "parallel"])
+@pytest.mark.parametrize("seq", [1024, 4096])
+def test_fp32_long_rows_gpu(monkeypatch, seq, form, normed, gates):
+    """IEEE fp32 dots (the kernels read this flag: TF32 when it is on)."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    check_long_rows((1, 2, seq, 64, 128), gates, form, normed, device="cuda")
