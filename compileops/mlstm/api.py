@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 
 from compileops.mlstm.checks import (
+    MAX_KERNEL_HEAD_DIM,
     check_cu_seqlens,
     check_gates_floating,
     check_initial_state,
@@ -15,7 +16,7 @@ from compileops.mlstm import documents
 from compileops.mlstm.chunkwise import check_chunk, mlstm_chunkwise_op
 from compileops.mlstm.op import mlstm_parallel_op
 from compileops.mlstm.gates import log_forget_op
-from compileops.mlstm.reference import gate_dtype
+from compileops.mlstm.reference import gate_dtype, multihead_layernorm
 
 
 def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
@@ -70,6 +71,10 @@ def mlstm_with_stats(
     ``return_last_state``. ``n`` and ``m`` carry no gradient."""
     normed = norm_weight is not None or norm_bias is not None
     check_initial_state(initial_state)
+    if v.dim() == 4 and v.shape[-1] > MAX_KERNEL_HEAD_DIM:
+        return _value_slices(q, k, v, igate, fgate, norm_weight, norm_bias, norm_eps, eps,
+                             residual_weight, kernel, chunk_size, initial_state,
+                             return_last_state, cu_seqlens)
     if cu_seqlens is not None:
         if initial_state is not None or return_last_state:
             raise ValueError("cu_seqlens takes no initial_state and returns no last state "
@@ -129,6 +134,52 @@ def mlstm_with_stats(
     return stats + (last,) if return_last_state else stats
 
 
+def _value_slices(q, k, v, igate, fgate, norm_weight, norm_bias, norm_eps, eps,
+                  residual_weight, kernel, chunk_size, initial_state, return_last_state,
+                  cu_seqlens):
+    """:func:`mlstm_with_stats` for value heads wider than one kernel call takes (``DV >
+    MAX_KERNEL_HEAD_DIM``): the cell once per slice of ``MAX_KERNEL_HEAD_DIM`` value columns,
+    then the norm over the whole head.
+
+    Exact, not an approximation: h's columns, and C's, depend on their own value columns
+    only, and the normaliser and stabiliser (``n``, ``m``, the state's n and m) on q, k and
+    the gates alone, so every slice computes the same ones and the first slice's are
+    returned. Gradients are the sums of the slices' (autograd adds them).
+    Cost: each slice recomputes ``q k^T`` and the decays (xLSTM-7B's DQK 256 / DV 512: 4/3
+    of the one-pass FLOPs), and the norm runs after the cell on the h rounded to v's dtype
+    (not fused into the kernel's epilogue: one more read and write of h)."""
+    width = MAX_KERNEL_HEAD_DIM
+    dv = v.shape[-1]
+    c0 = n0 = m0 = None
+    if initial_state is not None:
+        c0, n0, m0 = initial_state
+        if c0.dim() != 4 or c0.shape[-1] != dv:
+            raise ValueError(f"initial_state's C must be [B, NH, DQK, DV] with v's DV {dv}, "
+                             f"got {tuple(c0.shape)}")
+    outs, states = [], []
+    stats = None
+    for start in range(0, dv, width):
+        cols = slice(start, min(start + width, dv))
+        state = (c0[..., cols], n0, m0) if c0 is not None else None
+        result = mlstm_with_stats(q, k, v[..., cols], igate, fgate, eps=eps, kernel=kernel,
+                                  chunk_size=chunk_size, initial_state=state,
+                                  return_last_state=return_last_state, cu_seqlens=cu_seqlens)
+        outs.append(result[0])
+        if stats is None:
+            stats = result[1:3]
+        if return_last_state:
+            states.append(result[3])
+    h = torch.cat(outs, dim=-1)
+    if norm_weight is not None or norm_bias is not None:
+        out = multihead_layernorm(h, norm_weight, norm_bias, norm_eps, residual_weight)
+    else:
+        out = h
+    if not return_last_state:
+        return (out,) + tuple(stats)
+    c_last = torch.cat([st[0] for st in states], dim=-1)
+    return (out,) + tuple(stats) + ((c_last, states[0][1], states[0][2]),)
+
+
 def _packed_documents(q, k, v, igate, fgate, norm_weight, norm_bias, normed, norm_eps, eps,
                       residual_weight, chunk_size, save_h, cu_seqlens):
     """The chunkwise form over packed documents: laid out so that each starts on its own
@@ -167,6 +218,14 @@ def mlstm(
     ``igate, fgate [B, NH, S]``; ``norm_weight, norm_bias [NH * DV]`` (per channel,
     ``residual_weight=True`` scales by ``1 + weight``).
 
+    Head dims on the Triton kernels: DQK up to 256; DV of any width. Above 256 value
+    columns (xLSTM-7B's DV 512) the cell runs once per slice of 256 columns, exact (each
+    slice computes the same normaliser and stabiliser), with the norm after it rather than
+    fused; each slice recomputes ``q k^T`` (4/3 of the FLOPs at DQK 256 / DV 512).
+    Measured on an H200 at xLSTM-7B's head (NH 8, DQK 256, DV 512, bf16, 65,536 tokens,
+    compiled forward and backward, normed): 15.2 ms at S = 1024 and 22.8 ms at S = 8192,
+    against 27.0 and 27.1 ms for TFLA's ``xl_chunk`` (benchmarks/RESULTS.md).
+
     Returns ``[B, S, NH * DV]`` when normed: the layout the xLSTM block consumes next (it
     transposes and reshapes there anyway), so an output gate ``sigmoid(o) * out`` and a cast
     fuse into the compiled kernel's epilogue. Without a norm: the raw ``h [B, NH, S, DV]``.
@@ -184,10 +243,11 @@ def mlstm(
     sums). On longer rows fp32 loses more, because a forget-gate sum of size |F| rounds
     each decay exponent by about |F| * 6e-8 (plain fp32 autograd of the reference too): at
     S <= 4096, with forget gates down to N(-1, 1) (tests/mlstm/test_precision.py), the
-    chunkwise form within 1e-5 for the output and 2e-4 for the gradients (its sums restart
+    chunkwise form within 1e-5 for the output and 1e-3 for the gradients (its sums restart
     every chunk; ``"auto"`` runs fp32 chunkwise above 128 rows), and the parallel form, whose
-    sums run the whole row, within 3e-4 and 2e-3 at S <= 1024 and 1e-3 and 1e-2 at
-    S <= 4096. bf16 within a
+    sums run the whole row, within 3e-4 and 3e-3 at S <= 1024 and 3e-4 and 2e-2 at
+    S <= 4096 (the forget-gate gradient is the largest error of
+    both forms; the other gradients stay within 4e-5 chunkwise). bf16 within a
     relative L2 error of 2e-2 for the output and 4e-2 for the gradients (8e-2 chunkwise: its
     states enter the MMAs in bf16); fp16 within a
     relative L2 error of 1e-3 for the output and 4e-3 for the gradients. Deterministic and batch-invariant bitwise, forward and backward.

@@ -115,7 +115,7 @@ def out_shape(x: Inputs):
 
 
 def check_precision(x: Inputs, dtype, *, backend="triton", seed=1, out_tol=None, grad_tol=None,
-                    **kwargs) -> list[float]:
+                    kernel="auto", **kwargs) -> list[float]:
     """``x`` (fp64) rounded to ``dtype``: our op in ``dtype`` against fp64 autograd through the
     reference on the rounded values, output and every gradient within ``OUT_TOL`` /
     ``GRAD_TOL`` (relative L2; or ``out_tol`` / ``grad_tol``). Returns the relative errors,
@@ -126,7 +126,8 @@ def check_precision(x: Inputs, dtype, *, backend="triton", seed=1, out_tol=None,
     grad = cotangent(out_shape(x), dtype, seed=seed, device=x.q.device)
     want_out, want = fw_bw(reference_out, rounded, grad.double(), **kwargs)
     with compileops.use_backend(backend):
-        got_out, got = fw_bw(op_out, rounded.map(lambda t: t.to(dtype)), grad, **kwargs)
+        got_out, got = fw_bw(op_out, rounded.map(lambda t: t.to(dtype)), grad, kernel=kernel,
+                             **kwargs)
     assert got_out.dtype == dtype
     errors = [assert_close_to_reference(got_out, want_out, max_relative_error=out_tol,
                                         what=f"{dtype} output").relative_error]

@@ -34,9 +34,9 @@ GATE_IDS = ["ig-1x2_fg3", "ig0_fg-1", "ig0_fg0", "ig-1x2_fg0"]
 #: fp32, relative L2 against fp64: ``{(form, max S): (output, gradients)}``, the bounds of
 #: ``compileops.mlstm``'s docstring.
 FP32_LONG_ROWS = {
-    ("chunkwise", 4096): (1e-5, 2e-4),
-    ("parallel", 1024): (3e-4, 2e-3),
-    ("parallel", 4096): (1e-3, 1e-2),
+    ("chunkwise", 4096): (1e-5, 1e-3),
+    ("parallel", 1024): (3e-4, 3e-3),
+    ("parallel", 4096): (3e-4, 2e-2),
 }
 
 

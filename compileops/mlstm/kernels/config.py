@@ -171,6 +171,10 @@ def choose_backward_config(q: torch.Tensor, dqk: int, dv: int) -> BackwardConfig
     # (64 x 32 on 4 warps 5.38 / 15.52, 3 stages slower); dQ 64 x 32 on 4 warps, 3 stages:
     # 1.41 / 4.06 ms against 2.67 / 8.14 on dK/dV's config. Norm preprocess: see
     # benchmarks/RESULTS.md (mLSTM).
-    return BackwardConfig(block_m=64, block_n=64, num_warps=8, num_stages=2,
+    # Heads wider than DQK 128 + DV 256 (xLSTM-7B's 256 + 256 per value slice) take 32-key
+    # dK/dV tiles: 64 keys on 2 stages need 263,168 bytes of shared memory there, over the
+    # H100's 232,448 (32 keys: 131,072; compiled for sm90 with triton 3.6).
+    wide = head_tile(dqk) + head_tile(dv) > 384
+    return BackwardConfig(block_m=64, block_n=32 if wide else 64, num_warps=8, num_stages=2,
                           dq_block_n=32, dq_num_warps=4, dq_num_stages=3,
                           block_rows=8, norm_warps=1)
