@@ -26,9 +26,9 @@ Cases, all under ``torch.no_grad()`` in eval mode, ``use_cache=True``:
   without its bookkeeping.
 
 A failure is a status in the table, never a number (``error: ...``, ``oom``). Where our prefill
-refuses xLSTM-7B's DV 512 (the Triton kernels take head dims up to 256 in this version), the
-decode cases fill their cache with the reference backend's prefill and time the steps on the
-Triton step kernel (noted). Before timing, the prefill logits of each implementation are
+refuses a head (a query head wider than the Triton kernels' 256), the decode cases fill their
+cache with the reference backend's prefill and time the steps on the Triton step kernel
+(noted). Before timing, the prefill logits of each implementation are
 compared with the native code's on the prompt (relative L2; bf16, so loose).
 
     python benchmarks/bench_xlstm_hf.py                          # GPU: 2 blocks, 7B widths

@@ -377,7 +377,7 @@ def parse_args(argv=None):
     p.add_argument("--xlstm", action="store_true",
                    help="each block also runs an mLSTM layer (compileops.nn.mLSTMLayer)")
     p.add_argument("--xlstm-heads", type=int, default=8,
-                   help="mLSTM heads (head dims dim / 2 / heads and dim / heads: <= 256)")
+                   help="mLSTM heads (query head dim / 2 / heads: <= 256)")
     p.add_argument("--check-grads", action="store_true",
                    help="compare each rank's step-0 loss and gradients with one GPU, bitwise")
     p.add_argument("--trace-ops", action="store_true",

@@ -21,8 +21,9 @@ returns each layer's state, then ``compileops.mlstm_step`` runs one token at a t
 against the full forward. ``--long-seq`` adds one compiled forward+backward at that length.
 
 On CPU the mLSTM kernels run under Triton's interpreter (``--backend reference`` uses the
-plain-PyTorch path instead); keep the sizes small there. Head dims (``qk_factor * dim /
-heads`` and ``v_factor * dim / heads``) up to 256 run on the Triton kernels.
+plain-PyTorch path instead); keep the sizes small there. The Triton kernels take a query
+head (``qk_factor * dim / heads``) up to 256 wide, and value heads (``v_factor * dim / heads``)
+of any width.
 """
 from __future__ import annotations
 

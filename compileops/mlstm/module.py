@@ -209,8 +209,8 @@ class mLSTMLayer(torch.nn.Module):  # noqa: N801  (xlstm's name)
     values) symbolic and restarts its trace once to specialise them, as it does for
     ``torch.nn.LayerNorm``'s eps; no recompile follows across sizes.
 
-    Head dims up to 256 run on the Triton kernels; larger ones (xLSTM-7B's DV = 512) need
-    ``compileops.use_backend("reference")`` in this version.
+    Head dims on the Triton kernels: DQK up to 256, DV of any width (above 256 in slices of
+    256 value columns, the norm after them; see :func:`compileops.mlstm`).
 
     Initialisation: ``torch.nn.Linear``'s default, then the original xLSTM cell's gate biases
     (forget gate ``linspace(3, 6)`` over heads, input gate ``N(0, 0.1)``), so that a freshly
