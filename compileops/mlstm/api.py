@@ -71,10 +71,6 @@ def mlstm_with_stats(
     ``return_last_state``. ``n`` and ``m`` carry no gradient."""
     normed = norm_weight is not None or norm_bias is not None
     check_initial_state(initial_state)
-    if v.dim() == 4 and v.shape[-1] > MAX_KERNEL_HEAD_DIM:
-        return _value_slices(q, k, v, igate, fgate, norm_weight, norm_bias, norm_eps, eps,
-                             residual_weight, kernel, chunk_size, initial_state,
-                             return_last_state, cu_seqlens)
     if cu_seqlens is not None:
         if initial_state is not None or return_last_state:
             raise ValueError("cu_seqlens takes no initial_state and returns no last state "
@@ -102,12 +98,18 @@ def mlstm_with_stats(
     save_h = normed and training
     check_gates_floating(igate, fgate)  # the rest is checked by the op, eagerly and traced
     acc = gate_dtype(q.dtype)
+    norm = (norm_weight, norm_bias, float(norm_eps), bool(residual_weight))
     if form == "parallel":
         logf = log_forget_op(fgate.to(acc))
-        out, _, m_log2, b = mlstm_parallel_op(
-            q, k, v, igate.to(acc), logf, norm_weight, norm_bias, normed, float(norm_eps),
-            float(eps), bool(residual_weight), save_h)
-        last = None
+        igate_acc = igate.to(acc)
+
+        def parallel_cell(v_cols, _, fuse_norm):
+            out, _, m_log2, b = mlstm_parallel_op(
+                q, k, v_cols, igate_acc, logf, *_fused(norm, fuse_norm), float(eps),
+                bool(residual_weight), save_h and fuse_norm)
+            return out, m_log2, b, None
+
+        out, m_log2, b, last = _by_value_slices(parallel_cell, v, None, norm)
     else:
         chunk = int(chunk_size) if chunk_size is not None else DEFAULT_CHUNK
         check_chunk(chunk)
@@ -121,63 +123,66 @@ def mlstm_with_stats(
             # bitwise equal to the same row packed among others.
             rows = documents.pad_rows(*rows, 1)
         logf = log_forget_op(rows[4], chunk)
-        out, _, m_log2, b, _, _, _, c_last, n_last, m_last = mlstm_chunkwise_op(
-            *rows[:4], logf, norm_weight, norm_bias, c0, n0, m0, chunk, normed,
-            float(norm_eps), float(eps), bool(residual_weight), save_h)
+
+        def chunkwise_cell(v_cols, c0_cols, fuse_norm):
+            out, _, m_log2, b, _, _, _, c_last, n_last, m_last = mlstm_chunkwise_op(
+                rows[0], rows[1], v_cols, rows[3], logf, *_fused(norm, fuse_norm)[:2],
+                c0_cols, n0, m0, chunk, fuse_norm, float(norm_eps), float(eps),
+                bool(residual_weight), save_h and fuse_norm)
+            return out, m_log2, b, (c_last, n_last, m_last)
+
+        out, m_log2, b, last = _by_value_slices(chunkwise_cell, rows[2], c0, norm)
         if one_row:
             out = out[:, :1] if normed else out[:, :, :1]
             m_log2, b = m_log2[..., :1], b[..., :1]
-        last = (c_last, n_last, m_last)
     n = torch.maximum(b.abs(), torch.exp2(-m_log2))
     # ln 2 as a literal here: a module-level float becomes a symbolic input under dynamic=True.
     stats = (out, n, m_log2 * 0.6931471805599453)
     return stats + (last,) if return_last_state else stats
 
 
-def _value_slices(q, k, v, igate, fgate, norm_weight, norm_bias, norm_eps, eps,
-                  residual_weight, kernel, chunk_size, initial_state, return_last_state,
-                  cu_seqlens):
-    """:func:`mlstm_with_stats` for value heads wider than one kernel call takes (``DV >
-    MAX_KERNEL_HEAD_DIM``): the cell once per slice of ``MAX_KERNEL_HEAD_DIM`` value columns,
-    then the norm over the whole head.
+def _fused(norm, fuse_norm: bool):
+    """The op's ``(norm_weight, norm_bias, normed, norm_eps)`` arguments: the norm when it is
+    fused into this call, none otherwise."""
+    weight, bias, norm_eps, _ = norm
+    return (weight, bias, True, norm_eps) if fuse_norm else (None, None, False, norm_eps)
 
-    Exact, not an approximation: h's columns, and C's, depend on their own value columns
-    only, and the normaliser and stabiliser (``n``, ``m``, the state's n and m) on q, k and
-    the gates alone, so every slice computes the same ones and the first slice's are
-    returned. Gradients are the sums of the slices' (autograd adds them).
-    Cost: each slice recomputes ``q k^T`` and the decays (xLSTM-7B's DQK 256 / DV 512: 4/3
-    of the one-pass FLOPs), and the norm runs after the cell on the h rounded to v's dtype
-    (not fused into the kernel's epilogue: one more read and write of h)."""
-    width = MAX_KERNEL_HEAD_DIM
+
+def _by_value_slices(cell, v, c0, norm):
+    """``cell(v_cols, c0_cols, fuse_norm) -> (out, m_log2, b, last_state or None)`` over the
+    whole value head when one kernel call takes it (the norm fused when there is one), else
+    once per slice of ``MAX_KERNEL_HEAD_DIM`` value columns (xLSTM-7B's DV 512), raw, the
+    slices' h concatenated and then normed.
+
+    Exact, not an approximation: h's columns, and the state C's, depend on their own value
+    columns only, and the normaliser and stabiliser (``b``, ``m``, the state's n and m) on
+    q, k and the gates alone, so every slice computes the same ones and the first slice's
+    are kept. Gradients are the sums of the slices' (autograd adds them).
+    Cost: each slice recomputes ``q k^T`` and the decays (4/3 of the one-pass FLOPs at DQK
+    256 / DV 512), and the norm runs after the cell on the h rounded to v's dtype (one more
+    read and write of h than the fused epilogue)."""
+    weight, bias, norm_eps, residual_weight = norm
+    normed = weight is not None or bias is not None
     dv = v.shape[-1]
-    c0 = n0 = m0 = None
-    if initial_state is not None:
-        c0, n0, m0 = initial_state
-        if c0.dim() != 4 or c0.shape[-1] != dv:
-            raise ValueError(f"initial_state's C must be [B, NH, DQK, DV] with v's DV {dv}, "
-                             f"got {tuple(c0.shape)}")
-    outs, states = [], []
-    stats = None
-    for start in range(0, dv, width):
-        cols = slice(start, min(start + width, dv))
-        state = (c0[..., cols], n0, m0) if c0 is not None else None
-        result = mlstm_with_stats(q, k, v[..., cols], igate, fgate, eps=eps, kernel=kernel,
-                                  chunk_size=chunk_size, initial_state=state,
-                                  return_last_state=return_last_state, cu_seqlens=cu_seqlens)
-        outs.append(result[0])
-        if stats is None:
-            stats = result[1:3]
-        if return_last_state:
-            states.append(result[3])
-    h = torch.cat(outs, dim=-1)
-    if norm_weight is not None or norm_bias is not None:
-        out = multihead_layernorm(h, norm_weight, norm_bias, norm_eps, residual_weight)
-    else:
-        out = h
-    if not return_last_state:
-        return (out,) + tuple(stats)
-    c_last = torch.cat([st[0] for st in states], dim=-1)
-    return (out,) + tuple(stats) + ((c_last, states[0][1], states[0][2]),)
+    if dv <= MAX_KERNEL_HEAD_DIM or v.dim() != 4:  # a malformed v: the op's check names it
+        return cell(v, c0, normed)
+    if c0 is not None and (c0.dim() != 4 or c0.shape[-1] != dv):
+        raise ValueError(f"initial_state's C must be [B, NH, DQK, DV] with v's DV {dv}, got "
+                         f"{tuple(c0.shape)}")
+    channels = v.shape[1] * dv
+    for name, p in (("norm_weight", weight), ("norm_bias", bias)):
+        if p is not None and tuple(p.shape) != (channels,):
+            raise ValueError(f"{name} must be [NH * DV] = [{channels}], got {tuple(p.shape)}")
+    parts = []
+    for start in range(0, dv, MAX_KERNEL_HEAD_DIM):
+        cols = slice(start, min(start + MAX_KERNEL_HEAD_DIM, dv))
+        parts.append(cell(v[..., cols], None if c0 is None else c0[..., cols], False))
+    h = torch.cat([part[0] for part in parts], dim=-1)
+    out = multihead_layernorm(h, weight, bias, norm_eps, residual_weight) if normed else h
+    _, m_log2, b, last = parts[0]
+    if last is not None:
+        last = (torch.cat([part[3][0] for part in parts], dim=-1),) + tuple(last[1:])
+    return out, m_log2, b, last
 
 
 def _packed_documents(q, k, v, igate, fgate, norm_weight, norm_bias, normed, norm_eps, eps,
@@ -193,9 +198,16 @@ def _packed_documents(q, k, v, igate, fgate, norm_weight, norm_bias, normed, nor
     igate_l = documents.to_layout(igate.to(acc), lay, dim=-1, pad=documents.PAD_INPUT_GATE)
     fgate_l = documents.to_layout(fgate.to(acc), lay, dim=-1, pad=float("inf"))
     logf = log_forget_op(fgate_l, chunk)
-    out, _, m_log2, b = mlstm_chunkwise_op(
-        q_l, k_l, v_l, igate_l, logf, norm_weight, norm_bias, None, None, None, chunk, normed,
-        norm_eps, eps, residual_weight, save_h, lay.segments)[:4]
+    norm = (norm_weight, norm_bias, norm_eps, residual_weight)
+
+    def packed_cell(v_cols, _, fuse_norm):
+        out, _, m_log2, b = mlstm_chunkwise_op(
+            q_l, k_l, v_cols, igate_l, logf, *_fused(norm, fuse_norm)[:2], None, None, None,
+            chunk, fuse_norm, norm_eps, eps, residual_weight, save_h and fuse_norm,
+            lay.segments)[:4]
+        return out, m_log2, b, None
+
+    out, m_log2, b, _ = _by_value_slices(packed_cell, v_l, None, norm)
     out = documents.from_layout(out, lay, dim=1 if normed else 2)
     m_log2 = documents.from_layout(m_log2, lay, dim=-1)
     b = documents.from_layout(b, lay, dim=-1)
