@@ -21,8 +21,7 @@ import torch
 
 import compileops
 from compileops.mlstm.api import AUTO_PARALLEL_MAX_SEQ_FP32, choose_kernel
-from compileops.testing import assert_close_to_reference
-from tests.mlstm._helpers import Inputs, cotangent, fw_bw, op_out, out_shape, reference_out
+from tests.mlstm._helpers import Inputs, check_precision
 
 #: ``(igate mean, igate std, fgate mean, fgate std)``: input gates spread wide with forget
 #: gates mostly open (far keys count), and forget gates at N(-1, 1) and N(0, 1) (sums of
@@ -58,17 +57,8 @@ def check_long_rows(shape, gates, form, normed, device="cpu"):
     x = long_row_inputs(shape, gates, normed=normed, device=device)
     bound = next(v for (f, s), v in sorted(FP32_LONG_ROWS.items())
                  if f == form and shape[2] <= s)
-    rounded = x.map(lambda t: t.to(torch.float32).to(torch.float64))
-    grad = cotangent(out_shape(x), torch.float32, device=device)
-    want_out, want = fw_bw(reference_out, rounded, grad.double())
-    with compileops.use_backend("triton"):
-        got_out, got = fw_bw(lambda y: op_out(y, kernel=form),
-                             rounded.map(lambda t: t.to(torch.float32)), grad)
-    errors = [assert_close_to_reference(got_out, want_out, max_relative_error=bound[0],
-                                        what=f"fp32 {form} output").relative_error]
-    for name, g, w in zip(x.names(), got, want):
-        errors.append(assert_close_to_reference(
-            g, w, max_relative_error=bound[1], what=f"fp32 {form} d{name}").relative_error)
+    errors = check_precision(x, torch.float32, out_tol=bound[0], grad_tol=bound[1],
+                             kernel=form)
     print(f"fp32 {form} S={shape[2]} gates {gates} {'normed' if normed else 'raw'}: "
           + " ".join(f"{e:.2e}" for e in errors))
 
