@@ -15,6 +15,10 @@ weight, output ``[B, S, NH * DV]``:
   ``xl_chunk[DISABLE_LLVM_OPT=1]``: xl_chunk compiled with LLVM's optimiser off, the upstream
   workaround for triton 3.6's compiler abort, run by default only when xl_chunk imports but
   gives no number at any S;
+* ``--raw``: no norm anywhere; every implementation returns raw h ``[B, NH, S, DV]`` and is
+  differentiated against a ``[B, NH, S, DV]`` cotangent. Mind what each computes then: TFLA's
+  backward leaves out the normaliser's gradient (exact only when a norm follows), ours
+  includes it.
 * ``reference``: ``compileops.mlstm.reference.mlstm`` (materialises ``S x S``) compiled static,
   forward without gradients, skipped when ``B * NH * S^2 * 4`` bytes exceed ``--ref-limit-gb``.
 
@@ -182,8 +186,12 @@ def child_main(cfg: dict) -> None:
         ig = randn(b, nh, s).to(dtype)
         fg = (randn(b, nh, s) + 3.0).to(dtype)
         w = (1.0 + 0.1 * randn(nh * dv)).to(dtype)
-        cot = randn(b, s, nh * dv).to(dtype)
-        leaves = [t.requires_grad_(grad) for t in (q, k, v, ig, fg, w)]
+        if cfg["raw"]:  # h itself: no norm weight to differentiate
+            cot = randn(b, nh, s, dv).to(dtype)
+            leaves = [t.requires_grad_(grad) for t in (q, k, v, ig, fg)]
+        else:
+            cot = randn(b, s, nh * dv).to(dtype)
+            leaves = [t.requires_grad_(grad) for t in (q, k, v, ig, fg, w)]
         return leaves, cot
 
     # The implementation, built once per child.
@@ -203,16 +211,16 @@ def child_main(cfg: dict) -> None:
         except BaseException as exc:  # ImportError, or the registry lacking the name
             build_error = "import-failed: " + _short(exc)
 
-        def plain(q, k, v, ig, fg, w):
+        def plain(q, k, v, ig, fg, w=None):
             h = kernel(q, k, v, ig, fg, chunk_size=chunk, eps=eps)
-            return multihead_layernorm(h, w, norm_eps)
+            return h if w is None else multihead_layernorm(h, w, norm_eps)
     elif impl == "reference":
         try:
             from compileops.mlstm import reference
         except BaseException as exc:
             build_error = "import-failed: " + _short(exc)
 
-        def plain(q, k, v, ig, fg, w):
+        def plain(q, k, v, ig, fg, w=None):
             return reference.mlstm(q, k, v, ig, fg, norm_weight=w, norm_eps=norm_eps,
                                    eps=eps)[0]
     else:
@@ -236,7 +244,7 @@ def child_main(cfg: dict) -> None:
                     device, torch.int32)
             return packing[seq]
 
-        def plain(q, k, v, ig, fg, w):
+        def plain(q, k, v, ig, fg, w=None):
             cu = documents(q.shape[2], q.device) if form == "packed16" else None
             return compileops.mlstm(q, k, v, ig, fg, norm_weight=w, norm_eps=norm_eps, eps=eps,
                                     kernel=kernel, chunk_size=chunk, cu_seqlens=cu)
@@ -359,7 +367,8 @@ class Collector:
         self.set_env({"device": self.args.device, "torch": "?", "triton": "?"}, measured=False)
         env = self.env
         line = [datetime.date.today().isoformat(), env["device"], env["torch"], env["triton"],
-                r["impl"], r["mode"], r["S"], r["B"], r["pass"], _fmt(r.get("ms"), ".4f"),
+                r["impl"] + (" (raw h)" if self.cfg["raw"] else ""), r["mode"], r["S"], r["B"],
+                r["pass"], _fmt(r.get("ms"), ".4f"),
                 _fmt(r["tflops"], ".1f"), _fmt(r.get("peak_gib"), ".3f"), r["status"]]
         for path in self.paths:
             append_csv(path, line)
@@ -483,7 +492,8 @@ def flops(s: int, b: int, cfg: dict, pass_: str) -> float:
 def report(col: Collector, cfg: dict, order: list) -> None:
     anchors = [i for i in order if i in ANCHORS]
     env = col.env or {"device": "unknown", "torch": "?", "triton": "?"}
-    title = (f"### mLSTM + multi-head layernorm ({cfg['dtype']}, {cfg['tokens']} tokens, "
+    what = "raw h, no norm" if cfg["raw"] else "+ multi-head layernorm"
+    title = (f"### mLSTM {what} ({cfg['dtype']}, {cfg['tokens']} tokens, "
              f"NH={cfg['heads']}, DQK={cfg['dqk']}, DV={cfg['dv']})")
     lines = [title, "", f"{datetime.date.today().isoformat()} | {env['device']} | torch "
              f"{env['torch']} | triton {env['triton']} | command: "
@@ -535,6 +545,9 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=None)
     parser.add_argument("--dqk", type=int, default=None)
     parser.add_argument("--dv", type=int, default=None)
+    parser.add_argument("--raw", action="store_true",
+                        help="no norm: every implementation returns raw h [B, NH, S, DV] (TFLA's "
+                             "backward then leaves out the normaliser's gradient; ours does not)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--impls", nargs="*", default=None, choices=IMPLS)
     parser.add_argument("--modes", nargs="*", default=None, choices=MODES,
@@ -578,7 +591,7 @@ def main(argv=None) -> int:
         tokens=args.tokens or (TINY["tokens"] if tiny else 65536),
         heads=args.heads or (TINY["heads"] if tiny else 16),
         dqk=args.dqk or (TINY["dqk"] if tiny else 128),
-        dv=args.dv or (TINY["dv"] if tiny else 256),
+        dv=args.dv or (TINY["dv"] if tiny else 256), raw=args.raw,
         anchor_chunk=TINY["anchor_chunk"] if tiny else None,
     )
     if args.job_timeout is None:

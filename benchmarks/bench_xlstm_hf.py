@@ -44,6 +44,7 @@ import argparse
 import contextlib
 import csv
 import gc
+import inspect
 import os
 import sys
 
@@ -153,6 +154,17 @@ def _is_head_dim_refusal(exc: BaseException) -> bool:
     return "head dims up to" in str(exc)
 
 
+def _cache_of(output):
+    """The cache an output carries (transformers renamed ``cache_params`` to ``cache``)."""
+    return output.cache if hasattr(output, "cache") else output.cache_params
+
+
+def _cache_argument(model) -> str:
+    """The forward's name for the cache: ``cache``, or ``cache_params`` before the rename."""
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "cache_params"
+
+
 def run_prefill(model, impl, args, device, forward):
     gen = torch.Generator(device=device).manual_seed(1)
     ids = torch.randint(3, model.config.vocab_size, (1, args.prefill), generator=gen,
@@ -183,13 +195,14 @@ def run_decode(model, impl, args, device, forward, batch):
             with compileops.use_backend("reference"):
                 out = forward(prompt, use_cache=True)
             row["note"] = "prompt prefilled on the reference backend (head dims)"
-        cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+        cache, token = _cache_of(out), out.logits[:, -1].argmax(-1, keepdim=True)
+        name = _cache_argument(model)
 
         def steps():
             nonlocal cache, token
             for _ in range(args.steps):
-                out = forward(token, cache=cache, use_cache=True)
-                cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+                out = forward(token, use_cache=True, **{name: cache})
+                cache, token = _cache_of(out), out.logits[:, -1].argmax(-1, keepdim=True)
 
         ms = timed_ms(steps, device, max(1, args.warmup // 5), max(1, args.iters // 5))
     except BaseException as exc:
