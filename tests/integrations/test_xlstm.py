@@ -619,3 +619,63 @@ def test_gpu_bf16_error_is_within_native_bf16_error():
     for what in native_err:
         assert ours_err[what] <= 1.5 * native_err[what] + 0.01, (
             what, ours_err[what], native_err[what])
+
+
+@pytest.fixture
+def gpu_tiles(monkeypatch):
+    """The mLSTM kernels on the tile configs a CUDA device picks (the interpreter's own are
+    16 x 16), so that a bf16 run rounds where the GPU's does."""
+    import importlib
+
+    from compileops.mlstm.kernels import config
+
+    def on_meta(choose):
+        def chosen(q, *args, **kwargs):
+            return choose(torch.empty(0, dtype=q.dtype, device="meta"), *args, **kwargs)
+        return chosen
+
+    forward = on_meta(config.choose_forward_config)
+    backward = on_meta(config.choose_backward_config)
+    for name in ("compileops.mlstm.kernels.config", "compileops.mlstm.kernels",
+                 "compileops.mlstm.kernels.forward", "compileops.mlstm.kernels.backward",
+                 "compileops.mlstm.chunkwise", "compileops.mlstm.op", "lowerings.mlstm"):
+        module = importlib.import_module(name)
+        for attr, fn in (("choose_forward_config", forward), ("choose_backward_config", backward)):
+            if hasattr(module, attr):
+                monkeypatch.setattr(module, attr, fn)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known, open: with the GPU's tiles the bf16 input-gate bias gradient of the first block "
+    "misses the bound (2.1e-2 against transformers' 1.6e-3 here; 1.8e-2 against 4.4e-3 on an "
+    "H200). That gradient is a sum over tokens that cancels (the norm makes the output nearly "
+    "invariant to a shift of every input gate), so what is left is bf16 rounding noise, "
+    "about 2e-3 of the per-token gradients' norm, as large in the bf16 autograd of the "
+    "reference cell; recomputing the kernels' row and column sums of dS * S densely in fp32 "
+    "leaves it unchanged"))
+def test_bf16_error_with_gpu_tiles_is_within_native_bf16_error(gpu_tiles):
+    """The GPU test's model (embedding 256, 256 tokens) on the GPU's tile configs, under the
+    interpreter: the same bound as the bf16 test above."""
+    torch.manual_seed(0)
+    base = _randomize(xLSTMForCausalLM(_config(hidden_size=256)))
+    ids = torch.randint(3, VOCAB, (2, 256), generator=torch.Generator().manual_seed(2))
+    truth = _native_fp64(copy.deepcopy(base))
+    out = truth.train()(ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    truth_logits = out.logits.double()
+    truth_grads = {n: p.grad.double() for n, p in truth.named_parameters()}
+    native = copy.deepcopy(base).bfloat16()
+    native.config.mode = "train"
+    ours = copy.deepcopy(base).bfloat16()
+    cit.apply(ours)
+
+    def errors(model, **kwargs):
+        out = model.train()(ids, labels=ids, **kwargs)
+        out.loss.backward()
+        return {"logits": _rel(out.logits, truth_logits),
+                **_grad_errors(_grads(model), truth_grads)}
+
+    native_err, ours_err = errors(native, use_cache=False), errors(ours)
+    for what in native_err:
+        assert ours_err[what] <= 1.5 * native_err[what] + 0.01, (
+            what, ours_err[what], native_err[what])
