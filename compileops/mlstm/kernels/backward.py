@@ -94,8 +94,12 @@ def norm_backward_rows(
         gy_mean = tl.sum(g * y_hat, axis=1) / DV
         dh = tl.where(live[None, :],
                       (g - g_mean[:, None] - y_hat * gy_mean[:, None]) * rstd[:, None], 0.0)
-        tl.store(dh_ptr + h_off + rows[:, None] * DV + dv[None, :],
-                 dh.to(dh_ptr.dtype.element_ty), mask=mask)
+        # The cell sees dh rounded to h's dtype: its normaliser term (hdot below) takes the
+        # same rounded dh, so the numerator's and the normaliser's parts of the gate
+        # gradients cancel as they do in exact arithmetic.
+        dh = dh.to(dh_ptr.dtype.element_ty)
+        tl.store(dh_ptr + h_off + rows[:, None] * DV + dv[None, :], dh, mask=mask)
+        dh = dh.to(ACC)
         dweight = tl.sum(dy * y_hat, axis=0)
         dbias = tl.sum(dy, axis=0)
     else:
