@@ -33,7 +33,6 @@ Output: a markdown table on stdout and ``$COMPILEOPS_BENCH_OUT/xlstm_block.csv``
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -44,7 +43,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.harness import environment_line, out_dir, sync, time_calls_ms  # noqa: E402
+from benchmarks.harness import environment_line, sync, time_calls_ms, write_csv  # noqa: E402
 
 IMPLS = ("compileops", "xl_chunk", "floor")
 ENV = {"xl_chunk": {"DISABLE_LLVM_OPT": "1"}}
@@ -222,13 +221,7 @@ def main() -> int:
         print(f"| {r['shape']} | {r['mode']} | {r['impl']} | "
               f"{r['ms']:.3f} | {r['peak_gib']:.2f} | {ratio} | {r['status']} |"
               if ok else f"| {r['shape']} | {r['mode']} | {r['impl']} | | | | {r['status']} |")
-    path = os.path.join(out_dir(), "xlstm_block.csv")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"csv: {path}")
+    print(f"csv: {write_csv('xlstm_block.csv', CSV_COLUMNS, rows)}")
     return 0
 
 

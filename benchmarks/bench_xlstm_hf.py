@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import gc
 import inspect
 import os
@@ -55,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import compileops  # noqa: E402
 import compileops.integrations.transformers as cit  # noqa: E402
 from compileops.integrations import xlstm as cx  # noqa: E402
-from benchmarks.harness import environment_line, out_dir, sync, time_calls_ms  # noqa: E402
+from benchmarks.harness import environment_line, sync, time_calls_ms, write_csv  # noqa: E402
 
 IMPLS = ("native", "compileops", "mlstm_kernels")
 XLSTM_7B = dict(vocab_size=50304, hidden_size=4096, num_heads=8, qk_dim_factor=0.5,
@@ -332,13 +331,7 @@ def main() -> int:
         tps = f"{r['tokens_per_s']:,.0f}" if ok else ""
         note = f" ({r['note']})" if r["note"] else ""
         print(f"| {r['case']} | {r['impl']}{note} | {ms} | {tps} | {speedup} | {r['status']} |")
-    path = os.path.join(out_dir(), "xlstm_hf.csv")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"csv: {path}")
+    print(f"csv: {write_csv('xlstm_hf.csv', CSV_COLUMNS, rows)}")
     return 0
 
 

@@ -163,6 +163,17 @@ def report(title: str, rows: list[Row], *, csv_path: Optional[str] = None,
     return text
 
 
+def write_csv(name: str, columns: list, rows: list) -> str:
+    """``rows`` (dicts) as ``out_dir()/name`` with ``columns``; returns the path."""
+    path = os.path.join(out_dir(), name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
 def out_dir() -> str:
     """Where CSVs go: ``$COMPILEOPS_BENCH_OUT`` when set, else benchmarks/out."""
     return (os.environ.get("COMPILEOPS_BENCH_OUT")
