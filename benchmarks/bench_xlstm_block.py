@@ -43,13 +43,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.bench_xlstm_hf import XLSTM_7B, scale_matrices  # noqa: E402
 from benchmarks.harness import environment_line, sync, time_calls_ms, write_csv  # noqa: E402
 
 IMPLS = ("compileops", "xl_chunk", "floor")
 ENV = {"xl_chunk": {"DISABLE_LLVM_OPT": "1"}}
-XLSTM_7B = dict(vocab_size=50304, hidden_size=4096, num_heads=8, qk_dim_factor=0.5,
-                v_dim_factor=1.0, ffn_proj_factor=2.667, ffn_round_up_to_multiple_of=64,
-                gate_soft_cap=15.0, output_logit_soft_cap=30.0)
 TINY = dict(vocab_size=128, hidden_size=64, num_heads=2, qk_dim_factor=0.5, v_dim_factor=1.0,
             gate_soft_cap=15.0, output_logit_soft_cap=30.0)
 TAG = "@@row "
@@ -79,12 +77,7 @@ def build_block(tiny: bool, device, dtype):
     torch.manual_seed(0)
     with torch.device(device):
         model = xLSTMModel._from_config(config, dtype=dtype)
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=gen, device=device) / p.shape[1] ** 0.5)
-    return model.train()
+    return scale_matrices(model, device).train()
 
 
 def prepare(model, impl: str):

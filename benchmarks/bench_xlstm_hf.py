@@ -79,12 +79,18 @@ def build_model(args, device, dtype):
     torch.manual_seed(0)
     with torch.device(device):
         model = xLSTMForCausalLM._from_config(config, dtype=dtype)
+    return scale_matrices(model, device).eval()
+
+
+def scale_matrices(model, device):
+    """Every matrix of ``model`` drawn ``N(0, 1) / sqrt(fan_in)`` (in fp32, seed 0): the
+    scale of a trained model's activations, where transformers' init zeroes some of them."""
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
-            if p.dim() == 2:  # N(0, 1) / sqrt(fan_in), drawn in fp32
+            if p.dim() == 2:
                 p.copy_(torch.randn(p.shape, generator=gen, device=device) / p.shape[1] ** 0.5)
-    return model.eval()
+    return model
 
 
 def _layers(model):
