@@ -1,0 +1,107 @@
+"""fp8 (e4m3) quantisation for the grouped linear: the rule that fp8 kernels are held to.
+
+Two scalings, both with one fp32 scale per group of values along the reduction dim K:
+
+* **rowwise**: one scale per row of a ``[..., K]`` operand: per token for activations
+  ``x [M, K]``, per output channel for weights ``W [G, N, K]``;
+* **blockwise** (DeepSeek-V3's): ``1 x 128`` tiles along K for activations, ``128 x 128``
+  blocks for weights. A ragged last tile (K or N not a multiple of 128) is a smaller tile.
+
+The rule, per row, tile or block with largest magnitude ``amax``:
+
+* ``scale = amax / 448`` (fp32; 448 is e4m3's largest finite value), so the largest value
+  maps to +-448 and the operand is recovered as ``q * scale``;
+* ``q = e4m3(x * (448 / amax))``: one fp32 reciprocal per group, one fp32 product per value,
+  rounded to nearest (ties to even) with saturation at +-448;
+* an all-zero group gets ``scale = 1``: its values quantise to 0 and come back as 0, with no
+  ``0 / 0``;
+* a group holding a NaN or an infinity gets a NaN or infinite scale, so its values come back
+  NaN or infinite: a non-finite input is never turned into finite numbers.
+
+Why e4m3 for gradients too: with a scale per row or per tile, the dynamic range a format must
+cover is that of one group, which e4m3's 18 binades of normals and subnormals hold; its 3
+mantissa bits halve e5m2's rounding error.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+__all__ = ["ACTIVATION_BLOCK", "E4M3", "E4M3_MAX", "WEIGHT_BLOCK", "dequantize",
+           "quantize_blockwise", "quantize_rowwise"]
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+ACTIVATION_BLOCK = (1, 128)  # (rows, K) per scale
+WEIGHT_BLOCK = (128, 128)  # (N, K) per scale
+
+
+def _check_float(x: torch.Tensor, name: str, min_dim: int) -> None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype == E4M3:
+        raise TypeError(f"{name} must be a floating-point tensor (not fp8), got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() < min_dim:
+        raise ValueError(f"{name} must have at least {min_dim} dims, got shape "
+                         f"{tuple(x.shape)}")
+
+
+def _quantize(x: torch.Tensor, amax: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (fp32) and the groups' ``amax`` broadcast to it -> (``q`` e4m3, ``scale``)."""
+    zero = amax == 0
+    inverse = torch.where(zero, 1.0, E4M3_MAX / amax)
+    scale = torch.where(zero, 1.0, amax / E4M3_MAX)
+    # e4m3fn has no infinity: clamp first so that only NaN stays out of range.
+    q = (x * inverse).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, scale
+
+
+def quantize_rowwise(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., K]`` -> ``(q [..., K] e4m3, scale [...] fp32)``, one scale per row along
+    the last dim. ``x`` is not modified."""
+    _check_float(x, "x", 1)
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True) if x.shape[-1] else xf.new_zeros(
+        (*x.shape[:-1], 1))
+    q, scale = _quantize(xf, amax)
+    return q, scale.squeeze(-1)
+
+
+def _tiles(n: int, size: int) -> int:
+    return -(-n // size)
+
+
+def quantize_blockwise(x: torch.Tensor, block: Tuple[int, int]) -> Tuple[torch.Tensor,
+                                                                        torch.Tensor]:
+    """``x [..., R, K]`` -> ``(q [..., R, K] e4m3, scale [..., ceil(R / block[0]),
+    ceil(K / block[1])] fp32)``, one scale per ``block`` of the last two dims
+    (:data:`ACTIVATION_BLOCK` for activations ``[M, K]``, :data:`WEIGHT_BLOCK` for weights
+    ``[G, N, K]``). Ragged last blocks are smaller blocks. ``x`` is not modified."""
+    _check_float(x, "x", 2)
+    rows, cols = (int(b) for b in block)
+    if rows < 1 or cols < 1:
+        raise ValueError(f"block must be two positive sizes, got {block}")
+    *lead, r, k = x.shape
+    tr, tk = _tiles(r, rows), _tiles(k, cols)
+    xf = x.float()
+    # Pad with zeros to whole blocks: zeros never raise an amax.
+    padded = torch.nn.functional.pad(xf, (0, tk * cols - k, 0, tr * rows - r))
+    grouped = padded.reshape(*lead, tr, rows, tk, cols)
+    amax = grouped.abs().amax(dim=(-3, -1), keepdim=True)
+    q, scale = _quantize(grouped, amax)
+    q = q.reshape(*lead, tr * rows, tk * cols)[..., :r, :k]
+    return q, scale.reshape(*lead, tr, tk)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor,
+               block: Tuple[int, int] = None) -> torch.Tensor:
+    """fp32 ``q * scale``: rowwise when ``block`` is None (``scale [...]`` for ``q [...,
+    K]``), else per block of the last two dims as :func:`quantize_blockwise` lays it out."""
+    if q.dtype != E4M3:
+        raise TypeError(f"q must be {E4M3}, got {q.dtype}")
+    qf = q.float()
+    if block is None:
+        return qf * scale.unsqueeze(-1)
+    rows, cols = block
+    expanded = scale.repeat_interleave(rows, dim=-2).repeat_interleave(cols, dim=-1)
+    return qf * expanded[..., :q.shape[-2], :q.shape[-1]]
