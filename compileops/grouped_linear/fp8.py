@@ -24,7 +24,7 @@ mantissa bits halve e5m2's rounding error.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -94,7 +94,7 @@ def quantize_blockwise(x: torch.Tensor, block: Tuple[int, int]) -> Tuple[torch.T
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor,
-               block: Tuple[int, int] = None) -> torch.Tensor:
+               block: Optional[Tuple[int, int]] = None) -> torch.Tensor:
     """fp32 ``q * scale``: rowwise when ``block`` is None (``scale [...]`` for ``q [...,
     K]``), else per block of the last two dims as :func:`quantize_blockwise` lays it out."""
     if q.dtype != E4M3:
