@@ -29,7 +29,7 @@ from typing import Optional, Tuple
 import torch
 
 __all__ = ["ACTIVATION_BLOCK", "E4M3", "E4M3_MAX", "WEIGHT_BLOCK", "dequantize",
-           "quantize_blockwise", "quantize_rowwise"]
+           "grouped_linear_reference", "quantize_blockwise", "quantize_rowwise"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -105,3 +105,25 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor,
     rows, cols = block
     expanded = scale.repeat_interleave(rows, dim=-2).repeat_interleave(cols, dim=-1)
     return qf * expanded[..., :q.shape[-2], :q.shape[-1]]
+
+
+def grouped_linear_reference(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                             scaling: str) -> torch.Tensor:
+    """The fp8 grouped linear's forward as its kernels must compute it, in plain PyTorch:
+    ``x [M, K]`` and ``weight [G, N, K]`` quantised to e4m3 (``scaling``: ``"rowwise"``, per
+    token and per output channel; ``"blockwise"``, :data:`ACTIVATION_BLOCK` and
+    :data:`WEIGHT_BLOCK`), then ``y[r] = dq(x)[r] @ dq(weight[g(r)]).T`` in fp32, rounded once
+    to x's dtype (rows of no group are 0; groups as in
+    :func:`compileops.grouped_linear.reference.grouped_linear_forward`). The products of two
+    e4m3 values are exact in fp32, so a kernel differs from this only in the order of its
+    fp32 sums."""
+    from compileops.grouped_linear.reference import grouped_linear_forward
+
+    if scaling == "rowwise":
+        xq, wq = (dequantize(*quantize_rowwise(t)) for t in (x, weight))
+    elif scaling == "blockwise":
+        xq = dequantize(*quantize_blockwise(x, ACTIVATION_BLOCK), ACTIVATION_BLOCK)
+        wq = dequantize(*quantize_blockwise(weight, WEIGHT_BLOCK), WEIGHT_BLOCK)
+    else:
+        raise ValueError(f"scaling must be 'rowwise' or 'blockwise', got {scaling!r}")
+    return grouped_linear_forward(xq, wq, offsets).to(x.dtype)
