@@ -28,6 +28,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from compileops.grouped_linear.reference import grouped_linear_forward
+
 __all__ = ["ACTIVATION_BLOCK", "E4M3", "E4M3_MAX", "WEIGHT_BLOCK", "dequantize",
            "grouped_linear_reference", "quantize_blockwise", "quantize_rowwise"]
 
@@ -117,8 +119,6 @@ def grouped_linear_reference(x: torch.Tensor, weight: torch.Tensor, offsets: tor
     :func:`compileops.grouped_linear.reference.grouped_linear_forward`). The products of two
     e4m3 values are exact in fp32, so a kernel differs from this only in the order of its
     fp32 sums."""
-    from compileops.grouped_linear.reference import grouped_linear_forward
-
     if scaling == "rowwise":
         xq, wq = (dequantize(*quantize_rowwise(t)) for t in (x, weight))
     elif scaling == "blockwise":
