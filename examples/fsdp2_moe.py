@@ -443,7 +443,9 @@ def main(argv=None) -> None:
                 for step, (a, b) in enumerate(zip(losses, single)):
                     print(f"step {step:3d}  sharded {a:.6f}  single {b:.6f}  diff {abs(a - b):.2e}")
                 print(f"max |sharded - single| loss difference: {max(diffs):.3e}", flush=True)
-            dist.barrier()
+        # Every rank reaches the teardown together: a rank that tears gloo down while the
+        # other still has work in flight can abort in gloo's threads at exit.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
