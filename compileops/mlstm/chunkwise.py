@@ -269,7 +269,8 @@ def _forward_config(q, v, chunk):
 def _backward_config(q, v, chunk):
     from compileops.mlstm.kernels import config
 
-    return config.choose_backward_config(q, q.shape[-1], v.shape[-1]).capped(chunk)
+    return config.choose_backward_config(q, q.shape[-1], v.shape[-1],
+                                         with_state=True).capped(chunk)
 
 
 @mlstm_chunkwise_op.register_fake

@@ -158,23 +158,45 @@ def choose_forward_config(q: torch.Tensor, dqk: int, dv: int, *, with_state: boo
     return cfg.capped(max_block_m)
 
 
-def choose_backward_config(q: torch.Tensor, dqk: int, dv: int) -> BackwardConfig:
-    """The backward's config for head dims ``dqk``, ``dv`` on q's device."""
+def choose_backward_config(q: torch.Tensor, dqk: int, dv: int, *,
+                           with_state: bool = False) -> BackwardConfig:
+    """The backward's config for head dims ``dqk``, ``dv`` on q's device. ``with_state``: the
+    chunkwise form, whose dQ and dK/dV programs also read the ``[DQK, DV]`` state (gradient)
+    tile of their chunk."""
     if q.device.type == "cpu":
         return INTERPRETER_BACKWARD
     if q.dtype == torch.float64:
         return BackwardConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
     if q.dtype == torch.float32:
         return BackwardConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    # H100, bf16, DQK=128 / DV=256, 65k tokens, head-major grids (probe_mlstm.py
-    # --breakdown): dK/dV 64 x 64 on 8 warps, 2 stages: 4.71 / 13.93 ms at S = 1024 / 4096
-    # (64 x 32 on 4 warps 5.38 / 15.52, 3 stages slower); dQ 64 x 32 on 4 warps, 3 stages:
-    # 1.41 / 4.06 ms against 2.67 / 8.14 on dK/dV's config. Norm preprocess: see
-    # benchmarks/RESULTS.md (mLSTM).
-    # Heads wider than DQK 128 + DV 256 (xLSTM-7B's 256 + 256 per value slice) take 32-key
-    # dK/dV tiles: 64 keys on 2 stages need 263,168 bytes of shared memory there, over the
-    # H100's 232,448 (32 keys: 131,072; compiled for sm90 with triton 3.6).
     wide = head_tile(dqk) + head_tile(dv) > 384
-    return BackwardConfig(block_m=64, block_n=32 if wide else 64, num_warps=8, num_stages=2,
-                          dq_block_n=32, dq_num_warps=4, dq_num_stages=3,
+    if not wide:
+        # H100, bf16, DQK=128 / DV=256, 65k tokens, head-major grids (probe_mlstm.py
+        # --breakdown): dK/dV 64 x 64 on 8 warps, 2 stages: 4.71 / 13.93 ms at S = 1024 /
+        # 4096 (64 x 32 on 4 warps 5.38 / 15.52, 3 stages slower); dQ 64 x 32 on 4 warps, 3
+        # stages: 1.41 / 4.06 ms against 2.67 / 8.14 on dK/dV's config. Norm preprocess: see
+        # benchmarks/RESULTS.md (mLSTM). The chunkwise form's dK/dV, which also reads the
+        # state-gradient tile, on 1 stage: 2.38 / 2.36 ms against 2.64 / 2.62 on 2 at S = 2048
+        # / 4096 (H200, benchmarks/tuning/sweep_mlstm_backward.py).
+        return BackwardConfig(block_m=64, block_n=64, num_warps=8,
+                              num_stages=1 if with_state else 2,
+                              dq_block_n=32, dq_num_warps=4, dq_num_stages=3,
+                              block_rows=8, norm_warps=1)
+    # Heads wider than DQK 128 + DV 256: xLSTM-7B's 256 + 256 per value slice. 64 keys on 2
+    # stages would need 263,168 bytes of shared memory there, over the H100's and H200's
+    # 232,448 (sm90, triton 3.6). H200, bf16, NH 8, 65k tokens, both value slices, per step
+    # (``benchmarks/tuning/sweep_mlstm_backward.py``, CUDA time of the kernels):
+    if with_state:
+        # Chunkwise, S = 8192: dK/dV 64 x 64 on 8 warps, 1 stage: 4.54 ms (64 x 32 on 8 warps,
+        # 2 stages: 7.50; on 4 warps: 10.56; 3 stages: 97.9); dQ 64-key tiles on 8 warps, 2
+        # stages: 2.08 ms (32 keys on 4 warps, 3 stages: 6.12), the state tile's product
+        # wanting the wider warp group.
+        return BackwardConfig(block_m=64, block_n=64, num_warps=8, num_stages=1,
+                              dq_block_n=64, dq_num_warps=8, dq_num_stages=2,
+                              block_rows=8, norm_warps=1)
+    # Parallel, S = 1024: dK/dV 64 x 32 on 4 warps, 2 stages: 6.58 ms (on 8 warps: 8.42; 64 x
+    # 64 on 8 warps, 1 stage: 9.23); dQ 16-key tiles on 4 warps, 3 stages: 2.17 ms (32 keys:
+    # 2.57; on 8 warps: 4.35).
+    return BackwardConfig(block_m=64, block_n=32, num_warps=4, num_stages=2,
+                          dq_block_n=16, dq_num_warps=4, dq_num_stages=3,
                           block_rows=8, norm_warps=1)
