@@ -11,8 +11,9 @@ The rule, per row, tile or block with largest magnitude ``amax``:
 
 * ``scale = amax / 448`` (fp32; 448 is e4m3's largest finite value), so the largest value
   maps to +-448 and the operand is recovered as ``q * scale``;
-* ``q = e4m3(x * (448 / amax))``: one fp32 reciprocal per group, one fp32 product per value,
-  rounded to nearest (ties to even) with saturation at +-448;
+* ``q = e4m3(x * (448 / amax))``: one fp32 quotient per group (correctly rounded, like the
+  scale), one fp32 product per value, rounded to nearest (ties to even) with saturation at
+  +-448;
 * an all-zero group gets ``scale = 1``: its values quantise to 0 and come back as 0, with no
   ``0 / 0``;
 * a group holding a NaN or an infinity gets a NaN or infinite scale, so its values come back
@@ -51,8 +52,12 @@ def _check_float(x: torch.Tensor, name: str, min_dim: int) -> None:
 def _quantize(x: torch.Tensor, amax: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``x`` (fp32) and the groups' ``amax`` broadcast to it -> (``q`` e4m3, ``scale``)."""
     zero = amax == 0
-    inverse = torch.where(zero, 1.0, E4M3_MAX / amax)
-    scale = torch.where(zero, 1.0, amax / E4M3_MAX)
+    # Tensor-by-tensor divisions: correctly rounded fp32 quotients, as a kernel's
+    # ``div_rn`` computes them (``448 / amax`` on a tensor is computed by torch as
+    # ``448 * (1 / amax)``, rounded twice).
+    e4m3_max = torch.full_like(amax, E4M3_MAX)
+    inverse = torch.where(zero, 1.0, e4m3_max / amax)
+    scale = torch.where(zero, 1.0, amax / e4m3_max)
     # e4m3fn has no infinity: clamp first so that only NaN stays out of range.
     q = (x * inverse).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q, scale

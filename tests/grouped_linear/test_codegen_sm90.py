@@ -23,6 +23,8 @@ except Exception:  # pragma: no cover
 from tests.grouped_linear._helpers import MJAGGED_STORE_VARIANTS, mjagged_store_config  # noqa: E402
 
 TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
+# fp8 cases: e4m3 operands (A and B), 16-bit everything else.
+OPERANDS = {"fp8": "*fp8e4nv"}
 UNIT = ("stride_ak", "stride_bk", "stride_biasn", "stride_on", "stride_xk")
 UNIT_DX = ("stride_ak", "stride_bn", "stride_biasn", "stride_on")
 NOT_DIVISIBLE = ("M", "G")
@@ -46,12 +48,15 @@ def compile_sm90(fn, args, constexprs, unit=UNIT, **options):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def mjagged_args(ptr):
-    return ([(n, ptr) for n in ("a_ptr", "b_ptr", "bias_ptr")] + [("offs_ptr", "*i32"), ("out_ptr", ptr)]
+def mjagged_args(ptr, operand_ptr=None):
+    operand_ptr = operand_ptr or ptr
+    return ([(n, operand_ptr) for n in ("a_ptr", "b_ptr")] + [("bias_ptr", ptr)]
+            + [("offs_ptr", "*i32"), ("out_ptr", ptr)]
             + [(n, "i32") for n in ("M", "N_OUT", "K", "G")]
             + [(n, "i64") for n in ("stride_am", "stride_ak", "stride_bg", "stride_bk", "stride_bn",
                                     "stride_biasg", "stride_biasn", "stride_om", "stride_on")]
-            + [("pre_ptr", ptr), ("stride_pm", "i64"), ("stride_pn", "i64"), ("scale_ptr", ptr)])
+            + [("pre_ptr", ptr), ("stride_pm", "i64"), ("stride_pn", "i64"), ("scale_ptr", ptr),
+               ("a_scale_ptr", "*fp32"), ("b_scale_ptr", "*fp32"), ("stride_bsg", "i64")])
 
 
 def mjagged_compile(dtype, swiglu, tma=False, b_kn=False, flatten=False, cfg=None,
@@ -61,17 +66,21 @@ def mjagged_compile(dtype, swiglu, tma=False, b_kn=False, flatten=False, cfg=Non
     :func:`kjagged_compile` on unnamed defaulted constexprs)."""
     from compileops.grouped_linear import kernels
 
-    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32,
+                   "fp8": torch.float8_e4m3fn}[dtype]
     if cfg is None:
-        cfg = kernels.choose_config(65536, 128, 1536, 2048, torch_dtype, kernels.H100_SXM)
+        cfg = kernels.choose_config(65536, 128, 1536, 2048, torch_dtype, kernels.H100_SXM,
+                                    swiglu=swiglu)
+    fp8 = dtype == "fp8"
     return compile_sm90(
-        kernels.mjagged_gemm_kernel, mjagged_args(TYPES[dtype]),
-        dict(HAS_BIAS=has_bias, SWIGLU=swiglu, NUM_PROGS=132 * cfg.programs_per_sm,
+        kernels.mjagged_gemm_kernel,
+        mjagged_args(TYPES["bf16" if fp8 else dtype], OPERANDS.get(dtype)),
+        dict(HAS_BIAS=has_bias and not fp8, SWIGLU=swiglu, NUM_PROGS=132 * cfg.programs_per_sm,
              GROUP_M=cfg.group_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
              BLOCK_K=cfg.block_k, INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32",
              INTERPRETER_DOT=False, USE_TMA=tma, B_KN=b_kn, G_BLOCK=kernels.group_block(128),
              FLATTEN=flatten, TMA_STORE=tma and cfg.tma_store, SAVE_PREACT=save_preact,
-             ROW_SCALE=row_scale),
+             ROW_SCALE=row_scale, FP8_ROWWISE=fp8),
         # dX reads W_g [N, K] as B [K, N]: its unit stride is along N, as in a real launch
         # (TMA descriptors need 16-byte aligned strides but the innermost).
         unit=UNIT_DX if b_kn else UNIT,
@@ -155,11 +164,19 @@ CASES = {"bf16": ("bf16", False), "bf16-swiglu": ("bf16", True), "fp32-ieee": ("
          "bf16-dx-tma": ("bf16", False, True, True),
          "bf16-flatten-tma": ("bf16", False, True, False, True),
          # the training SwiGLU: pre-activations stored beside the output
-         "bf16-swiglu-preact-tma": ("bf16", True, True, False, False, True)}
+         "bf16-swiglu-preact-tma": ("bf16", True, True, False, False, True),
+         # rowwise fp8 (e4m3 operands, the scales in the epilogue), choose_config's tiles
+         "fp8-rowwise": ("fp8", False), "fp8-rowwise-tma": ("fp8", False, True),
+         "fp8-rowwise-swiglu-tma": ("fp8", True, True)}
 
 
 def _main():  # runs in a subprocess without TRITON_INTERPRET (the compiler needs JITFunctions)
-    out = {name: summarize(mjagged_ttgir(*args)) for name, args in CASES.items()}
+    out = {}
+    for name, args in CASES.items():
+        kernel = mjagged_compile(*args[:5], save_preact=args[5] if len(args) > 5 else False)
+        out[name] = dict(summarize(kernel.asm["ttgir"]),
+                         # Hopper's fp8 MMA on e4m3 operands, not an upcast to 16 bits
+                         e4m3_mma="f32.e4m3.e4m3" in kernel.asm["ptx"])
     out["wgrad-fp16"] = summarize(kjagged_ttgir())
     out["wgrad-bf16-tma"] = summarize(kjagged_ttgir("*bf16", tma=True))
     for name, (block_k, warps, stages, flags) in WGRAD_VARIANTS.items():
@@ -207,6 +224,8 @@ def test_kernel_compiles_for_sm90_pipelined(compiled, case):
     if case != "fp32-ieee":  # IEEE fp32 dots use FMA, not tensor cores
         assert compiled[case]["wgmma"], f"{case}: expected Hopper wgmma"
     assert compiled[case]["tma"] == case.endswith("-tma"), f"{case}: TMA loads iff requested"
+    assert compiled[case].get("e4m3_mma", False) == case.startswith("fp8"), (
+        f"{case}: e4m3 wgmma iff the operands are fp8")
     if case.startswith("wgrad"):
         assert compiled[case]["db_mma"], f"{case}: expected db summed by a 16-wide wgmma"
 

@@ -241,29 +241,50 @@ def _generic_config(mean: float, n: int, dtype: torch.dtype, spec: DeviceSpec,
     and the part's shared memory: the tile shapes Hopper's wgmma wants, with as many operand
     stages as the part holds (the narrower tile where the wide one would get fewer than 3)."""
     small = dtype == torch.float32
+    if dtype.itemsize == 1:
+        return _generic_fp8_config(mean, spec, swiglu)
+    bk = 32 if small else 64
     if mean <= 16:
-        cfg = Config(16, 128, 64 if not small else 32, num_warps=4, num_stages=4)
+        cfg = Config(16, 128, bk, num_warps=4, num_stages=4)
     elif mean <= 64:
-        cfg = Config(64, 128, 64 if not small else 32, num_warps=4, num_stages=4)
+        cfg = Config(64, 128, bk, num_warps=4, num_stages=4)
     elif small:
-        cfg = Config(128, 128 if n >= 128 else 64, 32, num_warps=8, num_stages=2)
+        cfg = Config(128, 128 if n >= 128 else 64, bk, num_warps=8, num_stages=2)
     elif swiglu:
-        cfg = Config(128, 128, 64, num_warps=8, num_stages=3)
+        cfg = Config(128, 128, bk, num_warps=8, num_stages=3)
     elif n <= 128:
-        cfg = Config(128, 128, 64, num_warps=8, num_stages=3, flatten=True)
+        cfg = Config(128, 128, bk, num_warps=8, num_stages=3, flatten=True)
     else:
-        cfg = Config(128, 256, 64, num_warps=8, num_stages=4, flatten=True)
+        cfg = Config(128, 256, bk, num_warps=8, num_stages=4, flatten=True)
         if _stages_that_fit(cfg, spec, dtype.itemsize, 4) < 3:
-            cfg = Config(128, 128, 64, num_warps=8, num_stages=3, flatten=True)
+            cfg = Config(128, 128, bk, num_warps=8, num_stages=3, flatten=True)
     stages = _stages_that_fit(cfg, spec, dtype.itemsize, cfg.num_stages, swiglu=swiglu)
     return dataclasses.replace(cfg, num_stages=stages)
+
+
+def _generic_fp8_config(mean: float, spec: DeviceSpec, swiglu: bool) -> Config:
+    """e4m3 operands: K steps of 128 (the bytes of 16-bit's 64), and output tiles half the
+    16-bit ones. The fp8 MMA adds each K step's products into a second accumulator that is
+    then added to the fp32 one (:func:`.mjagged.tile_dot`), so a tile holds twice the
+    accumulator registers: a 128 x 256 tile on 8 warps spills (324 bytes a thread, sm90,
+    triton 3.6), 128 x 128 does not (254 registers); SwiGLU's two products take 128 x 64
+    (218 registers; 128 x 128 spills 44 bytes)."""
+    if mean <= 64:
+        cfg = Config(64, 64 if swiglu else 128, 128, num_warps=4, num_stages=4)
+    elif swiglu:
+        cfg = Config(128, 64, 128, num_warps=8, num_stages=4)
+    else:
+        cfg = Config(128, 128, 128, num_warps=8, num_stages=4, flatten=True)
+    return dataclasses.replace(
+        cfg, num_stages=_stages_that_fit(cfg, spec, 1, cfg.num_stages, swiglu=swiglu))
 
 
 def mjagged_case(m_total: int, groups: int, n: int, dtype: torch.dtype, *,
                  swiglu: bool = False) -> Optional[str]:
     """The :data:`TUNED` case of an M-jagged product (forward, dX, SwiGLU), or None where
-    the generic rule always decides (fp32, 64 rows per group or fewer)."""
-    if dtype == torch.float32 or m_total / max(groups, 1) <= 64:
+    the generic rule always decides (fp32, fp8, 64 rows per group or fewer)."""
+    # fp8 has no measured rows yet: the generic rule, with fp8's K step.
+    if dtype in (torch.float32, torch.float8_e4m3fn) or m_total / max(groups, 1) <= 64:
         return None
     if swiglu:
         return "swiglu"

@@ -55,11 +55,17 @@ def tile_dot(a, b, acc, INPUT_PRECISION: tl.constexpr, INTERPRETER_DOT: tl.const
     ``INTERPRETER_DOT`` (CPU tensors, Triton's interpreter; see ``config.interpreter_dot``):
     an explicit product-and-sum over K in fp32, so every output element is summed in the same
     order wherever its row sits in the tile (numpy's matmul does not promise that, and bf16
-    tiles would be multiplied as raw bits). On GPUs: the tensor-core MMA.
+    tiles would be multiplied as raw bits). On GPUs: the tensor-core MMA (fp8 tiles: e4m3
+    products, exact in fp32).
     """
     if INTERPRETER_DOT:
         products = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]  # [M, K, N]
         return acc + tl.sum(products, axis=1)
+    if a.dtype.is_fp8():
+        # Hopper's fp8 MMA adds its products at reduced precision: add each BLOCK_K slice's
+        # partial sum into the fp32 accumulator (Triton's default lets the whole K loop
+        # accumulate there).
+        return tl.dot(a, b, acc, max_num_imprecise_acc=a.shape[1])
     return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
 
@@ -175,6 +181,26 @@ def scale_rows(acc, scale_ptr, row_start, m_size, tile_m, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
+def fp8_rowwise_scales(acc, a_scale_ptr, b_scale_ptr, g, active, row_start, m_size, tile_m,
+                       tile_n, col_offset, n_size, stride_bsg,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The fp32 tile of an fp8 product, ``acc [BLOCK_M, BLOCK_N]`` (sums of e4m3 products),
+    times its rows' and columns' scales: ``a_scale[row_start + rm]`` (``a_scale_ptr``: fp32
+    ``[M]``, contiguous) and ``b_scale[g, col_offset + rn]`` (``b_scale_ptr``: fp32 ``[G,
+    N]``, unit column stride, ``stride_bsg`` between groups). Masked rows and columns, and
+    the tail's inactive tiles, read scale 1 (their accumulators are zeros)."""
+    rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (row_start + rm).to(tl.int64)
+    cols = (col_offset + rn).to(tl.int64)
+    row_scale = tl.load(a_scale_ptr + rows, mask=tl.where(active, rm < m_size, False),
+                        other=1.0)
+    col_scale = tl.load(b_scale_ptr + tl.cast(g, tl.int64) * stride_bsg + cols,
+                        mask=tl.where(active, rn < n_size, False), other=1.0)
+    return acc * row_scale[:, None] * col_scale[None, :]
+
+
+@triton.jit
 def store_tile(out_ptr, stride_om, stride_on, row_start, m_size, tile_m, tile_n, col_offset,
                n_size, tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Masked pointer store of the fp32 ``tile [BLOCK_M, BLOCK_N]`` (rows ``tile_m * BLOCK_M +
@@ -200,12 +226,13 @@ def mjagged_gemm_kernel(
     M, N_OUT, K, G,
     stride_am, stride_ak, stride_bg, stride_bk, stride_bn, stride_biasg, stride_biasn,
     stride_om, stride_on, pre_ptr, stride_pm, stride_pn, scale_ptr,
+    a_scale_ptr, b_scale_ptr, stride_bsg,
     HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NUM_PROGS: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, INTERPRETER_DOT: tl.constexpr,
     USE_TMA: tl.constexpr, B_KN: tl.constexpr, G_BLOCK: tl.constexpr, FLATTEN: tl.constexpr,
     TMA_STORE: tl.constexpr = False, SAVE_PREACT: tl.constexpr = False,
-    ROW_SCALE: tl.constexpr = False,
+    ROW_SCALE: tl.constexpr = False, FP8_ROWWISE: tl.constexpr = False,
 ):
     """Persistent M-jagged grouped GEMM.
 
@@ -222,6 +249,10 @@ def mjagged_gemm_kernel(
       for the backward; tail rows are zeros too. Unused otherwise.
     * ``scale_ptr`` (``ROW_SCALE``): ``[M]`` in out's dtype, contiguous: row i of the output
       is multiplied by ``scale[i]`` after rounding (:func:`scale_rows`).
+    * ``a_scale_ptr``, ``b_scale_ptr``, ``stride_bsg`` (``FP8_ROWWISE``: A and B in e4m3, no
+      bias): the rowwise scales of A ``[M]`` and of B's columns ``[G, N]`` (N = ``2 *
+      N_OUT`` with ``SWIGLU``), applied to the fp32 tile before anything else
+      (:func:`fp8_rowwise_scales`).
 
     Every program strides through the flat tile space by ``NUM_PROGS``. ``FLATTEN`` lets
     Triton pipeline across consecutive tiles. ``USE_TMA``: loads through descriptors
@@ -258,6 +289,13 @@ def mjagged_gemm_kernel(
             stride_biasg, stride_biasn, a_desc, b_desc, HAS_BIAS, SWIGLU, BLOCK_M, BLOCK_N,
             BLOCK_K, INPUT_PRECISION, INTERPRETER_DOT, USE_TMA, B_KN,
         )  # [BLOCK_M, BLOCK_N] each, fp32
+        if FP8_ROWWISE:
+            acc = fp8_rowwise_scales(acc, a_scale_ptr, b_scale_ptr, g, g < G, start, end - start,
+                                     tile_m, tile_n, 0, N_OUT, stride_bsg, BLOCK_M, BLOCK_N)
+            if SWIGLU:
+                up = fp8_rowwise_scales(up, a_scale_ptr, b_scale_ptr, g, g < G, start,
+                                        end - start, tile_m, tile_n, N_OUT, N_OUT, stride_bsg,
+                                        BLOCK_M, BLOCK_N)
         if SWIGLU:
             if SAVE_PREACT:
                 store_tile(pre_ptr, stride_pm, stride_pn, start, end - start, tile_m, tile_n, 0,
@@ -286,7 +324,8 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
                  config: Optional[Config] = None, batch_invariant: bool = False,
                  b_kn: bool = False, use_tma: Optional[bool] = None,
                  preact: Optional[torch.Tensor] = None,
-                 row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 row_scale: Optional[torch.Tensor] = None,
+                 fp8_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """``out [M, n_out]``: rows of group g are ``A_g @ B_g`` (B addressed through
     ``b_strides = (stride_g, stride_k, stride_n)``), tail rows zero.
 
@@ -299,13 +338,21 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
     ``preact`` (with ``swiglu``): an ``[M, N]`` tensor that receives the pre-activations
     (gate and up, rounded to its dtype) beside the SwiGLU output. ``row_scale`` ``[M]`` in
     ``out_dtype``: row i of the output times ``row_scale[i]``, after rounding
-    (:func:`scale_rows`).
+    (:func:`scale_rows`). ``fp8_scales = (a_scale [M], b_scale [G, N])`` (fp32) with ``a``
+    and ``b`` in e4m3 (no bias): the rowwise fp8 product, each fp32 tile times its rows' and
+    columns' scales (:func:`fp8_rowwise_scales`).
     """
     m, k = a.shape
     offsets = offsets.contiguous()  # the kernel reads offsets[g] at offs_ptr + g
     groups = offsets.shape[0]
     if row_scale is not None:
         row_scale = row_scale.contiguous()  # the kernel reads scale[i] at scale_ptr + i
+    a_scale = b_scale = None
+    if fp8_scales is not None:
+        if bias is not None:
+            raise ValueError("the fp8 grouped product takes no bias")
+        a_scale = fp8_scales[0].contiguous()
+        b_scale = fp8_scales[1] if fp8_scales[1].stride(-1) == 1 else fp8_scales[1].contiguous()
     out = torch.empty((m, n_out), dtype=out_dtype, device=a.device)
     if m == 0 or n_out == 0:
         return out
@@ -329,12 +376,14 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
             preact.stride(0) if preact is not None else 0,
             preact.stride(1) if preact is not None else 0,
             row_scale if row_scale is not None else out,
+            a_scale if a_scale is not None else out, b_scale if b_scale is not None else out,
+            b_scale.stride(0) if b_scale is not None else 0,
             HAS_BIAS=bias is not None, SWIGLU=swiglu, NUM_PROGS=progs, GROUP_M=cfg.group_m,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             INPUT_PRECISION=input_precision(a.dtype), INTERPRETER_DOT=interpreter_dot(a),
             USE_TMA=tma, B_KN=b_kn, G_BLOCK=group_block(groups), FLATTEN=cfg.flatten,
             TMA_STORE=tma and tma_store, SAVE_PREACT=preact is not None,
-            ROW_SCALE=row_scale is not None,
+            ROW_SCALE=row_scale is not None, FP8_ROWWISE=fp8_scales is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 

@@ -1,0 +1,167 @@
+"""fp8 (e4m3) kernels of the grouped linear: rowwise quantisation, and the rowwise scales that
+the M-jagged GEMM applies in its epilogue (:func:`.mjagged.mjagged_gemm`'s ``a_scale`` /
+``b_scale``).
+
+The rule is :mod:`compileops.grouped_linear.fp8`'s, bit for bit: per row, ``scale = amax /
+448`` and ``q = e4m3(clamp(x * (448 / amax), -448, 448))`` rounded to nearest with ties to
+even, an all-zero row scale 1, a NaN kept NaN.
+
+Rounding is done in fp32 arithmetic onto the e4m3 grid (:func:`round_to_e4m3_grid`) before
+the cast, so the cast only ever sees values it can represent exactly. Why: Triton's
+interpreter converts fp32 to e4m3 wrongly for values that round up into the next binade
+(31.9 becomes 16, not 32), so a plain cast would make the CPU tests test another rule than
+the GPU's ``cvt.rn.satfinite``. The grid rounding costs a few integer operations per value in
+a kernel bound by memory.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from compileops.grouped_linear.fp8 import E4M3
+
+
+@triton.jit
+def round_to_e4m3_grid(v):
+    """fp32 ``v`` (``|v| <= 448`` or NaN) rounded to the nearest e4m3 value, ties to even,
+    still fp32. e4m3 has 3 mantissa bits and its smallest normal is ``2^-6``, so the grid
+    spacing of ``v``'s binade ``[2^e, 2^(e+1))`` is ``2^(e - 3)`` (``2^-9`` below ``2^-6``); ``v / spacing`` is below 16 in magnitude, and adding and
+    subtracting ``1.5 * 2^23`` rounds it to an integer in fp32's own round-to-nearest-even."""
+    bits = v.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    spacing_exp = tl.maximum(exponent, -6) - 3
+    spacing = ((spacing_exp + 127) << 23).to(tl.float32, bitcast=True)
+    steps = v / spacing  # exact: spacing is a power of two
+    magic = 12582912.0  # 1.5 * 2^23
+    rounded = (steps + magic) - magic
+    # v * 0 keeps the sign of a value that rounds to zero (-0 stays -0, as the cast has it).
+    return tl.where(rounded == 0.0, v * 0.0, rounded * spacing)
+
+
+@triton.jit
+def quantize_to_e4m3(x, inverse):
+    """fp32 ``x`` times the group's ``inverse`` (``448 / amax``), clamped to +-448 (a NaN
+    stays NaN: Triton's clamp would turn it into a bound) and rounded onto the e4m3 grid,
+    still fp32; the caller's cast to e4m3 is then exact."""
+    scaled = x * inverse
+    clamped = tl.where(scaled != scaled, scaled, tl.clamp(scaled, -448.0, 448.0))
+    return round_to_e4m3_grid(clamped)
+
+
+@triton.jit
+def rowwise_quantize_kernel(
+    x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_xk,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Grid ``(cdiv(M, BLOCK_M),)``: rows ``[pid * BLOCK_M, ...)`` of ``x [M, K]`` (strides
+    given) to ``q [M, K]`` e4m3 (contiguous) and ``scale [M]`` fp32. Two passes over K: the
+    rows' amax, then the quantised values (the second pass reads x again, mostly from L2)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask = row_ok[:, None] & ((k0 + cols) < K)[None, :]
+        x = tl.load(x_ptr + rows64[:, None] * stride_xm + (k0 + cols)[None, :] * stride_xk,
+                    mask=mask, other=0.0).to(tl.float32)
+        magnitude = tl.abs(x)
+        # A NaN anywhere makes the row's amax NaN (tl.maximum would drop it).
+        amax = tl.where(tl.max(tl.where(magnitude != magnitude, 1, 0), axis=1) > 0,
+                        float("nan"), tl.maximum(amax, tl.max(magnitude, axis=1)))
+    zero = amax == 0.0
+    # div_rn: correctly rounded quotients (Triton's "/" on fp32 is an approximate division).
+    e4m3_max = tl.full((BLOCK_M,), 448.0, tl.float32)
+    inverse = tl.where(zero, 1.0, tl.math.div_rn(e4m3_max, amax))
+    tl.store(scale_ptr + rows64, tl.where(zero, 1.0, tl.math.div_rn(amax, e4m3_max)),
+             mask=row_ok)
+    for k0 in range(0, K, BLOCK_K):
+        mask = row_ok[:, None] & ((k0 + cols) < K)[None, :]
+        x = tl.load(x_ptr + rows64[:, None] * stride_xm + (k0 + cols)[None, :] * stride_xk,
+                    mask=mask, other=0.0).to(tl.float32)
+        q = quantize_to_e4m3(x, inverse[:, None])
+        tl.store(q_ptr + rows64[:, None] * K + (k0 + cols)[None, :],
+                 q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., K]`` (16- or 32-bit float, any strides in its last two dims) -> ``(q [...,
+    K]`` e4m3 contiguous, ``scale [...]`` fp32): one Triton pass per row block, the rule of
+    :func:`compileops.grouped_linear.fp8.quantize_rowwise` bit for bit. ``x`` is not
+    modified."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype == E4M3:
+        raise TypeError(f"x must be a floating-point tensor (not fp8), got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() < 1:
+        raise ValueError("x must have at least 1 dim")
+    k = x.shape[-1]
+    flat = x.reshape(-1, k) if x.dim() != 2 else x
+    m = flat.shape[0]
+    q = torch.empty((m, k), dtype=E4M3, device=x.device)
+    scale = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m and not k:
+        scale.fill_(1.0)
+    elif m:
+        cpu = x.device.type == "cpu"
+        block_m = 16 if cpu else 8
+        block_k = min(triton.next_power_of_2(k), 64 if cpu else 1024)
+        rowwise_quantize_kernel[(triton.cdiv(m, block_m),)](
+            flat, q, scale, m, k, flat.stride(0), flat.stride(1),
+            BLOCK_M=block_m, BLOCK_K=block_k, num_warps=1 if cpu else 4)
+    return q.reshape(x.shape), scale.reshape(x.shape[:-1])
+
+
+def quantize_weight_rowwise(weight: torch.Tensor, *, transpose: bool = False
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight ``[G, N, K]`` quantised for an M-jagged fp8 product, as ``(q, scale)``:
+
+    * ``transpose=False`` (the forward, ``x @ W_g^T``): one scale per output channel over K,
+      ``q [G, N, K]``, ``scale [G, N]``;
+    * ``transpose=True`` (dX, ``dY @ W_g``): one scale per input channel over N, ``q [G, K,
+      N]`` (contiguous, ``W_g^T``), ``scale [G, K]``.
+    """
+    if weight.dim() != 3:
+        raise ValueError(f"weight must be [G, N, K], got shape {tuple(weight.shape)}")
+    return quantize_rowwise(weight.transpose(1, 2) if transpose else weight)
+
+
+def grouped_linear_fp8_rowwise(
+    x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor,
+    offsets: torch.Tensor, *, swiglu: bool = False, out_dtype: torch.dtype,
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+    preact: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The rowwise fp8 grouped product: rows of group g of ``x [M, K]`` (16- or 32-bit)
+    times ``W_g^T``, where ``weight_q [G, N, K]`` e4m3 and ``weight_scale [G, N]`` fp32 are
+    the weight's quantisation (:func:`quantize_weight_rowwise`, made once and reused while
+    the weight does not change). ``x`` is quantised per row here, in one pass, unless its
+    ``(q, scale)`` come as ``x_fp8``. Each output tile is the fp32 sum of e4m3 products times
+    its rows' and columns' scales, rounded once to ``out_dtype``; rows past ``offsets[-1]``
+    are zeros. ``swiglu``: ``silu(gate) * up`` of the two column halves (``[M, N / 2]``),
+    with ``preact [M, N]`` receiving the scaled pre-activations if given.
+
+    Equal, up to the order of its fp32 sums, to
+    :func:`compileops.grouped_linear.fp8.grouped_linear_reference` with ``"rowwise"``.
+    """
+    from compileops.grouped_linear.kernels.mjagged import mjagged_gemm
+
+    if weight_q.dtype != E4M3 or weight_q.dim() != 3:
+        raise TypeError(f"weight_q must be e4m3 [G, N, K], got {weight_q.dtype} "
+                        f"{tuple(weight_q.shape)}")
+    groups, n, k = weight_q.shape
+    if tuple(weight_scale.shape) != (groups, n) or weight_scale.dtype != torch.float32:
+        raise ValueError(f"weight_scale must be fp32 [{groups}, {n}], got "
+                         f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
+    if x_fp8 is None:
+        if x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"x must be [M, {k}], got shape {tuple(x.shape)}")
+        x_fp8 = quantize_rowwise(x)
+    xq, xs = x_fp8
+    if swiglu and n % 2:
+        raise ValueError(f"swiglu needs an even N (gate and up halves), got {n}")
+    n_out = n // 2 if swiglu else n
+    return mjagged_gemm(xq, weight_q, (weight_q.stride(0), weight_q.stride(2),
+                                       weight_q.stride(1)),
+                        offsets, n_out, swiglu=swiglu, out_dtype=out_dtype, preact=preact,
+                        fp8_scales=(xs, weight_scale))

@@ -1,0 +1,175 @@
+"""The rowwise fp8 kernels (``compileops.grouped_linear.kernels.fp8``) under Triton's
+interpreter (CPU) or on a GPU: the quantisation kernel bit for bit against the rule of
+``compileops.grouped_linear.fp8``, and the fp8 grouped product (the M-jagged GEMM with the
+scales in its epilogue) against its plain-PyTorch reference."""
+import pytest
+import torch
+
+from compileops.grouped_linear import fp8
+from compileops.grouped_linear.kernels import fp8 as fp8_kernels
+
+pytestmark = pytest.mark.usefixtures("interpreter_or_gpu")
+
+
+@pytest.fixture
+def interpreter_or_gpu(device):
+    import os
+
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels run on CPU tensors under TRITON_INTERPRET=1 only")
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return request.param
+
+
+def _bits(q):
+    return q.view(torch.uint8)
+
+
+def _wide_range(rows, cols, dtype, device, seed=0):
+    """Rows of N(0, 1) values scaled from 1e-6 to 1e6 (fp16: 1e-4 to 1e4, its range): scaled
+    values cover e4m3's normal and subnormal codes, and the rounding up into the next binade
+    (31.9 -> 32) that a plain fp32-to-e4m3 cast gets wrong in Triton's interpreter."""
+    gen = torch.Generator().manual_seed(seed)
+    decades = 4 if dtype == torch.float16 else 6
+    x = torch.randn(rows, cols, generator=gen) * torch.logspace(-decades, decades, rows)[:, None]
+    return x.to(dtype).to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rowwise_quantisation_is_the_rule_bit_for_bit(device, dtype):
+    x = _wide_range(48, 300, dtype, device)
+    x[3] = 0  # an all-zero row: scale 1, codes 0
+    before = x.clone()
+    q, scale = fp8_kernels.quantize_rowwise(x)
+    want_q, want_scale = fp8.quantize_rowwise(x.cpu())
+    assert torch.equal(x, before)
+    assert q.dtype == fp8.E4M3 and q.shape == x.shape and scale.dtype == torch.float32
+    assert torch.equal(_bits(q.cpu()), _bits(want_q))
+    assert torch.equal(scale.cpu(), want_scale)
+    assert scale[3].item() == 1.0
+
+
+def test_rowwise_quantisation_of_strided_inputs_and_weights(device):
+    x = _wide_range(40, 72, torch.bfloat16, device, seed=1).t()  # [72, 40], strides (1, 72)
+    q, scale = fp8_kernels.quantize_rowwise(x)
+    want_q, want_scale = fp8.quantize_rowwise(x.cpu())
+    assert torch.equal(_bits(q.cpu()), _bits(want_q)) and torch.equal(scale.cpu(), want_scale)
+    w = _wide_range(3 * 20, 36, torch.bfloat16, device, seed=2).reshape(3, 20, 36)
+    for transpose in (False, True):
+        q, scale = fp8_kernels.quantize_weight_rowwise(w, transpose=transpose)
+        ref = w.transpose(1, 2) if transpose else w
+        want_q, want_scale = fp8.quantize_rowwise(ref.cpu())
+        assert q.shape == ref.shape and scale.shape == ref.shape[:2]
+        assert torch.equal(_bits(q.cpu()), _bits(want_q))
+        assert torch.equal(scale.cpu(), want_scale)
+
+
+def test_non_finite_values_poison_their_row_only(device):
+    x = _wide_range(6, 50, torch.float32, device, seed=3)
+    x[1, 7] = float("nan")
+    x[4, 0] = float("inf")
+    q, scale = fp8_kernels.quantize_rowwise(x)
+    back = fp8.dequantize(q.cpu(), scale.cpu())
+    for row in (1, 4):
+        assert not torch.isfinite(scale[row]).item()
+        assert not torch.isfinite(back[row]).any()
+    finite = [0, 2, 3, 5]
+    want_q, want_scale = fp8.quantize_rowwise(x.cpu())
+    assert torch.equal(_bits(q.cpu()[finite]), _bits(want_q[finite]))
+    assert torch.equal(scale.cpu()[finite], want_scale[finite])
+
+
+def test_empty_shapes(device):
+    q, scale = fp8_kernels.quantize_rowwise(torch.zeros(0, 16, device=device))
+    assert q.shape == (0, 16) and scale.shape == (0,)
+    q, scale = fp8_kernels.quantize_rowwise(torch.zeros(3, 0, device=device))
+    assert q.shape == (3, 0) and scale.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_quantisation_rejects_fp8_and_integer_inputs(device):
+    with pytest.raises(TypeError, match="floating-point"):
+        fp8_kernels.quantize_rowwise(torch.zeros(2, 4, dtype=torch.int32, device=device))
+    with pytest.raises(TypeError, match="floating-point"):
+        fp8_kernels.quantize_rowwise(torch.zeros(2, 4, device=device).to(fp8.E4M3))
+
+
+def _problem(device, dtype, m=70, k=96, n=80, seed=4):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(device)
+    w = (torch.randn(4, n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
+    # an empty group, and 6 tail rows past offsets[-1] (written as zeros)
+    offsets = torch.tensor([10, 10, 40, 64], dtype=torch.int32, device=device)
+    return x, w, offsets
+
+
+#: Relative error of the fp8 product's sums against exact fp32 ones. Under the interpreter the
+#: sums are fp32. Hopper's fp8 MMA adds the products of each K step (128) at reduced
+#: precision before they reach the fp32 accumulator: 1.1e-4 measured on an H200 at K = 96.
+FP8_MMA_SUMS = {"cpu": 1e-6, "cuda": 1e-3}
+
+
+def _rel(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_product_is_its_reference(device, dtype):
+    x, w, offsets = _problem(device, dtype)
+    wq, ws = fp8_kernels.quantize_weight_rowwise(w)
+    y = fp8_kernels.grouped_linear_fp8_rowwise(x, wq, ws, offsets, out_dtype=dtype)
+    want = fp8.grouped_linear_reference(x.cpu(), w.cpu(), offsets.cpu(), "rowwise")
+    assert y.dtype == dtype and y.shape == (70, 80)
+    # The same e4m3 products; only the order of the fp32 sums (and where the scales are
+    # applied) differs, then one rounding to the output dtype: for bf16 up to one unit in the
+    # last place (2^-8 relative), or two under the interpreter, whose fp32-to-bf16 cast
+    # truncates.
+    assert _rel(y, want) <= max(FP8_MMA_SUMS[device], 1e-6 if dtype == torch.float32 else 2 ** -7)
+    assert torch.count_nonzero(y[64:]) == 0
+    again = fp8_kernels.grouped_linear_fp8_rowwise(x, wq, ws, offsets, out_dtype=dtype)
+    assert torch.equal(y, again)  # run to run: the same bits
+
+
+def test_fp8_swiglu_product_and_its_pre_activations(device):
+    x, w, offsets = _problem(device, torch.float32, seed=5)
+    wq, ws = fp8_kernels.quantize_weight_rowwise(w)
+    pre = torch.empty(70, 80, device=device)
+    y = fp8_kernels.grouped_linear_fp8_rowwise(x, wq, ws, offsets, swiglu=True,
+                                               out_dtype=torch.float32, preact=pre)
+    want_pre = fp8.grouped_linear_reference(x.cpu(), w.cpu(), offsets.cpu(), "rowwise")
+    gate, up = want_pre.chunk(2, dim=-1)
+    assert y.shape == (70, 40)
+    assert _rel(pre[:64], want_pre[:64]) <= FP8_MMA_SUMS[device]
+    assert _rel(y, torch.nn.functional.silu(gate) * up) <= FP8_MMA_SUMS[device]
+
+
+def test_fp8_product_error_against_exact_is_torchaos(device):
+    """Unit-normal data at a small MoE shape: within the relative error of torchao's rowwise
+    fp8 grouped GEMM against bf16 (about 3.8e-2 measured; 4e-2 is the contract)."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(256, 256, generator=gen)
+    w = torch.randn(4, 128, 256, generator=gen)
+    offsets = torch.tensor([64, 128, 192, 256], dtype=torch.int32)
+    exact = torch.cat([x[64 * g:64 * (g + 1)].double() @ w[g].double().T for g in range(4)])
+    wq, ws = fp8_kernels.quantize_weight_rowwise(w.to(device))
+    y = fp8_kernels.grouped_linear_fp8_rowwise(x.to(device), wq, ws, offsets.to(device),
+                                               out_dtype=torch.float32)
+    assert 1e-3 < _rel(y, exact) <= 4e-2  # lossy, but within the contract
+
+
+def test_fp8_product_rejects_bad_operands(device):
+    x, w, offsets = _problem(device, torch.float32)
+    wq, ws = fp8_kernels.quantize_weight_rowwise(w)
+    with pytest.raises(TypeError, match="e4m3"):
+        fp8_kernels.grouped_linear_fp8_rowwise(x, w, ws, offsets, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="weight_scale"):
+        fp8_kernels.grouped_linear_fp8_rowwise(x, wq, ws[:, :3], offsets,
+                                               out_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"x must be \[M, 96\]"):
+        fp8_kernels.grouped_linear_fp8_rowwise(x[:, :5], wq, ws, offsets,
+                                               out_dtype=torch.float32)
