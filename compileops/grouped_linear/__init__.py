@@ -11,6 +11,7 @@ from compileops.grouped_linear.op import (
 )
 from compileops.grouped_linear.routing import permute_by_expert, unpermute_and_combine
 from compileops.grouped_linear import scaled  # noqa: F401  (documented: the row-scaled autograd)
+from compileops.grouped_linear import fp8_op  # noqa: F401  (registers the fp8 ops)
 from compileops.modes import (
     batch_invariant,
     is_batch_invariant,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 
@@ -92,11 +92,18 @@ class GroupedLinear(torch.nn.Module):
     x ``[M, in_features]``; groups given per call as counts (``m_splits [G]``, the default,
     TransformerEngine's convention) or cumulative int32 end rows (``offsets=True``).
     Returns ``[M, out_features]``; rows past the last group are zero.
+
+    ``fp8="rowwise"`` (experimental, ``bias=False`` only): the forward and dX products in
+    e4m3 (:func:`compileops.grouped_linear`'s ``fp8``); the parameters stay in ``dtype``.
     """
 
     def __init__(self, num_groups: int, in_features: int, out_features: int, bias: bool = True,
-                 device=None, dtype=None):
+                 device=None, dtype=None, fp8: Optional[str] = None):
         super().__init__()
+        from compileops.grouped_linear.fp8_op import check_recipe
+
+        check_recipe(fp8, bias=True if bias else None)
+        self.fp8 = fp8
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
         factory = {"device": device, "dtype": dtype}
         self.weight = torch.nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
@@ -131,8 +138,10 @@ class GroupedLinear(torch.nn.Module):
         backend). Deterministic; see :func:`compileops.grouped_linear` for the numerics.
         """
         if offsets:
-            return grouped_linear(x, self.weight, m_splits_or_offsets.to(x.device), self.bias)
-        return grouped_linear_splits(x, self.weight, m_splits_or_offsets, self.bias)
+            return grouped_linear(x, self.weight, m_splits_or_offsets.to(x.device), self.bias,
+                                  fp8=self.fp8)
+        return grouped_linear_splits(x, self.weight, m_splits_or_offsets, self.bias,
+                                     fp8=self.fp8)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -202,4 +211,5 @@ class GroupedLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"num_groups={self.num_groups}, in_features={self.in_features}, "
-                f"out_features={self.out_features}, bias={self.bias is not None}")
+                f"out_features={self.out_features}, bias={self.bias is not None}"
+                + (f", fp8={self.fp8!r}" if self.fp8 is not None else ""))

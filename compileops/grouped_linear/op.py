@@ -324,7 +324,7 @@ def splits_to_offsets(m_splits: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(m_splits, 0, dtype=torch.int32)
 
 
-def grouped_linear(x, weight, offsets, bias=None, *, row_scale=None):
+def grouped_linear(x, weight, offsets, bias=None, *, row_scale=None, fp8=None):
     """Grouped linear: ``y[rows of g] = x[rows of g] @ weight[g].T + bias[g]``.
 
     x ``[M, K]``; weight ``[G, N, K]``; offsets int32 ``[G]``: cumulative end row of each group
@@ -337,7 +337,16 @@ def grouped_linear(x, weight, offsets, bias=None, *, row_scale=None):
     way. Without a bias, the backward is cheaper (:mod:`compileops.grouped_linear.scaled`): it
     keeps nothing ``[M, N]`` for the scale's gradient and takes it as a sum over K from the dX
     product, where the written-out product keeps the unscaled output and sums over N.
+
+    ``fp8="rowwise"`` (experimental; no bias, no ``row_scale`` yet): the forward and dX
+    products in e4m3 with per-row scales, dW in x's dtype
+    (:mod:`compileops.grouped_linear.fp8_op` for the numerics). ``None``: no fp8.
     """
+    if fp8 is not None:
+        from compileops.grouped_linear.fp8_op import check_recipe, grouped_linear_fp8_op
+
+        check_recipe(fp8, bias, row_scale=row_scale is not None)
+        return grouped_linear_fp8_op(x, weight, offsets)
     if row_scale is not None:
         from compileops.grouped_linear.scaled import row_scaled_grouped_linear
 
@@ -345,8 +354,9 @@ def grouped_linear(x, weight, offsets, bias=None, *, row_scale=None):
     return grouped_linear_op(x, weight, offsets, bias)
 
 
-def grouped_linear_splits(x, weight, m_splits, bias=None):
-    """:func:`grouped_linear` with per-group row counts ``m_splits`` ``[G]`` (a device tensor).
+def grouped_linear_splits(x, weight, m_splits, bias=None, *, fp8=None):
+    """:func:`grouped_linear` with per-group row counts ``m_splits`` ``[G]`` (a device tensor;
+    ``fp8`` as there).
 
     ``m_splits`` must be integers >= 0 adding up to at most M. Their values are checked on
     the host, naming them, on CPU tensors and elsewhere with strict offset checks, when
@@ -356,14 +366,17 @@ def grouped_linear_splits(x, weight, m_splits, bias=None):
     check_splits(m_splits, weight.shape[0] if weight.dim() == 3 else None)
     if not check_splits_eagerly(m_splits, x.shape[0]) and m_splits.numel():
         assert_split_values_on_device(m_splits, x.shape[0])
-    return grouped_linear_op(x, weight, splits_to_offsets(m_splits).to(x.device), bias)
+    offsets = splits_to_offsets(m_splits).to(x.device)
+    if fp8 is not None:
+        return grouped_linear(x, weight, offsets, bias, fp8=fp8)
+    return grouped_linear_op(x, weight, offsets, bias)
 
 
 def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def grouped_linear_swiglu(x, weight, offsets, bias=None, *, recompute=False):
+def grouped_linear_swiglu(x, weight, offsets, bias=None, *, recompute=False, fp8=None):
     """``silu(gate) * up`` of a fused gate/up grouped projection: weight ``[G, 2H, K]``
     (gate rows first, then up) -> ``[M, H]``. Same as ``reference.swiglu(grouped_linear(...))``
     in one kernel.
@@ -384,7 +397,19 @@ def grouped_linear_swiglu(x, weight, offsets, bias=None, *, recompute=False):
 
     Both give the same gradients up to the rounding of the stored pre-activations (bitwise
     when the two forwards use the same K blocking).
+
+    ``fp8="rowwise"`` (experimental; no bias, no ``recompute`` yet): the gate/up and dX
+    products in e4m3 with per-row scales, dW in x's dtype; the pre-activations are kept as
+    with ``recompute=False`` (and written even without a gradient).
     """
+    if fp8 is not None:
+        from compileops.grouped_linear.fp8_op import (
+            check_recipe,
+            grouped_linear_swiglu_fp8_with_preact_op,
+        )
+
+        check_recipe(fp8, bias, recompute=recompute)
+        return grouped_linear_swiglu_fp8_with_preact_op(x, weight, offsets)[0]
     if recompute or not _needs_grad(x, weight, bias):
         return grouped_linear_swiglu_op(x, weight, offsets, bias)
     return grouped_linear_swiglu_with_preact_op(x, weight, offsets, bias)[0]

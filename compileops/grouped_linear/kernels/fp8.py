@@ -73,7 +73,8 @@ def rowwise_quantize_kernel(
     zero = amax == 0.0
     # div_rn: correctly rounded quotients (Triton's "/" on fp32 is an approximate division).
     e4m3_max = tl.full((BLOCK_M,), 448.0, tl.float32)
-    inverse = tl.where(zero, 1.0, tl.math.div_rn(e4m3_max, amax))
+    divisor = tl.where(zero, 448.0, amax)  # no 448 / 0 computed and thrown away
+    inverse = tl.math.div_rn(e4m3_max, divisor)
     tl.store(scale_ptr + rows64, tl.where(zero, 1.0, tl.math.div_rn(amax, e4m3_max)),
              mask=row_ok)
     for k0 in range(0, K, BLOCK_K):
