@@ -12,6 +12,15 @@ routing code, the weights and the inputs; only the expert GEMMs differ:
   backward recomputes the gate/up GEMM): its cost and the memory it saves.
 * ``grouped_mm``: ``torch._grouped_mm`` + ``F.silu(gate) * up``, the anchor.
 
+With ``--fp8 rowwise`` two more, both e4m3 with per-row scales:
+
+* ``compileops-fp8``: ``grouped_linear_swiglu(..., fp8="rowwise")`` and ``grouped_linear(...,
+  fp8="rowwise") * p`` (fp8 forward and dX products, dW in bf16);
+* ``torchao-fp8``: torchao's ``_to_fp8_rowwise_then_scaled_grouped_mm`` for both GEMMs (fp8
+  forward, dX and dW), the fp8 anchor. Its GEMM needs every group's row count to be a multiple
+  of 16, so this layer first copies the sorted rows into groups padded to 16 (and gathers the
+  output back): what a user of it has to add. Needs torchao and a CUDA device.
+
 Weights are scaled 1/sqrt(fan_in) (uniform, as ``nn.Linear``); inputs are unit normal. Routing is
 ``uniform`` (a plain router: near-equal expert loads) or ``skewed`` (router logits offset by
 ``-1.5 * log(1 + e)``: a few hot experts). Forward is timed with gradients enabled (the training
@@ -23,6 +32,7 @@ output against a fixed random cotangent, for x and every weight. Peak memory is 
     python benchmarks/bench_moe_layer.py --shapes mixtral --routing skewed --modes static
     python benchmarks/bench_moe_layer.py --smoke               # CPU, tiny shapes, seconds
     python benchmarks/bench_moe_layer.py --plan                # no GPU: the configs, as JSON
+    python benchmarks/bench_moe_layer.py --fp8 rowwise         # + the two fp8 layers
 
 Results: ``$COMPILEOPS_BENCH_OUT/moe_layer.csv`` (or benchmarks/out/) and a markdown table on stdout, each row
 with the device's name (``torch.cuda.get_device_name()``) and the peak memory.
@@ -122,11 +132,42 @@ class MoELayer(torch.nn.Module):
             h = F.silu(gate) * up
             y = torch._grouped_mm(h, self.down.transpose(-2, -1), offs=offsets)
             y = y * p_sorted[:, None].to(x.dtype)
+        elif self.impl == "torchao-fp8":
+            y = self._torchao_fp8_experts(xs, offsets) * p_sorted[:, None].to(x.dtype)
+        elif self.impl == "compileops-fp8":
+            h = compileops.grouped_linear_swiglu(xs, self.gate_up, offsets, fp8="rowwise")
+            y = compileops.grouped_linear(h, self.down, offsets, fp8="rowwise")
+            y = y * p_sorted[:, None].to(x.dtype)
         else:
             kwargs = {"recompute": True} if self.impl == "compileops-recompute" else {}
             h = compileops.grouped_linear_swiglu(xs, self.gate_up, offsets, **kwargs)
             y = compileops.grouped_linear(h, self.down, offsets, row_scale=p_sorted)
         return unpermute_and_combine(y, order, torch.ones_like(probs), order_is_permutation=True)
+
+
+    def _torchao_fp8_experts(self, xs, offsets):
+        """Both expert GEMMs on torchao's rowwise fp8 grouped GEMM, in groups padded to 16 rows
+        (its requirement): the sorted rows are copied to the padded layout (an upper bound of
+        ``M + 16 G`` rows, so the shapes stay static) and the output gathered back."""
+        from torchao.prototype.moe_training.fp8_grouped_mm import (
+            _to_fp8_rowwise_then_scaled_grouped_mm as fp8_mm,
+        )
+
+        align, rows = 16, xs.shape[0]
+        counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+        padded = (counts + align - 1) // align * align
+        padded_ends = torch.cumsum(padded, 0)
+        row = torch.arange(rows, device=xs.device)
+        group = torch.searchsorted(offsets, row, right=True).clamp_max(offsets.numel() - 1)
+        dest = (padded_ends - padded)[group] + row - (offsets - counts)[group]
+        xp = xs.new_zeros(rows + align * offsets.numel(), xs.shape[1]).index_copy(0, dest, xs)
+        padded_offsets = padded_ends.to(torch.int32)
+        gu = fp8_mm(xp, self.gate_up.transpose(-2, -1), padded_offsets,
+                    pad_token_groups_for_grouped_mm=False)
+        gate, up = gu.chunk(2, dim=-1)
+        y = fp8_mm((F.silu(gate) * up).contiguous(), self.down.transpose(-2, -1),
+                   padded_offsets, pad_token_groups_for_grouped_mm=False)
+        return y[dest]
 
 
 def expert_loads(layer: MoELayer, x: torch.Tensor) -> str:
@@ -215,6 +256,8 @@ def main() -> None:
                         choices=["static", "dynamic"])
     parser.add_argument("--impls", nargs="*",
                         default=["grouped_mm", "compileops", "compileops-recompute"])
+    parser.add_argument("--fp8", choices=["rowwise"], default=None,
+                        help="also the fp8 layers: compileops-fp8 and torchao-fp8 (CUDA)")
     parser.add_argument("--csv", default=os.path.join(out_dir(), "moe_layer.csv"))
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on CPU (Triton interpreter): checks the script")
@@ -235,6 +278,11 @@ def main() -> None:
     else:
         sys.exit("bench_moe_layer needs a CUDA device (or --smoke, --plan)")
     impls = [i for i in args.impls if i != "compileops-recompute" or _supports_recompute()]
+    if args.fp8:
+        impls += [i for i in ("compileops-fp8", "torchao-fp8") if i not in impls]
+        if device.type != "cuda" and "torchao-fp8" in impls:
+            print("torchao-fp8: not run (its kernels need a CUDA device)", flush=True)
+            impls.remove("torchao-fp8")
     print(environment_line(), flush=True)
     name = device_name(device)
     results: list[Result] = []

@@ -30,6 +30,52 @@ def run_script(path, *args, env=None):
     return proc.stdout
 
 
+def test_moe_layer_benchmark_fp8_smoke(tmp_path):
+    """--fp8 rowwise adds the compileops fp8 layer (run on CPU) and the torchao one (CUDA only:
+    said, not run)."""
+    out = run_script("benchmarks/bench_moe_layer.py", "--smoke", "--modes", "static",
+                     "--routing", "skewed", "--impls", "grouped_mm", "--fp8", "rowwise",
+                     env=dict(os.environ, COMPILEOPS_BENCH_OUT=str(tmp_path)))
+    with open(tmp_path / "moe_layer.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["impl"] for r in rows} == {"grouped_mm", "compileops-fp8"}
+    assert all(not r["note"].startswith("failed") for r in rows), rows
+    assert "torchao-fp8: not run" in out
+
+
+# The torchao fp8 layer with torchao's GEMM replaced by torch._grouped_mm: the padding to
+# 16-row groups and the gather back must give the grouped_mm layer exactly.
+_PADDED_LAYER_CHECK = """
+import sys, types, torch
+fake = types.ModuleType("fp8_grouped_mm")
+fake._to_fp8_rowwise_then_scaled_grouped_mm = (
+    lambda a, b, offs, pad_token_groups_for_grouped_mm: torch._grouped_mm(a, b, offs=offs))
+for name in ("torchao", "torchao.prototype", "torchao.prototype.moe_training"):
+    sys.modules[name] = types.ModuleType(name)
+sys.modules["torchao.prototype.moe_training.fp8_grouped_mm"] = fake
+from benchmarks.bench_moe_layer import SMOKE_SHAPES, MoELayer, set_routing
+shape = SMOKE_SHAPES["tiny"]
+plain, padded = (MoELayer(shape, impl, 0.0, "cpu") for impl in ("grouped_mm", "torchao-fp8"))
+for routing in ("uniform", "skewed"):
+    set_routing(plain, routing)
+    set_routing(padded, routing)
+    x = torch.randn(shape.tokens, shape.dim).bfloat16()
+    a, b = plain(x), padded(x)
+    dy = torch.randn_like(a)
+    ga = torch.autograd.grad(a, [plain.gate_up, plain.down], dy)
+    gb = torch.autograd.grad(b, [padded.gate_up, padded.down], dy)
+    assert torch.equal(a, b) and all(torch.equal(u, v) for u, v in zip(ga, gb)), routing
+print("ok")
+"""
+
+
+def test_moe_layer_benchmark_torchao_padding_is_exact():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _PADDED_LAYER_CHECK], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
 def test_benchmark_smoke(tmp_path):
     run_script("benchmarks/bench_grouped_linear.py", "--smoke", "--splits", "skewed",
                env=dict(os.environ, COMPILEOPS_BENCH_OUT=str(tmp_path)))
