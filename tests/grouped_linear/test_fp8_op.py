@@ -13,13 +13,24 @@ from compileops.grouped_linear.fp8_op import (
 )
 
 SPLITS = [10, 0, 15, 11]  # an empty group, and 4 rows past the last group
+#: Relative error of the fp8 products against the reference's exact fp32 sums: 0 in the
+#: interpreter (fp32 sums), about 1e-4 on Hopper, whose fp8 MMA sums each K step at reduced
+#: precision (tests/grouped_linear/test_fp8_kernels.py).
+SUMS = {"cpu": 1e-6, "cuda": 1e-3}
 
 
-def _inputs(dtype=torch.float32, n=48, k=64, seed=0, grad=True):
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return request.param
+
+
+def _inputs(dtype=torch.float32, n=48, k=64, seed=0, grad=True, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(40, k, generator=gen).to(dtype)
-    w = (torch.randn(len(SPLITS), n, k, generator=gen) / k ** 0.5).to(dtype)
-    offs = torch.cumsum(torch.tensor(SPLITS), 0).to(torch.int32)
+    x = torch.randn(40, k, generator=gen).to(dtype).to(device)
+    w = (torch.randn(len(SPLITS), n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
+    offs = torch.cumsum(torch.tensor(SPLITS), 0).to(torch.int32).to(device)
     if grad:
         x.requires_grad_()
         w.requires_grad_()
@@ -51,18 +62,25 @@ def _expected(x, w, offs, dy, swiglu=False):
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize("swiglu", [False, True])
-def test_forward_and_gradients_follow_the_recipe(backend, swiglu):
-    x, w, offs = _inputs(n=48)
+def test_forward_and_gradients_follow_the_recipe(backend, swiglu, device):
+    if device == "cuda" and backend == "reference":
+        pytest.skip("the reference backend runs on CPU")
+    x, w, offs = _inputs(n=48, device=device)
     fn = compileops.grouped_linear_swiglu if swiglu else compileops.grouped_linear
     with compileops.use_backend(backend):
         y = fn(x, w, offs, fp8="rowwise")
-        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(device)
         y.backward(dy)
-    want_y, want_dx, want_dw = _expected(x, w, offs, dy, swiglu)
+    cpu = [t.detach().cpu() for t in (x, w, offs, dy)]
+    want_y, want_dx, want_dw = _expected(*cpu, swiglu)
     assert y.shape == want_y.shape and y.dtype == x.dtype
-    assert _rel(y, want_y) <= 1e-6
-    assert _rel(x.grad, want_dx) <= 1e-6
-    assert _rel(w.grad, want_dw) <= 1e-6
+    assert _rel(y.cpu(), want_y) <= SUMS[device]
+    # With SwiGLU the gradients start from the kernel's pre-activations: on a GPU they differ
+    # from the reference's by its sums (above), and quantising dY can turn that into an e4m3
+    # step for a value near a rounding boundary.
+    bound = 1e-2 if swiglu and device == "cuda" else SUMS[device]
+    assert _rel(x.grad.cpu(), want_dx) <= bound
+    assert _rel(w.grad.cpu(), want_dw) <= bound
     assert torch.count_nonzero(y[36:]) == 0 and torch.count_nonzero(x.grad[36:]) == 0
 
 
@@ -108,10 +126,10 @@ def test_swiglu_errors_compound_as_stated():
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_compiled_matches_eager(dynamic):
+def test_compiled_matches_eager(dynamic, device):
     """The forward bitwise (the same op and kernels); the gradients to fp32 rounding: compiled,
     Inductor fuses the SwiGLU derivative (the input of dX and dW) into its own kernel."""
-    x, w, offs = _inputs()
+    x, w, offs = _inputs(device=device)
 
     def layer(x, w, offs):
         return compileops.grouped_linear_swiglu(x, w, offs, fp8="rowwise").relu() * 2
