@@ -12,12 +12,12 @@ routing code, the weights and the inputs; only the expert GEMMs differ:
   backward recomputes the gate/up GEMM): its cost and the memory it saves.
 * ``grouped_mm``: ``torch._grouped_mm`` + ``F.silu(gate) * up``, the anchor.
 
-With ``--fp8 rowwise`` two more, both e4m3 with per-row scales:
+With ``--fp8 rowwise`` (or ``blockwise``) two more, both in e4m3:
 
-* ``compileops-fp8``: ``grouped_linear_swiglu(..., fp8="rowwise")`` and ``grouped_linear(...,
-  fp8="rowwise") * p`` (fp8 forward and dX products, dW in bf16);
+* ``compileops-fp8``: ``grouped_linear_swiglu(..., fp8=...)`` and ``grouped_linear(...,
+  fp8=...) * p`` with the scaling asked for (fp8 forward and dX products, dW in bf16);
 * ``torchao-fp8``: torchao's ``_to_fp8_rowwise_then_scaled_grouped_mm`` for both GEMMs (fp8
-  forward, dX and dW), the fp8 anchor. Its GEMM needs every group's row count to be a multiple
+  forward, dX and dW, rowwise whatever ``--fp8`` says), the fp8 anchor. Its GEMM needs every group's row count to be a multiple
   of 16, so this layer first copies the sorted rows into groups padded to 16 (and gathers the
   output back): what a user of it has to add. Needs torchao and a CUDA device.
 
@@ -99,9 +99,9 @@ class MoELayer(torch.nn.Module):
     """x ``[T, D]`` -> ``[T, D]``; ``impl`` picks the expert GEMMs, everything else is shared."""
 
     def __init__(self, shape: Shape, impl: str, skew: float, device, dtype=torch.bfloat16,
-                 *, uninitialised: bool = False):
+                 *, uninitialised: bool = False, fp8: str = "rowwise"):
         super().__init__()
-        self.shape, self.impl = shape, impl
+        self.shape, self.impl, self.fp8 = shape, impl, fp8
         d, h, e = shape.dim, shape.hidden, shape.experts
         gen = torch.Generator(device="cpu").manual_seed(0)
 
@@ -135,8 +135,8 @@ class MoELayer(torch.nn.Module):
         elif self.impl == "torchao-fp8":
             y = self._torchao_fp8_experts(xs, offsets) * p_sorted[:, None].to(x.dtype)
         elif self.impl == "compileops-fp8":
-            h = compileops.grouped_linear_swiglu(xs, self.gate_up, offsets, fp8="rowwise")
-            y = compileops.grouped_linear(h, self.down, offsets, fp8="rowwise")
+            h = compileops.grouped_linear_swiglu(xs, self.gate_up, offsets, fp8=self.fp8)
+            y = compileops.grouped_linear(h, self.down, offsets, fp8=self.fp8)
             y = y * p_sorted[:, None].to(x.dtype)
         else:
             kwargs = {"recompute": True} if self.impl == "compileops-recompute" else {}
@@ -256,8 +256,9 @@ def main() -> None:
                         choices=["static", "dynamic"])
     parser.add_argument("--impls", nargs="*",
                         default=["grouped_mm", "compileops", "compileops-recompute"])
-    parser.add_argument("--fp8", choices=["rowwise"], default=None,
-                        help="also the fp8 layers: compileops-fp8 and torchao-fp8 (CUDA)")
+    parser.add_argument("--fp8", choices=["rowwise", "blockwise"], default=None,
+                        help="also the fp8 layers: compileops-fp8 with this scaling and "
+                             "torchao-fp8 (rowwise; CUDA)")
     parser.add_argument("--csv", default=os.path.join(out_dir(), "moe_layer.csv"))
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on CPU (Triton interpreter): checks the script")
@@ -295,7 +296,7 @@ def main() -> None:
             for impl in impls:
                 # One compile per (shape, mode, impl); the routings only change a buffer.
                 torch._dynamo.reset()
-                layer = MoELayer(shape, impl, 0.0, device)
+                layer = MoELayer(shape, impl, 0.0, device, fp8=args.fp8 or "rowwise")
                 compiled = torch.compile(layer, fullgraph=True, dynamic=mode == "dynamic")
                 for routing in args.routing:
                     set_routing(layer, routing)
@@ -307,7 +308,8 @@ def main() -> None:
                               f"{str(exc)[:300]}", flush=True)
                         fw_ms = fwbw_ms = peak = float("nan")
                         note = f"failed: {type(exc).__name__}"
-                    r = Result(shape.name, routing, mode, impl, fw_ms, fwbw_ms, peak, note, name)
+                    label = f"{impl} ({args.fp8})" if impl == "compileops-fp8" else impl
+                    r = Result(shape.name, routing, mode, label, fw_ms, fwbw_ms, peak, note, name)
                     results.append(r)
                     tflops = 3 * gemm_flops(shape) / (fwbw_ms * 1e-3) / 1e12
                     print(f"{r.shape} | {routing} | {mode} | {impl}: fw {fw_ms:.3f} ms, "

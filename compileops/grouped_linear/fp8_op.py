@@ -1,27 +1,37 @@
-"""The rowwise fp8 grouped linear ops (experimental): the forward and dX products in e4m3.
+"""The fp8 grouped linear ops (experimental): the forward and dX products in e4m3.
 
-* ``compileops::grouped_linear_fp8(x [M, K], weight [G, N, K], offsets int32 [G]) -> [M,
-  N]``: ``x`` quantised per row (token), each ``W_g`` per output channel, both over K; the
-  product summed in fp32 and scaled in the GEMM's epilogue, rounded once to x's dtype.
-* ``compileops::grouped_linear_swiglu_fp8_with_preact(x, weight [G, 2H, K], offsets) ->
-  (silu(gate) * up [M, H], preact [M, 2H])``: the same for a fused gate/up projection, the
-  pre-activations written beside the output for the backward.
+Two scalings, each a string argument ``scaling`` of the ops:
 
-Autograd: ``dX = dY W_g`` runs through ``grouped_linear_fp8`` itself, on ``W_g^T``: dY is
-quantised per row over N, the weight per input channel over N, so each product's reduction
-dim carries the scales, as in the forward. ``dW = dY_g^T X_g`` stays in x's dtype
+* ``"rowwise"``: one fp32 scale per row of each operand along the product's reduction dim:
+  per token for x (and dY), per output channel for the forward's weight, per input channel
+  for dX's (a second quantisation of the weight, along N);
+* ``"blockwise"`` (DeepSeek-V3's): x and dY in ``1 x 128`` blocks along the reduction dim,
+  the weight in ``128 x 128`` blocks, one quantisation for both products (a square block's
+  scale is its transpose's); the scales are applied per 128-wide K step, inside the loop.
+
+The ops:
+
+* ``compileops::grouped_linear_fp8(x [M, K], weight [G, N, K], offsets int32 [G], scaling)
+  -> [M, N]``;
+* ``compileops::grouped_linear_fp8_dx(grad [M, N], weight, offsets, scaling) -> [M, K]``;
+* ``compileops::grouped_linear_swiglu_fp8_with_preact(x, weight [G, 2H, K], offsets,
+  scaling) -> (silu(gate) * up [M, H], preact [M, 2H])``, the pre-activations written beside
+  the output for the backward.
+
+Autograd: dX through ``grouped_linear_fp8_dx``; ``dW = dY_g^T X_g`` stays in x's dtype
 (``compileops::grouped_linear_wgrad``, from the saved unquantised x): a reduction over a
-group's tokens, whose fp8 form needs per-group column scales.
+group's tokens, whose fp8 form needs per-group scales along M.
 
 The numerics are :func:`compileops.grouped_linear.fp8.grouped_linear_reference`'s (the
 reference backend runs it): e4m3 for both operands and for dY (why e4m3 for gradients: the
-module docstring there), fp32 scales, relative L2 error about 3.7e-2 against bf16 on
-unit-normal data. On Hopper the fp8 MMA sums each 128-wide K step at reduced precision before
-the fp32 accumulator (about 1e-4 relative). Deterministic run to run; not batch-invariant
-(the tile config follows the group sizes).
+module docstring there), fp32 scales; relative L2 error about 3.7e-2 per product against
+exact arithmetic on unit-normal data, as torchao's rowwise fp8. On Hopper the fp8 MMA sums
+each 128-wide K step at reduced precision before the fp32 accumulator (about 1e-4
+relative). Deterministic run to run; not batch-invariant (the tile config follows the group
+sizes).
 
-The weight is quantised on every call (a copy of it in e4m3; 0.5-1.5 ms at MoE sizes on an
-H200).
+The weight is quantised on every call (an e4m3 copy of it; 0.5-1.5 ms at MoE sizes on an
+H200 for rowwise).
 """
 from __future__ import annotations
 
@@ -40,7 +50,7 @@ from compileops.grouped_linear.op import (
 )
 
 #: The ``fp8`` recipes of :func:`compileops.grouped_linear` and friends (None: no fp8).
-RECIPES = ("rowwise",)
+RECIPES = ("rowwise", "blockwise")
 
 
 def check_recipe(fp8, bias=None, **unsupported) -> None:
@@ -50,57 +60,94 @@ def check_recipe(fp8, bias=None, **unsupported) -> None:
     if fp8 not in RECIPES:
         raise ValueError(f"fp8 must be None or one of {RECIPES}, got {fp8!r}")
     if bias is not None:
-        raise ValueError("fp8='rowwise' takes no bias (MoE experts have none): pass bias=None")
+        raise ValueError(f"fp8={fp8!r} takes no bias (MoE experts have none): pass bias=None")
     for name, value in unsupported.items():
         if value:
-            raise ValueError(f"fp8='rowwise' does not support {name} yet")
+            raise ValueError(f"fp8={fp8!r} does not support {name} yet")
 
 
-def _check(x, weight, offsets, swiglu: bool) -> None:
+def _check(x, weight, offsets, scaling: str, swiglu: bool = False) -> None:
     check_forward_args(x, weight, offsets, None, swiglu)
     torch._check_type(x.dtype != torch.float64,
                       lambda: "the fp8 grouped linear takes bf16, fp16 or fp32 inputs, got fp64")
+    torch._check_value(scaling in RECIPES,
+                       lambda: f"scaling must be one of {RECIPES}, got {scaling!r}")
 
 
-def _forward_fp32_reference(x, weight, offsets):
+def _reference(x, weight, offsets, scaling):
     """The reference's products in fp32 (quantising x or x.float() is the same)."""
-    return fp8_rule.grouped_linear_reference(x.float(), weight.float(), offsets, "rowwise")
+    return fp8_rule.grouped_linear_reference(x.float(), weight.float(), offsets, scaling)
+
+
+def _kernels():
+    from compileops.grouped_linear.kernels import fp8 as fp8_kernels
+
+    return fp8_kernels
+
+
+def _product(x, weight, offsets, scaling, *, transposed=False, swiglu=False, preact=None):
+    """The Triton fp8 product ``x W_g^T`` (``transposed``: ``x W_g``) in x's dtype."""
+    k = _kernels()
+    if scaling == "blockwise":
+        wq, ws = k.quantize_blockwise(weight, fp8_rule.WEIGHT_BLOCK)
+        return k.grouped_linear_fp8_blockwise(x, wq, ws, offsets, out_dtype=x.dtype,
+                                              swiglu=swiglu, transposed=transposed,
+                                              preact=preact)
+    wq, ws = k.quantize_weight_rowwise(weight, transpose=transposed)
+    return k.grouped_linear_fp8_rowwise(x, wq, ws, offsets, out_dtype=x.dtype, swiglu=swiglu,
+                                        preact=preact)
 
 
 @custom_op("grouped_linear_fp8")
-def grouped_linear_fp8_op(x: torch.Tensor, weight: torch.Tensor,
-                          offsets: torch.Tensor) -> torch.Tensor:
-    """x ``[M, K]``, weight ``[G, N, K]`` (any strides), offsets int32 ``[G]`` -> ``[M, N]``
-    in x's dtype, rowwise fp8 (module docstring); rows past ``offsets[-1]`` are zeros."""
-    _check(x, weight, offsets, swiglu=False)
+def grouped_linear_fp8_op(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                          scaling: str) -> torch.Tensor:
+    """x ``[M, K]``, weight ``[G, N, K]``, offsets int32 ``[G]`` -> ``[M, N]`` in x's dtype,
+    fp8 with ``scaling`` (module docstring); rows past ``offsets[-1]`` are zeros."""
+    _check(x, weight, offsets, scaling)
     check_offsets_eagerly(offsets, x.shape[0])
     if _use_triton("grouped_linear_fp8", x):
-        from compileops.grouped_linear.kernels import fp8 as fp8_kernels
-
-        wq, ws = fp8_kernels.quantize_weight_rowwise(weight)
-        return fp8_kernels.grouped_linear_fp8_rowwise(x, wq, ws, offsets, out_dtype=x.dtype)
-    return _forward_fp32_reference(x, weight, offsets).to(x.dtype)
+        return _product(x, weight, offsets, scaling)
+    return _reference(x, weight, offsets, scaling).to(x.dtype)
 
 
 @grouped_linear_fp8_op.register_fake
-def _grouped_linear_fp8_fake(x, weight, offsets):
-    _check(x, weight, offsets, swiglu=False)
+def _grouped_linear_fp8_fake(x, weight, offsets, scaling):
+    _check(x, weight, offsets, scaling)
     return x.new_empty((x.shape[0], weight.shape[1]))
 
 
+@custom_op("grouped_linear_fp8_dx")
+def grouped_linear_fp8_dx_op(grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                             scaling: str) -> torch.Tensor:
+    """grad ``[M, N]`` -> ``dX [M, K] = grad_g @ W_g`` in grad's dtype, fp8 with
+    ``scaling``: grad quantised along N, the weight as the module docstring says."""
+    _check(grad, weight.transpose(1, 2), offsets, scaling)
+    check_offsets_eagerly(offsets, grad.shape[0])
+    if _use_triton("grouped_linear_fp8_dx", grad):
+        return _product(grad, weight, offsets, scaling, transposed=True)
+    return _reference(grad, weight.transpose(1, 2), offsets, scaling).to(grad.dtype)
+
+
+@grouped_linear_fp8_dx_op.register_fake
+def _grouped_linear_fp8_dx_fake(grad, weight, offsets, scaling):
+    _check(grad, weight.transpose(1, 2), offsets, scaling)
+    return grad.new_empty((grad.shape[0], weight.shape[2]))
+
+
 def _fp8_linear_backward(ctx, grad, x, weight, offsets):
-    """dX in fp8 (the forward op on ``W_g^T``), dW in x's dtype."""
+    """dX in fp8, dW in x's dtype."""
     dx = dw = None
     if ctx.needs_input_grad[0]:
-        dx = grouped_linear_fp8_op(grad, weight.transpose(1, 2), offsets)
+        dx = grouped_linear_fp8_dx_op(grad, weight, offsets, ctx.scaling)
     if ctx.needs_input_grad[1]:
         dw, _ = grouped_linear_wgrad_op(grad, x, offsets, weight.dtype, grad.dtype, False)
-    return dx, dw, None
+    return dx, dw, None, None
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, offsets = inputs
+    x, weight, offsets, scaling = inputs
     _keep_for_backward(ctx, (x, weight, offsets, None))
+    ctx.scaling = scaling
 
 
 def _grouped_linear_fp8_backward(ctx, grad):
@@ -114,35 +161,32 @@ backends.register_autograd(grouped_linear_fp8_op, _grouped_linear_fp8_backward, 
 
 @custom_op("grouped_linear_swiglu_fp8_with_preact")
 def grouped_linear_swiglu_fp8_with_preact_op(
-    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, scaling: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """weight ``[G, 2H, K]`` (gate rows first) -> ``(silu(gate) * up [M, H], preact [M,
-    2H])``, rowwise fp8; ``preact`` in x's dtype, for the backward."""
-    _check(x, weight, offsets, swiglu=True)
+    2H])``, fp8 with ``scaling``; ``preact`` in x's dtype, for the backward."""
+    _check(x, weight, offsets, scaling, swiglu=True)
     check_offsets_eagerly(offsets, x.shape[0])
     if _use_triton("grouped_linear_swiglu_fp8_with_preact", x):
-        from compileops.grouped_linear.kernels import fp8 as fp8_kernels
-
-        wq, ws = fp8_kernels.quantize_weight_rowwise(weight)
         preact = x.new_empty((x.shape[0], weight.shape[1]))
-        out = fp8_kernels.grouped_linear_fp8_rowwise(x, wq, ws, offsets, swiglu=True,
-                                                     out_dtype=x.dtype, preact=preact)
+        out = _product(x, weight, offsets, scaling, swiglu=True, preact=preact)
         return out, preact
-    pre = _forward_fp32_reference(x, weight, offsets)
+    pre = _reference(x, weight, offsets, scaling)
     gate, up = pre.chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(x.dtype), pre.to(x.dtype)
 
 
 @grouped_linear_swiglu_fp8_with_preact_op.register_fake
-def _grouped_linear_swiglu_fp8_with_preact_fake(x, weight, offsets):
-    _check(x, weight, offsets, swiglu=True)
+def _grouped_linear_swiglu_fp8_with_preact_fake(x, weight, offsets, scaling):
+    _check(x, weight, offsets, scaling, swiglu=True)
     return (x.new_empty((x.shape[0], weight.shape[1] // 2)),
             x.new_empty((x.shape[0], weight.shape[1])))
 
 
 def _setup_preact_context(ctx, inputs, output) -> None:
-    x, weight, offsets = inputs
+    x, weight, offsets, scaling = inputs
     _keep_for_backward(ctx, (x, weight, offsets, None), output[1])
+    ctx.scaling = scaling
     ctx.mark_non_differentiable(output[1])
 
 

@@ -93,8 +93,9 @@ class GroupedLinear(torch.nn.Module):
     TransformerEngine's convention) or cumulative int32 end rows (``offsets=True``).
     Returns ``[M, out_features]``; rows past the last group are zero.
 
-    ``fp8="rowwise"`` (experimental, ``bias=False`` only): the forward and dX products in
-    e4m3 (:func:`compileops.grouped_linear`'s ``fp8``); the parameters stay in ``dtype``.
+    ``fp8="rowwise"`` or ``"blockwise"`` (experimental, ``bias=False`` only): the forward
+    and dX products in e4m3 (:func:`compileops.grouped_linear`'s ``fp8``); the parameters
+    stay in ``dtype``.
     """
 
     def __init__(self, num_groups: int, in_features: int, out_features: int, bias: bool = True,

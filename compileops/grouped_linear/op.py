@@ -338,15 +338,16 @@ def grouped_linear(x, weight, offsets, bias=None, *, row_scale=None, fp8=None):
     keeps nothing ``[M, N]`` for the scale's gradient and takes it as a sum over K from the dX
     product, where the written-out product keeps the unscaled output and sums over N.
 
-    ``fp8="rowwise"`` (experimental; no bias, no ``row_scale`` yet): the forward and dX
-    products in e4m3 with per-row scales, dW in x's dtype
-    (:mod:`compileops.grouped_linear.fp8_op` for the numerics). ``None``: no fp8.
+    ``fp8="rowwise"`` or ``"blockwise"`` (experimental; no bias, no ``row_scale`` yet): the
+    forward and dX products in e4m3, with per-row scales or with DeepSeek-V3's ``1 x 128`` /
+    ``128 x 128`` blocks; dW in x's dtype (:mod:`compileops.grouped_linear.fp8_op` for the
+    numerics). ``None``: no fp8.
     """
     if fp8 is not None:
         from compileops.grouped_linear.fp8_op import check_recipe, grouped_linear_fp8_op
 
         check_recipe(fp8, bias, row_scale=row_scale is not None)
-        return grouped_linear_fp8_op(x, weight, offsets)
+        return grouped_linear_fp8_op(x, weight, offsets, fp8)
     if row_scale is not None:
         from compileops.grouped_linear.scaled import row_scaled_grouped_linear
 
@@ -398,9 +399,10 @@ def grouped_linear_swiglu(x, weight, offsets, bias=None, *, recompute=False, fp8
     Both give the same gradients up to the rounding of the stored pre-activations (bitwise
     when the two forwards use the same K blocking).
 
-    ``fp8="rowwise"`` (experimental; no bias, no ``recompute`` yet): the gate/up and dX
-    products in e4m3 with per-row scales, dW in x's dtype; the pre-activations are kept as
-    with ``recompute=False`` (and written even without a gradient).
+    ``fp8="rowwise"`` or ``"blockwise"`` (experimental; no bias, no ``recompute`` yet): the
+    gate/up and dX products in e4m3 (:func:`grouped_linear`'s ``fp8``), dW in x's dtype; the
+    pre-activations are kept as with ``recompute=False`` (and written even without a
+    gradient).
     """
     if fp8 is not None:
         from compileops.grouped_linear.fp8_op import (
@@ -409,7 +411,7 @@ def grouped_linear_swiglu(x, weight, offsets, bias=None, *, recompute=False, fp8
         )
 
         check_recipe(fp8, bias, recompute=recompute)
-        return grouped_linear_swiglu_fp8_with_preact_op(x, weight, offsets)[0]
+        return grouped_linear_swiglu_fp8_with_preact_op(x, weight, offsets, fp8)[0]
     if recompute or not _needs_grad(x, weight, bias):
         return grouped_linear_swiglu_op(x, weight, offsets, bias)
     return grouped_linear_swiglu_with_preact_op(x, weight, offsets, bias)[0]

@@ -38,7 +38,7 @@ def test_moe_layer_benchmark_fp8_smoke(tmp_path):
                      env=dict(os.environ, COMPILEOPS_BENCH_OUT=str(tmp_path)))
     with open(tmp_path / "moe_layer.csv") as f:
         rows = list(csv.DictReader(f))
-    assert {r["impl"] for r in rows} == {"grouped_mm", "compileops-fp8"}
+    assert {r["impl"] for r in rows} == {"grouped_mm", "compileops-fp8 (rowwise)"}
     assert all(not r["note"].startswith("failed") for r in rows), rows
     assert "torchao-fp8: not run" in out
 

@@ -24,7 +24,7 @@ from tests.grouped_linear._helpers import MJAGGED_STORE_VARIANTS, mjagged_store_
 
 TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 # fp8 cases: e4m3 operands (A and B), 16-bit everything else.
-OPERANDS = {"fp8": "*fp8e4nv"}
+OPERANDS = {"fp8": "*fp8e4nv", "fp8-blockwise": "*fp8e4nv"}
 UNIT = ("stride_ak", "stride_bk", "stride_biasn", "stride_on", "stride_xk")
 UNIT_DX = ("stride_ak", "stride_bn", "stride_biasn", "stride_on")
 NOT_DIVISIBLE = ("M", "G")
@@ -56,7 +56,8 @@ def mjagged_args(ptr, operand_ptr=None):
             + [(n, "i64") for n in ("stride_am", "stride_ak", "stride_bg", "stride_bk", "stride_bn",
                                     "stride_biasg", "stride_biasn", "stride_om", "stride_on")]
             + [("pre_ptr", ptr), ("stride_pm", "i64"), ("stride_pn", "i64"), ("scale_ptr", ptr),
-               ("a_scale_ptr", "*fp32"), ("b_scale_ptr", "*fp32"), ("stride_bsg", "i64")])
+               ("a_scale_ptr", "*fp32"), ("b_scale_ptr", "*fp32")]
+            + [(n, "i64") for n in ("stride_bsg", "stride_asm", "stride_bsn", "stride_bsk")])
 
 
 def mjagged_compile(dtype, swiglu, tma=False, b_kn=False, flatten=False, cfg=None,
@@ -66,12 +67,12 @@ def mjagged_compile(dtype, swiglu, tma=False, b_kn=False, flatten=False, cfg=Non
     :func:`kjagged_compile` on unnamed defaulted constexprs)."""
     from compileops.grouped_linear import kernels
 
-    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32,
-                   "fp8": torch.float8_e4m3fn}[dtype]
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn,
+                   "fp8-blockwise": torch.float8_e4m3fn}[dtype]
     if cfg is None:
         cfg = kernels.choose_config(65536, 128, 1536, 2048, torch_dtype, kernels.H100_SXM,
                                     swiglu=swiglu)
-    fp8 = dtype == "fp8"
+    fp8 = dtype.startswith("fp8")
     return compile_sm90(
         kernels.mjagged_gemm_kernel,
         mjagged_args(TYPES["bf16" if fp8 else dtype], OPERANDS.get(dtype)),
@@ -80,7 +81,8 @@ def mjagged_compile(dtype, swiglu, tma=False, b_kn=False, flatten=False, cfg=Non
              BLOCK_K=cfg.block_k, INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32",
              INTERPRETER_DOT=False, USE_TMA=tma, B_KN=b_kn, G_BLOCK=kernels.group_block(128),
              FLATTEN=flatten, TMA_STORE=tma and cfg.tma_store, SAVE_PREACT=save_preact,
-             ROW_SCALE=row_scale, FP8_ROWWISE=fp8),
+             ROW_SCALE=row_scale, FP8_ROWWISE=dtype == "fp8",
+             FP8_BLOCKWISE=dtype == "fp8-blockwise"),
         # dX reads W_g [N, K] as B [K, N]: its unit stride is along N, as in a real launch
         # (TMA descriptors need 16-byte aligned strides but the innermost).
         unit=UNIT_DX if b_kn else UNIT,
@@ -167,7 +169,11 @@ CASES = {"bf16": ("bf16", False), "bf16-swiglu": ("bf16", True), "fp32-ieee": ("
          "bf16-swiglu-preact-tma": ("bf16", True, True, False, False, True),
          # rowwise fp8 (e4m3 operands, the scales in the epilogue), choose_config's tiles
          "fp8-rowwise": ("fp8", False), "fp8-rowwise-tma": ("fp8", False, True),
-         "fp8-rowwise-swiglu-tma": ("fp8", True, True)}
+         "fp8-rowwise-swiglu-tma": ("fp8", True, True),
+         # blockwise fp8: the block scales applied per K step
+         "fp8-blockwise-tma": ("fp8-blockwise", False, True),
+         "fp8-blockwise-swiglu-tma": ("fp8-blockwise", True, True),
+         "fp8-blockwise-dx-tma": ("fp8-blockwise", False, True, True)}
 
 
 def _main():  # runs in a subprocess without TRITON_INTERPRET (the compiler needs JITFunctions)

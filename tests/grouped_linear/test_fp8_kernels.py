@@ -173,3 +173,51 @@ def test_fp8_product_rejects_bad_operands(device):
     with pytest.raises(ValueError, match=r"x must be \[M, 96\]"):
         fp8_kernels.grouped_linear_fp8_rowwise(x[:, :5], wq, ws, offsets,
                                                out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("block, shape", [((1, 128), (70, 300)), ((128, 128), (3, 200, 260))])
+def test_blockwise_quantisation_is_the_rule_bit_for_bit(device, block, shape):
+    """Activation blocks (1 x 128) and weight blocks (128 x 128), ragged at the edges; one
+    block holds a NaN: its scale and values come back non-finite, the others exact."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(*shape, generator=gen) * torch.logspace(-4, 4, shape[-1])
+    x.view(-1)[17] = float("nan")
+    x = x.bfloat16().to(device)
+    q, scale = fp8_kernels.quantize_blockwise(x, block)
+    want_q, want_scale = fp8.quantize_blockwise(x.cpu(), block)
+    assert q.shape == x.shape and scale.shape == want_scale.shape
+    finite = torch.isfinite(want_scale)
+    assert (~finite).sum() == 1 and torch.equal(torch.isfinite(scale.cpu()), finite)
+    assert torch.equal(scale.cpu()[finite], want_scale[finite])
+    back, want = fp8.dequantize(q.cpu(), scale.cpu(), block), fp8.dequantize(want_q, want_scale, block)
+    assert torch.equal(torch.isfinite(back), torch.isfinite(want))
+    ok = torch.isfinite(want)
+    assert torch.equal(_bits(q.cpu())[ok], _bits(want_q)[ok])
+
+
+def test_fp8_blockwise_products_are_their_reference(device):
+    """Forward, SwiGLU with its pre-activations, and dX (the weight's blocks read
+    transposed), K = 300 and N = 260: ragged blocks in both dims."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(70, 300, generator=gen).to(device)
+    w = (torch.randn(4, 260, 300, generator=gen) / 300 ** 0.5).to(device)
+    offsets = torch.tensor([10, 10, 40, 64], dtype=torch.int32, device=device)
+    wq, ws = fp8_kernels.quantize_blockwise(w, fp8.WEIGHT_BLOCK)
+    want = fp8.grouped_linear_reference(x.cpu(), w.cpu(), offsets.cpu(), "blockwise")
+    y = fp8_kernels.grouped_linear_fp8_blockwise(x, wq, ws, offsets, out_dtype=torch.float32)
+    assert _rel(y, want) <= FP8_MMA_SUMS[device] and torch.count_nonzero(y[64:]) == 0
+    pre = torch.empty(70, 260, device=device)
+    h = fp8_kernels.grouped_linear_fp8_blockwise(x, wq, ws, offsets, out_dtype=torch.float32,
+                                                 swiglu=True, preact=pre)
+    gate, up = want.chunk(2, dim=-1)
+    assert _rel(pre[:64], want[:64]) <= FP8_MMA_SUMS[device]
+    assert _rel(h, torch.nn.functional.silu(gate) * up) <= FP8_MMA_SUMS[device]
+    dy = torch.randn(70, 260, generator=gen).to(device)
+    dx = fp8_kernels.grouped_linear_fp8_blockwise(dy, wq, ws, offsets, out_dtype=torch.float32,
+                                                  transposed=True)
+    want_dx = fp8.grouped_linear_reference(dy.cpu(), w.cpu().transpose(1, 2), offsets.cpu(),
+                                           "blockwise")
+    assert _rel(dx, want_dx) <= FP8_MMA_SUMS[device]
+    with pytest.raises(ValueError, match="128 x 128 blocks"):
+        fp8_kernels.grouped_linear_fp8_blockwise(x, wq, ws[:, :1], offsets,
+                                                 out_dtype=torch.float32)

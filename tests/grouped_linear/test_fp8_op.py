@@ -1,13 +1,15 @@
-"""The rowwise fp8 grouped linear (``fp8="rowwise"``): forward and gradients against their
-plain-PyTorch formulation, opcheck, compiled against eager, the error against exact
-arithmetic, and bad inputs. On CPU the ops run their Triton kernels under the interpreter
-(and the reference backend where forced)."""
+"""The fp8 grouped linear (``fp8="rowwise"`` and ``"blockwise"``): forward and gradients
+against their plain-PyTorch formulation, opcheck, compiled against eager, the error against
+exact arithmetic, and bad inputs. On CPU the ops run their Triton kernels under the
+interpreter (and the reference backend where forced)."""
 import pytest
 import torch
 
 import compileops
 from compileops.grouped_linear import fp8, reference
 from compileops.grouped_linear.fp8_op import (
+    RECIPES,
+    grouped_linear_fp8_dx_op,
     grouped_linear_fp8_op,
     grouped_linear_swiglu_fp8_with_preact_op,
 )
@@ -26,7 +28,7 @@ def device(request):
     return request.param
 
 
-def _inputs(dtype=torch.float32, n=48, k=64, seed=0, grad=True, device="cpu"):
+def _inputs(dtype=torch.float32, n=48, k=200, seed=0, grad=True, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(40, k, generator=gen).to(dtype).to(device)
     w = (torch.randn(len(SPLITS), n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
@@ -42,11 +44,11 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-def _expected(x, w, offs, dy, swiglu=False):
+def _expected(x, w, offs, dy, scaling, swiglu=False):
     """(y, dx, dw) as the recipe defines them: the fp8 reference for the forward and for dX
-    (``dY`` and ``W_g^T`` quantised per row over N), dW from the unquantised x in fp32."""
+    (on ``dY`` and ``W_g^T``), dW from the unquantised x in fp32."""
     xd, wd = x.detach(), w.detach()
-    pre = fp8.grouped_linear_reference(xd.float(), wd.float(), offs, "rowwise")
+    pre = fp8.grouped_linear_reference(xd.float(), wd.float(), offs, scaling)
     if swiglu:
         gate, up = pre.chunk(2, dim=-1)
         y = torch.nn.functional.silu(gate) * up
@@ -54,25 +56,27 @@ def _expected(x, w, offs, dy, swiglu=False):
             dy.float())[0].to(x.dtype)
     else:
         y, dpre = pre, dy
-    dx = fp8.grouped_linear_reference(dpre.float(), wd.float().transpose(1, 2), offs, "rowwise")
+    dx = fp8.grouped_linear_reference(dpre.float(), wd.float().transpose(1, 2), offs, scaling)
     dw = reference.grouped_linear_wgrad(dpre.float(), xd.float(), offs, torch.float32,
                                         torch.float32, False)[0]
     return y, dx, dw
 
 
+@pytest.mark.parametrize("scaling", RECIPES)
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize("swiglu", [False, True])
-def test_forward_and_gradients_follow_the_recipe(backend, swiglu, device):
+def test_forward_and_gradients_follow_the_recipe(backend, swiglu, scaling, device):
+    """K = 200 and N = 48 / 24: ragged 128-wide blocks for the blockwise scaling."""
     if device == "cuda" and backend == "reference":
         pytest.skip("the reference backend runs on CPU")
     x, w, offs = _inputs(n=48, device=device)
     fn = compileops.grouped_linear_swiglu if swiglu else compileops.grouped_linear
     with compileops.use_backend(backend):
-        y = fn(x, w, offs, fp8="rowwise")
+        y = fn(x, w, offs, fp8=scaling)
         dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(device)
         y.backward(dy)
     cpu = [t.detach().cpu() for t in (x, w, offs, dy)]
-    want_y, want_dx, want_dw = _expected(*cpu, swiglu)
+    want_y, want_dx, want_dw = _expected(*cpu, scaling, swiglu)
     assert y.shape == want_y.shape and y.dtype == x.dtype
     assert _rel(y.cpu(), want_y) <= SUMS[device]
     # With SwiGLU the gradients start from the kernel's pre-activations: on a GPU they differ
@@ -92,12 +96,13 @@ def _unit_normal(seed, k=128, n=96):
     return x, w, offs, gen
 
 
-def test_each_gemm_is_within_the_contract_against_exact_arithmetic():
+@pytest.mark.parametrize("scaling", RECIPES)
+def test_each_gemm_is_within_the_contract_against_exact_arithmetic(scaling):
     """bf16, unit-normal data: the forward and the dX product within 4e-2 relative L2 of
     fp64 (torchao's rowwise fp8 grouped GEMM measures 3.8e-2 against bf16); dW, in bf16,
     within bf16's 1e-2."""
     x, w, offs, gen = _unit_normal(2)
-    y = compileops.grouped_linear(x, w, offs, fp8="rowwise")
+    y = compileops.grouped_linear(x, w, offs, fp8=scaling)
     dy = torch.randn(y.shape, generator=gen).bfloat16()
     y.backward(dy)
     leaves = [t.detach().double().requires_grad_() for t in (x, w)]
@@ -113,7 +118,7 @@ def test_swiglu_errors_compound_as_stated():
     ``silu(gate) * up`` and its derivative the errors of the two halves add: the output, dX
     and dW measured 4.9-7.7e-2 against fp64 (bf16, unit-normal, three seeds)."""
     x, w, offs, gen = _unit_normal(0)
-    y, pre = grouped_linear_swiglu_fp8_with_preact_op(x, w, offs)
+    y, pre = grouped_linear_swiglu_fp8_with_preact_op(x, w, offs, "rowwise")
     dy = torch.randn(y.shape, generator=gen).bfloat16()
     y.backward(dy)
     leaves = [t.detach().double().requires_grad_() for t in (x, w)]
@@ -125,14 +130,15 @@ def test_swiglu_errors_compound_as_stated():
         assert _rel(got, want) <= 1e-1
 
 
+@pytest.mark.parametrize("scaling", RECIPES)
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_compiled_matches_eager(dynamic, device):
+def test_compiled_matches_eager(dynamic, scaling, device):
     """The forward bitwise (the same op and kernels); the gradients to fp32 rounding: compiled,
     Inductor fuses the SwiGLU derivative (the input of dX and dW) into its own kernel."""
     x, w, offs = _inputs(device=device)
 
     def layer(x, w, offs):
-        return compileops.grouped_linear_swiglu(x, w, offs, fp8="rowwise").relu() * 2
+        return compileops.grouped_linear_swiglu(x, w, offs, fp8=scaling).relu() * 2
 
     eager = layer(x, w, offs)
     eager.sum().backward()
@@ -144,14 +150,17 @@ def test_compiled_matches_eager(dynamic, device):
     assert _rel(x.grad, grads[0]) <= 1e-5 and _rel(w.grad, grads[1]) <= 1e-5
 
 
-def test_opcheck():
+@pytest.mark.parametrize("scaling", RECIPES)
+def test_opcheck(scaling):
     x, w, offs = _inputs()
-    torch.library.opcheck(grouped_linear_fp8_op, (x, w, offs))
-    torch.library.opcheck(grouped_linear_swiglu_fp8_with_preact_op, (x, w, offs))
+    torch.library.opcheck(grouped_linear_fp8_op, (x, w, offs, scaling))
+    torch.library.opcheck(grouped_linear_swiglu_fp8_with_preact_op, (x, w, offs, scaling))
+    grad = torch.randn(40, 48)
+    torch.library.opcheck(grouped_linear_fp8_dx_op, (grad, w.detach(), offs, scaling))
 
 
 def test_module():
-    layer = compileops.nn.GroupedLinear(len(SPLITS), 64, 48, bias=False, fp8="rowwise")
+    layer = compileops.nn.GroupedLinear(len(SPLITS), 200, 48, bias=False, fp8="rowwise")
     assert "fp8='rowwise'" in repr(layer)
     x, _, offs = _inputs()
     y = layer(x, torch.tensor(SPLITS))
@@ -171,8 +180,8 @@ def test_inputs_are_not_modified():
 
 def test_bad_recipes_and_unsupported_options_are_clear_errors():
     x, w, offs = _inputs(grad=False)
-    with pytest.raises(ValueError, match=r"fp8 must be None or one of \('rowwise',\)"):
-        compileops.grouped_linear(x, w, offs, fp8="blockwise")
+    with pytest.raises(ValueError, match=r"fp8 must be None or one of \('rowwise', 'blockwise'\)"):
+        compileops.grouped_linear(x, w, offs, fp8="tensorwise")
     with pytest.raises(ValueError, match="takes no bias"):
         compileops.grouped_linear(x, w, offs, torch.zeros(len(SPLITS), 48), fp8="rowwise")
     with pytest.raises(ValueError, match="does not support row_scale"):

@@ -15,6 +15,8 @@ a kernel bound by memory.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -84,6 +86,84 @@ def rowwise_quantize_kernel(
         q = quantize_to_e4m3(x, inverse[:, None])
         tl.store(q_ptr + rows64[:, None] * K + (k0 + cols)[None, :],
                  q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def blockwise_quantize_kernel(
+    x_ptr, q_ptr, scale_ptr, R, K, stride_xb, stride_xr, stride_xk, r_blocks, k_blocks,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PER_ROW: tl.constexpr,
+):
+    """Grid ``(B * cdiv(R, BLOCK_R), cdiv(K, BLOCK_K))``: the ``[BLOCK_R, BLOCK_K]`` tile
+    ``(program_id(0) % cdiv(R, BLOCK_R), program_id(1))`` of ``x [B, R, K]`` (strides given),
+    quantised with one scale per row of the tile (``PER_ROW``: ``1 x BLOCK_K`` blocks) or one
+    for the whole tile (``BLOCK_R x BLOCK_K`` blocks), to ``q [B, R, K]`` e4m3 (contiguous)
+    and ``scale [B, r_blocks, k_blocks]`` fp32 (``r_blocks`` = R with ``PER_ROW``). Ragged
+    edge tiles are smaller blocks (their padding is zeros, which never raise an amax)."""
+    tiles_r = tl.cdiv(R, BLOCK_R)
+    batch = tl.program_id(0) // tiles_r
+    tile_r = tl.program_id(0) % tiles_r
+    tile_k = tl.program_id(1)
+    rows = tile_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    row_ok = rows < R
+    mask = row_ok[:, None] & (cols < K)[None, :]
+    base = batch.to(tl.int64) * stride_xb
+    x = tl.load(x_ptr + base + rows.to(tl.int64)[:, None] * stride_xr
+                + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+    magnitude = tl.abs(x)
+    has_nan = tl.max(tl.where(magnitude != magnitude, 1, 0), axis=1)  # [BLOCK_R]
+    amax = tl.max(magnitude, axis=1)
+    if not PER_ROW:
+        has_nan = tl.max(has_nan, axis=0)
+        amax = tl.max(amax, axis=0)
+    amax = tl.where(has_nan > 0, float("nan"), amax)
+    zero = amax == 0.0
+    inverse = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32),
+                             tl.where(zero, 448.0, amax))
+    scale = tl.where(zero, 1.0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
+    if PER_ROW:
+        q = quantize_to_e4m3(x, inverse[:, None])
+        slot = (batch.to(tl.int64) * r_blocks + rows) * k_blocks + tile_k
+        tl.store(scale_ptr + slot, scale, mask=row_ok)
+    else:
+        q = quantize_to_e4m3(x, inverse)
+        tl.store(scale_ptr + (batch.to(tl.int64) * r_blocks + tile_r) * k_blocks + tile_k, scale)
+    dst = batch.to(tl.int64) * R * K + rows.to(tl.int64)[:, None] * K + cols[None, :]
+    tl.store(q_ptr + dst, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_blockwise(x: torch.Tensor, block: tuple[int, int]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., R, K]`` -> ``(q [..., R, K]`` e4m3 contiguous, ``scale [..., ceil(R /
+    block[0]), ceil(K / block[1])]`` fp32): one Triton pass, the rule of
+    :func:`compileops.grouped_linear.fp8.quantize_blockwise` bit for bit. ``block`` is ``(1,
+    128)`` (activations: :data:`~compileops.grouped_linear.fp8.ACTIVATION_BLOCK`) or ``(128,
+    128)`` (weights: :data:`~compileops.grouped_linear.fp8.WEIGHT_BLOCK`); each a power of
+    two. ``x`` is not modified."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype == E4M3:
+        raise TypeError(f"x must be a floating-point tensor (not fp8), got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() < 2:
+        raise ValueError(f"x must have at least 2 dims, got shape {tuple(x.shape)}")
+    block_r, block_k = (int(b) for b in block)
+    if block_r < 1 or block_k < 1 or block_r & (block_r - 1) or block_k & (block_k - 1):
+        raise ValueError(f"block must be two powers of two, got {block}")
+    *lead, r, k = x.shape
+    b = math.prod(lead)
+    batched = x.reshape(b, r, k)
+    r_blocks, k_blocks = triton.cdiv(r, block_r), triton.cdiv(k, block_k)
+    q = torch.empty((b, r, k), dtype=E4M3, device=x.device)
+    scale = torch.empty((b, r_blocks, k_blocks), dtype=torch.float32, device=x.device)
+    if b and r and k:
+        per_row = block_r == 1
+        tile_r = (16 if x.device.type == "cpu" else 32) if per_row else block_r
+        blockwise_quantize_kernel[(b * triton.cdiv(r, tile_r), k_blocks)](
+            batched, q, scale, r, k, batched.stride(0), batched.stride(1), batched.stride(2),
+            r_blocks, k_blocks, BLOCK_R=tile_r, BLOCK_K=block_k, PER_ROW=per_row,
+            num_warps=1 if x.device.type == "cpu" else 4 if per_row else 8)
+    elif scale.numel():
+        scale.fill_(1.0)
+    return q.reshape(x.shape), scale.reshape(*lead, r_blocks, k_blocks)
 
 
 def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,3 +246,54 @@ def grouped_linear_fp8_rowwise(
                                        weight_q.stride(1)),
                         offsets, n_out, swiglu=swiglu, out_dtype=out_dtype, preact=preact,
                         fp8_scales=(xs, weight_scale))
+
+
+def grouped_linear_fp8_blockwise(
+    x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor,
+    offsets: torch.Tensor, *, out_dtype: torch.dtype, swiglu: bool = False,
+    transposed: bool = False, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+    preact: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The blockwise fp8 grouped product (DeepSeek-V3's scaling): ``x [M, K']`` quantised in
+    ``1 x 128`` blocks along its last dim (here, in one pass, unless ``x_fp8`` gives them),
+    the weight ``weight_q [G, N, K]`` e4m3 with ``weight_scale [G, ceil(N / 128), ceil(K /
+    128)]`` fp32 (:func:`quantize_blockwise` with ``(128, 128)``, made once while the weight
+    does not change). Each K step's product is scaled by its blocks' scales before the fp32
+    accumulator; rounded once to ``out_dtype``; rows past ``offsets[-1]`` are zeros.
+
+    * ``transposed=False``: ``x W_g^T`` (``K' = K``, out ``[M, N]``; ``swiglu``: ``silu(gate) *
+      up`` of the halves, ``[M, N / 2]``, with ``preact [M, N]`` filled if given);
+    * ``transposed=True``: ``x W_g`` (dX: ``K' = N``, out ``[M, K]``), the same blocks read
+      transposed: a square block's scale is its transpose's.
+
+    Equal, up to the order of its fp32 sums, to
+    :func:`compileops.grouped_linear.fp8.grouped_linear_reference` with ``"blockwise"`` (on
+    ``W_g^T`` for ``transposed``).
+    """
+    from compileops.grouped_linear.kernels.mjagged import mjagged_gemm
+
+    if weight_q.dtype != E4M3 or weight_q.dim() != 3:
+        raise TypeError(f"weight_q must be e4m3 [G, N, K], got {weight_q.dtype} "
+                        f"{tuple(weight_q.shape)}")
+    groups, n, k = weight_q.shape
+    blocks = (groups, triton.cdiv(n, 128), triton.cdiv(k, 128))
+    if tuple(weight_scale.shape) != blocks or weight_scale.dtype != torch.float32:
+        raise ValueError(f"weight_scale must be fp32 {list(blocks)} (128 x 128 blocks), got "
+                         f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
+    if swiglu and (transposed or n % 2):
+        raise ValueError("swiglu needs the forward product and an even N")
+    reduction = n if transposed else k
+    if x_fp8 is None:
+        if x.dim() != 2 or x.shape[1] != reduction:
+            raise ValueError(f"x must be [M, {reduction}], got shape {tuple(x.shape)}")
+        x_fp8 = quantize_blockwise(x, (1, 128))
+    xq, xs = x_fp8
+    sg, sn, sk = weight_scale.stride()
+    if transposed:
+        return mjagged_gemm(xq, weight_q, weight_q.stride(), offsets, k, out_dtype=out_dtype,
+                            b_kn=True, fp8_block_scales=(xs, weight_scale, (sg, sk, sn)))
+    n_out = n // 2 if swiglu else n
+    return mjagged_gemm(xq, weight_q, (weight_q.stride(0), weight_q.stride(2),
+                                       weight_q.stride(1)),
+                        offsets, n_out, swiglu=swiglu, out_dtype=out_dtype, preact=preact,
+                        fp8_block_scales=(xs, weight_scale, (sg, sn, sk)))

@@ -14,6 +14,7 @@ so that pointwise consumers fuse as its epilogue.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -70,6 +71,24 @@ def tile_dot(a, b, acc, INPUT_PRECISION: tl.constexpr, INTERPRETER_DOT: tl.const
 
 
 @triton.jit
+def fp8_block_product(a, b, INTERPRETER_DOT: tl.constexpr):
+    """The fp32 ``a @ b`` of one e4m3 K step (at most 128 wide, within one scale block), on
+    its own accumulator: the caller scales it and adds it to the fp32 one, so the MMA's
+    reduced-precision sums never run past one block."""
+    if INTERPRETER_DOT:
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    return tl.dot(a, b)
+
+
+@triton.jit
+def weight_block_scale(scale_ptr, g, cols, col_ok, k0, stride_g, stride_n, stride_k):
+    """``[BLOCK_N]`` fp32: the scales of the 128 x 128 weight blocks holding columns ``cols``
+    of group ``g`` at K offset ``k0`` (masked columns read 0: their products are 0 too)."""
+    return tl.load(scale_ptr + tl.cast(g, tl.int64) * stride_g + (cols // 128) * stride_n
+                   + k0 // 128 * stride_k, mask=col_ok, other=0.0)
+
+
+@triton.jit
 def mjagged_tile(
     a_ptr, b_ptr, bias_ptr, g, active, row_start, m_size, tile_m, tile_n,
     n_size, pair_offset, K,
@@ -78,6 +97,8 @@ def mjagged_tile(
     HAS_BIAS: tl.constexpr, PAIR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, INTERPRETER_DOT: tl.constexpr,
     USE_TMA: tl.constexpr, B_KN: tl.constexpr,
+    a_block_scale_ptr=None, b_block_scale_ptr=None, stride_asm=0, stride_bsg=0,
+    stride_bsn=0, stride_bsk=0, FP8_BLOCKWISE: tl.constexpr = False,
 ):
     """fp32 ``[BLOCK_M, BLOCK_N]`` tile of ``A[row_start + rm] @ B_g[:, rn] (+ bias_g[rn])``.
 
@@ -102,6 +123,12 @@ def mjagged_tile(
     output rows that are masked at the store; columns and K past the tensor's bounds are
     zero-filled by the TMA unit. ``B_KN``: the weight is stored ``[G, K, N]`` (dX: ``W_g``
     untransposed), else ``[G, N, K]``.
+
+    ``FP8_BLOCKWISE`` (A and B in e4m3, ``BLOCK_K`` dividing 128): each K step's product is
+    scaled by its 128-wide K block's scales before it joins the fp32 accumulator: A's at
+    ``a_block_scale[row, k // 128]`` (``stride_asm`` per row, unit per block) and B's at
+    ``b_block_scale[g, n // 128, k // 128]`` (strides ``stride_bsg, stride_bsn,
+    stride_bsk``: the 128 x 128 blocks of ``W_g``, read transposed for dX).
     """
     rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -130,14 +157,26 @@ def mjagged_tile(
         else:
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tile_dot(a, b, acc, INPUT_PRECISION, INTERPRETER_DOT)
+        if FP8_BLOCKWISE:
+            a_scale = tl.load(a_block_scale_ptr + rows * stride_asm + k0 // 128, mask=row_ok,
+                              other=0.0)
+            acc = acc + fp8_block_product(a, b, INTERPRETER_DOT) * a_scale[:, None] * \
+                weight_block_scale(b_block_scale_ptr, g, cols, col_ok, k0, stride_bsg,
+                                   stride_bsn, stride_bsk)[None, :]
+        else:
+            acc = tile_dot(a, b, acc, INPUT_PRECISION, INTERPRETER_DOT)
         if PAIR:  # b2 [BLOCK_K, BLOCK_N]: the up half's columns
             if USE_TMA:
                 b2 = load_b_tile(b_desc, g, tile_n * BLOCK_N + pair_offset, k0,
                                  BLOCK_N, BLOCK_K, B_KN)
             else:
                 b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc2 = tile_dot(a, b2, acc2, INPUT_PRECISION, INTERPRETER_DOT)
+            if FP8_BLOCKWISE:
+                acc2 = acc2 + fp8_block_product(a, b2, INTERPRETER_DOT) * a_scale[:, None] * \
+                    weight_block_scale(b_block_scale_ptr, g, cols + pair_offset, col_ok, k0,
+                                       stride_bsg, stride_bsn, stride_bsk)[None, :]
+            else:
+                acc2 = tile_dot(a, b2, acc2, INPUT_PRECISION, INTERPRETER_DOT)
             b2_ptrs += BLOCK_K * stride_bk
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
@@ -226,13 +265,14 @@ def mjagged_gemm_kernel(
     M, N_OUT, K, G,
     stride_am, stride_ak, stride_bg, stride_bk, stride_bn, stride_biasg, stride_biasn,
     stride_om, stride_on, pre_ptr, stride_pm, stride_pn, scale_ptr,
-    a_scale_ptr, b_scale_ptr, stride_bsg,
+    a_scale_ptr, b_scale_ptr, stride_bsg, stride_asm, stride_bsn, stride_bsk,
     HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NUM_PROGS: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, INTERPRETER_DOT: tl.constexpr,
     USE_TMA: tl.constexpr, B_KN: tl.constexpr, G_BLOCK: tl.constexpr, FLATTEN: tl.constexpr,
     TMA_STORE: tl.constexpr = False, SAVE_PREACT: tl.constexpr = False,
     ROW_SCALE: tl.constexpr = False, FP8_ROWWISE: tl.constexpr = False,
+    FP8_BLOCKWISE: tl.constexpr = False,
 ):
     """Persistent M-jagged grouped GEMM.
 
@@ -253,6 +293,10 @@ def mjagged_gemm_kernel(
       bias): the rowwise scales of A ``[M]`` and of B's columns ``[G, N]`` (N = ``2 *
       N_OUT`` with ``SWIGLU``), applied to the fp32 tile before anything else
       (:func:`fp8_rowwise_scales`).
+    * ``FP8_BLOCKWISE`` (A and B in e4m3, no bias): ``a_scale_ptr`` A's ``[M, K / 128]``
+      block scales (row stride ``stride_asm``), ``b_scale_ptr`` the weight's 128 x 128 block
+      scales (strides ``stride_bsg``, ``stride_bsn`` per block of output columns,
+      ``stride_bsk`` per block of K), applied per K step (:func:`mjagged_tile`).
 
     Every program strides through the flat tile space by ``NUM_PROGS``. ``FLATTEN`` lets
     Triton pipeline across consecutive tiles. ``USE_TMA``: loads through descriptors
@@ -288,6 +332,8 @@ def mjagged_gemm_kernel(
             N_OUT, N_OUT, K, stride_am, stride_ak, stride_bg, stride_bk, stride_bn,
             stride_biasg, stride_biasn, a_desc, b_desc, HAS_BIAS, SWIGLU, BLOCK_M, BLOCK_N,
             BLOCK_K, INPUT_PRECISION, INTERPRETER_DOT, USE_TMA, B_KN,
+            a_scale_ptr, b_scale_ptr, stride_asm, stride_bsg, stride_bsn, stride_bsk,
+            FP8_BLOCKWISE,
         )  # [BLOCK_M, BLOCK_N] each, fp32
         if FP8_ROWWISE:
             acc = fp8_rowwise_scales(acc, a_scale_ptr, b_scale_ptr, g, g < G, start, end - start,
@@ -325,7 +371,9 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
                  b_kn: bool = False, use_tma: Optional[bool] = None,
                  preact: Optional[torch.Tensor] = None,
                  row_scale: Optional[torch.Tensor] = None,
-                 fp8_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                 fp8_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                 fp8_block_scales: Optional[tuple[torch.Tensor, torch.Tensor,
+                                                  tuple[int, int, int]]] = None) -> torch.Tensor:
     """``out [M, n_out]``: rows of group g are ``A_g @ B_g`` (B addressed through
     ``b_strides = (stride_g, stride_k, stride_n)``), tail rows zero.
 
@@ -340,7 +388,11 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
     ``out_dtype``: row i of the output times ``row_scale[i]``, after rounding
     (:func:`scale_rows`). ``fp8_scales = (a_scale [M], b_scale [G, N])`` (fp32) with ``a``
     and ``b`` in e4m3 (no bias): the rowwise fp8 product, each fp32 tile times its rows' and
-    columns' scales (:func:`fp8_rowwise_scales`).
+    columns' scales (:func:`fp8_rowwise_scales`). ``fp8_block_scales = (a_scale [M, K /
+    128], b_scale, (stride_g, stride_n, stride_k))`` (fp32) with ``a`` and ``b`` in e4m3 (no
+    bias): the blockwise fp8 product, each K step scaled by its blocks' scales
+    (:func:`mjagged_tile`); ``b_scale``'s strides address the block of output columns and of
+    K (for dX, W's own ``[G, N / 128, K / 128]`` scales with the last two strides swapped).
     """
     m, k = a.shape
     offsets = offsets.contiguous()  # the kernel reads offsets[g] at offs_ptr + g
@@ -348,16 +400,30 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
     if row_scale is not None:
         row_scale = row_scale.contiguous()  # the kernel reads scale[i] at scale_ptr + i
     a_scale = b_scale = None
+    block_strides = (0, 0, 0)
+    if (fp8_scales is not None or fp8_block_scales is not None) and bias is not None:
+        raise ValueError("the fp8 grouped product takes no bias")
     if fp8_scales is not None:
-        if bias is not None:
-            raise ValueError("the fp8 grouped product takes no bias")
         a_scale = fp8_scales[0].contiguous()
         b_scale = fp8_scales[1] if fp8_scales[1].stride(-1) == 1 else fp8_scales[1].contiguous()
+        block_strides = (b_scale.stride(0), 0, 0)
+    elif fp8_block_scales is not None:
+        a_scale, b_scale, block_strides = fp8_block_scales
+        a_scale = a_scale.contiguous()
     out = torch.empty((m, n_out), dtype=out_dtype, device=a.device)
     if m == 0 or n_out == 0:
         return out
     cfg = config or choose_config(m, groups, n_out, k, a.dtype, a.device,
                                   batch_invariant=batch_invariant, swiglu=swiglu)
+    if fp8_block_scales is not None:
+        if 128 % cfg.block_k:
+            raise ValueError(f"the blockwise fp8 product needs a block_k dividing 128, got "
+                             f"{cfg.block_k}")
+        if config is None:
+            # Pipelined across tiles, the per-step block product and its scaling keep too
+            # much live: 128 x 128 x 128 on 8 warps spills 1.8 KB a thread with flatten, none
+            # without (237 registers; sm90, triton 3.6).
+            cfg = dataclasses.replace(cfg, flatten=False)
     progs = grid_size(a.device, cfg)
     if use_tma is None:
         use_tma = not batch_invariant and tma_applies(a, b, cfg)
@@ -377,13 +443,15 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
             preact.stride(1) if preact is not None else 0,
             row_scale if row_scale is not None else out,
             a_scale if a_scale is not None else out, b_scale if b_scale is not None else out,
-            b_scale.stride(0) if b_scale is not None else 0,
+            block_strides[0], a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2
+            else 0, block_strides[1], block_strides[2],
             HAS_BIAS=bias is not None, SWIGLU=swiglu, NUM_PROGS=progs, GROUP_M=cfg.group_m,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             INPUT_PRECISION=input_precision(a.dtype), INTERPRETER_DOT=interpreter_dot(a),
             USE_TMA=tma, B_KN=b_kn, G_BLOCK=group_block(groups), FLATTEN=cfg.flatten,
             TMA_STORE=tma and tma_store, SAVE_PREACT=preact is not None,
             ROW_SCALE=row_scale is not None, FP8_ROWWISE=fp8_scales is not None,
+            FP8_BLOCKWISE=fp8_block_scales is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
