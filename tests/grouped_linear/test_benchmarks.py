@@ -3,6 +3,7 @@
 tuning sweep lists its configs with distinct labels and the configs other tests build; the
 probe parses its command line."""
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -74,6 +75,17 @@ def test_moe_layer_benchmark_torchao_padding_is_exact():
     proc = subprocess.run([sys.executable, "-c", _PADDED_LAYER_CHECK], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_fp8_sweep_smoke():
+    """sweep_grouped_linear_fp8.py --smoke: every pass and scaling at a tiny layer on CPU, each
+    config's product checked against bf16's."""
+    out = run_script("benchmarks/tuning/sweep_grouped_linear_fp8.py", "--smoke")
+    lines = [line for line in out.splitlines() if line.strip().startswith(("rowwise ", "blockwise "))]
+    assert len(lines) == 3 * 2 * 2, out  # 3 products x 2 scalings x (default + 1 config)
+    assert all(line.rstrip().endswith("ok") for line in lines), out
+    listed = run_script("benchmarks/tuning/sweep_grouped_linear_fp8.py", "--list-configs")
+    assert len(set(json.loads(listed))) == len(json.loads(listed)) > 1
 
 
 def test_benchmark_smoke(tmp_path):
