@@ -201,7 +201,36 @@ def _main():  # runs in a subprocess without TRITON_INTERPRET (the compiler need
                          # the output tile through the 4-D ragged descriptor, no pointer store
                          ragged_stores=ptx.count("cp.async.bulk.tensor.4d.global.shared"),
                          pointer_stores="st.global" in ptx)
+    out.update(quantiser_builds())
     print(json.dumps(out))
+
+
+def quantiser_builds():
+    """The fp8 quantisers built for sm90 (bf16 in, e4m3 out): rowwise, and blockwise with 1 x
+    128 and 128 x 128 blocks; the ``cvt`` to e4m3 in each."""
+    from compileops.grouped_linear.kernels import fp8 as fp8_kernels
+
+    common = [("x_ptr", "*bf16"), ("q_ptr", "*fp8e4nv"), ("scale_ptr", "*fp32")]
+    built = {}
+    rowwise = compile_sm90(
+        fp8_kernels.rowwise_quantize_kernel,
+        common + [("M", "i32"), ("K", "i32"), ("stride_xm", "i64"), ("stride_xk", "i64")],
+        dict(BLOCK_M=8, BLOCK_K=1024), num_warps=4)
+    built["quantise-rowwise"] = "e4m3x2" in rowwise.asm["ptx"]
+    for name, block_r, per_row in (("quantise-1x128", 32, True), ("quantise-128x128", 128, False)):
+        kernel = compile_sm90(
+            fp8_kernels.blockwise_quantize_kernel,
+            common + [("R", "i32"), ("K", "i32")]
+            + [(n, "i64") for n in ("stride_xb", "stride_xr", "stride_xk")]
+            + [("r_blocks", "i32"), ("k_blocks", "i32")],
+            dict(BLOCK_R=block_r, BLOCK_K=128, PER_ROW=per_row), num_warps=4 if per_row else 8)
+        built[name] = "e4m3x2" in kernel.asm["ptx"]
+    return built
+
+
+def test_fp8_quantisers_compile_for_sm90(compiled):
+    for name in ("quantise-rowwise", "quantise-1x128", "quantise-128x128"):
+        assert compiled[name], f"{name}: expected an e4m3 conversion in the sm90 build"
 
 
 def summarize(ttgir):

@@ -52,6 +52,19 @@ def quantize_to_e4m3(x, inverse):
 
 
 @triton.jit
+def scale_and_inverse(amax):
+    """``(scale, inverse)`` of groups with largest magnitude ``amax`` (fp32, any shape; NaN
+    for a group holding a NaN): ``amax / 448`` and ``448 / amax``, both 1 for an all-zero
+    group. ``div_rn``: correctly rounded quotients, as torch's tensor division (Triton's
+    ``/`` on fp32 is an approximate division)."""
+    zero = amax == 0.0
+    e4m3_max = tl.full(amax.shape, 448.0, tl.float32)
+    divisor = tl.where(zero, 448.0, amax)  # no 448 / 0 computed and thrown away
+    scale = tl.where(zero, 1.0, tl.math.div_rn(amax, e4m3_max))
+    return scale, tl.math.div_rn(e4m3_max, divisor)
+
+
+@triton.jit
 def rowwise_quantize_kernel(
     x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_xk,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -72,13 +85,8 @@ def rowwise_quantize_kernel(
         # A NaN anywhere makes the row's amax NaN (tl.maximum would drop it).
         amax = tl.where(tl.max(tl.where(magnitude != magnitude, 1, 0), axis=1) > 0,
                         float("nan"), tl.maximum(amax, tl.max(magnitude, axis=1)))
-    zero = amax == 0.0
-    # div_rn: correctly rounded quotients (Triton's "/" on fp32 is an approximate division).
-    e4m3_max = tl.full((BLOCK_M,), 448.0, tl.float32)
-    divisor = tl.where(zero, 448.0, amax)  # no 448 / 0 computed and thrown away
-    inverse = tl.math.div_rn(e4m3_max, divisor)
-    tl.store(scale_ptr + rows64, tl.where(zero, 1.0, tl.math.div_rn(amax, e4m3_max)),
-             mask=row_ok)
+    scale, inverse = scale_and_inverse(amax)
+    tl.store(scale_ptr + rows64, scale, mask=row_ok)
     for k0 in range(0, K, BLOCK_K):
         mask = row_ok[:, None] & ((k0 + cols) < K)[None, :]
         x = tl.load(x_ptr + rows64[:, None] * stride_xm + (k0 + cols)[None, :] * stride_xk,
@@ -116,11 +124,7 @@ def blockwise_quantize_kernel(
     if not PER_ROW:
         has_nan = tl.max(has_nan, axis=0)
         amax = tl.max(amax, axis=0)
-    amax = tl.where(has_nan > 0, float("nan"), amax)
-    zero = amax == 0.0
-    inverse = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32),
-                             tl.where(zero, 448.0, amax))
-    scale = tl.where(zero, 1.0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
+    scale, inverse = scale_and_inverse(tl.where(has_nan > 0, float("nan"), amax))
     if PER_ROW:
         q = quantize_to_e4m3(x, inverse[:, None])
         slot = (batch.to(tl.int64) * r_blocks + rows) * k_blocks + tile_k
