@@ -77,15 +77,17 @@ def rowwise_quantize_kernel(
     rows64 = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    nan_seen = tl.zeros((BLOCK_M,), dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
         mask = row_ok[:, None] & ((k0 + cols) < K)[None, :]
         x = tl.load(x_ptr + rows64[:, None] * stride_xm + (k0 + cols)[None, :] * stride_xk,
                     mask=mask, other=0.0).to(tl.float32)
         magnitude = tl.abs(x)
-        # A NaN anywhere makes the row's amax NaN (tl.maximum would drop it).
-        amax = tl.where(tl.max(tl.where(magnitude != magnitude, 1, 0), axis=1) > 0,
-                        float("nan"), tl.maximum(amax, tl.max(magnitude, axis=1)))
-    scale, inverse = scale_and_inverse(amax)
+        # NaNs are counted apart: max and maximum drop a NaN operand on GPUs (and in newer
+        # Triton interpreters), so a NaN amax would not survive the next chunk.
+        nan_seen = tl.maximum(nan_seen, tl.max(tl.where(magnitude != magnitude, 1, 0), axis=1))
+        amax = tl.maximum(amax, tl.max(magnitude, axis=1))
+    scale, inverse = scale_and_inverse(tl.where(nan_seen > 0, float("nan"), amax))
     tl.store(scale_ptr + rows64, scale, mask=row_ok)
     for k0 in range(0, K, BLOCK_K):
         mask = row_ok[:, None] & ((k0 + cols) < K)[None, :]
