@@ -91,6 +91,10 @@ def test_empty_shapes(device):
     assert q.shape == (0, 16) and scale.shape == (0,)
     q, scale = fp8_kernels.quantize_rowwise(torch.zeros(3, 0, device=device))
     assert q.shape == (3, 0) and scale.tolist() == [1.0, 1.0, 1.0]
+    q, scale = fp8_kernels.quantize_rowwise(torch.zeros(2, 3, 0, device=device))
+    assert q.shape == (2, 3, 0) and scale.shape == (2, 3) and bool((scale == 1).all())
+    q, scale = fp8_kernels.quantize_blockwise(torch.zeros(2, 0, 5, device=device), (1, 128))
+    assert q.shape == (2, 0, 5) and scale.shape == (2, 0, 1)
 
 
 def test_quantisation_rejects_fp8_and_integer_inputs(device):

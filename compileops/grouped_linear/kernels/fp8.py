@@ -1,10 +1,10 @@
-"""fp8 (e4m3) kernels of the grouped linear: rowwise quantisation, and the rowwise scales that
-the M-jagged GEMM applies in its epilogue (:func:`.mjagged.mjagged_gemm`'s ``a_scale`` /
-``b_scale``).
+"""fp8 (e4m3) kernels of the grouped linear: rowwise and blockwise quantisation, and the
+launchers of the fp8 M-jagged products (:func:`.mjagged.mjagged_gemm`'s ``fp8_scales`` /
+``fp8_block_scales``).
 
-The rule is :mod:`compileops.grouped_linear.fp8`'s, bit for bit: per row, ``scale = amax /
-448`` and ``q = e4m3(clamp(x * (448 / amax), -448, 448))`` rounded to nearest with ties to
-even, an all-zero row scale 1, a NaN kept NaN.
+The rule is :mod:`compileops.grouped_linear.fp8`'s, bit for bit: per row or block, ``scale =
+amax / 448`` and ``q = e4m3(clamp(x * (448 / amax), -448, 448))`` rounded to nearest with ties
+to even, an all-zero group scale 1, a NaN kept NaN.
 
 Rounding is done in fp32 arithmetic onto the e4m3 grid (:func:`round_to_e4m3_grid`) before
 the cast, so the cast only ever sees values it can represent exactly. Why: Triton's
@@ -21,15 +21,17 @@ import torch
 import triton
 import triton.language as tl
 
-from compileops.grouped_linear.fp8 import E4M3
+from compileops._library import as_rows
+from compileops.grouped_linear.fp8 import E4M3, _check_float
 
 
 @triton.jit
 def round_to_e4m3_grid(v):
     """fp32 ``v`` (``|v| <= 448`` or NaN) rounded to the nearest e4m3 value, ties to even,
     still fp32. e4m3 has 3 mantissa bits and its smallest normal is ``2^-6``, so the grid
-    spacing of ``v``'s binade ``[2^e, 2^(e+1))`` is ``2^(e - 3)`` (``2^-9`` below ``2^-6``); ``v / spacing`` is below 16 in magnitude, and adding and
-    subtracting ``1.5 * 2^23`` rounds it to an integer in fp32's own round-to-nearest-even."""
+    spacing of ``v``'s binade ``[2^e, 2^(e+1))`` is ``2^(e - 3)`` (``2^-9`` below ``2^-6``);
+    ``v / spacing`` is below 16 in magnitude, and adding and subtracting ``1.5 * 2^23``
+    rounds it to an integer in fp32's own round-to-nearest-even."""
     bits = v.to(tl.int32, bitcast=True)
     exponent = ((bits >> 23) & 0xFF) - 127
     spacing_exp = tl.maximum(exponent, -6) - 3
@@ -146,11 +148,7 @@ def quantize_blockwise(x: torch.Tensor, block: tuple[int, int]
     128)`` (activations: :data:`~compileops.grouped_linear.fp8.ACTIVATION_BLOCK`) or ``(128,
     128)`` (weights: :data:`~compileops.grouped_linear.fp8.WEIGHT_BLOCK`); each a power of
     two. ``x`` is not modified."""
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype == E4M3:
-        raise TypeError(f"x must be a floating-point tensor (not fp8), got "
-                        f"{getattr(x, 'dtype', type(x).__name__)}")
-    if x.dim() < 2:
-        raise ValueError(f"x must have at least 2 dims, got shape {tuple(x.shape)}")
+    _check_float(x, "x", 2)
     block_r, block_k = (int(b) for b in block)
     if block_r < 1 or block_k < 1 or block_r & (block_r - 1) or block_k & (block_k - 1):
         raise ValueError(f"block must be two powers of two, got {block}")
@@ -177,13 +175,9 @@ def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     K]`` e4m3 contiguous, ``scale [...]`` fp32): one Triton pass per row block, the rule of
     :func:`compileops.grouped_linear.fp8.quantize_rowwise` bit for bit. ``x`` is not
     modified."""
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype == E4M3:
-        raise TypeError(f"x must be a floating-point tensor (not fp8), got "
-                        f"{getattr(x, 'dtype', type(x).__name__)}")
-    if x.dim() < 1:
-        raise ValueError("x must have at least 1 dim")
+    _check_float(x, "x", 1)
     k = x.shape[-1]
-    flat = x.reshape(-1, k) if x.dim() != 2 else x
+    flat = as_rows(x)  # a view where x's rows allow one (a 2-D x always)
     m = flat.shape[0]
     q = torch.empty((m, k), dtype=E4M3, device=x.device)
     scale = torch.empty((m,), dtype=torch.float32, device=x.device)
@@ -210,7 +204,17 @@ def quantize_weight_rowwise(weight: torch.Tensor, *, transpose: bool = False
     """
     if weight.dim() != 3:
         raise ValueError(f"weight must be [G, N, K], got shape {tuple(weight.shape)}")
+    # transpose: the rows (g, k) of W^T have no single stride, so the quantiser reads a
+    # contiguous copy (one more pass over the weight; blockwise scaling needs none).
     return quantize_rowwise(weight.transpose(1, 2) if transpose else weight)
+
+
+def _check_fp8_weight(weight_q: torch.Tensor) -> tuple[int, int, int]:
+    """``(G, N, K)`` of an e4m3 ``weight_q [G, N, K]``; a TypeError otherwise."""
+    if weight_q.dtype != E4M3 or weight_q.dim() != 3:
+        raise TypeError(f"weight_q must be e4m3 [G, N, K], got {weight_q.dtype} "
+                        f"{tuple(weight_q.shape)}")
+    return tuple(weight_q.shape)
 
 
 def grouped_linear_fp8_rowwise(
@@ -233,10 +237,7 @@ def grouped_linear_fp8_rowwise(
     """
     from compileops.grouped_linear.kernels.mjagged import mjagged_gemm
 
-    if weight_q.dtype != E4M3 or weight_q.dim() != 3:
-        raise TypeError(f"weight_q must be e4m3 [G, N, K], got {weight_q.dtype} "
-                        f"{tuple(weight_q.shape)}")
-    groups, n, k = weight_q.shape
+    groups, n, k = _check_fp8_weight(weight_q)
     if tuple(weight_scale.shape) != (groups, n) or weight_scale.dtype != torch.float32:
         raise ValueError(f"weight_scale must be fp32 [{groups}, {n}], got "
                          f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
@@ -278,10 +279,7 @@ def grouped_linear_fp8_blockwise(
     """
     from compileops.grouped_linear.kernels.mjagged import mjagged_gemm
 
-    if weight_q.dtype != E4M3 or weight_q.dim() != 3:
-        raise TypeError(f"weight_q must be e4m3 [G, N, K], got {weight_q.dtype} "
-                        f"{tuple(weight_q.shape)}")
-    groups, n, k = weight_q.shape
+    groups, n, k = _check_fp8_weight(weight_q)
     blocks = (groups, triton.cdiv(n, 128), triton.cdiv(k, 128))
     if tuple(weight_scale.shape) != blocks or weight_scale.dtype != torch.float32:
         raise ValueError(f"weight_scale must be fp32 {list(blocks)} (128 x 128 blocks), got "
