@@ -164,6 +164,31 @@ def test_row_scaled_op_is_the_written_out_product_bitwise(dtype):
         assert torch.equal(compiled(x, w, offs, scale), want), dynamic
 
 
+def test_explicit_config_that_does_not_fit_raises_and_keeps_tma_on():
+    """A tuning sweep passes configs that may not fit in shared memory: such a launch must
+    raise (not be timed as the pointer kernel) and must not turn TMA off for the default
+    launches that follow on the device."""
+    from compileops.grouped_linear import kernels
+    from compileops.grouped_linear.kernels.mjagged import mjagged_gemm
+    from compileops.grouped_linear.kernels.tma import clear_fallbacks
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA needs sm90+")
+    clear_fallbacks()
+    x, w, offs, _ = make(4, 1024, 512, 512, torch.bfloat16)
+    too_big = kernels.Config(256, 256, 128, num_warps=8, num_stages=6)  # ~1.5 MB of stages
+    with pytest.raises(Exception, match="(?i)resource|shared memory"):
+        mjagged_gemm(x, w, (w.stride(0), w.stride(2), w.stride(1)), offs, 512,
+                     out_dtype=torch.bfloat16, config=too_big, use_tma=True)
+    assert not kernels.fell_back(kernels.Fallback.TMA, x.device)
+    assert not kernels.fell_back(kernels.Fallback.MJAGGED_TMA_STORE, x.device)
+    grad = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(Exception, match="(?i)resource|shared memory"):
+        kernels.grouped_linear_wgrad(grad, x, offs, torch.bfloat16, torch.bfloat16, config=too_big,
+                                     use_tma=True)
+    assert not kernels.fell_back(kernels.Fallback.TMA, x.device)
+
+
 def test_tma_path_used_on_sm90_and_matches_pointer_path():
     from compileops.grouped_linear import kernels
 

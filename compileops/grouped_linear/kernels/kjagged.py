@@ -525,7 +525,7 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
                                    instead="the plain TMA kernel"):
                 return dw, db if with_db else None
         if launch_or_fall_back(lambda: launch(True, variants=False), Fallback.TMA, x.device,
-                               explicit=False, what="TMA dW kernel",
+                               explicit=explicit, what="TMA dW kernel",
                                instead="the pointer-based kernels"):
             return dw, db if with_db else None
     launch(bool(use_tma) and x.device.type != "cuda")

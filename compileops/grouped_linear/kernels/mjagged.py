@@ -463,7 +463,9 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
                                    what="M-jagged kernel with TMA store",
                                    instead="pointer stores"):
                 return out
-        if launch_or_fall_back(lambda: launch(True), Fallback.TMA, a.device, explicit=False,
+        # An explicit config that does not fit raises: it must neither be timed as the
+        # pointer kernel nor turn TMA off for every later default launch on the device.
+        if launch_or_fall_back(lambda: launch(True), Fallback.TMA, a.device, explicit=explicit,
                                what="TMA kernel", instead="the pointer-based kernels"):
             return out
     interpreted = bool(use_tma) and a.device.type != "cuda"
