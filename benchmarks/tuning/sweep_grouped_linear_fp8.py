@@ -47,8 +47,7 @@ CONFIGS = [
     Config(128, 128, 128, num_warps=8, num_stages=3),
     Config(128, 64, 128, num_warps=8, num_stages=4),
     Config(64, 128, 128, num_warps=4, num_stages=4),
-    Config(128, 256, 128, num_warps=8, num_stages=3),
-    Config(128, 128, 64, num_warps=8, num_stages=4, flatten=True),
+    Config(128, 128, 128, num_warps=8, num_stages=3, flatten=True),
     Config(128, 128, 128, num_warps=8, num_stages=4, programs_per_sm=2),
 ]
 

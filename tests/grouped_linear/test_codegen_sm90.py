@@ -212,11 +212,13 @@ def quantiser_builds():
 
     common = [("x_ptr", "*bf16"), ("q_ptr", "*fp8e4nv"), ("scale_ptr", "*fp32")]
     built = {}
-    rowwise = compile_sm90(
-        fp8_kernels.rowwise_quantize_kernel,
-        common + [("M", "i32"), ("K", "i32"), ("stride_xm", "i64"), ("stride_xk", "i64")],
-        dict(BLOCK_M=8, BLOCK_K=1024), num_warps=4)
-    built["quantise-rowwise"] = "e4m3x2" in rowwise.asm["ptx"]
+    for name, k in (("quantise-rowwise", 2048), ("quantise-rowwise-two-pass", 65536)):
+        block_m, block_k, warps = fp8_kernels._rowwise_blocks(k, cpu=False)
+        rowwise = compile_sm90(
+            fp8_kernels.rowwise_quantize_kernel,
+            common + [("M", "i32"), ("K", "i32"), ("stride_xm", "i64"), ("stride_xk", "i64")],
+            dict(BLOCK_M=block_m, BLOCK_K=block_k, ONE_PASS=k <= block_k), num_warps=warps)
+        built[name] = "e4m3x2" in rowwise.asm["ptx"]
     for name, block_r, per_row in (("quantise-1x128", 32, True), ("quantise-128x128", 128, False)):
         kernel = compile_sm90(
             fp8_kernels.blockwise_quantize_kernel,
@@ -229,7 +231,8 @@ def quantiser_builds():
 
 
 def test_fp8_quantisers_compile_for_sm90(compiled):
-    for name in ("quantise-rowwise", "quantise-1x128", "quantise-128x128"):
+    for name in ("quantise-rowwise", "quantise-rowwise-two-pass", "quantise-1x128",
+                 "quantise-128x128"):
         assert compiled[name], f"{name}: expected an e4m3 conversion in the sm90 build"
 
 

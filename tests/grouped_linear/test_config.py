@@ -94,3 +94,38 @@ def test_tuned_rows_hold_configs_of_their_cases(spec):
             assert isinstance(cfg, Config), (name, case)
             if case.startswith("wgrad"):
                 check_wgrad_variant(cfg)
+
+
+# The fp8 products of bench_moe_layer.py's layers (M routed rows, G, N out, K, swiglu), and
+# the e4m3 config each gets on the sm90 parts: the rule of the H200 tile sweep
+# (benchmarks/tuning/sweep_grouped_linear_fp8.py), pinned so that a change to it is seen.
+FP8_LAYER_PRODUCTS = {
+    "Mixtral gate/up": (16384, 8, 14336, 4096, True),
+    "Mixtral down": (16384, 8, 4096, 14336, False),
+    "Mixtral down dX": (16384, 8, 14336, 4096, False),
+    "Qwen3-30B-A3B gate/up": (65536, 128, 768, 2048, True),
+    "Qwen3-30B-A3B down": (65536, 128, 2048, 768, False),
+    "Qwen3-30B-A3B down dX": (65536, 128, 768, 2048, False),
+    "DeepSeek-V3 gate/up": (32768, 32, 2048, 7168, True),
+    "DeepSeek-V3 down": (32768, 32, 7168, 2048, False),
+    "Qwen3-235B-A22B down": (65536, 128, 4096, 1536, False),
+}
+FP8_WANT = {
+    "Mixtral gate/up": Config(128, 128, 128, num_warps=8, num_stages=3),
+    "Mixtral down": Config(128, 128, 128, num_warps=8, num_stages=4),
+    "Mixtral down dX": Config(128, 128, 128, num_warps=8, num_stages=4),
+    "Qwen3-30B-A3B gate/up": Config(128, 128, 128, num_warps=8, num_stages=3, flatten=True),
+    "Qwen3-30B-A3B down": Config(128, 128, 128, num_warps=8, num_stages=4, flatten=True),
+    "Qwen3-30B-A3B down dX": Config(128, 128, 128, num_warps=8, num_stages=4, flatten=True),
+    "DeepSeek-V3 gate/up": Config(128, 128, 128, num_warps=8, num_stages=3),
+    "DeepSeek-V3 down": Config(128, 128, 128, num_warps=8, num_stages=4, flatten=True),
+    "Qwen3-235B-A22B down": Config(128, 128, 128, num_warps=8, num_stages=4, flatten=True),
+}
+
+
+@pytest.mark.parametrize("spec", [kernels.H100_SXM, kernels.H200], ids=lambda s: s.name)
+@pytest.mark.parametrize("name", list(FP8_LAYER_PRODUCTS))
+def test_fp8_configs_of_the_layer_products_are_pinned(name, spec):
+    m, g, n, k, swiglu = FP8_LAYER_PRODUCTS[name]
+    got = kernels.choose_config(m, g, n, k, torch.float8_e4m3fn, spec, swiglu=swiglu)
+    assert got == FP8_WANT[name], (name, got)

@@ -236,13 +236,13 @@ def _stages_that_fit(cfg: Config, spec: DeviceSpec, element_size: int, want: int
 
 
 def _generic_config(mean: float, n: int, dtype: torch.dtype, spec: DeviceSpec,
-                    swiglu: bool) -> Config:
+                    swiglu: bool, k: int = 0) -> Config:
     """The rule for a part (or case) without a :data:`TUNED` entry, from the mean group size
     and the part's shared memory: the tile shapes Hopper's wgmma wants, with as many operand
     stages as the part holds (the narrower tile where the wide one would get fewer than 3)."""
     small = dtype == torch.float32
     if dtype.itemsize == 1:
-        return _generic_fp8_config(mean, spec, swiglu)
+        return _generic_fp8_config(mean, spec, swiglu, k)
     bk = 32 if small else 64
     if mean <= 16:
         cfg = Config(16, 128, bk, num_warps=4, num_stages=4)
@@ -262,19 +262,26 @@ def _generic_config(mean: float, n: int, dtype: torch.dtype, spec: DeviceSpec,
     return dataclasses.replace(cfg, num_stages=stages)
 
 
-def _generic_fp8_config(mean: float, spec: DeviceSpec, swiglu: bool) -> Config:
-    """e4m3 operands: K steps of 128 (the bytes of 16-bit's 64), and output tiles half the
-    16-bit ones. The fp8 MMA adds each K step's products into a second accumulator that is
-    then added to the fp32 one (:func:`.mjagged.tile_dot`), so a tile holds twice the
-    accumulator registers: a 128 x 256 tile on 8 warps spills (324 bytes a thread, sm90,
-    triton 3.6), 128 x 128 does not (254 registers); SwiGLU's two products take 128 x 64
-    (218 registers; 128 x 128 spills 44 bytes)."""
+#: fp8 products with at most this many K take the flattened persistent loop: few K steps
+#: of 128 per tile, so overlapping a tile's epilogue with the next tile's loads pays.
+FP8_FLATTEN_MAX_K = 2048
+
+
+def _generic_fp8_config(mean: float, spec: DeviceSpec, swiglu: bool, k: int) -> Config:
+    """e4m3 operands: K steps of 128 (the bytes of 16-bit's 64) and 128 x 128 output tiles,
+    4 stages (3 for SwiGLU), flattened where K <= :data:`FP8_FLATTEN_MAX_K`. From the tile
+    sweep of every ``bench_moe_layer.py`` product on an H200 (benchmarks/RESULTS.md, fp8):
+    flattening won at K = 768-2048 (Qwen3-30B-A3B down 0.93x against 0.80x bf16
+    ``_grouped_mm``, Qwen3-235B-A22B down 1.06x against 0.98x) and lost at K >= 4096
+    (Mixtral down 1.07x against 1.25x); 128 x 64 and 64 x 128 tiles lost everywhere. The fp8
+    MMA adds each K step's products into a second accumulator that is then added to the
+    fp32 one (:func:`.mjagged.tile_dot`), so a tile holds twice the accumulator registers:
+    128 x 256 spills and ran at half 128 x 128's rate or less."""
     if mean <= 64:
         cfg = Config(64, 64 if swiglu else 128, 128, num_warps=4, num_stages=4)
-    elif swiglu:
-        cfg = Config(128, 64, 128, num_warps=8, num_stages=4)
     else:
-        cfg = Config(128, 128, 128, num_warps=8, num_stages=4, flatten=True)
+        cfg = Config(128, 128, 128, num_warps=8, num_stages=3 if swiglu else 4,
+                     flatten=0 < k <= FP8_FLATTEN_MAX_K)
     return dataclasses.replace(
         cfg, num_stages=_stages_that_fit(cfg, spec, 1, cfg.num_stages, swiglu=swiglu))
 
@@ -314,7 +321,7 @@ def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
     tuned = tuned_config(spec, case) if case else None
     if tuned is not None:
         return tuned
-    return _generic_config(m_total / max(groups, 1), n, dtype, spec, swiglu)
+    return _generic_config(m_total / max(groups, 1), n, dtype, spec, swiglu, k)
 
 
 def wgrad_case(m_total: int, groups: int) -> str:
