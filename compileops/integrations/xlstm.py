@@ -212,7 +212,8 @@ def model_forward(self, input_ids: Optional[torch.LongTensor] = None,
 
     ``use_cache`` defaults to the config's in eval mode and to False in training mode
     (transformers' default True breaks its own backward, and a training step needs no state:
-    the mLSTM then takes its parallel form up to 1024 tokens). A ``cache`` passed in is used
+    the mLSTM then takes its parallel form up to 1024 tokens at xLSTM-7B's head, 512 at
+    narrower heads). A ``cache`` passed in is used
     and updated whatever ``use_cache`` says. Sequences longer than
     ``config.max_inference_chunksize`` in eval mode run in pieces of that length, the states
     carried (transformers' memory cap; outputs equal the one-piece run to rounding).

@@ -68,7 +68,7 @@ def test_auto_runs_fp32_chunkwise_on_long_rows():
                          torch.float32) == "parallel"
     assert choose_kernel("auto", AUTO_PARALLEL_MAX_SEQ_FP32 + 1, False, True,
                          torch.float32) == "chunkwise"
-    assert choose_kernel("auto", 1024, False, True, torch.bfloat16) == "parallel"
+    assert choose_kernel("auto", 512, False, True, torch.bfloat16) == "parallel"
 
 
 def _short(x: float) -> str:

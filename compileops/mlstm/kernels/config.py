@@ -114,6 +114,12 @@ def head_tile(dim: int) -> int:
     return max(16, next_power_of_2(int(dim)))
 
 
+def is_wide_head(dqk: int, dv: int) -> bool:
+    """Heads whose tiles are wider than DQK 128 + DV 256 (xLSTM-7B's 256 + 256 per value
+    slice): they take their own backward configs and ``kernel="auto"`` crossover."""
+    return head_tile(dqk) + head_tile(dv) > 384
+
+
 def forward_shared_bytes(cfg: ForwardConfig, dqk: int, dv: int, with_state: bool) -> int:
     """Estimated shared memory of a 16-bit forward config: the q tile, ``num_stages``
     buffers of k and v tiles, and the ``[DQK, DV]`` state tile of the chunkwise form."""
@@ -169,8 +175,7 @@ def choose_backward_config(q: torch.Tensor, dqk: int, dv: int, *,
         return BackwardConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
     if q.dtype == torch.float32:
         return BackwardConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    wide = head_tile(dqk) + head_tile(dv) > 384
-    if not wide:
+    if not is_wide_head(dqk, dv):
         # H100, bf16, DQK=128 / DV=256, 65k tokens, head-major grids (probe_mlstm.py
         # --breakdown): dK/dV 64 x 64 on 8 warps, 2 stages: 4.71 / 13.93 ms at S = 1024 /
         # 4096 (64 x 32 on 4 warps 5.38 / 15.52, 3 stages slower); dQ 64 x 32 on 4 warps, 3
