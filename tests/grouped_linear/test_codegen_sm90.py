@@ -25,7 +25,7 @@ from tests.grouped_linear._helpers import MJAGGED_STORE_VARIANTS, mjagged_store_
 TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 # fp8 cases: e4m3 operands (A and B), 16-bit everything else.
 OPERANDS = {"fp8": "*fp8e4nv", "fp8-blockwise": "*fp8e4nv"}
-UNIT = ("stride_ak", "stride_bk", "stride_biasn", "stride_on", "stride_xk")
+UNIT = ("stride_ak", "stride_bk", "stride_biasn", "stride_on", "stride_xk", "stride_wk")
 UNIT_DX = ("stride_ak", "stride_bn", "stride_biasn", "stride_on")
 NOT_DIVISIBLE = ("M", "G")
 
@@ -219,6 +219,12 @@ def quantiser_builds():
             common + [("M", "i32"), ("K", "i32"), ("stride_xm", "i64"), ("stride_xk", "i64")],
             dict(BLOCK_M=block_m, BLOCK_K=block_k, ONE_PASS=k <= block_k), num_warps=warps)
         built[name] = "e4m3x2" in rowwise.asm["ptx"]
+    columnwise = compile_sm90(
+        fp8_kernels.columnwise_quantize_kernel,
+        [("w_ptr", "*bf16"), ("q_ptr", "*fp8e4nv"), ("scale_ptr", "*fp32"), ("N", "i32"),
+         ("K", "i32")] + [(n, "i64") for n in ("stride_wg", "stride_wn", "stride_wk")],
+        dict(BLOCK_N=64, BLOCK_K=64), num_warps=4)
+    built["quantise-columnwise"] = "e4m3x2" in columnwise.asm["ptx"]
     for name, block_r, per_row in (("quantise-1x128", 32, True), ("quantise-128x128", 128, False)):
         kernel = compile_sm90(
             fp8_kernels.blockwise_quantize_kernel,
@@ -231,8 +237,8 @@ def quantiser_builds():
 
 
 def test_fp8_quantisers_compile_for_sm90(compiled):
-    for name in ("quantise-rowwise", "quantise-rowwise-two-pass", "quantise-1x128",
-                 "quantise-128x128"):
+    for name in ("quantise-rowwise", "quantise-rowwise-two-pass", "quantise-columnwise",
+                 "quantise-1x128", "quantise-128x128"):
         assert compiled[name], f"{name}: expected an e4m3 conversion in the sm90 build"
 
 

@@ -69,6 +69,37 @@ def test_rowwise_quantisation_of_strided_inputs_and_weights(device):
         assert torch.equal(scale.cpu(), want_scale)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_transposed_weight_quantisation_is_the_rule_on_w_transposed(device, dtype):
+    """dX's weight, ``W_g^T`` rowwise, written by the column-wise kernel without a transposed
+    copy: bit for bit the rule on ``w.transpose(1, 2)``, for a strided weight too; a NaN in
+    the first N chunk keeps its column NaN, an all-zero column gets scale 1; w unchanged."""
+    gen = torch.Generator().manual_seed(4)
+    decades = 4 if dtype == torch.float16 else 6
+    w = (torch.randn(3, 70, 45, generator=gen)
+         * torch.logspace(-decades, decades, 45)[None, None, :]).to(dtype).to(device)
+    w[1, 2, 5] = float("nan")
+    w[2, :, 9] = 0
+    before = w.clone()
+    for weight in (w, w.transpose(1, 2).contiguous().transpose(1, 2)):  # two stride orders
+        q, scale = fp8_kernels.quantize_weight_rowwise(weight, transpose=True)
+        want_q, want_scale = fp8.quantize_rowwise(weight.transpose(1, 2).cpu())
+        assert q.shape == (3, 45, 70) and q.is_contiguous() and scale.shape == (3, 45)
+        finite = ~want_scale.isnan()
+        # Codes of finite columns bit for bit. A NaN column's codes are NaN in the rule; the
+        # interpreter's fp32-to-e4m3 cast does not keep NaN, so that column is held to its
+        # meaning instead: every dequantised value NaN.
+        assert torch.equal(_bits(q.cpu())[finite], _bits(want_q)[finite])
+        assert torch.equal(scale.cpu()[finite], want_scale[finite])
+        assert scale[1, 5].isnan() and scale[2, 9].item() == 1.0
+        assert fp8.dequantize(q.cpu(), scale.cpu())[1, 5].isnan().all()
+    assert torch.equal(w.nan_to_num(7.0), before.nan_to_num(7.0))
+    empty = torch.zeros(2, 0, 8, dtype=dtype, device=device)
+    q, scale = fp8_kernels.quantize_weight_rowwise(empty, transpose=True)
+    want_q, want_scale = fp8.quantize_rowwise(empty.transpose(1, 2).cpu())
+    assert q.shape == (2, 8, 0) and torch.equal(scale.cpu(), want_scale)
+
+
 def test_non_finite_values_poison_their_row_only(device):
     """K = 3000: several K chunks per row, the NaN in the first (a NaN amax must survive the
     chunks after it)."""
