@@ -367,12 +367,22 @@ class Collector:
         self.set_env({"device": self.args.device, "torch": "?", "triton": "?"}, measured=False)
         env = self.env
         line = [datetime.date.today().isoformat(), env["device"], env["torch"], env["triton"],
-                r["impl"] + (" (raw h)" if self.cfg["raw"] else ""), r["mode"], r["S"], r["B"],
+                r["impl"] + impl_suffix(self.cfg), r["mode"], r["S"], r["B"],
                 r["pass"], _fmt(r.get("ms"), ".4f"),
                 _fmt(r["tflops"], ".1f"), _fmt(r.get("peak_gib"), ".3f"), r["status"]]
         for path in self.paths:
             append_csv(path, line)
         self.written += 1
+
+
+def impl_suffix(cfg: dict) -> str:
+    """What a CSV row's impl carries beyond the name: `` (raw h)`` with ``--raw``, and the
+    head shape where it is not the default NH 16, DQK 128, DV 256 (rows of other heads are
+    otherwise indistinguishable)."""
+    suffix = " (raw h)" if cfg["raw"] else ""
+    if (cfg["heads"], cfg["dqk"], cfg["dv"]) != (16, 128, 256):
+        suffix += f" (NH {cfg['heads']}, DQK {cfg['dqk']}, DV {cfg['dv']})"
+    return suffix
 
 
 def _fmt(x, spec) -> str:

@@ -315,6 +315,7 @@ def main() -> None:
                     print(f"{r.shape} | {routing} | {mode} | {impl}: fw {fw_ms:.3f} ms, "
                           f"fw+bw {fwbw_ms:.3f} ms ({tflops:.0f} TFLOP/s expert GEMMs), "
                           f"peak {peak:.2f} GiB | {note}", flush=True)
+                    write(results, args.csv, table=False)
                 del layer, compiled
                 gc.collect()
                 if device.type == "cuda":
@@ -324,7 +325,9 @@ def main() -> None:
         sys.exit(1)
 
 
-def write(results: list[Result], path: str) -> None:
+def write(results: list[Result], path: str, *, table: bool = True) -> None:
+    """The CSV of ``results`` at ``path`` (rewritten whole), and their table printed
+    (``table``). Called after every result, so that a run cut short keeps what it measured."""
     anchor = {(r.shape, r.routing, r.mode): r for r in results if r.impl == "grouped_mm"}
     lines = ["| device | shape | routing | mode | impl | fw ms | fw+bw ms | peak GiB "
              "| fw vs grouped_mm | fw+bw vs grouped_mm | peak vs grouped_mm |", "|" + "---|" * 11]
@@ -343,7 +346,8 @@ def write(results: list[Result], path: str) -> None:
             lines.append(f"| {r.device} | {r.shape} | {r.routing} | {r.mode} | {r.impl} | "
                          f"{r.fw_ms:.3f} | {r.fwbw_ms:.3f} | {r.peak_gib:.2f} | {ratios[0]:.2f}x | "
                          f"{ratios[1]:.2f}x | {ratios[2]:.2f} |")
-    print("\n".join(lines), flush=True)
+    if table:
+        print("\n".join(lines), flush=True)
 
 
 # ---------------------------------------------------------------------------------------
