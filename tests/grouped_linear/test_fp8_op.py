@@ -200,3 +200,39 @@ def test_non_finite_inputs_stay_non_finite():
     y = compileops.grouped_linear(x, w, offs, fp8="rowwise")
     assert not torch.isfinite(y[3]).any()  # the row holding the NaN
     assert torch.isfinite(y[[0, 1, 2, 4]]).all()  # the other rows of its group
+
+
+@pytest.mark.parametrize("scaling", RECIPES)
+def test_kernel_launches_per_layer_step(scaling, monkeypatch):
+    """The Triton launches of one fp8 SwiGLU product, forward and backward, pinned: each
+    operand quantised once per product that reads it, by one kernel, and nothing else
+    launched (the weights are quantised on every call: no cache yet). Counted under the
+    interpreter, whose launches pass through ``InterpretedFunction.run``."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("counts the interpreter's launches")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launched = []
+    run = InterpretedFunction.run
+
+    def counting_run(self, *args, **kwargs):
+        launched.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", counting_run)
+    x, w, offs = _inputs(n=48)
+    with compileops.use_backend("triton"):
+        y = compileops.grouped_linear_swiglu(x, w, offs, fp8=scaling)
+        forward = list(launched)
+        launched.clear()
+        y.backward(torch.ones_like(y))
+    quantise = {"rowwise": "rowwise_quantize_kernel", "blockwise": "blockwise_quantize_kernel"}
+    q = quantise[scaling]
+    assert forward == [q, q, "mjagged_gemm_kernel"], forward
+    # dX: the weight per input channel (rowwise: W_g^T written by the column-wise kernel;
+    # blockwise: its square blocks again), dY (after the SwiGLU derivative), the GEMM; dW
+    # in the inputs' dtype.
+    weight_t = "columnwise_quantize_kernel" if scaling == "rowwise" else q
+    assert launched == [weight_t, q, "mjagged_gemm_kernel", "kjagged_gemm_kernel"], launched

@@ -89,3 +89,24 @@ torch.ops.compileops.grouped_linear_wgrad.default""")
         self.assertSnapshot(kernels, """\
 cpp_fused_mul_unsqueeze
 torch.ops.compileops.grouped_linear_swiglu.default""")
+
+    def test_fp8_expert_kernels_fw_bw(self):
+        # fp8="rowwise": the products are our ops, called from the compiled graph (Inductor
+        # sees them as extern calls; inside each, our Triton kernels quantise the activation
+        # and the weight, then run the fp8 GEMM); the router scaling, the SwiGLU derivative
+        # and the bf16 dW around them.
+        x, w, offs, _, p = make([5, 0, 11, 3])
+        x, w, p = (t.to(torch.bfloat16).requires_grad_() for t in (x, w, p))
+
+        def expert(x, w, offs, p):
+            return compileops.grouped_linear_swiglu(x, w, offs, fp8="rowwise") * p[:, None]
+
+        kernels = inductor_kernels(expert, x, w, offs, p, triton=True, backward=True)
+        self.assertSnapshot(kernels, """\
+triton_poi_fused_mul_unsqueeze
+torch.ops.compileops.grouped_linear_swiglu_fp8_with_preact.default
+# backward
+triton_per_fused__to_copy_add_mul_rsub_sigmoid_split_sum_unsqueeze
+triton_poi_fused__to_copy_grouped_linear_fp8_dx_grouped_linear_wgrad
+torch.ops.compileops.grouped_linear_fp8_dx.default
+torch.ops.compileops.grouped_linear_wgrad.default""")
