@@ -4,7 +4,8 @@ Two scalings, each a string argument ``scaling`` of the ops:
 
 * ``"rowwise"``: one fp32 scale per row of each operand along the product's reduction dim:
   per token for x (and dY), per output channel for the forward's weight, per input channel
-  for dX's (a second quantisation of the weight, along N);
+  for dX's (a second quantisation of the weight, along N, written as ``W_g^T`` by one
+  column-wise kernel);
 * ``"blockwise"`` (DeepSeek-V3's): x and dY in ``1 x 128`` blocks along the reduction dim,
   the weight in ``128 x 128`` blocks, one quantisation for both products (a square block's
   scale is its transpose's); the scales are applied per 128-wide K step, inside the loop.
@@ -30,8 +31,9 @@ each 128-wide K step at reduced precision before the fp32 accumulator (about 1e-
 relative). Deterministic run to run; not batch-invariant (the tile config follows the group
 sizes).
 
-The weight is quantised on every call (an e4m3 copy of it; 0.5-1.5 ms at MoE sizes on an
-H200 for rowwise).
+The weight is quantised on every call: with rowwise scaling once for the forward and once,
+per input channel, for dX. At the MoE bench layers on an H200 that costs about as much as the
+fp8 products save, so the layer is not yet faster than bf16 (benchmarks/RESULTS.md, fp8).
 """
 from __future__ import annotations
 
