@@ -80,9 +80,10 @@ def rowwise_quantize_kernel(
     row_ok = rows < M
     rows64 = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
+    cols64 = cols.to(tl.int64)  # a strided x's column offsets can pass 2^31 elements
     if ONE_PASS:
         mask = row_ok[:, None] & (cols < K)[None, :]
-        x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xk,
+        x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols64[None, :] * stride_xk,
                     mask=mask, other=0.0).to(tl.float32)
         magnitude = tl.abs(x)
         nan_seen = tl.max(tl.where(magnitude != magnitude, 1, 0), axis=1)
@@ -97,7 +98,7 @@ def rowwise_quantize_kernel(
     nan_seen = tl.zeros((BLOCK_M,), dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
         mask = row_ok[:, None] & ((k0 + cols) < K)[None, :]
-        x = tl.load(x_ptr + rows64[:, None] * stride_xm + (k0 + cols)[None, :] * stride_xk,
+        x = tl.load(x_ptr + rows64[:, None] * stride_xm + (k0 + cols64)[None, :] * stride_xk,
                     mask=mask, other=0.0).to(tl.float32)
         magnitude = tl.abs(x)
         # NaNs are counted apart: max and maximum drop a NaN operand on GPUs (and in newer
@@ -108,7 +109,7 @@ def rowwise_quantize_kernel(
     tl.store(scale_ptr + rows64, scale, mask=row_ok)
     for k0 in range(0, K, BLOCK_K):
         mask = row_ok[:, None] & ((k0 + cols) < K)[None, :]
-        x = tl.load(x_ptr + rows64[:, None] * stride_xm + (k0 + cols)[None, :] * stride_xk,
+        x = tl.load(x_ptr + rows64[:, None] * stride_xm + (k0 + cols64)[None, :] * stride_xk,
                     mask=mask, other=0.0).to(tl.float32)
         q = quantize_to_e4m3(x, inverse[:, None])
         tl.store(q_ptr + rows64[:, None] * K + (k0 + cols)[None, :],
@@ -130,7 +131,7 @@ def columnwise_quantize_kernel(
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     col_ok = cols < K
     rows = tl.arange(0, BLOCK_N)
-    base = w_ptr + g * stride_wg + cols[None, :] * stride_wk
+    base = w_ptr + g * stride_wg + cols.to(tl.int64)[None, :] * stride_wk
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
     nan_seen = tl.zeros((BLOCK_K,), dtype=tl.int32)
     for n0 in range(0, N, BLOCK_N):
@@ -175,7 +176,7 @@ def blockwise_quantize_kernel(
     mask = row_ok[:, None] & (cols < K)[None, :]
     base = batch.to(tl.int64) * stride_xb
     x = tl.load(x_ptr + base + rows.to(tl.int64)[:, None] * stride_xr
-                + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+                + cols.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
     magnitude = tl.abs(x)
     has_nan = tl.max(tl.where(magnitude != magnitude, 1, 0), axis=1)  # [BLOCK_R]
     amax = tl.max(magnitude, axis=1)
