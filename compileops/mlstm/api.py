@@ -14,7 +14,7 @@ from compileops.mlstm.checks import (
 )
 from compileops.mlstm import documents
 from compileops.mlstm.chunkwise import check_chunk, mlstm_chunkwise_op
-from compileops.mlstm.kernels.config import is_wide_head
+from compileops.mlstm.heads import is_wide_head
 from compileops.mlstm.op import mlstm_parallel_op
 from compileops.mlstm.gates import log_forget_op
 from compileops.mlstm.reference import gate_dtype, multihead_layernorm

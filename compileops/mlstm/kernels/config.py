@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from compileops._launch import next_power_of_2
+from compileops.mlstm.heads import head_tile, is_wide_head  # noqa: F401  (re-exported)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,19 +105,6 @@ INTERPRETER_BACKWARD = BackwardConfig(block_m=16, block_n=16, num_warps=1, num_s
 #: Bytes of shared memory a 16-bit forward config may plan for its tiles (the H100 allows 227
 #: KB per block; the rest is Triton's scratch for layout conversions and reductions).
 _SHARED_MEMORY_BUDGET = 190_000
-
-
-def head_tile(dim: int) -> int:
-    """The tile width of a head dim (``BLOCK_DQK`` / ``BLOCK_DV``): the next power of two, at
-    least 16 (the MMA's smallest). The launchers, the lowering and the shared-memory
-    estimate all pad with this."""
-    return max(16, next_power_of_2(int(dim)))
-
-
-def is_wide_head(dqk: int, dv: int) -> bool:
-    """Heads whose tiles are wider than DQK 128 + DV 256 (xLSTM-7B's 256 + 256 per value
-    slice): they take their own backward configs and ``kernel="auto"`` crossover."""
-    return head_tile(dqk) + head_tile(dv) > 384
 
 
 def forward_shared_bytes(cfg: ForwardConfig, dqk: int, dv: int, with_state: bool) -> int:
