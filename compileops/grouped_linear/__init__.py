@@ -12,6 +12,7 @@ from compileops.grouped_linear.op import (
 from compileops.grouped_linear.routing import permute_by_expert, unpermute_and_combine
 from compileops.grouped_linear import scaled  # noqa: F401  (documented: the row-scaled autograd)
 from compileops.grouped_linear import fp8_op  # noqa: F401  (registers the fp8 ops)
+from compileops.grouped_linear.fp8_cache import cached_fp8_weight_bytes, clear_fp8_weight_cache
 from compileops.modes import (
     batch_invariant,
     is_batch_invariant,
@@ -22,6 +23,8 @@ from compileops.modes import (
 
 __all__ = [
     "batch_invariant",
+    "cached_fp8_weight_bytes",
+    "clear_fp8_weight_cache",
     "grouped_linear",
     "grouped_linear_splits",
     "grouped_linear_swiglu",

@@ -31,8 +31,8 @@ each 128-wide K step at reduced precision before the fp32 accumulator (about 1e-
 relative). Deterministic run to run; not batch-invariant (the tile config follows the group
 sizes).
 
-The weight is quantised on every call: with rowwise scaling once for the forward and once,
-per input channel, for dX. At the MoE bench layers on an H200 that costs about as much as the
+The weight is quantised on every call (unless ``cache_weight``: :mod:`.fp8_cache`): with
+rowwise scaling once for the forward and once, per input channel, for dX. At the MoE bench layers on an H200 that costs about as much as the
 fp8 products save, so the layer is not yet faster than bf16 (benchmarks/RESULTS.md, fp8).
 """
 from __future__ import annotations
@@ -42,6 +42,7 @@ import torch
 from compileops import backends
 from compileops._library import custom_op
 from compileops.grouped_linear import fp8 as fp8_rule
+from compileops.grouped_linear import fp8_cache
 from compileops.grouped_linear.checks import check_forward_args, check_offsets_eagerly
 from compileops.grouped_linear.op import (
     _forward_mode,
@@ -87,51 +88,71 @@ def _kernels():
     return fp8_kernels
 
 
-def _product(x, weight, offsets, scaling, *, transposed=False, swiglu=False, preact=None):
-    """The Triton fp8 product ``x W_g^T`` (``transposed``: ``x W_g``) in x's dtype."""
+def _quantised_weight(weight, scaling, transposed, cache_weight):
+    """The weight's e4m3 copy and scales for the product (``transposed``: dX's), made now or
+    taken from :mod:`compileops.grouped_linear.fp8_cache` (``cache_weight``). Blockwise has
+    one layout for both products (a square block's scale is its transpose's)."""
     k = _kernels()
     if scaling == "blockwise":
-        wq, ws = k.quantize_blockwise(weight, fp8_rule.WEIGHT_BLOCK)
+        def quantise():
+            return k.quantize_blockwise(weight, fp8_rule.WEIGHT_BLOCK)
+        layout = ("blockwise",)
+    else:
+        def quantise():
+            return k.quantize_weight_rowwise(weight, transpose=transposed)
+        layout = ("rowwise", transposed)
+    if not cache_weight:
+        return quantise()
+    return fp8_cache.quantised_weight(weight, layout, quantise)
+
+
+def _product(x, weight, offsets, scaling, *, transposed=False, swiglu=False, preact=None,
+             cache_weight=False):
+    """The Triton fp8 product ``x W_g^T`` (``transposed``: ``x W_g``) in x's dtype."""
+    k = _kernels()
+    wq, ws = _quantised_weight(weight, scaling, transposed, cache_weight)
+    if scaling == "blockwise":
         return k.grouped_linear_fp8_blockwise(x, wq, ws, offsets, out_dtype=x.dtype,
                                               swiglu=swiglu, transposed=transposed,
                                               preact=preact)
-    wq, ws = k.quantize_weight_rowwise(weight, transpose=transposed)
     return k.grouped_linear_fp8_rowwise(x, wq, ws, offsets, out_dtype=x.dtype, swiglu=swiglu,
                                         preact=preact)
 
 
 @custom_op("grouped_linear_fp8")
 def grouped_linear_fp8_op(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
-                          scaling: str) -> torch.Tensor:
+                          scaling: str, cache_weight: bool = False) -> torch.Tensor:
     """x ``[M, K]``, weight ``[G, N, K]``, offsets int32 ``[G]`` -> ``[M, N]`` in x's dtype,
-    fp8 with ``scaling`` (module docstring); rows past ``offsets[-1]`` are zeros."""
+    fp8 with ``scaling`` (module docstring); rows past ``offsets[-1]`` are zeros.
+    ``cache_weight``: the weight's e4m3 copy from :mod:`.fp8_cache`."""
     _check(x, weight, offsets, scaling)
     check_offsets_eagerly(offsets, x.shape[0])
     if _use_triton("grouped_linear_fp8", x):
-        return _product(x, weight, offsets, scaling)
+        return _product(x, weight, offsets, scaling, cache_weight=cache_weight)
     return _reference(x, weight, offsets, scaling).to(x.dtype)
 
 
 @grouped_linear_fp8_op.register_fake
-def _grouped_linear_fp8_fake(x, weight, offsets, scaling):
+def _grouped_linear_fp8_fake(x, weight, offsets, scaling, cache_weight=False):
     _check(x, weight, offsets, scaling)
     return x.new_empty((x.shape[0], weight.shape[1]))
 
 
 @custom_op("grouped_linear_fp8_dx")
 def grouped_linear_fp8_dx_op(grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
-                             scaling: str) -> torch.Tensor:
+                             scaling: str, cache_weight: bool = False) -> torch.Tensor:
     """grad ``[M, N]`` -> ``dX [M, K] = grad_g @ W_g`` in grad's dtype, fp8 with
     ``scaling``: grad quantised along N, the weight as the module docstring says."""
     _check(grad, weight.transpose(1, 2), offsets, scaling)
     check_offsets_eagerly(offsets, grad.shape[0])
     if _use_triton("grouped_linear_fp8_dx", grad):
-        return _product(grad, weight, offsets, scaling, transposed=True)
+        return _product(grad, weight, offsets, scaling, transposed=True,
+                        cache_weight=cache_weight)
     return _reference(grad, weight.transpose(1, 2), offsets, scaling).to(grad.dtype)
 
 
 @grouped_linear_fp8_dx_op.register_fake
-def _grouped_linear_fp8_dx_fake(grad, weight, offsets, scaling):
+def _grouped_linear_fp8_dx_fake(grad, weight, offsets, scaling, cache_weight=False):
     _check(grad, weight.transpose(1, 2), offsets, scaling)
     return grad.new_empty((grad.shape[0], weight.shape[2]))
 
@@ -140,16 +161,16 @@ def _fp8_linear_backward(ctx, grad, x, weight, offsets):
     """dX in fp8, dW in x's dtype."""
     dx = dw = None
     if ctx.needs_input_grad[0]:
-        dx = grouped_linear_fp8_dx_op(grad, weight, offsets, ctx.scaling)
+        dx = grouped_linear_fp8_dx_op(grad, weight, offsets, ctx.scaling, ctx.cache_weight)
     if ctx.needs_input_grad[1]:
         dw, _ = grouped_linear_wgrad_op(grad, x, offsets, weight.dtype, grad.dtype, False)
-    return dx, dw, None, None
+    return dx, dw, None, None, None
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, offsets, scaling = inputs
+    x, weight, offsets, scaling, cache_weight = inputs
     _keep_for_backward(ctx, (x, weight, offsets, None))
-    ctx.scaling = scaling
+    ctx.scaling, ctx.cache_weight = scaling, cache_weight
 
 
 def _grouped_linear_fp8_backward(ctx, grad):
@@ -164,6 +185,7 @@ backends.register_autograd(grouped_linear_fp8_op, _grouped_linear_fp8_backward, 
 @custom_op("grouped_linear_swiglu_fp8_with_preact")
 def grouped_linear_swiglu_fp8_with_preact_op(
     x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, scaling: str,
+    cache_weight: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """weight ``[G, 2H, K]`` (gate rows first) -> ``(silu(gate) * up [M, H], preact [M,
     2H])``, fp8 with ``scaling``; ``preact`` in x's dtype, for the backward."""
@@ -171,7 +193,8 @@ def grouped_linear_swiglu_fp8_with_preact_op(
     check_offsets_eagerly(offsets, x.shape[0])
     if _use_triton("grouped_linear_swiglu_fp8_with_preact", x):
         preact = x.new_empty((x.shape[0], weight.shape[1]))
-        out = _product(x, weight, offsets, scaling, swiglu=True, preact=preact)
+        out = _product(x, weight, offsets, scaling, swiglu=True, preact=preact,
+                       cache_weight=cache_weight)
         return out, preact
     pre = _reference(x, weight, offsets, scaling)
     gate, up = pre.chunk(2, dim=-1)
@@ -179,16 +202,17 @@ def grouped_linear_swiglu_fp8_with_preact_op(
 
 
 @grouped_linear_swiglu_fp8_with_preact_op.register_fake
-def _grouped_linear_swiglu_fp8_with_preact_fake(x, weight, offsets, scaling):
+def _grouped_linear_swiglu_fp8_with_preact_fake(x, weight, offsets, scaling,
+                                                cache_weight=False):
     _check(x, weight, offsets, scaling, swiglu=True)
     return (x.new_empty((x.shape[0], weight.shape[1] // 2)),
             x.new_empty((x.shape[0], weight.shape[1])))
 
 
 def _setup_preact_context(ctx, inputs, output) -> None:
-    x, weight, offsets, scaling = inputs
+    x, weight, offsets, scaling, cache_weight = inputs
     _keep_for_backward(ctx, (x, weight, offsets, None), output[1])
-    ctx.scaling = scaling
+    ctx.scaling, ctx.cache_weight = scaling, cache_weight
     ctx.mark_non_differentiable(output[1])
 
 

@@ -95,16 +95,21 @@ class GroupedLinear(torch.nn.Module):
 
     ``fp8="rowwise"`` or ``"blockwise"`` (experimental, ``bias=False`` only): the forward
     and dX products in e4m3 (:func:`compileops.grouped_linear`'s ``fp8``); the parameters
-    stay in ``dtype``.
+    stay in ``dtype``. ``cache_fp8_weights=True``: the weight's e4m3 copies are made once per
+    optimizer step (per version of the weight) and reused by every micro-batch, at one byte
+    per weight element per layout (:mod:`compileops.grouped_linear.fp8_cache`).
     """
 
     def __init__(self, num_groups: int, in_features: int, out_features: int, bias: bool = True,
-                 device=None, dtype=None, fp8: Optional[str] = None):
+                 device=None, dtype=None, fp8: Optional[str] = None,
+                 cache_fp8_weights: bool = False):
         super().__init__()
         from compileops.grouped_linear.fp8_op import check_recipe
 
         check_recipe(fp8, bias=True if bias else None)
-        self.fp8 = fp8
+        if cache_fp8_weights and fp8 is None:
+            raise ValueError("cache_fp8_weights=True needs fp8='rowwise' or 'blockwise'")
+        self.fp8, self.cache_fp8_weights = fp8, bool(cache_fp8_weights)
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
         factory = {"device": device, "dtype": dtype}
         self.weight = torch.nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
@@ -140,9 +145,9 @@ class GroupedLinear(torch.nn.Module):
         """
         if offsets:
             return grouped_linear(x, self.weight, m_splits_or_offsets.to(x.device), self.bias,
-                                  fp8=self.fp8)
+                                  fp8=self.fp8, cache_fp8_weights=self.cache_fp8_weights)
         return grouped_linear_splits(x, self.weight, m_splits_or_offsets, self.bias,
-                                     fp8=self.fp8)
+                                     fp8=self.fp8, cache_fp8_weights=self.cache_fp8_weights)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -213,4 +218,5 @@ class GroupedLinear(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"num_groups={self.num_groups}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, bias={self.bias is not None}"
-                + (f", fp8={self.fp8!r}" if self.fp8 is not None else ""))
+                + (f", fp8={self.fp8!r}" if self.fp8 is not None else "")
+                + (", cache_fp8_weights=True" if self.cache_fp8_weights else ""))

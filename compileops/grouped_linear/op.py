@@ -324,7 +324,8 @@ def splits_to_offsets(m_splits: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(m_splits, 0, dtype=torch.int32)
 
 
-def grouped_linear(x, weight, offsets, bias=None, *, row_scale=None, fp8=None):
+def grouped_linear(x, weight, offsets, bias=None, *, row_scale=None, fp8=None,
+                   cache_fp8_weights=False):
     """Grouped linear: ``y[rows of g] = x[rows of g] @ weight[g].T + bias[g]``.
 
     x ``[M, K]``; weight ``[G, N, K]``; offsets int32 ``[G]``: cumulative end row of each group
@@ -341,13 +342,16 @@ def grouped_linear(x, weight, offsets, bias=None, *, row_scale=None, fp8=None):
     ``fp8="rowwise"`` or ``"blockwise"`` (experimental; no bias, no ``row_scale`` yet): the
     forward and dX products in e4m3, with per-row scales or with DeepSeek-V3's ``1 x 128`` /
     ``128 x 128`` blocks; dW in x's dtype (:mod:`compileops.grouped_linear.fp8_op` for the
-    numerics). ``None``: no fp8.
+    numerics). ``None``: no fp8. ``cache_fp8_weights=True``: the weight's e4m3 copies are
+    made once per version of the weight and reused (:mod:`compileops.grouped_linear.fp8_cache`
+    says when a copy is stale, and what the cache holds); otherwise every call quantises it.
     """
     if fp8 is not None:
         from compileops.grouped_linear.fp8_op import check_recipe, grouped_linear_fp8_op
 
         check_recipe(fp8, bias, row_scale=row_scale is not None)
-        return grouped_linear_fp8_op(x, weight, offsets, fp8)
+        return grouped_linear_fp8_op(x, weight, offsets, fp8, bool(cache_fp8_weights))
+    _check_no_cache_without_fp8(cache_fp8_weights)
     if row_scale is not None:
         from compileops.grouped_linear.scaled import row_scaled_grouped_linear
 
@@ -355,9 +359,10 @@ def grouped_linear(x, weight, offsets, bias=None, *, row_scale=None, fp8=None):
     return grouped_linear_op(x, weight, offsets, bias)
 
 
-def grouped_linear_splits(x, weight, m_splits, bias=None, *, fp8=None):
+def grouped_linear_splits(x, weight, m_splits, bias=None, *, fp8=None,
+                          cache_fp8_weights=False):
     """:func:`grouped_linear` with per-group row counts ``m_splits`` ``[G]`` (a device tensor;
-    ``fp8`` as there).
+    ``fp8`` and ``cache_fp8_weights`` as there).
 
     ``m_splits`` must be integers >= 0 adding up to at most M. Their values are checked on
     the host, naming them, on CPU tensors and elsewhere with strict offset checks, when
@@ -369,15 +374,24 @@ def grouped_linear_splits(x, weight, m_splits, bias=None, *, fp8=None):
         assert_split_values_on_device(m_splits, x.shape[0])
     offsets = splits_to_offsets(m_splits).to(x.device)
     if fp8 is not None:
-        return grouped_linear(x, weight, offsets, bias, fp8=fp8)
+        return grouped_linear(x, weight, offsets, bias, fp8=fp8,
+                              cache_fp8_weights=cache_fp8_weights)
+    _check_no_cache_without_fp8(cache_fp8_weights)
     return grouped_linear_op(x, weight, offsets, bias)
+
+
+def _check_no_cache_without_fp8(cache_fp8_weights) -> None:
+    if cache_fp8_weights:
+        raise ValueError("cache_fp8_weights=True caches the fp8 copies of the weights: it "
+                         "needs fp8='rowwise' or 'blockwise'")
 
 
 def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def grouped_linear_swiglu(x, weight, offsets, bias=None, *, recompute=False, fp8=None):
+def grouped_linear_swiglu(x, weight, offsets, bias=None, *, recompute=False, fp8=None,
+                          cache_fp8_weights=False):
     """``silu(gate) * up`` of a fused gate/up grouped projection: weight ``[G, 2H, K]``
     (gate rows first, then up) -> ``[M, H]``. Same as ``reference.swiglu(grouped_linear(...))``
     in one kernel.
@@ -402,7 +416,7 @@ def grouped_linear_swiglu(x, weight, offsets, bias=None, *, recompute=False, fp8
     ``fp8="rowwise"`` or ``"blockwise"`` (experimental; no bias, no ``recompute`` yet): the
     gate/up and dX products in e4m3 (:func:`grouped_linear`'s ``fp8``), dW in x's dtype; the
     pre-activations are kept as with ``recompute=False`` (and written even without a
-    gradient).
+    gradient). ``cache_fp8_weights``: as in :func:`grouped_linear`.
     """
     if fp8 is not None:
         from compileops.grouped_linear.fp8_op import (
@@ -411,7 +425,9 @@ def grouped_linear_swiglu(x, weight, offsets, bias=None, *, recompute=False, fp8
         )
 
         check_recipe(fp8, bias, recompute=recompute)
-        return grouped_linear_swiglu_fp8_with_preact_op(x, weight, offsets, fp8)[0]
+        return grouped_linear_swiglu_fp8_with_preact_op(x, weight, offsets, fp8,
+                                                        bool(cache_fp8_weights))[0]
+    _check_no_cache_without_fp8(cache_fp8_weights)
     if recompute or not _needs_grad(x, weight, bias):
         return grouped_linear_swiglu_op(x, weight, offsets, bias)
     return grouped_linear_swiglu_with_preact_op(x, weight, offsets, bias)[0]

@@ -35,12 +35,15 @@ def test_moe_layer_benchmark_fp8_smoke(tmp_path):
     """--fp8 rowwise adds the compileops fp8 layer (run on CPU) and the torchao one (CUDA only:
     said, not run)."""
     out = run_script("benchmarks/bench_moe_layer.py", "--smoke", "--modes", "static",
-                     "--routing", "skewed", "--impls", "grouped_mm", "--fp8", "rowwise",
-                     env=dict(os.environ, COMPILEOPS_BENCH_OUT=str(tmp_path)))
+                     "--routing", "skewed", "--impls", "grouped_mm", "compileops-fp8-cached",
+                     "--fp8", "rowwise", env=dict(os.environ, COMPILEOPS_BENCH_OUT=str(tmp_path)))
     with open(tmp_path / "moe_layer.csv") as f:
         rows = list(csv.DictReader(f))
-    assert {r["impl"] for r in rows} == {"grouped_mm", "compileops-fp8 (rowwise)"}
+    assert {r["impl"] for r in rows} == {"grouped_mm", "compileops-fp8 (rowwise)",
+                                         "compileops-fp8-cached (rowwise)"}
     assert all(not r["note"].startswith("failed") for r in rows), rows
+    cached = next(r for r in rows if r["impl"] == "compileops-fp8-cached (rowwise)")
+    assert "fp8 weight copies" in cached["note"], cached  # the memory they hold, reported
     assert "torchao-fp8: not run" in out
 
 

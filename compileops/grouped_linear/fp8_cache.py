@@ -1,0 +1,77 @@
+"""The fp8 grouped linear's weight cache (opt-in: ``cache_fp8_weights=True``).
+
+Without it each fp8 call quantises its weight again: with rowwise scaling once for the
+forward and once, per input channel, for dX. With it the e4m3 copy of a weight is made once
+per version of that weight and reused by every later call until the weight changes:
+micro-batches of one optimizer step, and the forward and backward of each, share one copy
+per layout.
+
+**When a copy is stale.** An entry belongs to one tensor storage (held by a weak reference,
+so a freed and reallocated weight can never match it) at one value of the tensor's version
+counter, which every in-place update through autograd's view of the tensor bumps: optimizer
+steps, ``copy_`` and ``load_state_dict`` under ``torch.no_grad()``. Writes that bypass it
+are not seen: through ``param.data``, or into the storage by other means (a collective
+writing the buffer directly). After such writes call :func:`clear_fp8_weight_cache`.
+
+**The cost.** Memory: each cached weight keeps its e4m3 copy and fp32 scales alive, one
+byte per element per layout (rowwise: two layouts, the forward's and dX's; blockwise: one),
+until the weight changes or its storage is freed. Nothing else: a lookup is a dict access
+under a lock, on the host, no device sync.
+
+Inference tensors have no version counter; their copies are not cached.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+_lock = threading.Lock()
+# key -> (weak reference to the weight's storage, the weight's version, (q, scale))
+_entries: dict[tuple, tuple[StorageWeakRef, int, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def _key(weight: torch.Tensor, layout: tuple) -> tuple:
+    return (weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape),
+            tuple(weight.stride()), weight.dtype, weight.device, layout)
+
+
+def quantised_weight(weight: torch.Tensor, layout: tuple,
+                     quantise: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantise()``'s ``(q, scale)`` for ``weight`` in ``layout`` (a hashable naming the
+    scaling and the product), from the cache while the weight's storage and version are
+    those it was made from; made and stored otherwise."""
+    if weight.is_inference():
+        return quantise()
+    key, version = _key(weight, layout), weight._version
+    storage = StorageWeakRef(weight.untyped_storage())
+    with _lock:
+        entry = _entries.get(key)
+        # The same storage (a weak reference keeps its identity from being reused) at the
+        # same version: the same values.
+        if entry is not None and entry[1] == version and entry[0] == storage \
+                and not entry[0].expired():
+            return entry[2]
+    value = quantise()
+    with _lock:
+        for stale in [k for k, e in _entries.items() if e[0].expired()]:
+            del _entries[stale]  # their weights were freed
+        _entries[key] = (storage, version, value)
+    return value
+
+
+def clear_fp8_weight_cache() -> None:
+    """Drop every cached e4m3 weight copy (after writing weights behind the version
+    counter's back, or to free the memory)."""
+    with _lock:
+        _entries.clear()
+
+
+def cached_fp8_weight_bytes() -> int:
+    """Bytes held by the cache's e4m3 copies and scales (live weights only)."""
+    with _lock:
+        return sum(q.nbytes + s.nbytes for ref, _, (q, s) in _entries.values()
+                   if not ref.expired())

@@ -1,0 +1,214 @@
+"""``cache_fp8_weights=True``: the weight's e4m3 copies made once per version of the weight,
+reused until it changes, never stale for an update through autograd's view of it; the
+Triton launches counted under the interpreter (the kernels run on CPU there)."""
+import gc
+import os
+import threading
+
+import pytest
+import torch
+
+import compileops
+from compileops.grouped_linear import cached_fp8_weight_bytes, clear_fp8_weight_cache
+from compileops.grouped_linear.fp8_op import RECIPES
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="counts the interpreter's Triton launches")
+SPLITS = [6, 0, 9, 5]  # an empty group, and 4 rows past the last group
+WEIGHT_QUANTISERS = {"rowwise_quantize_kernel", "columnwise_quantize_kernel",
+                     "blockwise_quantize_kernel"}
+
+
+@pytest.fixture(autouse=True)
+def empty_cache():
+    clear_fp8_weight_cache()
+    yield
+    clear_fp8_weight_cache()
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The names of the Triton kernels launched, in order."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    names = []
+    run = InterpretedFunction.run
+
+    def counting_run(self, *args, **kwargs):
+        names.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", counting_run)
+    return names
+
+
+def _layer(seed=0, k=40, n=24):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(24, k, generator=gen).requires_grad_()
+    w = (torch.randn(len(SPLITS), n, k, generator=gen) / k ** 0.5).requires_grad_()
+    offs = torch.cumsum(torch.tensor(SPLITS), 0).to(torch.int32)
+    dy = torch.randn(24, n // 2, generator=gen)
+    return x, w, offs, dy
+
+
+def _step(x, w, offs, dy, scaling, cache, fn=compileops.grouped_linear_swiglu):
+    """``(y, dx, dw)`` of one forward and backward; grads cleared first."""
+    x.grad = w.grad = None
+    with compileops.use_backend("triton"):
+        y = fn(x, w, offs, fp8=scaling, cache_fp8_weights=cache)
+        y.backward(dy)
+    return y.detach(), x.grad.clone(), w.grad.clone()
+
+
+def _weight_quantisations(names, scaling):
+    """Launches that quantise the weight: all but the activation's and dY's (one each)."""
+    quantisers = [n for n in names if n in WEIGHT_QUANTISERS]
+    return len(quantisers) - 2
+
+
+@pytest.mark.parametrize("scaling", RECIPES)
+def test_copies_are_made_once_per_version_and_reused(scaling, launches):
+    x, w, offs, dy = _layer()
+    want = _step(x, w, offs, dy, scaling, cache=False)
+    launches.clear()
+    first = _step(x, w, offs, dy, scaling, cache=True)
+    # rowwise: the forward's layout and dX's; blockwise: one layout for both products
+    assert _weight_quantisations(launches, scaling) == (2 if scaling == "rowwise" else 1)
+    launches.clear()
+    second = _step(x, w, offs, dy, scaling, cache=True)
+    assert _weight_quantisations(launches, scaling) == 0, launches
+    for a, b, c in zip(want, first, second):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert cached_fp8_weight_bytes() > 0
+
+
+@pytest.mark.parametrize("scaling", RECIPES)
+def test_an_optimizer_step_invalidates_the_copy(scaling, launches):
+    x, w, offs, dy = _layer(seed=1)
+    opt = torch.optim.SGD([w], lr=0.5)
+    _step(x, w, offs, dy, scaling, cache=True)
+    opt.step()  # an in-place update: the weight's version moves on
+    launches.clear()
+    got = _step(x, w, offs, dy, scaling, cache=True)
+    assert _weight_quantisations(launches, scaling) == (2 if scaling == "rowwise" else 1)
+    want = _step(x, w, offs, dy, scaling, cache=False)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        w.copy_(torch.randn_like(w))  # as load_state_dict writes
+    got = _step(x, w, offs, dy, scaling, cache=True)
+    want = _step(x, w, offs, dy, scaling, cache=False)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+
+
+def test_writes_through_data_need_a_clear():
+    """``param.data`` has its own version counter: such a write is not seen (the documented
+    limit), and clear_fp8_weight_cache() makes the next call quantise the new values."""
+    x, w, offs, dy = _layer(seed=2)
+    stale = _step(x, w, offs, dy, "rowwise", cache=True)
+    w.data.mul_(2.0)
+    assert torch.equal(_step(x, w, offs, dy, "rowwise", cache=True)[0], stale[0])
+    clear_fp8_weight_cache()
+    got = _step(x, w, offs, dy, "rowwise", cache=True)
+    want = _step(x, w, offs, dy, "rowwise", cache=False)
+    assert torch.equal(got[0], want[0]) and not torch.equal(got[0], stale[0])
+
+
+def test_a_freed_weight_leaves_the_cache_and_never_matches_a_new_one():
+    x, w, offs, dy = _layer(seed=3)
+    _step(x, w, offs, dy, "rowwise", cache=True)
+    assert cached_fp8_weight_bytes() > 0
+    del w
+    gc.collect()
+    assert cached_fp8_weight_bytes() == 0
+    for seed in (4, 5):  # new weights, possibly at the freed one's address
+        _, w, _, _ = _layer(seed=seed)
+        got = _step(x, w, offs, dy, "rowwise", cache=True)
+        want = _step(x, w, offs, dy, "rowwise", cache=False)
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        del w
+        gc.collect()
+
+
+def test_compiled_steps_see_each_optimizer_step():
+    """Compiled, the cached layer equals the uncached one bitwise at every step (the compiled
+    SwiGLU derivative rounds differently from the eager one, so compiled meets compiled)."""
+    x, w, offs, dy = _layer(seed=6)
+
+    def compiled(cache):
+        return torch.compile(
+            lambda x, w: compileops.grouped_linear_swiglu(x, w, offs, fp8="rowwise",
+                                                          cache_fp8_weights=cache),
+            fullgraph=True)
+
+    layers = {True: compiled(True), False: compiled(False)}
+    opt = torch.optim.SGD([w], lr=0.5)
+    for _ in range(3):
+        got = {}
+        for cache, layer in layers.items():
+            x.grad = w.grad = None
+            with compileops.use_backend("triton"):
+                y = layer(x, w)
+                y.backward(dy)
+            got[cache] = (y.detach(), x.grad.clone(), w.grad.clone())
+        assert all(torch.equal(a, b) for a, b in zip(got[True], got[False]))
+        opt.step()  # w.grad: the last (uncached) step's, the same values
+
+
+def test_module():
+    torch.manual_seed(0)
+    layer = compileops.nn.GroupedLinear(4, 40, 24, bias=False, fp8="rowwise",
+                                        cache_fp8_weights=True)
+    assert "cache_fp8_weights=True" in repr(layer)
+    x = torch.randn(24, 40, generator=torch.Generator().manual_seed(1))
+    splits = torch.tensor(SPLITS)
+    with compileops.use_backend("triton"):
+        want = compileops.grouped_linear_splits(x, layer.weight, splits, fp8="rowwise")
+        for _ in range(2):
+            assert torch.equal(layer(x, splits), want)
+
+
+def test_lookups_from_threads():
+    """Threads sharing weights (the lock's job): every lookup returns its own weight's copy,
+    made at its version. A stand-in quantiser: the interpreter's launches are not thread-safe."""
+    from compileops.grouped_linear import fp8_cache
+
+    weights = [torch.full((2, 3, 4), float(i)) for i in range(4)]
+    errors = []
+
+    def worker(seed):
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(200):
+            i = int(torch.randint(0, 4, (1,), generator=gen))
+            w = weights[i]
+            q, _ = fp8_cache.quantised_weight(w, ("stand-in",),
+                                              lambda: (w.clone(), torch.ones(2)))
+            if not torch.equal(q, w):
+                errors.append((i, q.flatten()[0].item()))
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:5]
+
+
+def test_inference_tensors_are_not_cached():
+    x, w, offs, _ = _layer(seed=7)
+    with torch.inference_mode():
+        wi, xi = w.detach().clone(), x.detach().clone()
+        with compileops.use_backend("triton"):
+            y = compileops.grouped_linear(xi, wi, offs, fp8="rowwise", cache_fp8_weights=True)
+            want = compileops.grouped_linear(xi, wi, offs, fp8="rowwise")
+    assert torch.equal(y, want) and cached_fp8_weight_bytes() == 0
+
+
+def test_cache_without_fp8_is_a_clear_error():
+    x, w, offs, _ = _layer()
+    for fn in (compileops.grouped_linear, compileops.grouped_linear_swiglu):
+        with pytest.raises(ValueError, match="cache_fp8_weights=True .*needs fp8"):
+            fn(x, w, offs, cache_fp8_weights=True)
+    with pytest.raises(ValueError, match="cache_fp8_weights=True needs fp8"):
+        compileops.nn.GroupedLinear(4, 40, 24, bias=False, cache_fp8_weights=True)
