@@ -123,3 +123,19 @@ def template_source(fn, *args, dynamic, with_imports=False):
     begin = (code.rindex("'''", 0, start) + 3 if with_imports
              else code.rindex("@triton_heuristics", 0, start))
     return code[begin:code.index("''', device_str", start)]
+
+
+def record_triton_launches(monkeypatch) -> list:
+    """The names of the Triton kernels launched from now on, in order (a list that grows).
+    Under the interpreter only, whose launches all pass through ``InterpretedFunction.run``."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    names = []
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, **kwargs):
+        names.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording_run)
+    return names

@@ -11,6 +11,7 @@ import torch
 import compileops
 from compileops.grouped_linear import cached_fp8_weight_bytes, clear_fp8_weight_cache
 from compileops.grouped_linear.fp8_op import RECIPES
+from tests.grouped_linear._helpers import record_triton_launches
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="counts the interpreter's Triton launches")
@@ -29,17 +30,7 @@ def empty_cache():
 @pytest.fixture
 def launches(monkeypatch):
     """The names of the Triton kernels launched, in order."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    names = []
-    run = InterpretedFunction.run
-
-    def counting_run(self, *args, **kwargs):
-        names.append(self.fn.__name__)
-        return run(self, *args, **kwargs)
-
-    monkeypatch.setattr(InterpretedFunction, "run", counting_run)
-    return names
+    return record_triton_launches(monkeypatch)
 
 
 def _layer(seed=0, k=40, n=24):

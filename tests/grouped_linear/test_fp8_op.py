@@ -212,16 +212,9 @@ def test_kernel_launches_per_layer_step(scaling, monkeypatch):
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("counts the interpreter's launches")
-    from triton.runtime.interpreter import InterpretedFunction
+    from tests.grouped_linear._helpers import record_triton_launches
 
-    launched = []
-    run = InterpretedFunction.run
-
-    def counting_run(self, *args, **kwargs):
-        launched.append(self.fn.__name__)
-        return run(self, *args, **kwargs)
-
-    monkeypatch.setattr(InterpretedFunction, "run", counting_run)
+    launched = record_triton_launches(monkeypatch)
     x, w, offs = _inputs(n=48)
     with compileops.use_backend("triton"):
         y = compileops.grouped_linear_swiglu(x, w, offs, fp8=scaling)
