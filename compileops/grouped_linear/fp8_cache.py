@@ -33,8 +33,8 @@ _lock = threading.Lock()
 _entries: dict[tuple, tuple[StorageWeakRef, int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
 
-def _key(weight: torch.Tensor, layout: tuple) -> tuple:
-    return (weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape),
+def _key(weight: torch.Tensor, storage: torch.UntypedStorage, layout: tuple) -> tuple:
+    return (storage.data_ptr(), weight.storage_offset(), tuple(weight.shape),
             tuple(weight.stride()), weight.dtype, weight.device, layout)
 
 
@@ -46,8 +46,9 @@ def quantised_weight(weight: torch.Tensor, layout: tuple,
     those it was made from; made and stored otherwise."""
     if weight.is_inference():
         return quantise()
-    key, version = _key(weight, layout), weight._version
-    storage = StorageWeakRef(weight.untyped_storage())
+    untyped = weight.untyped_storage()
+    key, version = _key(weight, untyped, layout), weight._version
+    storage = StorageWeakRef(untyped)
     with _lock:
         entry = _entries.get(key)
         # The same storage (a weak reference keeps its identity from being reused) at the

@@ -16,7 +16,11 @@ from typing import Mapping, Optional
 
 import torch
 
-from compileops.grouped_linear.op import grouped_linear, grouped_linear_splits
+from compileops.grouped_linear.op import (
+    check_fp8_weight_cache,
+    grouped_linear,
+    grouped_linear_splits,
+)
 
 
 # A per-group key's name after the prefix: "weight" or "bias" and a group number written as
@@ -107,8 +111,8 @@ class GroupedLinear(torch.nn.Module):
         from compileops.grouped_linear.fp8_op import check_recipe
 
         check_recipe(fp8, bias=True if bias else None)
-        if cache_fp8_weights and fp8 is None:
-            raise ValueError("cache_fp8_weights=True needs fp8='rowwise' or 'blockwise'")
+        if fp8 is None:
+            check_fp8_weight_cache(cache_fp8_weights)
         self.fp8, self.cache_fp8_weights = fp8, bool(cache_fp8_weights)
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
         factory = {"device": device, "dtype": dtype}

@@ -351,7 +351,7 @@ def grouped_linear(x, weight, offsets, bias=None, *, row_scale=None, fp8=None,
 
         check_recipe(fp8, bias, row_scale=row_scale is not None)
         return grouped_linear_fp8_op(x, weight, offsets, fp8, bool(cache_fp8_weights))
-    _check_no_cache_without_fp8(cache_fp8_weights)
+    check_fp8_weight_cache(cache_fp8_weights)
     if row_scale is not None:
         from compileops.grouped_linear.scaled import row_scaled_grouped_linear
 
@@ -376,11 +376,12 @@ def grouped_linear_splits(x, weight, m_splits, bias=None, *, fp8=None,
     if fp8 is not None:
         return grouped_linear(x, weight, offsets, bias, fp8=fp8,
                               cache_fp8_weights=cache_fp8_weights)
-    _check_no_cache_without_fp8(cache_fp8_weights)
+    check_fp8_weight_cache(cache_fp8_weights)
     return grouped_linear_op(x, weight, offsets, bias)
 
 
-def _check_no_cache_without_fp8(cache_fp8_weights) -> None:
+def check_fp8_weight_cache(cache_fp8_weights) -> None:
+    """A clear error for ``cache_fp8_weights=True`` where no fp8 recipe is asked for."""
     if cache_fp8_weights:
         raise ValueError("cache_fp8_weights=True caches the fp8 copies of the weights: it "
                          "needs fp8='rowwise' or 'blockwise'")
@@ -427,7 +428,7 @@ def grouped_linear_swiglu(x, weight, offsets, bias=None, *, recompute=False, fp8
         check_recipe(fp8, bias, recompute=recompute)
         return grouped_linear_swiglu_fp8_with_preact_op(x, weight, offsets, fp8,
                                                         bool(cache_fp8_weights))[0]
-    _check_no_cache_without_fp8(cache_fp8_weights)
+    check_fp8_weight_cache(cache_fp8_weights)
     if recompute or not _needs_grad(x, weight, bias):
         return grouped_linear_swiglu_op(x, weight, offsets, bias)
     return grouped_linear_swiglu_with_preact_op(x, weight, offsets, bias)[0]

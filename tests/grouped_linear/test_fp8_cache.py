@@ -201,5 +201,5 @@ def test_cache_without_fp8_is_a_clear_error():
     for fn in (compileops.grouped_linear, compileops.grouped_linear_swiglu):
         with pytest.raises(ValueError, match="cache_fp8_weights=True .*needs fp8"):
             fn(x, w, offs, cache_fp8_weights=True)
-    with pytest.raises(ValueError, match="cache_fp8_weights=True needs fp8"):
+    with pytest.raises(ValueError, match="cache_fp8_weights=True .*needs fp8"):
         compileops.nn.GroupedLinear(4, 40, 24, bias=False, cache_fp8_weights=True)

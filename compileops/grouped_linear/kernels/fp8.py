@@ -67,6 +67,23 @@ def scale_and_inverse(amax):
 
 
 @triton.jit
+def amax_and_nans(x, AXIS: tl.constexpr):
+    """The largest magnitude of fp32 ``x`` along ``AXIS``, and 1 where that slice holds a
+    NaN (else 0). NaNs are counted apart: max and maximum drop a NaN operand on GPUs (and in
+    newer Triton interpreters), so a NaN amax would not survive a running maximum."""
+    magnitude = tl.abs(x)
+    return (tl.max(magnitude, axis=AXIS),
+            tl.max(tl.where(magnitude != magnitude, 1, 0), axis=AXIS))
+
+
+@triton.jit
+def scales_of(amax, nans):
+    """:func:`scale_and_inverse` of groups with largest magnitude ``amax``, NaN where
+    ``nans`` (from :func:`amax_and_nans`) says the group holds a NaN."""
+    return scale_and_inverse(tl.where(nans > 0, float("nan"), amax))
+
+
+@triton.jit
 def rowwise_quantize_kernel(
     x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_xk,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
@@ -85,10 +102,8 @@ def rowwise_quantize_kernel(
         mask = row_ok[:, None] & (cols < K)[None, :]
         x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols64[None, :] * stride_xk,
                     mask=mask, other=0.0).to(tl.float32)
-        magnitude = tl.abs(x)
-        nan_seen = tl.max(tl.where(magnitude != magnitude, 1, 0), axis=1)
-        scale, inverse = scale_and_inverse(
-            tl.where(nan_seen > 0, float("nan"), tl.max(magnitude, axis=1)))
+        amax, nans = amax_and_nans(x, 1)
+        scale, inverse = scales_of(amax, nans)
         tl.store(scale_ptr + rows64, scale, mask=row_ok)
         q = quantize_to_e4m3(x, inverse[:, None])
         tl.store(q_ptr + rows64[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty),
@@ -100,12 +115,9 @@ def rowwise_quantize_kernel(
         mask = row_ok[:, None] & ((k0 + cols) < K)[None, :]
         x = tl.load(x_ptr + rows64[:, None] * stride_xm + (k0 + cols64)[None, :] * stride_xk,
                     mask=mask, other=0.0).to(tl.float32)
-        magnitude = tl.abs(x)
-        # NaNs are counted apart: max and maximum drop a NaN operand on GPUs (and in newer
-        # Triton interpreters), so a NaN amax would not survive the next chunk.
-        nan_seen = tl.maximum(nan_seen, tl.max(tl.where(magnitude != magnitude, 1, 0), axis=1))
-        amax = tl.maximum(amax, tl.max(magnitude, axis=1))
-    scale, inverse = scale_and_inverse(tl.where(nan_seen > 0, float("nan"), amax))
+        chunk_amax, chunk_nans = amax_and_nans(x, 1)
+        amax, nan_seen = tl.maximum(amax, chunk_amax), tl.maximum(nan_seen, chunk_nans)
+    scale, inverse = scales_of(amax, nan_seen)
     tl.store(scale_ptr + rows64, scale, mask=row_ok)
     for k0 in range(0, K, BLOCK_K):
         mask = row_ok[:, None] & ((k0 + cols) < K)[None, :]
@@ -139,11 +151,9 @@ def columnwise_quantize_kernel(
         mask = (n < N)[:, None] & col_ok[None, :]
         x = tl.load(base + n.to(tl.int64)[:, None] * stride_wn, mask=mask,
                     other=0.0).to(tl.float32)
-        magnitude = tl.abs(x)
-        # NaNs counted apart, as in rowwise_quantize_kernel (max drops NaN operands).
-        nan_seen = tl.maximum(nan_seen, tl.max(tl.where(magnitude != magnitude, 1, 0), axis=0))
-        amax = tl.maximum(amax, tl.max(magnitude, axis=0))
-    scale, inverse = scale_and_inverse(tl.where(nan_seen > 0, float("nan"), amax))
+        chunk_amax, chunk_nans = amax_and_nans(x, 0)
+        amax, nan_seen = tl.maximum(amax, chunk_amax), tl.maximum(nan_seen, chunk_nans)
+    scale, inverse = scales_of(amax, nan_seen)
     tl.store(scale_ptr + g * K + cols, scale, mask=col_ok)
     out = q_ptr + g * K * N + cols.to(tl.int64)[None, :] * N
     for n0 in range(0, N, BLOCK_N):
@@ -177,13 +187,11 @@ def blockwise_quantize_kernel(
     base = batch.to(tl.int64) * stride_xb
     x = tl.load(x_ptr + base + rows.to(tl.int64)[:, None] * stride_xr
                 + cols.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-    magnitude = tl.abs(x)
-    has_nan = tl.max(tl.where(magnitude != magnitude, 1, 0), axis=1)  # [BLOCK_R]
-    amax = tl.max(magnitude, axis=1)
+    amax, has_nan = amax_and_nans(x, 1)  # [BLOCK_R]
     if not PER_ROW:
         has_nan = tl.max(has_nan, axis=0)
         amax = tl.max(amax, axis=0)
-    scale, inverse = scale_and_inverse(tl.where(has_nan > 0, float("nan"), amax))
+    scale, inverse = scales_of(amax, has_nan)
     if PER_ROW:
         q = quantize_to_e4m3(x, inverse[:, None])
         slot = (batch.to(tl.int64) * r_blocks + rows) * k_blocks + tile_k
