@@ -228,6 +228,72 @@ def test_log_forget_restarts_every_chunk():
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
 
 
+def _state_walk_inputs(seed=0, b=1, nh=2, s=70, dqk=16, dv=48, chunk=16):
+    """fp32 inputs of the two state walks (the restarted forget sums, the per-row terms)."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)
+    q, k, v, dh = rand(b, nh, s, dqk), rand(b, nh, s, dqk), rand(b, nh, s, dv), rand(b, nh, s, dv)
+    igate, logf = rand(b, nh, s), log_forget_op(rand(b, nh, s) + 3.0, chunk)
+    r, beta = rand(b, nh, s).abs(), rand(b, nh, s)
+    return q, k, v, dh, igate, logf, r, beta
+
+
+@pytest.mark.parametrize("config", [
+    dict(block_v=16, sub=16), dict(block_v=32, sub=16, num_stages=2),
+    dict(block_v=64, sub=16, num_warps=2), dict(block_v=16, sub=64)], ids=str)
+def test_every_state_walk_config_computes_the_same_states(config):
+    """The walks' tiles change only how the work is cut (a wider ``sub`` is capped at the
+    chunk): every config's states and state gradients agree with the default's, and its
+    value tiles cover DV = 48 (not a multiple of 32 or 64) exactly once."""
+    from compileops.mlstm.kernels import StateConfig, chunkwise as walks
+
+    chunk = 16
+    q, k, v, dh, igate, logf, r, beta = _state_walk_inputs(chunk=chunk)
+    m_log2 = logf * 1.4426950408889634
+    cfg = StateConfig(**config)
+    want = walks.chunk_states(k, v, igate, logf, chunk)
+    got = walks.chunk_states(k, v, igate, logf, chunk, config=cfg)
+    for name, g, w in zip(("C", "n", "m", "C_last"), got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    grads = [walks.chunk_state_grads(q, dh, logf, m_log2, r, beta, want[2], chunk, config=c)
+             for c in (None, cfg)]
+    for name, g, w in zip(("dC", "dn", "dC0"), grads[1], grads[0]):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_state_walk_config_rule_is_pinned():
+    """The state walks' tiles per head and dtype, as swept on the GPU (config.py): a change
+    here is a change of the chunkwise form's speed, to be re-measured."""
+    from compileops.mlstm.kernels import StateConfig, choose_state_config
+
+    def rule(dtype, chunk, dqk, dv, backward):
+        q = torch.empty(0, dtype=dtype, device="meta")  # any non-CPU device takes the GPU rule
+        return choose_state_config(q, chunk, dqk, dv, backward=backward)
+
+    bf16 = torch.bfloat16
+    assert rule(bf16, 128, 128, 256, False) == StateConfig(128, 64, 4, 1)
+    assert rule(bf16, 128, 128, 256, True) == StateConfig(128, 128, 4, 2)
+    assert rule(bf16, 256, 128, 256, True) == StateConfig(128, 128, 4, 2)
+    assert rule(bf16, 64, 128, 256, True) == StateConfig(128, 64, 4, 1)
+    assert rule(torch.float16, 128, 64, 64, True) == StateConfig(64, 128, 4, 2)
+    assert rule(bf16, 16, 64, 64, False) == StateConfig(64, 16, 4, 1)
+    # xLSTM-7B's head (DQK 256): not swept with the wider tiles, the narrow ones kept.
+    assert rule(bf16, 64, 256, 512, False) == StateConfig(64, 64, 4, 1)
+    assert rule(bf16, 64, 256, 512, True) == StateConfig(64, 64, 4, 1)
+    assert rule(torch.float32, 128, 128, 256, True) == StateConfig(64, 32, 4, 1)
+    assert rule(torch.float64, 128, 128, 256, False) == StateConfig(64, 16, 4, 1)
+    cpu = choose_state_config(torch.empty(0, dtype=bf16), 128, 128, 256, backward=True)
+    assert cpu == StateConfig(32, 64, 1, 1)
+
+
+@pytest.mark.parametrize("bad", [dict(block_v=48), dict(sub=8), dict(sub=0)], ids=str)
+def test_state_config_refuses_tiles_that_are_not_powers_of_two(bad):
+    from compileops.mlstm.kernels import StateConfig
+
+    with pytest.raises(ValueError, match="power of two"):
+        StateConfig(**bad)
+
+
 def test_compiled_dynamic_no_recompile_over_four_lengths():
     from torch._dynamo.utils import counters
 

@@ -39,7 +39,7 @@ from compileops.mlstm.kernels.common import (
     mma,
     upcast_dots,
 )
-from compileops.mlstm.kernels.config import head_tile
+from compileops.mlstm.kernels.config import StateConfig, choose_state_config, head_tile
 
 
 # num_chunks is not specialised: a packed document and the same document alone (a different
@@ -210,19 +210,14 @@ def chunk_state_grads_kernel(
                  mask=dqk < DQK)
 
 
-def _block_v(dv: int, device: torch.device) -> int:
-    # Narrow DV tiles: more programs for the sequential walk, a small register state.
-    return max(16, min(64 if device.type == "cuda" else 32, triton.next_power_of_2(dv)))
-
-
-def _launch_opts(q: torch.Tensor, chunk: int, dqk: int) -> dict:
+def _launch_opts(q: torch.Tensor, chunk: int, dqk: int, dv: int,
+                 config: Optional[StateConfig], backward: bool) -> tuple[dict, int]:
+    cfg = (config or choose_state_config(q, chunk, dqk, dv, backward=backward)).capped(chunk)
     return dict(
-        DQK=dqk, BLOCK_DQK=head_tile(dqk), CHUNK=chunk,
-        SUB=min(chunk, {torch.float64: 16, torch.float32: 32}.get(q.dtype, 64)),
-        ACC=accumulation_dtype(q.dtype), INPUT_PRECISION=input_precision(q.dtype),
-        UPCAST=upcast_dots(q), num_warps=4 if q.device.type == "cuda" else 1,
-        num_stages=1,  # a sequential walk: nothing to pipeline, shared memory to spare
-    )
+        DQK=dqk, DV=dv, BLOCK_DQK=head_tile(dqk), BLOCK_V=cfg.block_v, CHUNK=chunk,
+        SUB=cfg.sub, ACC=accumulation_dtype(q.dtype), INPUT_PRECISION=input_precision(q.dtype),
+        UPCAST=upcast_dots(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    ), cfg.block_v
 
 
 def num_chunks(seq: int, chunk: int) -> int:
@@ -233,13 +228,14 @@ def num_chunks(seq: int, chunk: int) -> int:
 def chunk_states(
     k: torch.Tensor, v: torch.Tensor, igate: torch.Tensor, logf: torch.Tensor, chunk: int,
     initial: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-    resets: Optional[torch.Tensor] = None,
+    resets: Optional[torch.Tensor] = None, config: Optional[StateConfig] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(C, n, m, C_last)`` (module docstring) for ``k [B, NH, S, DQK]``, ``v [B, NH, S,
     DV]`` (any strides), ``igate``/``logf [B, NH, S]`` contiguous in the accumulation dtype
     (``logf`` restarted every ``chunk`` rows), and an optional initial ``(C0 [B, NH, DQK,
     DV], n0 [B, NH, DQK], m0 [B, NH])`` in the accumulation dtype. ``resets [NC]`` (int8):
-    the chunks entered with the empty state (packed documents)."""
+    the chunks entered with the empty state (packed documents). ``config``: the walk's tiles
+    (default: :func:`.config.choose_state_config`)."""
     batch, heads, seq, dqk = k.shape
     dv = v.shape[-1]
     nc = num_chunks(seq, chunk)
@@ -252,12 +248,11 @@ def chunk_states(
     if batch * heads == 0:
         return c, n, m, c_last
     c0, n0, m0 = (t.contiguous() for t in initial) if initial is not None else (m, m, m)
-    block_v = _block_v(dv, dev)
+    opts, block_v = _launch_opts(k, chunk, dqk, dv, config, backward=False)
     chunk_states_kernel[(batch * heads * triton.cdiv(dv, block_v),)](
         k, v, igate, logf, c0, n0, m0, resets if resets is not None else m, c, n, m, c_last,
-        seq, heads, nc, *k.stride(), *v.stride(), DV=dv, BLOCK_V=block_v,
-        HAS_INITIAL=initial is not None, HAS_RESETS=resets is not None,
-        **_launch_opts(k, chunk, dqk))
+        seq, heads, nc, *k.stride(), *v.stride(),
+        HAS_INITIAL=initial is not None, HAS_RESETS=resets is not None, **opts)
     return c, n, m, c_last
 
 
@@ -265,14 +260,14 @@ def chunk_state_grads(
     q: torch.Tensor, dh: torch.Tensor, logf: torch.Tensor, m_log2: torch.Tensor,
     r: torch.Tensor, beta: torch.Tensor, m_states: torch.Tensor, chunk: int,
     last_grad: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-    resets: Optional[torch.Tensor] = None,
+    resets: Optional[torch.Tensor] = None, config: Optional[StateConfig] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dC [B * NH, NC, DQK, DV], dn [B * NH, NC + 1, DQK], dC0 [B, NH, DQK, DV])``: the
     gradients of the states leaving each chunk and of the initial state (its ``dn`` in slot
     0), for the raw h's gradient ``dh [B, NH, S, DV]`` (any strides), the per-row
     ``logf``, ``m_log2``, ``r``, ``beta`` ``[B, NH, S]`` and the forward's ``m_states``.
     ``last_grad``: ``(dC_last [B, NH, DQK, DV], dn_last [B, NH, DQK])``; ``resets``: as
-    :func:`chunk_states`."""
+    :func:`chunk_states`; ``config``: as :func:`chunk_states`."""
     batch, heads, seq, dqk = q.shape
     dv = dh.shape[-1]
     nc = num_chunks(seq, chunk)
@@ -285,11 +280,10 @@ def chunk_state_grads(
         return dc, dn, dc0
     dc_last, dn_last = ((t.contiguous() for t in last_grad) if last_grad is not None
                         else (dn, dn))
-    block_v = _block_v(dv, dev)
+    opts, block_v = _launch_opts(q, chunk, dqk, dv, config, backward=True)
     chunk_state_grads_kernel[(batch * heads * triton.cdiv(dv, block_v),)](
         q, dh, logf, m_log2, r, beta, m_states, dc_last, dn_last,
         resets if resets is not None else dn, dc, dn, dc0, seq, heads, nc,
-        1.0 / math.sqrt(dqk), *q.stride(), *dh.stride(), DV=dv, BLOCK_V=block_v,
-        HAS_LAST_GRAD=last_grad is not None, HAS_RESETS=resets is not None,
-        **_launch_opts(q, chunk, dqk))
+        1.0 / math.sqrt(dqk), *q.stride(), *dh.stride(),
+        HAS_LAST_GRAD=last_grad is not None, HAS_RESETS=resets is not None, **opts)
     return dc, dn, dc0

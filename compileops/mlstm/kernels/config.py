@@ -86,6 +86,29 @@ class BackwardConfig:
                                    dq_block_n=min(self.dq_tile, max_block_m))
 
 
+@dataclasses.dataclass(frozen=True)
+class StateConfig:
+    """The chunk-state walks of :mod:`.chunkwise` (forward states and their gradients): each
+    program carries a ``[DQK, block_v]`` state tile through the chunks, taking each chunk's
+    rows ``sub`` at a time (``sub`` a power of two; capped at the chunk length), on
+    ``num_warps`` / ``num_stages``."""
+
+    block_v: int = 64
+    sub: int = 64
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def __post_init__(self):
+        for name in ("block_v", "sub"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+
+    def capped(self, chunk: int) -> "StateConfig":
+        """This config with sub-blocks no longer than the chunk."""
+        return self if self.sub <= chunk else dataclasses.replace(self, sub=chunk)
+
+
 def norm_rows_per_program(batch_heads: int, seq: int, cfg: BackwardConfig) -> int:
     """Rows each norm-preprocess program walks: a multiple of ``cfg.block_rows``, so that
     the grid ``(B * NH, cdiv(S, span))`` has about ``cfg.norm_programs`` programs (at least
@@ -149,6 +172,35 @@ def choose_forward_config(q: torch.Tensor, dqk: int, dv: int, *, with_state: boo
                      if forward_shared_bytes(c, dqk, dv, with_state) <= _SHARED_MEMORY_BUDGET),
                     candidates[-1])
     return cfg.capped(max_block_m)
+
+
+def choose_state_config(q: torch.Tensor, chunk: int, dqk: int, dv: int, *,
+                        backward: bool = False) -> StateConfig:
+    """The config of the chunk-state walk (``backward``: the state gradients' walk) for
+    chunks of ``chunk`` rows and head dims ``dqk``, ``dv`` on q's device."""
+    sub = {torch.float64: 16, torch.float32: 32}.get(q.dtype, 64)
+    if q.device.type == "cpu":
+        return StateConfig(block_v=max(16, min(32, _next_power_of_2(dv))), sub=sub,
+                           num_warps=1).capped(chunk)
+    if q.dtype in (torch.float64, torch.float32) or head_tile(dqk) > 128:
+        # Narrow value tiles: more programs for the sequential walk, a small register state.
+        return StateConfig(block_v=max(16, min(64, _next_power_of_2(dv))),
+                           sub=sub).capped(chunk)
+    # 16-bit, DQK up to 128. H200, bf16, NH 16, DQK 128, DV 256, chunk 128, 65,536 tokens, S =
+    # 1024 / 2048 (benchmarks/tuning/sweep_mlstm_states.py): 128 value columns per program
+    # read each k (q) row half as often as 64. Forward: 64-row sub-blocks on 1 stage, 0.65 /
+    # 0.64 ms against 1.05 / 1.04 for 64 columns (whole-chunk sub-blocks spill the weighted
+    # k tile on 4 warps: 1.72 ms). Backward: whole-chunk sub-blocks on 2 stages (the chunk
+    # loop pipelined), 0.55 / 0.54 ms against 0.98 / 0.97; 64-row sub-blocks, for chunks of
+    # 64, on 1 stage: 0.67 (2 stages: 0.77).
+    block_v = max(16, min(128, _next_power_of_2(dv)))
+    if backward and chunk >= 128:
+        return StateConfig(block_v=block_v, sub=128, num_stages=2)
+    return StateConfig(block_v=block_v, sub=64).capped(chunk)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def choose_backward_config(q: torch.Tensor, dqk: int, dv: int, *,
