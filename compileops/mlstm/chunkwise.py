@@ -374,9 +374,13 @@ def mlstm_chunkwise_backward_op(
     from compileops.mlstm.kernels import segments as segment_scans
 
     cfg = _backward_config(q, v, chunk)
+    # The initial n's gradient takes beta from the unrounded dh (kernels.norm_backward_rows
+    # says why); where dh is not rounded (fp32, or no norm) the two betas are one.
+    beta_exact = (torch.empty_like(m2) if c0 is not None and normed and
+                  q.dtype not in (torch.float32, torch.float64) else None)
     dh, r, beta, dm, parts_w, parts_b = kernels.norm_backward(
         grad_out, h, _dense(norm_weight), m2.contiguous(), row_sum.contiguous(), normed,
-        norm_eps, eps, residual_weight, cfg)
+        norm_eps, eps, residual_weight, cfg, beta_exact=beta_exact)
     # The last state is one more reader of the row S-1: C~ = sum_j exp(F_{S-1} - F_j +
     # igate_j) k_j v_j^T puts <dC, C> + <dn, n> on F_{S-1}, its columns come through k . dk;
     # and the returned C = exp(-m) C~ depends on m, the last row's stabiliser.
@@ -386,8 +390,9 @@ def mlstm_chunkwise_backward_op(
         dm = torch.cat([dm[..., :-1], dm[..., -1:] + dm_last[..., None]], dim=-1).contiguous()
     ig, lf = igate.contiguous(), logf.contiguous()
     starts = segments[0] if segments is not None else None
-    dcs, dns, dc0 = chunkwise.chunk_state_grads(q, dh, lf, m2, r, beta, mst, chunk,
-                                                (grad_c, grad_n), _resets(segments, seq, chunk))
+    dcs, dns, dc0, dn0_exact = chunkwise.chunk_state_grads(
+        q, dh, lf, m2, r, beta, mst, chunk, (grad_c, grad_n), _resets(segments, seq, chunk),
+        beta_exact=beta_exact)
     dq, dk, dv, row_grad, col_grad = kernels.cell_backward(
         q, k, v, dh, ig, lf, m2, r, beta, cfg, chunk=chunk, states=(cst, nst, mst),
         state_grads=(dcs, dns))
@@ -402,7 +407,11 @@ def mlstm_chunkwise_backward_op(
     col_grad = col_grad + shares
     if has_state:
         dn0 = dns[:, 0].reshape(b, nh, dqk)
+        # m0 scales C0 and n0 alike: its gradient pairs dC0 with the dn0 walked with the
+        # same (rounded) dh, whose rounding parts cancel there.
         dm0 = (dc0 * c0).sum(dim=(-2, -1)) + (dn0 * n0).sum(dim=-1) + initial_share
+        if dn0_exact is not None:
+            dn0 = dn0_exact
     else:
         dn0 = q.new_zeros((b, nh, dqk), dtype=acc)
         dm0 = q.new_zeros((b, nh), dtype=acc)

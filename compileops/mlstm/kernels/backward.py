@@ -46,12 +46,12 @@ from compileops.mlstm.kernels.config import (
 @triton.jit
 def norm_backward_rows(
     grad_ptr, h_ptr, weight_ptr, dh_ptr, m2_ptr, rowsum_ptr, r_ptr, beta_ptr, dm_ptr,
-    bh, start_s, seq_len, num_heads,
+    beta_exact_ptr, bh, start_s, seq_len, num_heads,
     stride_gb, stride_gh, stride_gs, stride_gd,
     norm_eps, eps,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_ROWS: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, RESIDUAL_WEIGHT: tl.constexpr,
-    ACC: tl.constexpr,
+    EXACT_BETA: tl.constexpr, ACC: tl.constexpr,
 ):
     """Rows ``start_s + arange(BLOCK_ROWS)`` of head ``bh``; returns their sums of ``dy *
     yhat`` and ``dy`` per channel (``[BLOCK_DV]`` ``ACC``; zeros without ``HAS_NORM``), the
@@ -66,6 +66,11 @@ def norm_backward_rows(
       row at a time, so they are bitwise batch-invariant.
     * With ``HAS_NORM`` also ``dh_ptr [B * NH, S, DV]`` contiguous (h's dtype), the gradient
       of the raw h.
+    * With ``EXACT_BETA`` also ``beta_exact_ptr [B * NH, S]`` (``ACC``): beta from the
+      unrounded dh. A norm after the cell makes ``<dh, h>`` vanish in exact arithmetic (the
+      norm does not see h's scale), so beta is rounding noise: the cell's gate gradients
+      want that noise (their numerator part, which reads the rounded dh, carries the same),
+      the initial normaliser state's gradient, which has no numerator part, does not.
     """
     batch = bh // num_heads
     head = bh % num_heads
@@ -97,6 +102,7 @@ def norm_backward_rows(
         # The cell sees dh rounded to h's dtype: its normaliser term (hdot below) takes the
         # same rounded dh, so the numerator's and the normaliser's parts of the gate
         # gradients cancel as they do in exact arithmetic.
+        dh_exact = dh
         dh = dh.to(dh_ptr.dtype.element_ty)
         tl.store(dh_ptr + h_off + rows[:, None] * DV + dv[None, :], dh, mask=mask)
         dh = dh.to(ACC)
@@ -104,6 +110,7 @@ def norm_backward_rows(
         dbias = tl.sum(dy, axis=0)
     else:
         dh = dy
+        dh_exact = dy
         dweight = tl.zeros((BLOCK_DV,), dtype=ACC)
         dbias = tl.zeros((BLOCK_DV,), dtype=ACC)
     hdot = tl.sum(dh * h, axis=1)
@@ -117,17 +124,21 @@ def norm_backward_rows(
     tl.store(r_ptr + row_off, r, mask=row_ok)
     tl.store(beta_ptr + row_off, beta, mask=row_ok)
     tl.store(dm_ptr + row_off, -eps * r * hdot, mask=row_ok)
+    if EXACT_BETA:
+        hdot_exact = tl.sum(dh_exact * h, axis=1)
+        tl.store(beta_exact_ptr + row_off,
+                 tl.where(tl.abs(row_sum) > floor, -r * hdot_exact * sign, 0.0), mask=row_ok)
     return dweight, dbias
 
 
 @triton.jit
 def norm_backward_kernel(
     grad_ptr, h_ptr, weight_ptr, dh_ptr, m2_ptr, rowsum_ptr, r_ptr, beta_ptr, dm_ptr,
-    dweight_ptr, dbias_ptr, seq_len, num_heads, rows_per_program,
+    beta_exact_ptr, dweight_ptr, dbias_ptr, seq_len, num_heads, rows_per_program,
     stride_gb, stride_gh, stride_gs, stride_gd, norm_eps, eps,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_ROWS: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, RESIDUAL_WEIGHT: tl.constexpr,
-    ACC: tl.constexpr,
+    EXACT_BETA: tl.constexpr, ACC: tl.constexpr,
 ):
     """Grid ``(B * NH, cdiv(S, rows_per_program))``: rows ``[p * rows_per_program, (p + 1) *
     rows_per_program)`` of head ``bh`` (``p = program_id(1)``, ``bh = program_id(0)``) in
@@ -144,8 +155,9 @@ def norm_backward_kernel(
     for start_s in range(first, last, BLOCK_ROWS):
         rows_dweight, rows_dbias = norm_backward_rows(
             grad_ptr, h_ptr, weight_ptr, dh_ptr, m2_ptr, rowsum_ptr, r_ptr, beta_ptr, dm_ptr,
-            bh, start_s, seq_len, num_heads, stride_gb, stride_gh, stride_gs, stride_gd,
-            norm_eps, eps, DV, BLOCK_DV, BLOCK_ROWS, HAS_NORM, HAS_WEIGHT, RESIDUAL_WEIGHT, ACC,
+            beta_exact_ptr, bh, start_s, seq_len, num_heads, stride_gb, stride_gh, stride_gs,
+            stride_gd, norm_eps, eps, DV, BLOCK_DV, BLOCK_ROWS, HAS_NORM, HAS_WEIGHT,
+            RESIDUAL_WEIGHT, EXACT_BETA, ACC,
         )
         dweight += rows_dweight
         dbias += rows_dbias
@@ -453,13 +465,15 @@ def _dims(t: torch.Tensor, normed: bool, dv: int) -> tuple[int, int, int, int]:
 def norm_backward(
     grad_out: torch.Tensor, h: torch.Tensor, norm_weight: Optional[torch.Tensor],
     m_log2: torch.Tensor, row_sum: torch.Tensor, normed: bool, norm_eps: float, eps: float,
-    residual_weight: bool, config: BackwardConfig,
+    residual_weight: bool, config: BackwardConfig, *,
+    beta_exact: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor],
            Optional[torch.Tensor]]:
     """``(dh, r, beta, dm, dweight_parts, dbias_parts)``: the raw h's gradient (the output's
     own gradient when not ``normed``), the cell backward's per-row terms ``[B, NH, S]`` from
     the forward's ``m_log2`` and ``row_sum`` (contiguous), and, when normed, partial sums of
-    the norm's weight and bias gradients to reduce."""
+    the norm's weight and bias gradients to reduce. ``beta_exact`` (``[B, NH, S]`` like
+    ``m_log2``, written when given): beta from the unrounded dh (:func:`norm_backward_rows`)."""
     batch, heads, seq, dv = h.shape
     span = norm_rows_per_program(batch * heads, seq, config)
     rows = triton.cdiv(seq, span)
@@ -477,11 +491,13 @@ def norm_backward(
         norm_backward_kernel[(batch * heads, rows)](
             grad_out, h, norm_weight if norm_weight is not None else r,
             dh if normed else r, m_log2, row_sum, r, beta, dm,
+            beta_exact if beta_exact is not None else r,
             parts_w if normed else r, parts_b if normed else r,
             seq, heads, span, *_dims(grad_out, normed, dv), norm_eps, eps,
             DV=dv, BLOCK_DV=head_tile(dv), BLOCK_ROWS=config.block_rows,
             HAS_NORM=normed, HAS_WEIGHT=norm_weight is not None,
-            RESIDUAL_WEIGHT=residual_weight, ACC=accumulation_dtype(h.dtype),
+            RESIDUAL_WEIGHT=residual_weight, EXACT_BETA=beta_exact is not None,
+            ACC=accumulation_dtype(h.dtype),
             num_warps=config.norm_warps,
         )
     return dh, r, beta, dm, parts_w, parts_b

@@ -129,13 +129,13 @@ def chunk_states_kernel(
 @triton.jit(do_not_specialize=["num_chunks"])
 def chunk_state_grads_kernel(
     q_ptr, dh_ptr, logf_ptr, m2_ptr, r_ptr, beta_ptr, m_ptr, dc_last_ptr, dn_last_ptr,
-    resets_ptr, dc_ptr, dn_ptr, dc0_ptr, seq_len, num_heads, num_chunks, scale,
-    stride_qb, stride_qh, stride_qs, stride_qd,
+    resets_ptr, beta0_ptr, dc_ptr, dn_ptr, dc0_ptr, dn0_ptr, seq_len, num_heads, num_chunks,
+    scale, stride_qb, stride_qh, stride_qs, stride_qd,
     stride_hb, stride_hh, stride_hs, stride_hd,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_V: tl.constexpr,
     CHUNK: tl.constexpr, SUB: tl.constexpr, HAS_LAST_GRAD: tl.constexpr,
-    HAS_RESETS: tl.constexpr, ACC: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    HAS_RESETS: tl.constexpr, EXACT_INITIAL: tl.constexpr, ACC: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Grid ``(B * NH * cdiv(DV, BLOCK_V),)``, head-major, chunks in reverse. The gradient of
     the state leaving chunk c: the later chunks' rows read it as ``a_i q_i C / sqrt(DQK)``
@@ -148,7 +148,11 @@ def chunk_state_grads_kernel(
     state's). ``HAS_LAST_GRAD``: start from ``dc_last_ptr``/``dn_last_ptr`` (the returned
     last state's gradient, ``ACC``). ``resets_ptr`` (``HAS_RESETS``): as the forward's; the
     state leaving a chunk before a reset has no reader, so its gradient is zero (selected:
-    nothing from the later segment reaches it)."""
+    nothing from the later segment reaches it). ``EXACT_INITIAL``: a second normaliser
+    gradient walks along, taking ``beta0_ptr [B * NH, S]`` for ``beta`` (the norm backward's
+    beta from the unrounded dh), and is written to ``dn0_ptr [B * NH, DQK]`` (``ACC``): the
+    initial n's gradient. The slots of ``dn_ptr`` keep ``beta``'s, which the cell's other
+    gradients pair with."""
     bh, pv = head_major_tile(tl.cdiv(DV, BLOCK_V))
     batch64 = (bh // num_heads).to(tl.int64)
     head64 = (bh % num_heads).to(tl.int64)
@@ -165,6 +169,7 @@ def chunk_state_grads_kernel(
     else:
         grad = tl.zeros((BLOCK_DQK, BLOCK_V), dtype=ACC)
         grad_n = tl.zeros((BLOCK_DQK,), dtype=ACC)
+    grad_n0 = grad_n
     q_base = q_ptr + batch64 * stride_qb + head64 * stride_qh
     h_base = dh_ptr + batch64 * stride_hb + head64 * stride_hh
     for i in range(0, num_chunks):
@@ -176,6 +181,7 @@ def chunk_state_grads_kernel(
             read = (i == 0) | (tl.load(resets_ptr + tl.minimum(c + 1, num_chunks - 1)) == 0)
             grad = tl.where(read, grad, 0.0)
             grad_n = tl.where(read, grad_n, 0.0)
+            grad_n0 = tl.where(read, grad_n0, 0.0)
         slot = bh.to(tl.int64) * (num_chunks + 1) + c
         tl.store(dc_ptr + (bh.to(tl.int64) * num_chunks + c) * DQK * DV + tile,
                  grad.to(dc_ptr.dtype.element_ty), mask=tile_mask)
@@ -190,6 +196,7 @@ def chunk_state_grads_kernel(
             decay = tl.where(read, decay, 0.0)
         grad = grad * decay
         grad_n = grad_n * decay
+        grad_n0 = grad_n0 * decay
         for sub in range(0, CHUNK, SUB):
             rows = c * CHUNK + sub + tl.arange(0, SUB)
             row_ok = rows < seq_len
@@ -204,7 +211,13 @@ def chunk_state_grads_kernel(
             weighted = (dh.to(ACC) * (a * r)[:, None]).to(q.dtype)
             grad = mma(tl.trans(q), weighted, grad, INPUT_PRECISION, UPCAST)
             grad_n = grad_n + tl.sum(q.to(ACC) * (a * beta)[:, None], axis=0)
+            if EXACT_INITIAL:
+                beta0 = tl.load(beta0_ptr + gate_off + rows, mask=row_ok, other=0.0)
+                grad_n0 = grad_n0 + tl.sum(q.to(ACC) * (a * beta0)[:, None], axis=0)
     tl.store(dc0_ptr + bh.to(tl.int64) * DQK * DV + tile, grad, mask=tile_mask)
+    if EXACT_INITIAL:
+        if pv == 0:
+            tl.store(dn0_ptr + bh.to(tl.int64) * DQK + dqk, grad_n0, mask=dqk < DQK)
     if pv == 0:
         tl.store(dn_ptr + bh.to(tl.int64) * (num_chunks + 1) * DQK + dqk, grad_n,
                  mask=dqk < DQK)
@@ -261,13 +274,16 @@ def chunk_state_grads(
     r: torch.Tensor, beta: torch.Tensor, m_states: torch.Tensor, chunk: int,
     last_grad: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     resets: Optional[torch.Tensor] = None, config: Optional[StateConfig] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dC [B * NH, NC, DQK, DV], dn [B * NH, NC + 1, DQK], dC0 [B, NH, DQK, DV])``: the
-    gradients of the states leaving each chunk and of the initial state (its ``dn`` in slot
-    0), for the raw h's gradient ``dh [B, NH, S, DV]`` (any strides), the per-row
+    beta_exact: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``(dC [B * NH, NC, DQK, DV], dn [B * NH, NC + 1, DQK], dC0 [B, NH, DQK, DV], dn0)``:
+    the gradients of the states leaving each chunk and of the initial state (its ``dn`` in
+    slot 0), for the raw h's gradient ``dh [B, NH, S, DV]`` (any strides), the per-row
     ``logf``, ``m_log2``, ``r``, ``beta`` ``[B, NH, S]`` and the forward's ``m_states``.
     ``last_grad``: ``(dC_last [B, NH, DQK, DV], dn_last [B, NH, DQK])``; ``resets``: as
-    :func:`chunk_states`; ``config``: as :func:`chunk_states`."""
+    :func:`chunk_states`; ``config``: as :func:`chunk_states`. ``beta_exact`` (``[B, NH,
+    S]``, the norm backward's beta from the unrounded dh): ``dn0 [B, NH, DQK]`` is the
+    initial n's gradient walked with it (None without)."""
     batch, heads, seq, dqk = q.shape
     dv = dh.shape[-1]
     nc = num_chunks(seq, chunk)
@@ -276,14 +292,18 @@ def chunk_state_grads(
     dc = torch.empty((batch * heads, nc, dqk, dv), dtype=q.dtype, device=dev)
     dn = torch.empty((batch * heads, nc + 1, dqk), dtype=acc, device=dev)
     dc0 = torch.empty((batch, heads, dqk, dv), dtype=acc, device=dev)
+    dn0 = (torch.empty((batch, heads, dqk), dtype=acc, device=dev) if beta_exact is not None
+           else None)
     if batch * heads == 0:
-        return dc, dn, dc0
+        return dc, dn, dc0, dn0
     dc_last, dn_last = ((t.contiguous() for t in last_grad) if last_grad is not None
                         else (dn, dn))
     opts, block_v = _launch_opts(q, chunk, dqk, dv, config, backward=True)
     chunk_state_grads_kernel[(batch * heads * triton.cdiv(dv, block_v),)](
         q, dh, logf, m_log2, r, beta, m_states, dc_last, dn_last,
-        resets if resets is not None else dn, dc, dn, dc0, seq, heads, nc,
+        resets if resets is not None else dn, beta_exact if beta_exact is not None else dn,
+        dc, dn, dc0, dn0 if dn0 is not None else dn, seq, heads, nc,
         1.0 / math.sqrt(dqk), *q.stride(), *dh.stride(),
-        HAS_LAST_GRAD=last_grad is not None, HAS_RESETS=resets is not None, **opts)
-    return dc, dn, dc0
+        HAS_LAST_GRAD=last_grad is not None, HAS_RESETS=resets is not None,
+        EXACT_INITIAL=beta_exact is not None, **opts)
+    return dc, dn, dc0, dn0
