@@ -262,28 +262,35 @@ def test_every_state_walk_config_computes_the_same_states(config):
 
 
 def test_state_walk_config_rule_is_pinned():
-    """The state walks' tiles per head and dtype, as swept on the GPU (config.py): a change
-    here is a change of the chunkwise form's speed, to be re-measured."""
+    """The state walks' tiles per head, batch and dtype, as swept on the GPU (config.py): a
+    change here is a change of the chunkwise form's speed, to be re-measured."""
     from compileops.mlstm.kernels import StateConfig, choose_state_config
 
-    def rule(dtype, chunk, dqk, dv, backward):
-        q = torch.empty(0, dtype=dtype, device="meta")  # any non-CPU device takes the GPU rule
+    def rule(dtype, chunk, dqk, dv, backward, b=64, nh=16, device="meta"):
+        q = torch.empty(b, nh, 0, dqk, dtype=dtype, device=device)  # meta: the GPU's rule
         return choose_state_config(q, chunk, dqk, dv, backward=backward)
 
     bf16 = torch.bfloat16
+    # TFLA's head (NH 16, DQK 128, DV 256), B * S = 65,536.
     assert rule(bf16, 128, 128, 256, False) == StateConfig(128, 64, 4, 1)
     assert rule(bf16, 128, 128, 256, True) == StateConfig(128, 128, 4, 2)
+    assert rule(bf16, 128, 128, 256, True, b=8) == StateConfig(128, 128, 4, 2)
     assert rule(bf16, 256, 128, 256, True) == StateConfig(128, 128, 4, 2)
     assert rule(bf16, 64, 128, 256, True) == StateConfig(128, 64, 4, 1)
-    assert rule(torch.float16, 128, 64, 64, True) == StateConfig(64, 128, 4, 2)
+    assert rule(torch.float16, 128, 64, 64, True, b=8) == StateConfig(64, 128, 4, 2)
     assert rule(bf16, 16, 64, 64, False) == StateConfig(64, 16, 4, 1)
-    # xLSTM-7B's head (DQK 256): not swept with the wider tiles, the narrow ones kept.
-    assert rule(bf16, 64, 256, 512, False) == StateConfig(64, 64, 4, 1)
-    assert rule(bf16, 64, 256, 512, True) == StateConfig(64, 64, 4, 1)
+    # Few rows: narrower value tiles, so that the walk still has 64 programs.
+    assert rule(bf16, 128, 128, 256, False, b=1) == StateConfig(64, 64, 4, 1)
+    assert rule(bf16, 128, 128, 256, False, b=1, nh=1) == StateConfig(16, 64, 4, 1)
+    # xLSTM-7B's head (NH 8, DQK 256, a 256-column value slice).
+    assert rule(bf16, 128, 256, 256, False, b=8, nh=8) == StateConfig(128, 128, 8, 1)
+    assert rule(bf16, 128, 256, 256, True, b=8, nh=8) == StateConfig(128, 128, 8, 2)
+    assert rule(bf16, 64, 256, 256, True, b=8, nh=8) == StateConfig(128, 64, 8, 1)
+    assert rule(bf16, 128, 256, 256, False, b=1, nh=8) == StateConfig(32, 128, 8, 1)
+    # fp32 and fp64 keep the narrow tiles; the interpreter small ones.
     assert rule(torch.float32, 128, 128, 256, True) == StateConfig(64, 32, 4, 1)
     assert rule(torch.float64, 128, 128, 256, False) == StateConfig(64, 16, 4, 1)
-    cpu = choose_state_config(torch.empty(0, dtype=bf16), 128, 128, 256, backward=True)
-    assert cpu == StateConfig(32, 64, 1, 1)
+    assert rule(bf16, 128, 128, 256, True, device="cpu") == StateConfig(32, 64, 1, 1)
 
 
 @pytest.mark.parametrize("bad", [dict(block_v=48), dict(sub=8), dict(sub=0)], ids=str)

@@ -174,28 +174,51 @@ def choose_forward_config(q: torch.Tensor, dqk: int, dv: int, *, with_state: boo
     return cfg.capped(max_block_m)
 
 
+#: The state walks' value tiles are the widest that still give this many programs (the
+#: batch, heads and value tiles are the whole grid; each program walks a row's chunks in
+#: order). H200, xLSTM-7B's head (DQK 256, one 256-column value slice), S = 8192, the
+#: forward walk: at B = 8 (NH 8) 128 columns, 128 programs, 0.70 ms (64: 0.90); at B = 1 32
+#: columns, 64 programs, 0.40 ms (64: 0.43, 128: 0.59).
+STATE_WALK_MIN_PROGRAMS = 64
+
+
 def choose_state_config(q: torch.Tensor, chunk: int, dqk: int, dv: int, *,
                         backward: bool = False) -> StateConfig:
     """The config of the chunk-state walk (``backward``: the state gradients' walk) for
-    chunks of ``chunk`` rows and head dims ``dqk``, ``dv`` on q's device."""
+    ``q [B, NH, S, DQK]``, chunks of ``chunk`` rows and value width ``dv``.
+
+    Measured on an H200 (bf16, 65,536 tokens unless said; ``benchmarks/tuning/
+    sweep_mlstm_states.py``), per walk, against the 64-column, 64-row, 4-warp, 1-stage
+    tiles that were the rule before:
+
+    * DQK 128, DV 256 (NH 16), chunk 128: 128 value columns read each k (q) row half as
+      often as 64. Forward: 64-row sub-blocks on 4 warps, 1 stage, 0.65 / 0.64 / 0.65 / 0.63
+      ms at S = 1024 / 2048 / 4096 / 8192 against 1.05 / 1.04 at the first two (whole-chunk
+      sub-blocks spill the weighted k tile on 4 warps: 1.72 ms). Backward: whole-chunk
+      sub-blocks on 2 stages (the chunk loop pipelined), 0.55 / 0.54 / 0.56 ms at S = 1024 /
+      2048 / 8192 against 0.98 / 0.97; 64-row sub-blocks, for chunks of 64, on 1 stage: 0.67
+      (2 stages: 0.77).
+    * DQK 256 (xLSTM-7B), chunk 128, S = 8192, B = 8: whole-chunk sub-blocks on 8 warps,
+      forward 1 stage 0.70 ms (against 0.90), backward 2 stages 0.79 (against 1.14).
+    """
     sub = {torch.float64: 16, torch.float32: 32}.get(q.dtype, 64)
     if q.device.type == "cpu":
         return StateConfig(block_v=max(16, min(32, _next_power_of_2(dv))), sub=sub,
                            num_warps=1).capped(chunk)
-    if q.dtype in (torch.float64, torch.float32) or head_tile(dqk) > 128:
+    if q.dtype in (torch.float64, torch.float32):
         # Narrow value tiles: more programs for the sequential walk, a small register state.
         return StateConfig(block_v=max(16, min(64, _next_power_of_2(dv))),
                            sub=sub).capped(chunk)
-    # 16-bit, DQK up to 128. H200, bf16, NH 16, DQK 128, DV 256, chunk 128, 65,536 tokens, S =
-    # 1024 / 2048 (benchmarks/tuning/sweep_mlstm_states.py): 128 value columns per program
-    # read each k (q) row half as often as 64. Forward: 64-row sub-blocks on 1 stage, 0.65 /
-    # 0.64 ms against 1.05 / 1.04 for 64 columns (whole-chunk sub-blocks spill the weighted
-    # k tile on 4 warps: 1.72 ms). Backward: whole-chunk sub-blocks on 2 stages (the chunk
-    # loop pipelined), 0.55 / 0.54 ms against 0.98 / 0.97; 64-row sub-blocks, for chunks of
-    # 64, on 1 stage: 0.67 (2 stages: 0.77).
+    rows = q.shape[0] * q.shape[1] if q.dim() == 4 else 1
     block_v = max(16, min(128, _next_power_of_2(dv)))
-    if backward and chunk >= 128:
-        return StateConfig(block_v=block_v, sub=128, num_stages=2)
+    while block_v > 16 and rows * -(-dv // block_v) < STATE_WALK_MIN_PROGRAMS:
+        block_v //= 2
+    stages = 2 if backward and chunk >= 128 else 1
+    if head_tile(dqk) > 128:
+        return StateConfig(block_v=block_v, sub=128, num_warps=8,
+                           num_stages=stages).capped(chunk)
+    if backward:
+        return StateConfig(block_v=block_v, sub=128, num_stages=stages).capped(chunk)
     return StateConfig(block_v=block_v, sub=64).capped(chunk)
 
 
