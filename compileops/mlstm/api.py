@@ -251,7 +251,7 @@ def mlstm(
     slice computes the same normaliser and stabiliser), with the norm after it rather than
     fused; each slice recomputes ``q k^T`` (4/3 of the FLOPs at DQK 256 / DV 512).
     Measured on an H200 at xLSTM-7B's head (NH 8, DQK 256, DV 512, bf16, 65,536 tokens,
-    compiled forward and backward, normed): 12.9 ms at S = 1024 and 15.6 ms at S = 8192,
+    compiled forward and backward, normed): 12.9 ms at S = 1024 and 14.7 ms at S = 8192,
     against 26.7 and 26.9 ms for TFLA's ``xl_chunk`` (benchmarks/RESULTS.md).
 
     Returns ``[B, S, NH * DV]`` when normed: the layout the xLSTM block consumes next (it
