@@ -152,7 +152,9 @@ def chunk_state_grads_kernel(
     gradient walks along, taking ``beta0_ptr [B * NH, S]`` for ``beta`` (the norm backward's
     beta from the unrounded dh), and is written to ``dn0_ptr [B * NH, DQK]`` (``ACC``): the
     initial n's gradient. The slots of ``dn_ptr`` keep ``beta``'s, which the cell's other
-    gradients pair with."""
+    gradients pair with. Its cost, only with ``EXACT_INITIAL``: a second ``[SUB, DQK]``
+    product per sub-block (sm90, TFLA's head: 4.5 KB of spills a thread against 3.0; not
+    timed)."""
     bh, pv = head_major_tile(tl.cdiv(DV, BLOCK_V))
     batch64 = (bh // num_heads).to(tl.int64)
     head64 = (bh % num_heads).to(tl.int64)
@@ -181,7 +183,8 @@ def chunk_state_grads_kernel(
             read = (i == 0) | (tl.load(resets_ptr + tl.minimum(c + 1, num_chunks - 1)) == 0)
             grad = tl.where(read, grad, 0.0)
             grad_n = tl.where(read, grad_n, 0.0)
-            grad_n0 = tl.where(read, grad_n0, 0.0)
+            if EXACT_INITIAL:
+                grad_n0 = tl.where(read, grad_n0, 0.0)
         slot = bh.to(tl.int64) * (num_chunks + 1) + c
         tl.store(dc_ptr + (bh.to(tl.int64) * num_chunks + c) * DQK * DV + tile,
                  grad.to(dc_ptr.dtype.element_ty), mask=tile_mask)
@@ -196,7 +199,8 @@ def chunk_state_grads_kernel(
             decay = tl.where(read, decay, 0.0)
         grad = grad * decay
         grad_n = grad_n * decay
-        grad_n0 = grad_n0 * decay
+        if EXACT_INITIAL:
+            grad_n0 = grad_n0 * decay
         for sub in range(0, CHUNK, SUB):
             rows = c * CHUNK + sub + tl.arange(0, SUB)
             row_ok = rows < seq_len
