@@ -18,6 +18,14 @@ byte per element per layout (rowwise: two layouts, the forward's and dX's; block
 until the weight changes or its storage is freed. Nothing else: a lookup is a dict access
 under a lock, on the host, no device sync.
 
+**What it buys**, measured on an H200 (rowwise, a compiled MoE layer's forward and backward,
+``benchmarks/bench_moe_layer.py --impls compileops-fp8-cached``, weights unchanged between
+steps): against the bf16 ``torch._grouped_mm`` layer, 1.16x at Mixtral-8x7B's shape for 2.6
+GiB of copies, 1.02x at Qwen3-30B-A3B's for 1.1 GiB, 1.12x at DeepSeek-V3's 32-expert shard
+for 2.6 GiB and 1.10x at Qwen3-235B-A22B's for 4.5 GiB; without the cache the fp8 layer is
+0.67-0.94x bf16. With N micro-batches per optimizer step the copies are made once per N
+steps, so about 1/N of that difference comes back.
+
 Inference tensors have no version counter; their copies are not cached.
 """
 from __future__ import annotations
