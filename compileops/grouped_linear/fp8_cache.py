@@ -24,7 +24,7 @@ steps): against the bf16 ``torch._grouped_mm`` layer, 1.16x at Mixtral-8x7B's sh
 GiB of copies, 1.02x at Qwen3-30B-A3B's for 1.1 GiB, 1.12x at DeepSeek-V3's 32-expert shard
 for 2.6 GiB and 1.10x at Qwen3-235B-A22B's for 4.5 GiB; without the cache the fp8 layer is
 0.67-0.94x bf16. With N micro-batches per optimizer step the copies are made once per N
-steps, so about 1/N of that difference comes back.
+micro-batches, so each pays about 1/N of the difference between the two.
 
 Inference tensors have no version counter; their copies are not cached.
 """
