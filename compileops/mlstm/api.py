@@ -298,6 +298,12 @@ def mlstm(
     chunk boundary, the state carried, gives the one call's result bitwise. S = 0 is
     allowed: an empty output, and the initial state (or the empty one) as the last state.
     Anything but a tuple of three tensors as ``initial_state`` raises, naming it.
+    One known limit, 16-bit inputs with a norm at heads wider than 256 value columns: a norm
+    after the cell makes the initial n's gradient cancel to a small value in exact
+    arithmetic, and there, where the norm runs after the cell in torch rather than fused,
+    the cell only sees h's gradient rounded to 16 bits, so that gradient is rounding noise
+    (about 1e-3 of C's gradient, up to a thousand times its own true size). With the norm
+    fused (DV up to 256) it is computed from the unrounded gradient; fp32 is exact enough.
 
     Packed documents: ``cu_seqlens [N + 1]`` (int32 or int64 cumulative ends, on the
     inputs' device; B = 1), chunkwise form only (``kernel="parallel"`` raises; ``"auto"``

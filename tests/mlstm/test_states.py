@@ -244,6 +244,17 @@ def test_bf16_initial_normaliser_gradient():
     _check_rounded_state_gradients(torch.bfloat16, "cpu", 200, b=1, nh=2, dqk=32, dv=32)
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="known limit (compileops.mlstm docstring): above 256 value columns "
+                          "the norm runs after the cell, which sees only the bf16-rounded "
+                          "gradient of h; the initial n's gradient is rounding noise there")
+def test_bf16_initial_normaliser_gradient_wide_value_heads():
+    """The same check where the value head is cut in slices of 256 (DV 512): the initial n's
+    gradient is about 900x off its true value. Strict: a fix makes this test fail until the
+    mark is removed."""
+    _check_rounded_state_gradients(torch.bfloat16, "cpu", 200, b=1, nh=1, dqk=16, dv=512)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
