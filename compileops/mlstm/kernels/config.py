@@ -177,8 +177,9 @@ def choose_forward_config(q: torch.Tensor, dqk: int, dv: int, *, with_state: boo
 #: The state walks' value tiles are the widest that still give this many programs (the
 #: batch, heads and value tiles are the whole grid; each program walks a row's chunks in
 #: order). H200, xLSTM-7B's head (DQK 256, one 256-column value slice), S = 8192, the
-#: forward walk: at B = 8 (NH 8) 128 columns, 128 programs, 0.70 ms (64: 0.90); at B = 1 32
-#: columns, 64 programs, 0.40 ms (64: 0.43, 128: 0.59).
+#: forward walk on whole-chunk sub-blocks, 8 warps, 1 stage: at B = 8 (NH 8) 128 columns, 128
+#: programs, 0.70 ms (64 columns: 1.07, 32: 1.74); at B = 1 32 columns, 64 programs, 0.43 ms
+#: (16: 0.41, 64: 0.50, 128: 0.59).
 STATE_WALK_MIN_PROGRAMS = 64
 
 
