@@ -261,6 +261,44 @@ def test_every_state_walk_config_computes_the_same_states(config):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_state_walk_value_tiles_do_not_change_a_bit(dtype):
+    """The walks' value tile is the one tile that follows the batch size (the rule keeps 64
+    programs): each value column's state is computed alike in any tile, so batch invariance
+    holds bitwise across it. Interpreter here; the GPU test below on the real kernels."""
+    from compileops.mlstm.kernels import StateConfig, chunkwise as walks
+
+    chunk = 16
+    q, k, v, dh, igate, logf, r, beta = _state_walk_inputs(chunk=chunk, dv=64)
+    q, k, v, dh = (t.to(dtype) for t in (q, k, v, dh))
+    runs = []
+    for block_v in (16, 32, 64):
+        cfg = StateConfig(block_v=block_v, sub=16)
+        states = walks.chunk_states(k, v, igate, logf, chunk, config=cfg)
+        grads = walks.chunk_state_grads(q, dh, logf, logf * 1.4426950408889634, r, beta,
+                                        states[2], chunk, config=cfg)
+        runs.append([*states, *grads[:3]])
+    for other in runs[1:]:
+        for name, a, b in zip(("C", "n", "m", "C_last", "dC", "dn", "dC0"), runs[0], other):
+            assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_chunkwise_batch_invariant_across_the_walks_value_tiles():
+    """bf16 at TFLA's head dims: a batch of 1 (16 rows: 64-column walk tiles) and of 32 (512
+    rows: 128-column tiles) give the first sample's output and gradients bitwise alike."""
+    big = make_inputs(32, 16, 256, 128, 256, dtype=torch.bfloat16, device="cuda", seed=5)
+    one = big.map(lambda t: t[:1].clone() if t.dim() >= 3 else t)
+    grad = cotangent(out_shape(big), torch.bfloat16, device="cuda")
+    out_big, grads_big = fw_bw(chunk_out, big, grad, chunk_size=128)
+    out_one, grads_one = fw_bw(chunk_out, one, grad[:1], chunk_size=128)
+    assert torch.equal(out_big[:1], out_one)
+    for name, a, b in zip(big.names(), grads_big, grads_one):
+        if a.dim() >= 3:
+            assert torch.equal(a[:1], b), f"d{name}"
+
+
 def test_state_walk_config_rule_is_pinned():
     """The state walks' tiles per head, batch and dtype, as swept on the GPU (config.py): a
     change here is a change of the chunkwise form's speed, to be re-measured."""
