@@ -201,6 +201,10 @@ def choose_state_config(q: torch.Tensor, chunk: int, dqk: int, dv: int, *,
       (2 stages: 0.77).
     * DQK 256 (xLSTM-7B), chunk 128, S = 8192, B = 8: whole-chunk sub-blocks on 8 warps,
       forward 1 stage 0.70 ms (against 0.90), backward 2 stages 0.79 (against 1.14).
+
+    Only the value tile follows the batch (:data:`STATE_WALK_MIN_PROGRAMS`), and it changes
+    no bit of the result: each value column's state is computed alike in any tile, so the
+    batch invariance of the chunkwise form holds (tests/mlstm/test_chunkwise.py).
     """
     sub = {torch.float64: 16, torch.float32: 32}.get(q.dtype, 64)
     if q.device.type == "cpu":
