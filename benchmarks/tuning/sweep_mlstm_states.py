@@ -30,6 +30,8 @@ MISMATCH = 2e-2
 
 
 def _inputs(torch, b, nh, s, dqk, dv, chunk, device):
+    from compileops.mlstm.gates import log_forget_op
+
     gen = torch.Generator(device="cpu").manual_seed(s)
 
     def randn(*shape, dtype=torch.bfloat16, shift=0.0):
@@ -38,12 +40,7 @@ def _inputs(torch, b, nh, s, dqk, dv, chunk, device):
     q, k = randn(b, nh, s, dqk), randn(b, nh, s, dqk)
     v, dh = randn(b, nh, s, dv), randn(b, nh, s, dv)
     igate = randn(b, nh, s, dtype=torch.float32)
-    fgate = randn(b, nh, s, dtype=torch.float32, shift=3.0)
-    nc = -(-s // chunk)
-    pad = nc * chunk - s
-    lf = torch.nn.functional.logsigmoid(fgate)
-    lf = torch.nn.functional.pad(lf, (0, pad)).view(b, nh, nc, chunk).cumsum(-1)
-    logf = lf.view(b, nh, nc * chunk)[..., :s].contiguous()
+    logf = log_forget_op(randn(b, nh, s, dtype=torch.float32, shift=3.0), chunk).contiguous()
     r = randn(b, nh, s, dtype=torch.float32).abs()
     beta = randn(b, nh, s, dtype=torch.float32)
     return q, k, v, dh, igate, logf, r, beta

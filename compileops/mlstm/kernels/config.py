@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from compileops._launch import cdiv
 from compileops.mlstm.heads import head_tile, is_wide_head  # noqa: F401  (re-exported)
 
 
@@ -208,15 +209,13 @@ def choose_state_config(q: torch.Tensor, chunk: int, dqk: int, dv: int, *,
     """
     sub = {torch.float64: 16, torch.float32: 32}.get(q.dtype, 64)
     if q.device.type == "cpu":
-        return StateConfig(block_v=max(16, min(32, _next_power_of_2(dv))), sub=sub,
-                           num_warps=1).capped(chunk)
+        return StateConfig(block_v=min(32, head_tile(dv)), sub=sub, num_warps=1).capped(chunk)
     if q.dtype in (torch.float64, torch.float32):
         # Narrow value tiles: more programs for the sequential walk, a small register state.
-        return StateConfig(block_v=max(16, min(64, _next_power_of_2(dv))),
-                           sub=sub).capped(chunk)
+        return StateConfig(block_v=min(64, head_tile(dv)), sub=sub).capped(chunk)
     rows = q.shape[0] * q.shape[1] if q.dim() == 4 else 1
-    block_v = max(16, min(128, _next_power_of_2(dv)))
-    while block_v > 16 and rows * -(-dv // block_v) < STATE_WALK_MIN_PROGRAMS:
+    block_v = min(128, head_tile(dv))
+    while block_v > 16 and rows * cdiv(dv, block_v) < STATE_WALK_MIN_PROGRAMS:
         block_v //= 2
     stages = 2 if backward and chunk >= 128 else 1
     if head_tile(dqk) > 128:
@@ -225,10 +224,6 @@ def choose_state_config(q: torch.Tensor, chunk: int, dqk: int, dv: int, *,
     if backward:
         return StateConfig(block_v=block_v, sub=128, num_stages=stages).capped(chunk)
     return StateConfig(block_v=block_v, sub=64).capped(chunk)
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def choose_backward_config(q: torch.Tensor, dqk: int, dv: int, *,
