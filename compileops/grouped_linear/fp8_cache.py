@@ -9,14 +9,20 @@ per layout.
 **When a copy is stale.** An entry belongs to one tensor storage (held by a weak reference,
 so a freed and reallocated weight can never match it) at one value of the tensor's version
 counter, which every in-place update through autograd's view of the tensor bumps: optimizer
-steps, ``copy_`` and ``load_state_dict`` under ``torch.no_grad()``. Writes that bypass it
-are not seen: through ``param.data``, or into the storage by other means (a collective
-writing the buffer directly). After such writes call :func:`clear_fp8_weight_cache`.
+steps, ``copy_`` and ``load_state_dict`` under ``torch.no_grad()``. And every entry is
+dropped after any ``torch.optim`` optimizer's step (a global step hook, registered when the
+first copy is cached): FSDP2 (``fully_shard``) all-gathers the updated shards into the same
+unsharded parameter storage *with the parameter's version counter kept as it was*, so
+without the hook the forward after a step could match the copies of the weights before it.
+Writes that bypass both are not seen: through ``param.data``, or into the storage by other
+means with no optimizer step after them (``load_state_dict`` into an FSDP2-sharded model,
+which the next all-gather brings into the unsharded storage). After such writes call
+:func:`clear_fp8_weight_cache`.
 
 **The cost.** Memory: each cached weight keeps its e4m3 copy and fp32 scales alive, one
 byte per element per layout (rowwise: two layouts, the forward's and dX's; blockwise: one),
-until the weight changes or its storage is freed. Nothing else: a lookup is a dict access
-under a lock, on the host, no device sync.
+until the next optimizer step, or until the weight changes or its storage is freed. Nothing
+else: a lookup is a dict access under a lock, on the host, no device sync.
 
 **What it buys**, measured on an H200 (rowwise, a compiled MoE layer's forward and backward,
 ``benchmarks/bench_moe_layer.py --impls compileops-fp8-cached``, weights unchanged between
@@ -35,10 +41,26 @@ from typing import Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 _lock = threading.Lock()
 # key -> (weak reference to the weight's storage, the weight's version, (q, scale))
 _entries: dict[tuple, tuple[StorageWeakRef, int, tuple[torch.Tensor, torch.Tensor]]] = {}
+# The global optimizer-step hook's handle, once registered (the first cached copy).
+_step_hook = None
+
+
+def _drop_after_optimizer_step(optimizer, args, kwargs) -> None:
+    """After any optimizer step the weights may have changed behind their version counters
+    (FSDP2's all-gathers keep them): drop every copy."""
+    clear_fp8_weight_cache()
+
+
+def _watch_optimizer_steps() -> None:
+    global _step_hook
+    with _lock:
+        if _step_hook is None:
+            _step_hook = register_optimizer_step_post_hook(_drop_after_optimizer_step)
 
 
 def _key(weight: torch.Tensor, storage: torch.UntypedStorage, layout: tuple) -> tuple:
@@ -64,6 +86,7 @@ def quantised_weight(weight: torch.Tensor, layout: tuple,
         if entry is not None and entry[1] == version and entry[0] == storage \
                 and not entry[0].expired():
             return entry[2]
+    _watch_optimizer_steps()
     value = quantise()
     with _lock:
         for stale in [k for k, e in _entries.items() if e[0].expired()]:

@@ -106,6 +106,35 @@ def test_writes_through_data_need_a_clear():
     assert torch.equal(got[0], want[0]) and not torch.equal(got[0], stale[0])
 
 
+@pytest.mark.parametrize("scaling", RECIPES)
+def test_writes_that_keep_the_version_after_an_optimizer_step(scaling):
+    """FSDP2's pattern, in one process: the optimizer steps the sharded parameters, then the
+    next all-gather writes the new values into the same unsharded storage with its version
+    counter kept as it was. Any optimizer's step drops the copies, so the forward after it
+    quantises the new values; without a step such a write is not seen (the documented
+    limit)."""
+    x, w, offs, dy = _layer(seed=6)
+    shard = torch.nn.Parameter(torch.zeros(3))  # stands for the sharded parameter
+    optimizer = torch.optim.SGD([shard], lr=0.1)
+
+    def all_gather(values):
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(w):
+            w.copy_(values)
+
+    stale = _step(x, w, offs, dy, scaling, cache=True)
+    version, pointer = w._version, w.data_ptr()
+    shard.grad = torch.ones(3)
+    optimizer.step()
+    all_gather(w.detach() * 2.0)
+    assert (w._version, w.data_ptr()) == (version, pointer)  # the same storage and version
+    got = _step(x, w, offs, dy, scaling, cache=True)
+    want = _step(x, w, offs, dy, scaling, cache=False)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert not torch.equal(got[0], stale[0])
+    all_gather(w.detach() * 0.5)  # no optimizer step since the copies were made
+    assert torch.equal(_step(x, w, offs, dy, scaling, cache=True)[0], got[0])
+
+
 def test_a_freed_weight_leaves_the_cache_and_never_matches_a_new_one():
     x, w, offs, dy = _layer(seed=3)
     _step(x, w, offs, dy, "rowwise", cache=True)

@@ -1,0 +1,64 @@
+"""FSDP2 over ``GroupedLinear(fp8=..., cache_fp8_weights=True)``, in 2 CPU processes over
+gloo: after an optimizer step the fp8 copies follow the new weights.
+
+FSDP2 all-gathers the updated shards into the same unsharded parameter storage and keeps the
+parameter's version counter as it was, so a cache keyed on storage and version alone would
+hand the forward after the step the copies of the weights before it, whenever the allocator
+gives the unsharded storage back at the same address (on a GPU it did; on the CPU the address
+moved in the runs seen, so the one-process test of the same write pattern in
+tests/grouped_linear/test_fp8_cache.py is the one that fails without the fix). Checked here,
+end to end: every forward after a step, with the cache on, gives the bits of the same forward
+with the cache cleared, resharding after the forward or not.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compileops
+from compileops.grouped_linear import clear_fp8_weight_cache
+from tests.gloo import run_ranks
+
+GROUPS, IN, OUT, ROWS, STEPS, WORLD = 4, 32, 32, 24, 3, 2
+
+
+def _rank(rank: int, world: int, reshard: bool) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    layer = compileops.nn.GroupedLinear(GROUPS, IN, OUT, bias=False, dtype=torch.bfloat16,
+                                        fp8="rowwise", cache_fp8_weights=True)
+    fully_shard(layer, reshard_after_forward=reshard)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=5.0)
+    gen = torch.Generator().manual_seed(1 + rank)
+    x = torch.randn(ROWS, IN, generator=gen).to(torch.bfloat16)
+    splits = torch.tensor([6, 6, 6, 6])
+    worst = 0.0
+    for _ in range(STEPS):
+        with torch.no_grad():
+            cached = layer(x, splits)
+            clear_fp8_weight_cache()
+            fresh = layer(x, splits)
+        worst = max(worst, (cached.float() - fresh.float()).abs().max().item())
+        loss = layer(x, splits).float().square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"worst": worst}
+
+
+def _resharding(rank: int, world: int) -> dict:
+    return _rank(rank, world, reshard=True)
+
+
+def _kept_unsharded(rank: int, world: int) -> dict:
+    return _rank(rank, world, reshard=False)
+
+
+@pytest.mark.parametrize("fn", [_resharding, _kept_unsharded], ids=["reshard", "keep"])
+def test_fp8_weight_cache_follows_fsdp2_all_gathers(fn):
+    results, codes = run_ranks(fn, WORLD, timeout_s=240)
+    assert codes == [0] * WORLD, results
+    for rank in range(WORLD):
+        assert "error" not in results[rank], results[rank]["error"]
+        assert results[rank]["worst"] == 0.0, results
