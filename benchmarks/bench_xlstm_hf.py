@@ -22,8 +22,10 @@ Cases, all under ``torch.no_grad()`` in eval mode, ``use_cache=True``:
   filled: ms and tokens/s;
 * ``decode B=b``: after a ``--prompt``-token prefill, ``--steps`` one-token forwards (each feeds
   the previous step's argmax), timed as a whole: ms per step and tokens/s (``b`` tokens per
-  step), for each ``--batches`` value (default 1 and 64). This is ``generate()``'s model work
-  without its bookkeeping.
+  step), for each ``--batches`` value (default 1 and 64); the median of ``--decode-repeats``
+  (default 15) such runs, with their spread in the note (decode at these sizes is bound by
+  the host's launches and moves with what else the host does). This is ``generate()``'s
+  model work without its bookkeeping.
 
 A failure is a status in the table, never a number (``error: ...``, ``oom``). Where our prefill
 refuses a head (a query head wider than the Triton kernels' 256), the decode cases fill their
@@ -209,12 +211,18 @@ def run_decode(model, impl, args, device, forward, batch):
                 out = forward(token, use_cache=True, **{name: cache})
                 cache, token = _cache_of(out), out.logits[:, -1].argmax(-1, keepdim=True)
 
-        ms = timed_ms(steps, device, max(1, args.warmup // 5), max(1, args.iters // 5))
+        # Decode is bound by the host's launches at these sizes, so its timings move with
+        # whatever else the host does: many repeats, and their spread in the note.
+        times = sorted(time_calls_ms(steps, device, max(1, args.warmup // 5),
+                                     args.decode_repeats))
     except BaseException as exc:
         row.update(ms=float("nan"), tokens_per_s=float("nan"), status=_short(exc))
         return row
-    per_step = ms / args.steps
-    row.update(ms=per_step, tokens_per_s=batch / (per_step * 1e-3))
+    per_step = times[len(times) // 2] / args.steps
+    spread = (f"{len(times)} repeats of {args.steps} steps: {times[0] / args.steps:.3f}-"
+              f"{times[-1] / args.steps:.3f} ms a step")
+    row.update(ms=per_step, tokens_per_s=batch / (per_step * 1e-3),
+               note="; ".join(n for n in (row["note"], spread) if n))
     return row
 
 
@@ -267,6 +275,8 @@ def main() -> int:
                         help="torch.compile the model (default mode) for every implementation")
     parser.add_argument("--warmup", type=int, default=None, help="default 5 (cpu: 1)")
     parser.add_argument("--iters", type=int, default=None, help="default 20 (cpu: 1)")
+    parser.add_argument("--decode-repeats", type=int, default=None,
+                        help="timed repeats of the decode steps, default 15 (cpu: 1)")
     args = parser.parse_args()
 
     device = torch.device(args.device)
@@ -280,6 +290,7 @@ def main() -> int:
     args.dtype = args.dtype or ("fp32" if cpu else "bf16")
     args.warmup = args.warmup if args.warmup is not None else (1 if cpu else 5)
     args.iters = args.iters or (1 if cpu else 20)
+    args.decode_repeats = args.decode_repeats or (1 if cpu else 15)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
 
     import transformers
