@@ -20,16 +20,27 @@ def custom_op(name: str) -> Callable:
     return torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())
 
 
+def require(cond, message: Callable[[], str]) -> None:
+    """``torch._check(cond, message)``: a RuntimeError with ``message()`` when ``cond`` is
+    false, and a symbolic condition recorded for the compiler. A plain ``True`` (eager, and
+    static shapes) returns at once: the ops' eager checks run on every call, and
+    ``torch._check`` costs microseconds each even when it passes (a decode step runs a few
+    dozen)."""
+    if cond is True:
+        return
+    torch._check(cond, message)
+
+
 def check_index_dtype(t: torch.Tensor, what: str) -> None:
     """Precondition usable from fake functions and eager code alike."""
-    torch._check(
+    require(
         t.dtype in INDEX_DTYPES,
         lambda: f"{what} must be int32 or int64, got {t.dtype}",
     )
 
 
 def check_floating(t: torch.Tensor, what: str) -> None:
-    torch._check(
+    require(
         t.is_floating_point(),
         lambda: f"{what} must be a floating-point tensor, got {t.dtype}",
     )
@@ -40,7 +51,7 @@ def check_same_device(named: Iterable[tuple[str, torch.Tensor]]) -> None:
     named = list(named)
     first_name, first = named[0]
     for name, t in named[1:]:
-        torch._check(
+        require(
             t.device == first.device,
             lambda: f"{name} is on {t.device} but {first_name} is on {first.device}; "
             "move them to the same device",
@@ -48,7 +59,7 @@ def check_same_device(named: Iterable[tuple[str, torch.Tensor]]) -> None:
 
 
 def check_dim(t: torch.Tensor, dim: int, what: str, shape_doc: str) -> None:
-    torch._check(
+    require(
         t.dim() == dim,
         lambda: f"{what} must be {dim}-D {shape_doc}, got shape {tuple(t.shape)}",
     )

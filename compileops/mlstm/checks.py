@@ -1,7 +1,8 @@
 """Preconditions of the mLSTM ops, shared by the fake functions and the eager paths.
 
-Every check is a ``torch._check`` with a message naming the argument, so it raises the same
-clear error eagerly and while ``torch.compile`` traces.
+Every check is a ``torch._check`` (through :func:`compileops._library.require`, which returns
+at once on a plain ``True``) with a message naming the argument, so it raises the same clear
+error eagerly and while ``torch.compile`` traces.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from compileops._library import check_same_device
+from compileops._library import check_same_device, require
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 #: Head dims the Triton kernels hold in registers (a program owns whole rows).
@@ -25,35 +26,35 @@ def check_inputs(
     """Shapes ``q, k [B, NH, S, DQK]``, ``v [B, NH, S, DV]``, ``igate, fgate [B, NH, S]``,
     ``norm_weight, norm_bias [NH * DV]``; one floating dtype for q, k, v; one device."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        torch._check(t.dim() == 4, lambda: f"{name} must be 4-D [B, NH, S, D], got shape "
+        require(t.dim() == 4, lambda: f"{name} must be 4-D [B, NH, S, D], got shape "
                      f"{tuple(t.shape)}")
-        torch._check(t.dtype in KERNEL_DTYPES, lambda: f"{name} must be bf16, fp16, fp32 or "
+        require(t.dtype in KERNEL_DTYPES, lambda: f"{name} must be bf16, fp16, fp32 or "
                      f"fp64, got {t.dtype}")
-    torch._check(k.shape == q.shape, lambda: f"k must have q's shape {tuple(q.shape)} "
+    require(k.shape == q.shape, lambda: f"k must have q's shape {tuple(q.shape)} "
                  f"[B, NH, S, DQK], got {tuple(k.shape)}")
-    torch._check(v.shape[:3] == q.shape[:3], lambda: f"v must be [B, NH, S, DV] with q's "
+    require(v.shape[:3] == q.shape[:3], lambda: f"v must be [B, NH, S, DV] with q's "
                  f"B, NH, S {tuple(q.shape[:3])}, got {tuple(v.shape)}")
-    torch._check(k.dtype == q.dtype and v.dtype == q.dtype, lambda: "q, k and v must share "
+    require(k.dtype == q.dtype and v.dtype == q.dtype, lambda: "q, k and v must share "
                  f"one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     for name, g in (("igate", igate), ("fgate", fgate)):
-        torch._check(g.shape == q.shape[:3], lambda: f"{name} must be [B, NH, S] = "
+        require(g.shape == q.shape[:3], lambda: f"{name} must be [B, NH, S] = "
                      f"{tuple(q.shape[:3])}, got {tuple(g.shape)}")
-        torch._check(g.is_floating_point(), lambda: f"{name} must be floating point, got "
+        require(g.is_floating_point(), lambda: f"{name} must be floating point, got "
                      f"{g.dtype}")
     channels = q.shape[1] * v.shape[3]
     for name, p in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
         if p is None:
             continue
-        torch._check(p.dim() == 1 and p.shape[0] == channels, lambda: f"{name} must be "
+        require(p.dim() == 1 and p.shape[0] == channels, lambda: f"{name} must be "
                      f"[NH * DV] = [{channels}], got {tuple(p.shape)}")
-        torch._check(p.is_floating_point(), lambda: f"{name} must be floating point, got "
+        require(p.is_floating_point(), lambda: f"{name} must be floating point, got "
                      f"{p.dtype}")
     named = [("q", q), ("k", k), ("v", v), ("igate", igate), ("fgate", fgate)]
     named += [(n, p) for n, p in (("norm_weight", norm_weight), ("norm_bias", norm_bias))
               if p is not None]
     check_same_device(named)
-    torch._check(eps >= 0, lambda: f"eps must be >= 0, got {eps}")
-    torch._check(norm_eps > 0, lambda: f"norm_eps must be > 0, got {norm_eps}")
+    require(eps >= 0, lambda: f"eps must be >= 0, got {eps}")
+    require(norm_eps > 0, lambda: f"norm_eps must be > 0, got {norm_eps}")
 
 
 def check_gates_floating(igate: torch.Tensor, fgate: torch.Tensor) -> None:
@@ -73,13 +74,13 @@ def check_kernel(kernel: str) -> None:
 def check_kernel_head_dims(q: torch.Tensor, v: torch.Tensor) -> None:
     """The Triton kernels hold whole rows of a head in registers."""
     dqk, dv = q.shape[-1], v.shape[-1]
-    torch._check(dqk <= MAX_KERNEL_HEAD_DIM and dv <= MAX_KERNEL_HEAD_DIM, lambda: (
+    require(dqk <= MAX_KERNEL_HEAD_DIM and dv <= MAX_KERNEL_HEAD_DIM, lambda: (
         f"the Triton mLSTM kernels take head dims up to {MAX_KERNEL_HEAD_DIM}, got q's DQK "
         f"{dqk} and v's DV {dv}; use compileops.use_backend('reference') for larger ones"))
 
 
 def check_backward_grad(grad: torch.Tensor, expected: tuple, what: str) -> None:
-    torch._check(tuple(grad.shape) == tuple(expected), lambda: f"{what} must have shape "
+    require(tuple(grad.shape) == tuple(expected), lambda: f"{what} must have shape "
                  f"{tuple(expected)}, got {tuple(grad.shape)}")
 
 
@@ -87,7 +88,7 @@ def check_log_gates(q: torch.Tensor, igate: torch.Tensor, logf: torch.Tensor) ->
     """The op's gate inputs are in the accumulation dtype (fp32, fp64 for fp64 inputs)."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     for name, g in (("igate", igate), ("logf", logf)):
-        torch._check(g.dtype == acc, lambda: f"{name} must be {acc} for {q.dtype} inputs (the "
+        require(g.dtype == acc, lambda: f"{name} must be {acc} for {q.dtype} inputs (the "
                      f"gates' accumulation dtype), got {g.dtype}; compileops.mlstm converts")
 
 

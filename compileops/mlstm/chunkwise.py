@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from compileops import backends
-from compileops._library import custom_op
+from compileops._library import custom_op, require
 from compileops.mlstm import recurrent, reference
 from compileops.mlstm.reference import LOG2E
 from compileops.mlstm.checks import (
@@ -64,25 +64,25 @@ def check_state(q: torch.Tensor, v: torch.Tensor, c0, n0, m0) -> None:
     for name, t, shape in (("initial_state C", c0, (b, nh, dqk, dv)),
                            ("initial_state n", n0, (b, nh, dqk)),
                            ("initial_state m", m0, (b, nh))):
-        torch._check(tuple(t.shape) == shape,
+        require(tuple(t.shape) == shape,
                      lambda: f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-        torch._check(t.dtype == reference.gate_dtype(q.dtype),
+        require(t.dtype == reference.gate_dtype(q.dtype),
                      lambda: f"{name} must be {reference.gate_dtype(q.dtype)} (the "
                              f"accumulation dtype), got {t.dtype}")
-        torch._check(t.device == q.device,
+        require(t.device == q.device,
                      lambda: f"{name} is on {t.device}, q on {q.device}")
 
 
 def check_segments(q: torch.Tensor, segments: Optional[torch.Tensor], c0) -> None:
     if segments is None:
         return
-    torch._check(segments.dim() == 2 and segments.shape[0] == 2 and segments.shape[1] >= 2,
+    require(segments.dim() == 2 and segments.shape[0] == 2 and segments.shape[1] >= 2,
                  lambda: f"segments must be [2, K + 1], got {list(segments.shape)}")
-    torch._check(segments.dtype == torch.int32,
+    require(segments.dtype == torch.int32,
                  lambda: f"segments must be int32, got {segments.dtype}")
-    torch._check(segments.device == q.device,
+    require(segments.device == q.device,
                  lambda: f"segments is on {segments.device}, q on {q.device}")
-    torch._check(c0 is None, lambda: "segments take no initial state (each starts empty)")
+    require(c0 is None, lambda: "segments take no initial state (each starts empty)")
 
 
 def global_log_forget(logf: torch.Tensor, chunk: int) -> torch.Tensor:

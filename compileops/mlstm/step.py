@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from compileops import backends
-from compileops._library import check_same_device, custom_op
+from compileops._library import check_same_device, custom_op, require
 from compileops.mlstm import recurrent, reference
 from compileops.mlstm.checks import KERNEL_DTYPES, check_backward_grad, check_gates_floating
 from compileops.mlstm.op import _layernorm_backward
@@ -46,35 +46,35 @@ def check_step_inputs(
     """Shapes ``q, k [B, NH, DQK]``, ``v [B, NH, DV]``, ``igate, fgate [B, NH]``,
     ``norm_weight, norm_bias [NH * DV]``; one floating dtype for q, k, v; one device."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        torch._check(t.dim() == 3, lambda: f"{name} must be 3-D [B, NH, D] (one token), got "
+        require(t.dim() == 3, lambda: f"{name} must be 3-D [B, NH, D] (one token), got "
                      f"shape {tuple(t.shape)}")
-        torch._check(t.dtype in KERNEL_DTYPES, lambda: f"{name} must be bf16, fp16, fp32 or "
+        require(t.dtype in KERNEL_DTYPES, lambda: f"{name} must be bf16, fp16, fp32 or "
                      f"fp64, got {t.dtype}")
-    torch._check(k.shape == q.shape, lambda: f"k must have q's shape {tuple(q.shape)} "
+    require(k.shape == q.shape, lambda: f"k must have q's shape {tuple(q.shape)} "
                  f"[B, NH, DQK], got {tuple(k.shape)}")
-    torch._check(v.shape[:2] == q.shape[:2], lambda: f"v must be [B, NH, DV] with q's B, NH "
+    require(v.shape[:2] == q.shape[:2], lambda: f"v must be [B, NH, DV] with q's B, NH "
                  f"{tuple(q.shape[:2])}, got {tuple(v.shape)}")
-    torch._check(k.dtype == q.dtype and v.dtype == q.dtype, lambda: "q, k and v must share "
+    require(k.dtype == q.dtype and v.dtype == q.dtype, lambda: "q, k and v must share "
                  f"one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     for name, g in (("igate", igate), ("fgate", fgate)):
-        torch._check(g.shape == q.shape[:2], lambda: f"{name} must be [B, NH] = "
+        require(g.shape == q.shape[:2], lambda: f"{name} must be [B, NH] = "
                      f"{tuple(q.shape[:2])}, got {tuple(g.shape)}")
-        torch._check(g.is_floating_point(), lambda: f"{name} must be floating point, got "
+        require(g.is_floating_point(), lambda: f"{name} must be floating point, got "
                      f"{g.dtype}")
     channels = q.shape[1] * v.shape[2]
     for name, p in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
         if p is None:
             continue
-        torch._check(p.dim() == 1 and p.shape[0] == channels, lambda: f"{name} must be "
+        require(p.dim() == 1 and p.shape[0] == channels, lambda: f"{name} must be "
                      f"[NH * DV] = [{channels}], got {tuple(p.shape)}")
-        torch._check(p.is_floating_point(), lambda: f"{name} must be floating point, got "
+        require(p.is_floating_point(), lambda: f"{name} must be floating point, got "
                      f"{p.dtype}")
     named = [("q", q), ("k", k), ("v", v), ("igate", igate), ("fgate", fgate)]
     named += [(n, p) for n, p in (("norm_weight", norm_weight), ("norm_bias", norm_bias))
               if p is not None]
     check_same_device(named)
-    torch._check(eps >= 0, lambda: f"eps must be >= 0, got {eps}")
-    torch._check(norm_eps > 0, lambda: f"norm_eps must be > 0, got {norm_eps}")
+    require(eps >= 0, lambda: f"eps must be >= 0, got {eps}")
+    require(norm_eps > 0, lambda: f"norm_eps must be > 0, got {norm_eps}")
 
 
 def check_step_state(q: torch.Tensor, v: torch.Tensor, c: Optional[torch.Tensor],
@@ -82,7 +82,7 @@ def check_step_state(q: torch.Tensor, v: torch.Tensor, c: Optional[torch.Tensor]
     """All of ``(C [B, NH, DQK, DV], n [B, NH, DQK], m [B, NH])`` or none, in the
     accumulation dtype, on q's device."""
     given = [t is not None for t in (c, n, m)]
-    torch._check(all(given) or not any(given), lambda: "state must be a (C, n, m) triple: "
+    require(all(given) or not any(given), lambda: "state must be a (C, n, m) triple: "
                  "got a partial state")
     if c is None:
         return
@@ -91,19 +91,19 @@ def check_step_state(q: torch.Tensor, v: torch.Tensor, c: Optional[torch.Tensor]
     for name, t, shape in (("state C", c, (batch, heads, dqk, v.shape[2])),
                            ("state n", n, (batch, heads, dqk)),
                            ("state m", m, (batch, heads))):
-        torch._check(tuple(t.shape) == shape, lambda: f"{name} must have shape "
+        require(tuple(t.shape) == shape, lambda: f"{name} must have shape "
                      f"{list(shape)} ([B, NH, DQK, DV], [B, NH, DQK], [B, NH]), got "
                      f"{list(t.shape)}")
-        torch._check(t.dtype == acc, lambda: f"{name} must be {acc} for {q.dtype} inputs (the "
+        require(t.dtype == acc, lambda: f"{name} must be {acc} for {q.dtype} inputs (the "
                      f"accumulation dtype), got {t.dtype}")
-        torch._check(t.device == q.device, lambda: f"{name} is on {t.device} but q is on "
+        require(t.device == q.device, lambda: f"{name} is on {t.device} but q is on "
                      f"{q.device}; move them to the same device")
 
 
 def _check_log_gates(q: torch.Tensor, igate: torch.Tensor, logf: torch.Tensor) -> None:
     acc = reference.gate_dtype(q.dtype)
     for name, g in (("igate", igate), ("logf", logf)):
-        torch._check(g.dtype == acc, lambda: f"{name} must be {acc} for {q.dtype} inputs (the "
+        require(g.dtype == acc, lambda: f"{name} must be {acc} for {q.dtype} inputs (the "
                      f"gates' accumulation dtype), got {g.dtype}; compileops.mlstm_step "
                      "converts")
 
