@@ -79,11 +79,11 @@ class MoE(torch.nn.Module):
         self.down = torch.nn.Parameter((torch.rand(e, d, h) * 2 - 1) / math.sqrt(h))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, D] bf16
-        logits = F.linear(self.norm(x.float()), self.router)
+        normed = self.norm(x.float())
+        logits = F.linear(normed, self.router)
         probs, ids = torch.topk(torch.softmax(logits, dim=-1), self.size.top_k, dim=-1)
         probs = probs / probs.sum(-1, keepdim=True)
-        xs, order, offsets = permute_by_expert(self.norm(x.float()).to(x.dtype), ids,
-                                               self.size.experts)
+        xs, order, offsets = permute_by_expert(normed.to(x.dtype), ids, self.size.experts)
         p_sorted = probs.reshape(-1)[order]
         w_gu, w_down = self.gate_up.to(x.dtype), self.down.to(x.dtype)
         if self.recipe is None:
