@@ -24,8 +24,9 @@ Cases, all under ``torch.no_grad()`` in eval mode, ``use_cache=True``:
   the previous step's argmax), timed as a whole: ms per step and tokens/s (``b`` tokens per
   step), for each ``--batches`` value (default 1 and 64); the median of ``--decode-repeats``
   (default 15) such runs, with their spread in the note (decode at these sizes is bound by
-  the host's launches and moves with what else the host does). This is ``generate()``'s
-  model work without its bookkeeping.
+  the host's launches and moves with what else the host does), and on a GPU the kernels' own
+  time per step (``torch.profiler``) in the note. This is ``generate()``'s model work
+  without its bookkeeping.
 
 A failure is a status in the table, never a number (``error: ...``, ``oom``). Where our prefill
 refuses a head (a query head wider than the Triton kernels' 256), the decode cases fill their
@@ -215,15 +216,31 @@ def run_decode(model, impl, args, device, forward, batch):
         # whatever else the host does: many repeats, and their spread in the note.
         times = sorted(time_calls_ms(steps, device, max(1, args.warmup // 5),
                                      args.decode_repeats))
+        kernels = kernel_ms(steps, device) / args.steps if device.type == "cuda" else None
     except BaseException as exc:
         row.update(ms=float("nan"), tokens_per_s=float("nan"), status=_short(exc))
         return row
     per_step = times[len(times) // 2] / args.steps
-    spread = (f"{len(times)} repeats of {args.steps} steps: {times[0] / args.steps:.3f}-"
-              f"{times[-1] / args.steps:.3f} ms a step")
+    notes = [row["note"], f"{len(times)} repeats of {args.steps} steps: "
+             f"{times[0] / args.steps:.3f}-{times[-1] / args.steps:.3f} ms a step"]
+    if kernels is not None:
+        notes.append(f"GPU kernels {kernels:.3f} ms a step")
     row.update(ms=per_step, tokens_per_s=batch / (per_step * 1e-3),
-               note="; ".join(n for n in (row["note"], spread) if n))
+               note="; ".join(n for n in notes if n))
     return row
+
+
+def kernel_ms(fn, device) -> float:
+    """Milliseconds the GPU spends in kernels during one ``fn()`` (``torch.profiler``, every
+    kernel's device time summed): what a decode step costs the GPU, apart from the host
+    time that bounds its wall clock."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    return sum(e.device_time_total for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
 
 
 def check_against_native(model, impls, state, args, device) -> list[str]:
