@@ -32,7 +32,11 @@ for 2.6 GiB and 1.10x at Qwen3-235B-A22B's for 4.5 GiB; without the cache the fp
 0.67-0.94x bf16. With N micro-batches per optimizer step the copies are made once per N
 micro-batches, so each pays about 1/N of the difference between the two.
 
-Inference tensors have no version counter; their copies are not cached.
+Inference tensors have no version counter; their copies are not cached. Nor are copies made
+while a CUDA graph is being captured (``torch.compile(mode="reduce-overhead")``,
+``torch.cuda.graph``): a lookup is host code, which a graph's replays do not run again, so
+a replay after an optimizer step would read the copies of the weights before it. Captured,
+the quantisation is part of the graph and every replay makes the copies anew.
 """
 from __future__ import annotations
 
@@ -68,13 +72,18 @@ def _key(weight: torch.Tensor, storage: torch.UntypedStorage, layout: tuple) -> 
             tuple(weight.stride()), weight.dtype, weight.device, layout)
 
 
+def _capturing(weight: torch.Tensor) -> bool:
+    """Whether ``weight``'s device is capturing a CUDA graph on the current stream."""
+    return weight.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def quantised_weight(weight: torch.Tensor, layout: tuple,
                      quantise: Callable[[], tuple[torch.Tensor, torch.Tensor]]
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantise()``'s ``(q, scale)`` for ``weight`` in ``layout`` (a hashable naming the
     scaling and the product), from the cache while the weight's storage and version are
     those it was made from; made and stored otherwise."""
-    if weight.is_inference():
+    if weight.is_inference() or _capturing(weight):
         return quantise()
     untyped = weight.untyped_storage()
     key, version = _key(weight, untyped, layout), weight._version

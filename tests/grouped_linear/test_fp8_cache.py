@@ -225,6 +225,24 @@ def test_inference_tensors_are_not_cached():
     assert torch.equal(y, want) and cached_fp8_weight_bytes() == 0
 
 
+def test_no_copies_are_cached_or_read_while_a_cuda_graph_captures(monkeypatch, launches):
+    """A capture records the launches, not the host's lookups: under capture every call
+    quantises (so each replay does), and nothing made then is stored or read from the cache.
+    The capture itself needs a GPU; here the check that detects it is stood in for."""
+    from compileops.grouped_linear import fp8_cache
+
+    x, w, offs, dy = _layer(seed=8)
+    _step(x, w, offs, dy, "rowwise", cache=True)  # an entry from before the capture
+    cached = cached_fp8_weight_bytes()
+    monkeypatch.setattr(fp8_cache, "_capturing", lambda weight: True)
+    launches.clear()
+    got = _step(x, w, offs, dy, "rowwise", cache=True)
+    assert _weight_quantisations(launches, "rowwise") == 2  # not read from the cache
+    assert cached_fp8_weight_bytes() == cached  # nothing stored
+    want = _step(x, w, offs, dy, "rowwise", cache=False)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
 def test_cache_without_fp8_is_a_clear_error():
     x, w, offs, _ = _layer()
     for fn in (compileops.grouped_linear, compileops.grouped_linear_swiglu):
