@@ -27,28 +27,28 @@ def check_inputs(
     ``norm_weight, norm_bias [NH * DV]``; one floating dtype for q, k, v; one device."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         require(t.dim() == 4, lambda: f"{name} must be 4-D [B, NH, S, D], got shape "
-                     f"{tuple(t.shape)}")
+                f"{tuple(t.shape)}")
         require(t.dtype in KERNEL_DTYPES, lambda: f"{name} must be bf16, fp16, fp32 or "
-                     f"fp64, got {t.dtype}")
+                f"fp64, got {t.dtype}")
     require(k.shape == q.shape, lambda: f"k must have q's shape {tuple(q.shape)} "
-                 f"[B, NH, S, DQK], got {tuple(k.shape)}")
+            f"[B, NH, S, DQK], got {tuple(k.shape)}")
     require(v.shape[:3] == q.shape[:3], lambda: f"v must be [B, NH, S, DV] with q's "
-                 f"B, NH, S {tuple(q.shape[:3])}, got {tuple(v.shape)}")
+            f"B, NH, S {tuple(q.shape[:3])}, got {tuple(v.shape)}")
     require(k.dtype == q.dtype and v.dtype == q.dtype, lambda: "q, k and v must share "
-                 f"one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+            f"one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     for name, g in (("igate", igate), ("fgate", fgate)):
         require(g.shape == q.shape[:3], lambda: f"{name} must be [B, NH, S] = "
-                     f"{tuple(q.shape[:3])}, got {tuple(g.shape)}")
+                f"{tuple(q.shape[:3])}, got {tuple(g.shape)}")
         require(g.is_floating_point(), lambda: f"{name} must be floating point, got "
-                     f"{g.dtype}")
+                f"{g.dtype}")
     channels = q.shape[1] * v.shape[3]
     for name, p in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
         if p is None:
             continue
         require(p.dim() == 1 and p.shape[0] == channels, lambda: f"{name} must be "
-                     f"[NH * DV] = [{channels}], got {tuple(p.shape)}")
+                f"[NH * DV] = [{channels}], got {tuple(p.shape)}")
         require(p.is_floating_point(), lambda: f"{name} must be floating point, got "
-                     f"{p.dtype}")
+                f"{p.dtype}")
     named = [("q", q), ("k", k), ("v", v), ("igate", igate), ("fgate", fgate)]
     named += [(n, p) for n, p in (("norm_weight", norm_weight), ("norm_bias", norm_bias))
               if p is not None]
@@ -81,7 +81,7 @@ def check_kernel_head_dims(q: torch.Tensor, v: torch.Tensor) -> None:
 
 def check_backward_grad(grad: torch.Tensor, expected: tuple, what: str) -> None:
     require(tuple(grad.shape) == tuple(expected), lambda: f"{what} must have shape "
-                 f"{tuple(expected)}, got {tuple(grad.shape)}")
+            f"{tuple(expected)}, got {tuple(grad.shape)}")
 
 
 def check_log_gates(q: torch.Tensor, igate: torch.Tensor, logf: torch.Tensor) -> None:
@@ -89,7 +89,7 @@ def check_log_gates(q: torch.Tensor, igate: torch.Tensor, logf: torch.Tensor) ->
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     for name, g in (("igate", igate), ("logf", logf)):
         require(g.dtype == acc, lambda: f"{name} must be {acc} for {q.dtype} inputs (the "
-                     f"gates' accumulation dtype), got {g.dtype}; compileops.mlstm converts")
+                f"gates' accumulation dtype), got {g.dtype}; compileops.mlstm converts")
 
 
 #: The message of the device-side check of ``cu_seqlens`` (no host sync there, so it cannot

@@ -65,23 +65,23 @@ def check_state(q: torch.Tensor, v: torch.Tensor, c0, n0, m0) -> None:
                            ("initial_state n", n0, (b, nh, dqk)),
                            ("initial_state m", m0, (b, nh))):
         require(tuple(t.shape) == shape,
-                     lambda: f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+                lambda: f"{name} must have shape {list(shape)}, got {list(t.shape)}")
         require(t.dtype == reference.gate_dtype(q.dtype),
-                     lambda: f"{name} must be {reference.gate_dtype(q.dtype)} (the "
-                             f"accumulation dtype), got {t.dtype}")
+                lambda: f"{name} must be {reference.gate_dtype(q.dtype)} (the "
+                        f"accumulation dtype), got {t.dtype}")
         require(t.device == q.device,
-                     lambda: f"{name} is on {t.device}, q on {q.device}")
+                lambda: f"{name} is on {t.device}, q on {q.device}")
 
 
 def check_segments(q: torch.Tensor, segments: Optional[torch.Tensor], c0) -> None:
     if segments is None:
         return
     require(segments.dim() == 2 and segments.shape[0] == 2 and segments.shape[1] >= 2,
-                 lambda: f"segments must be [2, K + 1], got {list(segments.shape)}")
+            lambda: f"segments must be [2, K + 1], got {list(segments.shape)}")
     require(segments.dtype == torch.int32,
-                 lambda: f"segments must be int32, got {segments.dtype}")
+            lambda: f"segments must be int32, got {segments.dtype}")
     require(segments.device == q.device,
-                 lambda: f"segments is on {segments.device}, q on {q.device}")
+            lambda: f"segments is on {segments.device}, q on {q.device}")
     require(c0 is None, lambda: "segments take no initial state (each starts empty)")
 
 

@@ -47,28 +47,28 @@ def check_step_inputs(
     ``norm_weight, norm_bias [NH * DV]``; one floating dtype for q, k, v; one device."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         require(t.dim() == 3, lambda: f"{name} must be 3-D [B, NH, D] (one token), got "
-                     f"shape {tuple(t.shape)}")
+                f"shape {tuple(t.shape)}")
         require(t.dtype in KERNEL_DTYPES, lambda: f"{name} must be bf16, fp16, fp32 or "
-                     f"fp64, got {t.dtype}")
+                f"fp64, got {t.dtype}")
     require(k.shape == q.shape, lambda: f"k must have q's shape {tuple(q.shape)} "
-                 f"[B, NH, DQK], got {tuple(k.shape)}")
+            f"[B, NH, DQK], got {tuple(k.shape)}")
     require(v.shape[:2] == q.shape[:2], lambda: f"v must be [B, NH, DV] with q's B, NH "
-                 f"{tuple(q.shape[:2])}, got {tuple(v.shape)}")
+            f"{tuple(q.shape[:2])}, got {tuple(v.shape)}")
     require(k.dtype == q.dtype and v.dtype == q.dtype, lambda: "q, k and v must share "
-                 f"one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+            f"one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     for name, g in (("igate", igate), ("fgate", fgate)):
         require(g.shape == q.shape[:2], lambda: f"{name} must be [B, NH] = "
-                     f"{tuple(q.shape[:2])}, got {tuple(g.shape)}")
+                f"{tuple(q.shape[:2])}, got {tuple(g.shape)}")
         require(g.is_floating_point(), lambda: f"{name} must be floating point, got "
-                     f"{g.dtype}")
+                f"{g.dtype}")
     channels = q.shape[1] * v.shape[2]
     for name, p in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
         if p is None:
             continue
         require(p.dim() == 1 and p.shape[0] == channels, lambda: f"{name} must be "
-                     f"[NH * DV] = [{channels}], got {tuple(p.shape)}")
+                f"[NH * DV] = [{channels}], got {tuple(p.shape)}")
         require(p.is_floating_point(), lambda: f"{name} must be floating point, got "
-                     f"{p.dtype}")
+                f"{p.dtype}")
     named = [("q", q), ("k", k), ("v", v), ("igate", igate), ("fgate", fgate)]
     named += [(n, p) for n, p in (("norm_weight", norm_weight), ("norm_bias", norm_bias))
               if p is not None]
@@ -83,7 +83,7 @@ def check_step_state(q: torch.Tensor, v: torch.Tensor, c: Optional[torch.Tensor]
     accumulation dtype, on q's device."""
     given = [t is not None for t in (c, n, m)]
     require(all(given) or not any(given), lambda: "state must be a (C, n, m) triple: "
-                 "got a partial state")
+            "got a partial state")
     if c is None:
         return
     batch, heads, dqk = q.shape
@@ -92,20 +92,20 @@ def check_step_state(q: torch.Tensor, v: torch.Tensor, c: Optional[torch.Tensor]
                            ("state n", n, (batch, heads, dqk)),
                            ("state m", m, (batch, heads))):
         require(tuple(t.shape) == shape, lambda: f"{name} must have shape "
-                     f"{list(shape)} ([B, NH, DQK, DV], [B, NH, DQK], [B, NH]), got "
-                     f"{list(t.shape)}")
+                f"{list(shape)} ([B, NH, DQK, DV], [B, NH, DQK], [B, NH]), got "
+                f"{list(t.shape)}")
         require(t.dtype == acc, lambda: f"{name} must be {acc} for {q.dtype} inputs (the "
-                     f"accumulation dtype), got {t.dtype}")
+                f"accumulation dtype), got {t.dtype}")
         require(t.device == q.device, lambda: f"{name} is on {t.device} but q is on "
-                     f"{q.device}; move them to the same device")
+                f"{q.device}; move them to the same device")
 
 
 def _check_log_gates(q: torch.Tensor, igate: torch.Tensor, logf: torch.Tensor) -> None:
     acc = reference.gate_dtype(q.dtype)
     for name, g in (("igate", igate), ("logf", logf)):
         require(g.dtype == acc, lambda: f"{name} must be {acc} for {q.dtype} inputs (the "
-                     f"gates' accumulation dtype), got {g.dtype}; compileops.mlstm_step "
-                     "converts")
+                f"gates' accumulation dtype), got {g.dtype}; compileops.mlstm_step "
+                "converts")
 
 
 def _unpack_state(state) -> State:
