@@ -14,6 +14,10 @@ The ops:
 
 * ``compileops::grouped_linear_fp8(x [M, K], weight [G, N, K], offsets int32 [G], scaling)
   -> [M, N]``;
+* ``compileops::grouped_linear_row_scaled_fp8(x, weight, offsets, row_scale [M], scaling)
+  -> [M, N]``: each output row times its scale in the epilogue (the MoE down projection times
+  the router probability); its backward takes the scale's gradient from the fp8 dX product
+  (:func:`compileops.grouped_linear.scaled.row_scaled_backward`);
 * ``compileops::grouped_linear_fp8_dx(grad [M, N], weight, offsets, scaling) -> [M, K]``;
 * ``compileops::grouped_linear_swiglu_fp8_with_preact(x, weight [G, 2H, K], offsets,
   scaling) -> (silu(gate) * up [M, H], preact [M, 2H])``, the pre-activations written beside
@@ -32,8 +36,9 @@ relative). Deterministic run to run; not batch-invariant (the tile config follow
 sizes).
 
 The weight is quantised on every call (unless ``cache_weight``: :mod:`.fp8_cache`): with
-rowwise scaling once for the forward and once, per input channel, for dX. At the MoE bench layers on an H200 that costs about as much as the
-fp8 products save, so the layer is not yet faster than bf16 (benchmarks/RESULTS.md, fp8).
+rowwise scaling once for the forward and once, per input channel, for dX. At the MoE bench
+layers on an H200 that costs about as much as the fp8 products save, so the layer is not yet
+faster than bf16 without the cache (benchmarks/RESULTS.md, fp8).
 """
 from __future__ import annotations
 
@@ -43,7 +48,11 @@ from compileops import backends
 from compileops._library import custom_op
 from compileops.grouped_linear import fp8 as fp8_rule
 from compileops.grouped_linear import fp8_cache
-from compileops.grouped_linear.checks import check_forward_args, check_offsets_eagerly
+from compileops.grouped_linear.checks import (
+    check_forward_args,
+    check_offsets_eagerly,
+    check_row_scaled_args,
+)
 from compileops.grouped_linear.op import (
     _forward_mode,
     _keep_for_backward,
@@ -51,6 +60,8 @@ from compileops.grouped_linear.op import (
     _use_triton,
     grouped_linear_wgrad_op,
 )
+from compileops.grouped_linear.scaled import row_scaled_backward
+from compileops.modes import BATCH_INVARIANT
 
 #: The ``fp8`` recipes of :func:`compileops.grouped_linear` and friends (None: no fp8).
 RECIPES = ("rowwise", "blockwise")
@@ -107,16 +118,17 @@ def _quantised_weight(weight, scaling, transposed, cache_weight):
 
 
 def _product(x, weight, offsets, scaling, *, transposed=False, swiglu=False, preact=None,
-             cache_weight=False):
-    """The Triton fp8 product ``x W_g^T`` (``transposed``: ``x W_g``) in x's dtype."""
+             cache_weight=False, row_scale=None):
+    """The Triton fp8 product ``x W_g^T`` (``transposed``: ``x W_g``) in x's dtype;
+    ``row_scale [M]`` (x's dtype) multiplies each rounded row of the forward's."""
     k = _kernels()
     wq, ws = _quantised_weight(weight, scaling, transposed, cache_weight)
     if scaling == "blockwise":
         return k.grouped_linear_fp8_blockwise(x, wq, ws, offsets, out_dtype=x.dtype,
                                               swiglu=swiglu, transposed=transposed,
-                                              preact=preact)
+                                              preact=preact, row_scale=row_scale)
     return k.grouped_linear_fp8_rowwise(x, wq, ws, offsets, out_dtype=x.dtype, swiglu=swiglu,
-                                        preact=preact)
+                                        preact=preact, row_scale=row_scale)
 
 
 @custom_op("grouped_linear_fp8")
@@ -180,6 +192,54 @@ def _grouped_linear_fp8_backward(ctx, grad):
 
 
 backends.register_autograd(grouped_linear_fp8_op, _grouped_linear_fp8_backward, _setup_context)
+
+
+@custom_op("grouped_linear_row_scaled_fp8")
+def grouped_linear_row_scaled_fp8_op(x: torch.Tensor, weight: torch.Tensor,
+                                     offsets: torch.Tensor, row_scale: torch.Tensor,
+                                     scaling: str, cache_weight: bool = False) -> torch.Tensor:
+    """``grouped_linear_fp8`` with row i of the output, rounded to x's dtype, times
+    ``row_scale[i]`` (``[M]`` in x's dtype) and rounded again: the MoE down projection times
+    the router probability, in the product's epilogue."""
+    _check(x, weight, offsets, scaling)
+    check_row_scaled_args(x, weight, offsets, row_scale)
+    check_offsets_eagerly(offsets, x.shape[0])
+    if _use_triton("grouped_linear_row_scaled_fp8", x):
+        return _product(x, weight, offsets, scaling, cache_weight=cache_weight,
+                        row_scale=row_scale.contiguous())
+    y = _reference(x, weight, offsets, scaling).to(x.dtype)
+    return (y.float() * row_scale.float()[:, None]).to(x.dtype)
+
+
+@grouped_linear_row_scaled_fp8_op.register_fake
+def _grouped_linear_row_scaled_fp8_fake(x, weight, offsets, row_scale, scaling,
+                                        cache_weight=False):
+    _check(x, weight, offsets, scaling)
+    check_row_scaled_args(x, weight, offsets, row_scale)
+    return x.new_empty((x.shape[0], weight.shape[1]))
+
+
+def _setup_row_scaled_context(ctx, inputs, output) -> None:
+    x, weight, offsets, row_scale, scaling, cache_weight = inputs
+    ctx.save_for_backward(x, weight, offsets, row_scale)
+    ctx.batch_invariant = BATCH_INVARIANT.enabled()
+    ctx.scaling, ctx.cache_weight = scaling, cache_weight
+
+
+def _grouped_linear_row_scaled_fp8_backward(ctx, grad):
+    """dX in fp8 (unscaled, then times the row scale), the scale's gradient as a sum over K
+    of that fp8 dX with x, dW in x's dtype (:func:`.scaled.row_scaled_backward`)."""
+    with _forward_mode(ctx):
+        x, weight, offsets, row_scale = ctx.saved_tensors
+        dx, dw, _, ds = row_scaled_backward(
+            grad, x, weight, offsets, row_scale, ctx.needs_input_grad[:4],
+            lambda: grouped_linear_fp8_dx_op(grad, weight, offsets, ctx.scaling,
+                                             ctx.cache_weight))
+    return dx, dw, None, ds, None, None
+
+
+backends.register_autograd(grouped_linear_row_scaled_fp8_op,
+                           _grouped_linear_row_scaled_fp8_backward, _setup_row_scaled_context)
 
 
 @custom_op("grouped_linear_swiglu_fp8_with_preact")

@@ -339,17 +339,27 @@ def grouped_linear(x, weight, offsets, bias=None, *, row_scale=None, fp8=None,
     keeps nothing ``[M, N]`` for the scale's gradient and takes it as a sum over K from the dX
     product, where the written-out product keeps the unscaled output and sums over N.
 
-    ``fp8="rowwise"`` or ``"blockwise"`` (experimental; no bias, no ``row_scale`` yet): the
-    forward and dX products in e4m3, with per-row scales or with DeepSeek-V3's ``1 x 128`` /
-    ``128 x 128`` blocks; dW in x's dtype (:mod:`compileops.grouped_linear.fp8_op` for the
-    numerics). ``None``: no fp8. ``cache_fp8_weights=True``: the weight's e4m3 copies are
+    ``fp8="rowwise"`` or ``"blockwise"`` (experimental; no bias): the forward and dX products
+    in e4m3, with per-row scales or with DeepSeek-V3's ``1 x 128`` / ``128 x 128`` blocks; dW
+    in x's dtype (:mod:`compileops.grouped_linear.fp8_op` for the numerics). With
+    ``row_scale`` the scaling is the fp8 product's epilogue too, and the scale's gradient
+    comes from the fp8 dX product (so it carries fp8's error). ``None``: no fp8. ``cache_fp8_weights=True``: the weight's e4m3 copies are
     made once per version of the weight and reused (:mod:`compileops.grouped_linear.fp8_cache`
     says when a copy is stale, and what the cache holds); otherwise every call quantises it.
     """
     if fp8 is not None:
-        from compileops.grouped_linear.fp8_op import check_recipe, grouped_linear_fp8_op
+        from compileops.grouped_linear.checks import check_row_scale
+        from compileops.grouped_linear.fp8_op import (
+            check_recipe,
+            grouped_linear_fp8_op,
+            grouped_linear_row_scaled_fp8_op,
+        )
 
-        check_recipe(fp8, bias, row_scale=row_scale is not None)
+        check_recipe(fp8, bias)
+        if row_scale is not None:
+            check_row_scale(x, row_scale)
+            return grouped_linear_row_scaled_fp8_op(x, weight, offsets, row_scale.to(x.dtype),
+                                                    fp8, bool(cache_fp8_weights))
         return grouped_linear_fp8_op(x, weight, offsets, fp8, bool(cache_fp8_weights))
     check_fp8_weight_cache(cache_fp8_weights)
     if row_scale is not None:

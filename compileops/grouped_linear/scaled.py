@@ -60,14 +60,25 @@ class _RowScaledGroupedLinear(torch.autograd.Function):
 
 
 def _backward(ctx, grad):
-    from compileops.grouped_linear.op import grouped_linear_dx_op, grouped_linear_wgrad_op
+    from compileops.grouped_linear.op import grouped_linear_dx_op
 
     x, weight, offsets, row_scale = ctx.saved_tensors
-    need_dx, need_dw, _, need_ds = ctx.needs_input_grad
+    return row_scaled_backward(grad, x, weight, offsets, row_scale, ctx.needs_input_grad[:4],
+                               lambda: grouped_linear_dx_op(grad, weight, offsets))
+
+
+def row_scaled_backward(grad, x, weight, offsets, row_scale, needs, unscaled_dx):
+    """``(dx, dw, None, ds)`` of ``y = row_scale[:, None] * (x W_g^T)`` for ``grad [M, N]``;
+    ``needs``: which of ``(x, weight, offsets, row_scale)`` want a gradient;
+    ``unscaled_dx()``: the product ``grad_g @ W_g`` ``[M, K]`` (bf16, or fp8's), from which
+    both dx and ds come. dW in the weight's dtype, from the unquantised operands."""
+    from compileops.grouped_linear.op import grouped_linear_wgrad_op
+
+    need_dx, need_dw, _, need_ds = needs
     scale = row_scale.to(x.dtype).unsqueeze(-1)
     dx = dw = ds = None
     if need_dx or need_ds:
-        dx_unscaled = grouped_linear_dx_op(grad, weight, offsets)  # [M, K]
+        dx_unscaled = unscaled_dx()  # [M, K]
         if need_dx:
             dx = dx_unscaled * scale
         if need_ds:

@@ -11,6 +11,7 @@ from compileops.grouped_linear.fp8_op import (
     RECIPES,
     grouped_linear_fp8_dx_op,
     grouped_linear_fp8_op,
+    grouped_linear_row_scaled_fp8_op,
     grouped_linear_swiglu_fp8_with_preact_op,
 )
 
@@ -88,6 +89,31 @@ def test_forward_and_gradients_follow_the_recipe(backend, swiglu, scaling, devic
     assert torch.count_nonzero(y[36:]) == 0 and torch.count_nonzero(x.grad[36:]) == 0
 
 
+@pytest.mark.parametrize("scaling", RECIPES)
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_row_scale_is_the_products_epilogue(backend, scaling, device):
+    """``row_scale``: the forward's bits are those of the product written out, ``fp8 product
+    * p[:, None]``; dX and dW those of the same product's backward; the scale's gradient is
+    the sum over K of the fp8 dX product with x (not over N of dY with the unscaled output,
+    as the written-out product's is), so it differs from that by fp8's error."""
+    if device == "cuda" and backend == "reference":
+        pytest.skip("the reference backend runs on CPU")
+    x, w, offs = _inputs(device=device)
+    p = torch.rand(40, generator=torch.Generator().manual_seed(3)).to(device).requires_grad_()
+    dy = torch.randn(40, 48, generator=torch.Generator().manual_seed(4)).to(device)
+    with compileops.use_backend(backend):
+        y = compileops.grouped_linear(x, w, offs, row_scale=p, fp8=scaling)
+        got = torch.autograd.grad(y, (x, w, p), dy)
+        written = compileops.grouped_linear(x, w, offs, fp8=scaling) * p[:, None]
+        want = torch.autograd.grad(written, (x, w, p), dy)
+        dx_fp8 = grouped_linear_fp8_dx_op(dy, w.detach(), offs, scaling)
+    assert torch.equal(y, written)
+    assert _rel(got[0], want[0]) <= 1e-6 and _rel(got[1], want[1]) <= 1e-6
+    ds = (dx_fp8.double() * x.detach().double()).sum(-1)
+    assert _rel(got[2], ds) <= 1e-6
+    assert 1e-3 < _rel(got[2], want[2]) <= 1e-1
+
+
 def _unit_normal(seed, k=128, n=96):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(40, k, generator=gen).bfloat16().requires_grad_()
@@ -137,8 +163,11 @@ def test_compiled_matches_eager(dynamic, scaling, device):
     Inductor fuses the SwiGLU derivative (the input of dX and dW) into its own kernel."""
     x, w, offs = _inputs(device=device)
 
+    p = torch.rand(40, generator=torch.Generator().manual_seed(5)).to(device)
+
     def layer(x, w, offs):
-        return compileops.grouped_linear_swiglu(x, w, offs, fp8=scaling).relu() * 2
+        h = compileops.grouped_linear_swiglu(x, w, offs, fp8=scaling).relu() * 2
+        return compileops.grouped_linear(h, w[:, :, :24], offs, row_scale=p, fp8=scaling)
 
     eager = layer(x, w, offs)
     eager.sum().backward()
@@ -157,6 +186,8 @@ def test_opcheck(scaling):
     torch.library.opcheck(grouped_linear_swiglu_fp8_with_preact_op, (x, w, offs, scaling))
     grad = torch.randn(40, 48)
     torch.library.opcheck(grouped_linear_fp8_dx_op, (grad, w.detach(), offs, scaling))
+    p = torch.rand(40).requires_grad_()
+    torch.library.opcheck(grouped_linear_row_scaled_fp8_op, (x, w, offs, p, scaling))
 
 
 def test_module():
@@ -184,8 +215,8 @@ def test_bad_recipes_and_unsupported_options_are_clear_errors():
         compileops.grouped_linear(x, w, offs, fp8="tensorwise")
     with pytest.raises(ValueError, match="takes no bias"):
         compileops.grouped_linear(x, w, offs, torch.zeros(len(SPLITS), 48), fp8="rowwise")
-    with pytest.raises(ValueError, match="does not support row_scale"):
-        compileops.grouped_linear(x, w, offs, row_scale=torch.ones(40), fp8="rowwise")
+    with pytest.raises(ValueError, match=r"row_scale must be \[M\] = \[40\]"):
+        compileops.grouped_linear(x, w, offs, row_scale=torch.ones(39), fp8="rowwise")
     with pytest.raises(ValueError, match="does not support recompute"):
         compileops.grouped_linear_swiglu(x, w, offs, recompute=True, fp8="rowwise")
     with pytest.raises(TypeError, match="fp8 grouped linear takes bf16, fp16 or fp32"):

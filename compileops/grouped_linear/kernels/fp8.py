@@ -313,7 +313,7 @@ def grouped_linear_fp8_rowwise(
     x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor,
     offsets: torch.Tensor, *, swiglu: bool = False, out_dtype: torch.dtype,
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
-    preact: torch.Tensor | None = None,
+    preact: torch.Tensor | None = None, row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The rowwise fp8 grouped product: rows of group g of ``x [M, K]`` (16- or 32-bit)
     times ``W_g^T``, where ``weight_q [G, N, K]`` e4m3 and ``weight_scale [G, N]`` fp32 are
@@ -322,7 +322,9 @@ def grouped_linear_fp8_rowwise(
     ``(q, scale)`` come as ``x_fp8``. Each output tile is the fp32 sum of e4m3 products times
     its rows' and columns' scales, rounded once to ``out_dtype``; rows past ``offsets[-1]``
     are zeros. ``swiglu``: ``silu(gate) * up`` of the two column halves (``[M, N / 2]``),
-    with ``preact [M, N]`` receiving the scaled pre-activations if given.
+    with ``preact [M, N]`` receiving the scaled pre-activations if given. ``row_scale [M]``
+    in ``out_dtype``: row i of the rounded output times ``row_scale[i]``, rounded again (as
+    :func:`.mjagged.scale_rows`).
 
     Equal, up to the order of its fp32 sums, to
     :func:`compileops.grouped_linear.fp8.grouped_linear_reference` with ``"rowwise"``.
@@ -344,14 +346,14 @@ def grouped_linear_fp8_rowwise(
     return mjagged_gemm(xq, weight_q, (weight_q.stride(0), weight_q.stride(2),
                                        weight_q.stride(1)),
                         offsets, n_out, swiglu=swiglu, out_dtype=out_dtype, preact=preact,
-                        fp8_scales=(xs, weight_scale))
+                        row_scale=row_scale, fp8_scales=(xs, weight_scale))
 
 
 def grouped_linear_fp8_blockwise(
     x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor,
     offsets: torch.Tensor, *, out_dtype: torch.dtype, swiglu: bool = False,
     transposed: bool = False, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
-    preact: torch.Tensor | None = None,
+    preact: torch.Tensor | None = None, row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The blockwise fp8 grouped product (DeepSeek-V3's scaling): ``x [M, K']`` quantised in
     ``1 x 128`` blocks along its last dim (here, in one pass, unless ``x_fp8`` gives them),
@@ -364,6 +366,9 @@ def grouped_linear_fp8_blockwise(
       up`` of the halves, ``[M, N / 2]``, with ``preact [M, N]`` filled if given);
     * ``transposed=True``: ``x W_g`` (dX: ``K' = N``, out ``[M, K]``), the same blocks read
       transposed: a square block's scale is its transpose's.
+
+    ``row_scale [M]`` in ``out_dtype`` (forward only): row i of the rounded output times
+    ``row_scale[i]``, rounded again (as :func:`.mjagged.scale_rows`).
 
     Equal, up to the order of its fp32 sums, to
     :func:`compileops.grouped_linear.fp8.grouped_linear_reference` with ``"blockwise"`` (on
@@ -378,6 +383,8 @@ def grouped_linear_fp8_blockwise(
                          f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
     if swiglu and (transposed or n % 2):
         raise ValueError("swiglu needs the forward product and an even N")
+    if row_scale is not None and transposed:
+        raise ValueError("row_scale scales the forward product's rows, not dX's")
     reduction = n if transposed else k
     if x_fp8 is None:
         if x.dim() != 2 or x.shape[1] != reduction:
@@ -392,4 +399,4 @@ def grouped_linear_fp8_blockwise(
     return mjagged_gemm(xq, weight_q, (weight_q.stride(0), weight_q.stride(2),
                                        weight_q.stride(1)),
                         offsets, n_out, swiglu=swiglu, out_dtype=out_dtype, preact=preact,
-                        fp8_block_scales=(xs, weight_scale, (sg, sn, sk)))
+                        row_scale=row_scale, fp8_block_scales=(xs, weight_scale, (sg, sn, sk)))
