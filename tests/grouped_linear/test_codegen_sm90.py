@@ -173,13 +173,18 @@ CASES = {"bf16": ("bf16", False), "bf16-swiglu": ("bf16", True), "fp32-ieee": ("
          # blockwise fp8: the block scales applied per K step
          "fp8-blockwise-tma": ("fp8-blockwise", False, True),
          "fp8-blockwise-swiglu-tma": ("fp8-blockwise", True, True),
-         "fp8-blockwise-dx-tma": ("fp8-blockwise", False, True, True)}
+         "fp8-blockwise-dx-tma": ("fp8-blockwise", False, True, True),
+         # the router probability in the fp8 product's epilogue (row_scale)
+         "fp8-rowwise-row-scale-tma": ("fp8", False, True, False, False, False, True),
+         "fp8-blockwise-row-scale-tma": ("fp8-blockwise", False, True, False, False, False,
+                                         True)}
 
 
 def _main():  # runs in a subprocess without TRITON_INTERPRET (the compiler needs JITFunctions)
     out = {}
     for name, args in CASES.items():
-        kernel = mjagged_compile(*args[:5], save_preact=args[5] if len(args) > 5 else False)
+        kernel = mjagged_compile(*args[:5], save_preact=args[5] if len(args) > 5 else False,
+                                 row_scale=args[6] if len(args) > 6 else False)
         out[name] = dict(summarize(kernel.asm["ttgir"]),
                          # Hopper's fp8 MMA on e4m3 operands, not an upcast to 16 bits
                          e4m3_mma="f32.e4m3.e4m3" in kernel.asm["ptx"])
