@@ -14,7 +14,6 @@ FSDP2 computes what the unsharded layer does).
 """
 from __future__ import annotations
 
-import pytest
 import torch
 
 import compileops
@@ -57,19 +56,16 @@ def _rank(rank: int, world: int, reshard: bool) -> dict:
     return {"stale": stale, "against_unsharded": against_unsharded}
 
 
-def _resharding(rank: int, world: int) -> dict:
-    return _rank(rank, world, reshard=True)
+def _both_ways(rank: int, world: int) -> dict:
+    """Resharding after the forward and keeping the weights unsharded, in one process group."""
+    return {reshard: _rank(rank, world, reshard) for reshard in (True, False)}
 
 
-def _kept_unsharded(rank: int, world: int) -> dict:
-    return _rank(rank, world, reshard=False)
-
-
-@pytest.mark.parametrize("fn", [_resharding, _kept_unsharded], ids=["reshard", "keep"])
-def test_fp8_weight_cache_follows_fsdp2_all_gathers(fn):
-    results, codes = run_ranks(fn, WORLD, timeout_s=240)
+def test_fp8_weight_cache_follows_fsdp2_all_gathers():
+    results, codes = run_ranks(_both_ways, WORLD, timeout_s=240)
     assert codes == [0] * WORLD, results
     for rank in range(WORLD):
         assert "error" not in results[rank], results[rank]["error"]
-        assert results[rank]["stale"] == 0.0, results
-        assert results[rank]["against_unsharded"] == 0.0, results
+        for reshard in (True, False):
+            assert results[rank][reshard]["stale"] == 0.0, (reshard, results)
+            assert results[rank][reshard]["against_unsharded"] == 0.0, (reshard, results)

@@ -186,7 +186,17 @@ def test_opcheck(scaling):
     torch.library.opcheck(grouped_linear_swiglu_fp8_with_preact_op, (x, w, offs, scaling))
     grad = torch.randn(40, 48)
     torch.library.opcheck(grouped_linear_fp8_dx_op, (grad, w.detach(), offs, scaling))
-    p = torch.rand(40).requires_grad_()
+
+
+@pytest.mark.parametrize("scaling", RECIPES)
+def test_opcheck_row_scaled(scaling):
+    """Small operands (opcheck runs the op many times under the interpreter); K and N of 144
+    keep a ragged 128-wide block."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(12, 144, generator=gen).requires_grad_()
+    w = (torch.randn(3, 16, 144, generator=gen) / 12).requires_grad_()
+    offs = torch.tensor([4, 4, 10], dtype=torch.int32)
+    p = torch.rand(12, generator=gen).requires_grad_()
     torch.library.opcheck(grouped_linear_row_scaled_fp8_op, (x, w, offs, p, scaling))
 
 
