@@ -10,9 +10,6 @@ routing code, the weights and the inputs; only the expert GEMMs differ:
   probability is the template's epilogue; its gradient comes from the dX product).
 * ``compileops-recompute``: the same with ``recompute=True`` (no stored pre-activations; the
   backward recomputes the gate/up GEMM): its cost and the memory it saves.
-* ``compileops-mlp``: both GEMMs in one call, ``grouped_swiglu_mlp(..., row_scale=p)``: the
-  same forward; its backward runs the SwiGLU derivative, the probability and its gradient as
-  the epilogue of the down projection's dX product.
 * ``grouped_mm``: ``torch._grouped_mm`` + ``F.silu(gate) * up``, the anchor.
 
 With ``--fp8 rowwise`` (or ``blockwise``) two more, both in e4m3:
@@ -155,9 +152,6 @@ class MoELayer(torch.nn.Module):
             y = compileops.grouped_linear(h, self.down, offsets, fp8=self.fp8,
                                           cache_fp8_weights=cache)
             y = y * p_sorted[:, None].to(x.dtype)
-        elif self.impl == "compileops-mlp":
-            y = compileops.grouped_swiglu_mlp(xs, self.gate_up, self.down, offsets,
-                                              row_scale=p_sorted)
         else:
             kwargs = {"recompute": True} if self.impl == "compileops-recompute" else {}
             h = compileops.grouped_linear_swiglu(xs, self.gate_up, offsets, **kwargs)

@@ -25,7 +25,6 @@ from compileops.grouped_linear import (
     grouped_linear,
     grouped_linear_splits,
     grouped_linear_swiglu,
-    grouped_swiglu_mlp,
 )
 from compileops.mlstm import mlstm, mlstm_step, mlstm_with_stats
 from compileops import nn  # noqa: E402  (registers modules; cheap)
@@ -95,7 +94,6 @@ __all__ = [
     "grouped_linear",
     "grouped_linear_splits",
     "grouped_linear_swiglu",
-    "grouped_swiglu_mlp",
     "mlstm",
     "mlstm_step",
     "mlstm_with_stats",

@@ -9,7 +9,6 @@ from compileops.grouped_linear.op import (
     grouped_linear_swiglu,
     splits_to_offsets,
 )
-from compileops.grouped_linear.mlp import grouped_swiglu_mlp
 from compileops.grouped_linear.routing import permute_by_expert, unpermute_and_combine
 from compileops.grouped_linear import scaled  # noqa: F401  (documented: the row-scaled autograd)
 from compileops.grouped_linear import fp8_op  # noqa: F401  (registers the fp8 ops)
@@ -29,7 +28,6 @@ __all__ = [
     "grouped_linear",
     "grouped_linear_splits",
     "grouped_linear_swiglu",
-    "grouped_swiglu_mlp",
     "is_batch_invariant",
     "permute_by_expert",
     "set_batch_invariant",

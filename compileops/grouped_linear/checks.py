@@ -299,30 +299,6 @@ def check_row_scaled_args(x, weight, offsets, row_scale) -> None:
              lambda: f"row_scale must have x's dtype {x.dtype} here, got {row_scale.dtype}")
 
 
-def check_swiglu_down_dx_args(grad, down, offsets, preact, h, row_scale) -> None:
-    """``compileops::grouped_swiglu_down_dx``: the dX product's arguments (grad ``[M, D]``,
-    down ``[G, D, H]``), preact ``[M, 2H]`` and, together or not at all, h ``[M, H]`` and
-    row_scale ``[M]``, all in grad's dtype on its device."""
-    check_dx_args(grad, down, offsets)
-    rows, hidden = grad.shape[0], down.shape[2]
-    given = [("preact", preact, (rows, 2 * hidden), "[M, 2H]")]
-    _require((h is None) == (row_scale is None), ValueError,
-             lambda: "h and row_scale come together (the scale's gradient needs h), or not at "
-             "all")
-    if h is not None:
-        given += [("h", h, (rows, hidden), "[M, H]"), ("row_scale", row_scale, (rows,), "[M]")]
-    for name, t, shape, doc in given:
-        _require(isinstance(t, torch.Tensor) and tuple(t.shape) == shape, ValueError,
-                 lambda: f"{name} must be {doc} = {list(shape)} for grad [M, D] = "
-                 f"{list(grad.shape)} and down [G, D, H] = {list(down.shape)}, got "
-                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-        _require(t.dtype == grad.dtype, TypeError,
-                 lambda: f"{name} must have grad's dtype {grad.dtype}, got {t.dtype}")
-        _require(t.device == grad.device, RuntimeError,
-                 lambda: f"{name} is on {t.device} but grad is on {grad.device}; move them to "
-                 "the same device")
-
-
 def check_unpermute_args(y_sorted: torch.Tensor, order: torch.Tensor,
                          weights: torch.Tensor) -> None:
     """``unpermute_and_combine``: y_sorted ``[T*k, D]``, order ``[T*k]`` int32/int64,

@@ -44,7 +44,6 @@ from compileops.grouped_linear.checks import (
     check_row_scaled_args,
     check_splits,
     check_splits_eagerly,
-    check_swiglu_down_dx_args,
     check_wgrad_args,
 )
 from compileops.modes import BATCH_INVARIANT
@@ -155,8 +154,16 @@ def _grouped_linear_swiglu_fake(x, weight, offsets, bias=None):
     return _forward_fake(x, weight, offsets, bias, swiglu=True)
 
 
-# Plain pointwise torch ops: compiled, Inductor fuses them into one kernel.
-_swiglu_derivative = reference.swiglu_derivative
+def _swiglu_derivative(preact: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``d swiglu / d preact`` times ``grad [M, H]``: ``[M, 2H]`` (gate, then up) in grad's dtype,
+    computed in fp32 (fp64 for fp64). Plain pointwise torch ops, so Inductor fuses them into one kernel."""
+    acc = reference.compute_dtype(preact.dtype)
+    gate, up = preact.to(acc).chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    g = grad.to(acc)
+    d_gate = g * up * sig * (1 + gate * (1 - sig))
+    d_up = g * gate * sig
+    return torch.cat([d_gate, d_up], dim=-1).to(grad.dtype)
 
 
 def _swiglu_recompute_backward(ctx, grad):
@@ -261,41 +268,6 @@ def grouped_linear_dx_op(grad: torch.Tensor, weight: torch.Tensor, offsets: torc
 def _grouped_linear_dx_fake(grad, weight, offsets):
     check_dx_args(grad, weight, offsets)
     return grad.new_empty((grad.shape[0], weight.shape[2]))
-
-
-@custom_op("grouped_swiglu_down_dx")
-def grouped_swiglu_down_dx_op(
-    grad: torch.Tensor, down: torch.Tensor, offsets: torch.Tensor, preact: torch.Tensor,
-    h: Optional[torch.Tensor] = None, row_scale: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backward of ``y = row_scale * (silu(gate) * up) @ W_down_g^T`` down to the
-    pre-activations, in one kernel: grad ``[M, D]``, down ``[G, D, H]``, preact ``[M, 2H]``,
-    and h ``[M, H]`` with row_scale ``[M]`` (grad's dtype), or neither -> ``(dpreact [M,
-    2H], ds [M])``: the dX product ``grad_g @ W_down_g`` with the row scaling and the SwiGLU
-    derivative as its epilogue (nothing ``[M, H]`` is written), and the scale's gradient
-    ``sum_n dh * h`` in fp32 (fp64 for fp64; empty ``[0]`` without a row scale)."""
-    check_swiglu_down_dx_args(grad, down, offsets, preact, h, row_scale)
-    check_offsets_eagerly(offsets, grad.shape[0])
-    if _use_triton("grouped_swiglu_down_dx", grad):
-        from compileops.grouped_linear import kernels
-
-        dpreact, ds = kernels.grouped_swiglu_down_dx(grad, down, offsets, preact, h, row_scale,
-                                                     batch_invariant=BATCH_INVARIANT.enabled())
-    else:
-        dpreact, ds = reference.grouped_swiglu_down_dx(grad, down, offsets, preact, h, row_scale)
-    return dpreact, ds if ds is not None else _no_ds(grad)
-
-
-def _no_ds(grad) -> torch.Tensor:
-    return grad.new_empty((0,), dtype=reference.compute_dtype(grad.dtype))
-
-
-@grouped_swiglu_down_dx_op.register_fake
-def _grouped_swiglu_down_dx_fake(grad, down, offsets, preact, h=None, row_scale=None):
-    check_swiglu_down_dx_args(grad, down, offsets, preact, h, row_scale)
-    ds = (grad.new_empty((grad.shape[0],), dtype=reference.compute_dtype(grad.dtype))
-          if h is not None else _no_ds(grad))
-    return grad.new_empty((grad.shape[0], 2 * down.shape[2])), ds
 
 
 @custom_op("grouped_linear_wgrad")

@@ -114,29 +114,3 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, with_db=Tru
                 torch.zeros((0, n), dtype=bias_dtype, device=grad.device) if with_db else None)
     dw = torch.stack(dws).to(weight_dtype)
     return dw, torch.stack(dbs).to(bias_dtype) if with_db else None
-
-
-def swiglu_derivative(preact: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """``d swiglu / d preact`` times ``grad [M, H]``: ``[M, 2H]`` (gate, then up) in grad's
-    dtype, computed in fp32 (fp64 for fp64)."""
-    acc = compute_dtype(preact.dtype)
-    gate, up = preact.to(acc).chunk(2, dim=-1)
-    sig = torch.sigmoid(gate)
-    g = grad.to(acc)
-    d_gate = g * up * sig * (1 + gate * (1 - sig))
-    d_up = g * gate * sig
-    return torch.cat([d_gate, d_up], dim=-1).to(grad.dtype)
-
-
-def grouped_swiglu_down_dx(grad, down, offsets, preact, h=None, row_scale=None):
-    """The written-out chain that ``compileops::grouped_swiglu_down_dx`` fuses: ``dh =
-    grad_g @ W_down_g`` ``[M, H]`` rounded to grad's dtype; with ``row_scale``, ``ds =
-    sum_n dh * h`` ``[M]`` (fp32, fp64 for fp64) and ``dh * row_scale``; then the SwiGLU
-    derivative ``[M, 2H]``. Returns ``(dpreact, ds or None)``."""
-    dh = grouped_linear_dx(grad, down, offsets)
-    ds = None
-    if row_scale is not None:
-        acc = compute_dtype(grad.dtype)
-        ds = (dh.to(acc) * h.to(acc)).sum(-1)
-        dh = dh * row_scale.unsqueeze(-1)
-    return swiglu_derivative(preact, dh), ds

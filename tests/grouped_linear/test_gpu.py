@@ -164,56 +164,6 @@ def test_row_scaled_op_is_the_written_out_product_bitwise(dtype):
         assert torch.equal(compiled(x, w, offs, scale), want), dynamic
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_swiglu_mlp_fused_backward(dtype, monkeypatch):
-    """``grouped_swiglu_mlp`` at a real width: every gradient within the contract against
-    fp64; the fused kernel's pre-activation gradient against the written-out chain (dX
-    product, row scaling, PyTorch's derivative: roundings to nearest on both sides, so only
-    the sigmoid's last bit may differ); bitwise run to run, eager and compiled, and compiled
-    close to eager; tail zeros."""
-    from compileops.grouped_linear.op import (
-        grouped_linear_dx_op,
-        grouped_linear_swiglu_with_preact_op,
-        grouped_swiglu_down_dx_op,
-    )
-
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # restored after
-    x, gate_up, offs, _ = make(16, 4096, 1024, 2 * 768, dtype)
-    down = make(16, 4096, 768, 1024, dtype, seed=1)[1]
-    scale = torch.rand(4096, device="cuda") + 0.05
-    grad = torch.randn(4096, 1024, device="cuda").to(dtype)
-
-    def run(fn, *tensors):
-        leaves = [t.detach().clone().requires_grad_() for t in tensors or (x, gate_up, down, scale)]
-        y = fn(*leaves[:3], offs, row_scale=leaves[3])
-        return (y, *torch.autograd.grad(y, leaves, grad.to(y.dtype)))
-
-    got = run(compileops.grouped_swiglu_mlp)
-    assert torch.equal(got[0], run(lambda x, gu, d, o, row_scale: compileops.grouped_linear(
-        compileops.grouped_linear_swiglu(x, gu, o), d, o, row_scale=row_scale))[0])
-    with compileops.use_backend("reference"):
-        want = run(compileops.grouped_swiglu_mlp, *(t.double() for t in (x, gate_up, down, scale)))
-    for g, e, what in zip(got, want, ("y", "dx", "d_gate_up", "d_down", "d_scale")):
-        assert_close_to_reference(g, e, max_relative_error=TOL[dtype], what=what)
-    for a, b in zip(got, run(compileops.grouped_swiglu_mlp)):
-        assert torch.equal(a, b)
-    compiled = torch.compile(compileops.grouped_swiglu_mlp, fullgraph=True)
-    first = run(compiled)
-    for a, b, e in zip(first, run(compiled), got):
-        assert torch.equal(a, b)
-        assert_close_to_reference(a, e, max_relative_error=1e-3, what="compiled against eager")
-    h, preact = grouped_linear_swiglu_with_preact_op(x, gate_up, offs)
-    dpreact, ds = grouped_swiglu_down_dx_op(grad, down, offs, preact, h, scale.to(dtype))
-    dh = grouped_linear_dx_op(grad, down, offs)
-    chain = reference.swiglu_derivative(preact, dh * scale.to(dtype)[:, None])
-    assert_close_to_reference(dpreact, chain, max_relative_error=1e-6 if dtype == torch.float32
-                              else 1e-3, what="dpreact")
-    assert_close_to_reference(ds, (dh.float() * h.float()).sum(-1), max_relative_error=1e-5,
-                              what="ds")
-    tail = int(offs[-1])
-    assert torch.equal(dpreact[tail:], torch.zeros_like(dpreact[tail:]))
-
-
 def test_explicit_config_that_does_not_fit_raises_and_keeps_tma_on():
     """A tuning sweep passes configs that may not fit in shared memory: such a launch must
     raise (not be timed as the pointer kernel) and must not turn TMA off for the default

@@ -255,115 +255,6 @@ def store_tile(out_ptr, stride_om, stride_on, row_start, m_size, tile_m, tile_n,
     tl.store(dst, tile.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def swiglu_grad_columns(dh, active, pre_ptr, stride_pm, stride_pn, h_ptr, stride_hm, stride_hn,
-                        scale_ptr, out_ptr, stride_om, stride_on, row_start, m_size, tile_m,
-                        col_start, n_size, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr,
-                        ROW_SCALE: tl.constexpr):
-    """:func:`swiglu_grad_epilogue` on the columns ``col_start + arange(WIDTH)`` of a tile:
-    stores their pre-activation gradients; returns their share of the scale's gradient,
-    fp32 ``[BLOCK_M]`` (zeros without ``ROW_SCALE``)."""
-    rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = col_start + tl.arange(0, WIDTH)
-    row_ok = rm < m_size
-    mask = row_ok[:, None] & (rn < n_size)[None, :]
-    rows = (row_start + rm).to(tl.int64)
-    cols = rn.to(tl.int64)
-    out_dtype = out_ptr.dtype.element_ty
-    dh = dh.to(out_dtype).to(tl.float32)
-    ds = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if ROW_SCALE:
-        h = tl.load(h_ptr + rows[:, None] * stride_hm + cols[None, :] * stride_hn, mask=mask,
-                    other=0.0).to(tl.float32)
-        ds = tl.where(active, tl.sum(dh * h, axis=1), 0.0)
-        scale = tl.load(scale_ptr + rows, mask=row_ok, other=1.0).to(tl.float32)
-        dh = (dh * scale[:, None]).to(out_dtype).to(tl.float32)
-    pre = pre_ptr + rows[:, None] * stride_pm + cols[None, :] * stride_pn
-    gate = tl.load(pre, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(pre + tl.cast(n_size, tl.int64) * stride_pn, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(gate)
-    d_gate = tl.where(active, dh * up * sig * (1 + gate * (1 - sig)), 0.0)
-    d_up = tl.where(active, dh * gate * sig, 0.0)
-    dst = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
-    tl.store(dst, d_gate.to(out_dtype), mask=mask)
-    tl.store(dst + tl.cast(n_size, tl.int64) * stride_on, d_up.to(out_dtype), mask=mask)
-    return ds
-
-
-@triton.jit
-def column_halves(tile, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
-    """``tile [BLOCK_M, WIDTH]`` -> its left and right ``[BLOCK_M, WIDTH / 2]`` halves."""
-    return tl.split(tl.permute(tl.reshape(tile, (BLOCK_M, 2, WIDTH // 2)), (0, 2, 1)))
-
-
-@triton.jit
-def swiglu_grad_epilogue(dh, active, pre_ptr, stride_pm, stride_pn, h_ptr, stride_hm,
-                         stride_hn, scale_ptr, ds_ptr, stride_dsn, out_ptr, stride_om, stride_on,
-                         row_start, m_size, tile_m, tile_n, n_size,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_SCALE: tl.constexpr,
-                         SUBTILES: tl.constexpr):
-    """The SwiGLU derivative as the epilogue of the down projection's dX product.
-
-    ``dh`` fp32 ``[BLOCK_M, BLOCK_N]``: the tile of ``dY_g @ W_down_g`` (columns: the expert
-    hidden size H = ``n_size``), rounded to out's dtype as the dX product writes it. With
-    ``ROW_SCALE``: the tile's share of the scale's gradient, ``sum_n dh * h`` ``[BLOCK_M]``
-    (``h_ptr``: the down projection's input ``[M, H]``), goes to ``ds[tile_n, row]`` (fp32,
-    ``stride_dsn`` between column tiles: the caller adds the tiles up, in a fixed order), and
-    ``dh`` becomes ``dh * scale[row]`` rounded (``scale_ptr``: ``[M]`` in out's dtype). Then
-    ``d gate = dh * up * s * (1 + gate * (1 - s))``, ``d up = dh * gate * s`` (``s =
-    sigmoid(gate)``, fp32) from the pre-activations ``[M, 2H]`` (gate, then up; ``pre_ptr``,
-    strides ``(stride_pm, stride_pn)``), stored to ``out [M, 2H]`` the same way: the bits of
-    the written-out chain (dX product, row scaling, pointwise derivative). An inactive tile
-    (rows past the last group) writes zeros, whatever those rows of h and the
-    pre-activations hold.
-
-    ``SUBTILES`` (1, 2 or 4): the tile is worked through in that many column slices, one
-    after the other, so that the h, gate and up tiles and their addresses are live for one
-    slice at a time: whole, a 128 x 256 tile's epilogue needs more than 255 registers a
-    thread (sm90)."""
-    c0 = tile_n * BLOCK_N
-    if SUBTILES == 1:
-        ds = swiglu_grad_columns(dh, active, pre_ptr, stride_pm, stride_pn, h_ptr, stride_hm,
-                                 stride_hn, scale_ptr, out_ptr, stride_om, stride_on,
-                                 row_start, m_size, tile_m, c0, n_size, BLOCK_M, BLOCK_N,
-                                 ROW_SCALE)
-    else:
-        left, right = column_halves(dh, BLOCK_M, BLOCK_N)
-        if SUBTILES == 2:
-            ds = swiglu_grad_columns(left, active, pre_ptr, stride_pm, stride_pn, h_ptr,
-                                     stride_hm, stride_hn, scale_ptr, out_ptr, stride_om,
-                                     stride_on, row_start, m_size, tile_m, c0, n_size,
-                                     BLOCK_M, BLOCK_N // 2, ROW_SCALE)
-            ds += swiglu_grad_columns(right, active, pre_ptr, stride_pm, stride_pn, h_ptr,
-                                      stride_hm, stride_hn, scale_ptr, out_ptr, stride_om,
-                                      stride_on, row_start, m_size, tile_m, c0 + BLOCK_N // 2,
-                                      n_size, BLOCK_M, BLOCK_N // 2, ROW_SCALE)
-        else:
-            quarter: tl.constexpr = BLOCK_N // 4
-            q0, q1 = column_halves(left, BLOCK_M, BLOCK_N // 2)
-            q2, q3 = column_halves(right, BLOCK_M, BLOCK_N // 2)
-            ds = swiglu_grad_columns(q0, active, pre_ptr, stride_pm, stride_pn, h_ptr,
-                                     stride_hm, stride_hn, scale_ptr, out_ptr, stride_om,
-                                     stride_on, row_start, m_size, tile_m, c0, n_size,
-                                     BLOCK_M, quarter, ROW_SCALE)
-            ds += swiglu_grad_columns(q1, active, pre_ptr, stride_pm, stride_pn, h_ptr,
-                                      stride_hm, stride_hn, scale_ptr, out_ptr, stride_om,
-                                      stride_on, row_start, m_size, tile_m, c0 + quarter,
-                                      n_size, BLOCK_M, quarter, ROW_SCALE)
-            ds += swiglu_grad_columns(q2, active, pre_ptr, stride_pm, stride_pn, h_ptr,
-                                      stride_hm, stride_hn, scale_ptr, out_ptr, stride_om,
-                                      stride_on, row_start, m_size, tile_m, c0 + 2 * quarter,
-                                      n_size, BLOCK_M, quarter, ROW_SCALE)
-            ds += swiglu_grad_columns(q3, active, pre_ptr, stride_pm, stride_pn, h_ptr,
-                                      stride_hm, stride_hn, scale_ptr, out_ptr, stride_om,
-                                      stride_on, row_start, m_size, tile_m, c0 + 3 * quarter,
-                                      n_size, BLOCK_M, quarter, ROW_SCALE)
-    if ROW_SCALE:
-        rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        tl.store(ds_ptr + tl.cast(tile_n, tl.int64) * stride_dsn + (row_start + rm).to(tl.int64),
-                 ds, mask=rm < m_size)
-
-
 # ---------------------------------------------------------------------------------------
 # Eager kernel
 
@@ -381,8 +272,7 @@ def mjagged_gemm_kernel(
     USE_TMA: tl.constexpr, B_KN: tl.constexpr, G_BLOCK: tl.constexpr, FLATTEN: tl.constexpr,
     TMA_STORE: tl.constexpr = False, SAVE_PREACT: tl.constexpr = False,
     ROW_SCALE: tl.constexpr = False, FP8_ROWWISE: tl.constexpr = False,
-    FP8_BLOCKWISE: tl.constexpr = False, h_ptr=None, stride_hm=0, stride_hn=0, ds_ptr=None,
-    stride_dsn=0, SWIGLU_GRAD: tl.constexpr = False, GRAD_SUBTILES: tl.constexpr = 1,
+    FP8_BLOCKWISE: tl.constexpr = False,
 ):
     """Persistent M-jagged grouped GEMM.
 
@@ -407,11 +297,6 @@ def mjagged_gemm_kernel(
       block scales (row stride ``stride_asm``), ``b_scale_ptr`` the weight's 128 x 128 block
       scales (strides ``stride_bsg``, ``stride_bsn`` per block of output columns,
       ``stride_bsk`` per block of K), applied per K step (:func:`mjagged_tile`).
-    * ``SWIGLU_GRAD`` (dX of a down projection whose input was ``silu(gate) * up``): the
-      tile goes through :func:`swiglu_grad_epilogue` instead of being stored; ``out`` is the
-      gradient of the pre-activations ``[M, 2 * N_OUT]``, ``pre_ptr`` the pre-activations,
-      and with ``ROW_SCALE`` ``h_ptr`` / ``ds_ptr`` the SwiGLU output and the scale
-      gradient's per-column-tile sums ``[cdiv(N_OUT, BLOCK_N), M]``.
 
     Every program strides through the flat tile space by ``NUM_PROGS``. ``FLATTEN`` lets
     Triton pipeline across consecutive tiles. ``USE_TMA``: loads through descriptors
@@ -464,21 +349,15 @@ def mjagged_gemm_kernel(
                 store_tile(pre_ptr, stride_pm, stride_pn, start, end - start, tile_m, tile_n,
                            N_OUT, N_OUT, up, BLOCK_M, BLOCK_N)
             acc = swiglu(acc, up)
-        if SWIGLU_GRAD:
-            swiglu_grad_epilogue(acc, g < G, pre_ptr, stride_pm, stride_pn, h_ptr, stride_hm,
-                                 stride_hn, scale_ptr, ds_ptr, stride_dsn, out_ptr, stride_om,
-                                 stride_on, start, end - start, tile_m, tile_n, N_OUT,
-                                 BLOCK_M, BLOCK_N, ROW_SCALE, GRAD_SUBTILES)
+        if ROW_SCALE:
+            acc = scale_rows(acc, scale_ptr, start, end - start, tile_m, BLOCK_M,
+                             out_ptr.dtype.element_ty)
+        if USE_TMA and TMA_STORE:
+            store_rows_below(out_desc, start + tile_m * BLOCK_M, end, tile_n * BLOCK_N,
+                             acc.to(out_ptr.dtype.element_ty), BLOCK_M, BLOCK_N)
         else:
-            if ROW_SCALE:
-                acc = scale_rows(acc, scale_ptr, start, end - start, tile_m, BLOCK_M,
-                                 out_ptr.dtype.element_ty)
-            if USE_TMA and TMA_STORE:
-                store_rows_below(out_desc, start + tile_m * BLOCK_M, end, tile_n * BLOCK_N,
-                                 acc.to(out_ptr.dtype.element_ty), BLOCK_M, BLOCK_N)
-            else:
-                store_tile(out_ptr, stride_om, stride_on, start, end - start, tile_m, tile_n, 0,
-                           N_OUT, acc, BLOCK_M, BLOCK_N)
+            store_tile(out_ptr, stride_om, stride_on, start, end - start, tile_m, tile_n, 0,
+                       N_OUT, acc, BLOCK_M, BLOCK_N)
 
 
 # ---------------------------------------------------------------------------------------
@@ -494,8 +373,7 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
                  row_scale: Optional[torch.Tensor] = None,
                  fp8_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                  fp8_block_scales: Optional[tuple[torch.Tensor, torch.Tensor,
-                                                  tuple[int, int, int]]] = None,
-                 swiglu_grad: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None):
+                                                  tuple[int, int, int]]] = None) -> torch.Tensor:
     """``out [M, n_out]``: rows of group g are ``A_g @ B_g`` (B addressed through
     ``b_strides = (stride_g, stride_k, stride_n)``), tail rows zero.
 
@@ -515,10 +393,6 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
     bias): the blockwise fp8 product, each K step scaled by its blocks' scales
     (:func:`mjagged_tile`); ``b_scale``'s strides address the block of output columns and of
     K (for dX, W's own ``[G, N / 128, K / 128]`` scales with the last two strides swapped).
-    ``swiglu_grad = (preact [M, 2 n_out], h [M, n_out] or None)`` (dX, with ``b_kn``): the
-    SwiGLU derivative as the epilogue (:func:`swiglu_grad_epilogue`); returns ``(dpreact [M,
-    2 n_out], ds_tiles)``, ``ds_tiles`` fp32 ``[cdiv(n_out, block_n), M]`` with ``row_scale``
-    (``h`` given), else None.
     """
     m, k = a.shape
     offsets = offsets.contiguous()  # the kernel reads offsets[g] at offs_ptr + g
@@ -536,37 +410,11 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
     elif fp8_block_scales is not None:
         a_scale, b_scale, block_strides = fp8_block_scales
         a_scale = a_scale.contiguous()
-    h = ds_tiles = None
-    if swiglu_grad is not None:
-        if preact is not None:
-            raise ValueError("preact is the SwiGLU forward's; swiglu_grad brings its own")
-        preact, h = swiglu_grad
-        if (h is None) != (row_scale is None):
-            raise ValueError("the SwiGLU derivative epilogue takes h with row_scale, and "
-                             "neither without")
-    out = torch.empty((m, 2 * n_out if swiglu_grad is not None else n_out), dtype=out_dtype,
-                      device=a.device)
+    out = torch.empty((m, n_out), dtype=out_dtype, device=a.device)
+    if m == 0 or n_out == 0:
+        return out
     cfg = config or choose_config(m, groups, n_out, k, a.dtype, a.device,
                                   batch_invariant=batch_invariant, swiglu=swiglu)
-    if swiglu_grad is not None and config is None:
-        # The derivative's epilogue loads h, gate and up beside the accumulator: at 128 x
-        # 256 it spills on sm90 even in four column slices (and serialises the wgmmas);
-        # 128 columns in four slices of 32 build without spills (195 registers, triton 3.6).
-        cfg = dataclasses.replace(cfg, block_n=min(cfg.block_n, 128))
-    # Slices of 32 columns (see swiglu_grad_epilogue).
-    grad_subtiles = max(1, min(4, cfg.block_n // 32))
-    if h is not None:
-        # Every element is written (tail rows as zeros): no zero fill.
-        ds_tiles = torch.empty((triton.cdiv(n_out, cfg.block_n), m), dtype=torch.float32,
-                               device=a.device)
-
-    def finished():
-        return (out, ds_tiles) if swiglu_grad is not None else out
-
-    if m == 0 or n_out == 0:
-        if ds_tiles is not None:
-            ds_tiles.zero_()
-        return finished()
     if fp8_block_scales is not None:
         if 128 % cfg.block_k:
             raise ValueError(f"the blockwise fp8 product needs a block_k dividing 128, got "
@@ -579,8 +427,7 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
     progs = grid_size(a.device, cfg)
     if use_tma is None:
         use_tma = not batch_invariant and tma_applies(a, b, cfg)
-    # The derivative epilogue stores two column halves and a row sum: pointer stores.
-    store = swiglu_grad is None and mjagged_tma_store(out, cfg, bool(use_tma))
+    store = mjagged_tma_store(out, cfg, bool(use_tma))
 
     def launch(tma: bool, tma_store: bool = False) -> None:
         if tma:
@@ -605,12 +452,6 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
             TMA_STORE=tma and tma_store, SAVE_PREACT=preact is not None,
             ROW_SCALE=row_scale is not None, FP8_ROWWISE=fp8_scales is not None,
             FP8_BLOCKWISE=fp8_block_scales is not None,
-            h_ptr=h if h is not None else out,
-            stride_hm=h.stride(0) if h is not None else 0,
-            stride_hn=h.stride(1) if h is not None else 0,
-            ds_ptr=ds_tiles if ds_tiles is not None else out,
-            stride_dsn=ds_tiles.stride(0) if ds_tiles is not None else 0,
-            SWIGLU_GRAD=swiglu_grad is not None, GRAD_SUBTILES=grad_subtiles,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
@@ -621,15 +462,15 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
                                    Fallback.MJAGGED_TMA_STORE, a.device, explicit=explicit,
                                    what="M-jagged kernel with TMA store",
                                    instead="pointer stores"):
-                return finished()
+                return out
         # An explicit config that does not fit raises: it must neither be timed as the
         # pointer kernel nor turn TMA off for every later default launch on the device.
         if launch_or_fall_back(lambda: launch(True), Fallback.TMA, a.device, explicit=explicit,
                                what="TMA kernel", instead="the pointer-based kernels"):
-            return finished()
+            return out
     interpreted = bool(use_tma) and a.device.type != "cuda"
     launch(interpreted, tma_store=interpreted and store)
-    return finished()
+    return out
 
 
 def grouped_linear_forward(x, weight, offsets, bias=None, *, batch_invariant=False, use_tma=None,
@@ -658,22 +499,3 @@ def grouped_linear_dx(grad, weight, offsets, *, batch_invariant=False, use_tma=N
     return mjagged_gemm(grad, weight, (weight.stride(0), weight.stride(1), weight.stride(2)),
                         offsets, k, out_dtype=grad.dtype, batch_invariant=batch_invariant,
                         b_kn=True, use_tma=use_tma)
-
-
-def grouped_swiglu_down_dx(grad, down, offsets, preact, h=None, row_scale=None, *,
-                           batch_invariant=False, use_tma=None, config=None):
-    """The gradient of the pre-activations of ``y = row_scale * (swiglu(preact) @ W_down_g^T)``.
-
-    grad ``[M, D]``, down ``[G, D, H]``, offsets int32 ``[G]``, preact ``[M, 2H]`` (gate,
-    then up), h ``[M, H]`` (``silu(gate) * up`` as the forward wrote it) and row_scale ``[M]``
-    in grad's dtype, or neither -> ``(dpreact [M, 2H], ds [M] fp32 or None)``: the dX
-    product ``grad_g @ W_down_g`` with the row scaling and the SwiGLU derivative as its
-    epilogue, and the scale's gradient ``sum_n (grad_g @ W_down_g)[:, n] * h[:, n]``, added
-    over the column tiles in a fixed order (no atomics). ``config``: as in
-    :func:`mjagged_gemm` (None: its pick, at most 128 columns a tile)."""
-    hidden = down.shape[2]
-    dpreact, ds_tiles = mjagged_gemm(
-        grad, down, (down.stride(0), down.stride(1), down.stride(2)), offsets, hidden,
-        out_dtype=grad.dtype, batch_invariant=batch_invariant, b_kn=True, use_tma=use_tma,
-        row_scale=row_scale, swiglu_grad=(preact, h), config=config)
-    return dpreact, None if ds_tiles is None else ds_tiles.sum(0)
