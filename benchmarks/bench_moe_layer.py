@@ -15,7 +15,8 @@ routing code, the weights and the inputs; only the expert GEMMs differ:
 With ``--fp8 rowwise`` (or ``blockwise``) two more, both in e4m3:
 
 * ``compileops-fp8``: ``grouped_linear_swiglu(..., fp8=...)`` and ``grouped_linear(...,
-  fp8=...) * p`` with the scaling asked for (fp8 forward and dX products, dW in bf16);
+  row_scale=p, fp8=...)`` with the scaling asked for (fp8 forward and dX products, the
+  probability in the product's epilogue, dW in bf16);
 * ``torchao-fp8``: torchao's ``_to_fp8_rowwise_then_scaled_grouped_mm`` for both GEMMs (fp8
   forward, dX and dW, rowwise whatever ``--fp8`` says), the fp8 anchor. Its GEMM needs every group's row count to be a multiple
   of 16, so this layer first copies the sorted rows into groups padded to 16 (and gathers the
@@ -149,9 +150,8 @@ class MoELayer(torch.nn.Module):
             cache = self.impl == "compileops-fp8-cached"
             h = compileops.grouped_linear_swiglu(xs, self.gate_up, offsets, fp8=self.fp8,
                                                  cache_fp8_weights=cache)
-            y = compileops.grouped_linear(h, self.down, offsets, fp8=self.fp8,
-                                          cache_fp8_weights=cache)
-            y = y * p_sorted[:, None].to(x.dtype)
+            y = compileops.grouped_linear(h, self.down, offsets, row_scale=p_sorted,
+                                          fp8=self.fp8, cache_fp8_weights=cache)
         else:
             kwargs = {"recompute": True} if self.impl == "compileops-recompute" else {}
             h = compileops.grouped_linear_swiglu(xs, self.gate_up, offsets, **kwargs)
