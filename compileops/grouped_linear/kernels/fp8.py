@@ -239,10 +239,6 @@ def quantize_blockwise(x: torch.Tensor, block: tuple[int, int]
 #: 16384 x 4096 to 65536 x 14336): 4096 elements ran at 1.6-2.3 TB/s, 8192 at 1.6-2.1 and
 #: 16384 (one program a row, 166 registers a thread) at 1.1-1.5.
 ROWWISE_TILE_ELEMENTS = 4096
-
-#: Whether the blockwise fp8 product quantises its 16-bit A operand as it loads it (by
-#: default, on a GPU), rather than after a quantisation kernel of its own.
-QUANTISE_IN_PRODUCT = True
 ROWWISE_WARPS = 8
 
 
@@ -330,11 +326,6 @@ def grouped_linear_fp8_rowwise(
     in ``out_dtype``: row i of the rounded output times ``row_scale[i]``, rounded again (as
     :func:`.mjagged.scale_rows`).
 
-    ``quantise_in_product`` (None: :data:`QUANTISE_IN_PRODUCT`; not with ``x_fp8``): x's
-    ``1 x 128`` blocks are quantised by the product as it loads them (the same bits), with
-    no quantisation kernel and no e4m3 copy of x; on a GPU (the interpreter's tiles are
-    narrower than a block). ``config``: :func:`.mjagged.mjagged_gemm`'s.
-
     Equal, up to the order of its fp32 sums, to
     :func:`compileops.grouped_linear.fp8.grouped_linear_reference` with ``"rowwise"``.
     """
@@ -363,7 +354,6 @@ def grouped_linear_fp8_blockwise(
     offsets: torch.Tensor, *, out_dtype: torch.dtype, swiglu: bool = False,
     transposed: bool = False, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
     preact: torch.Tensor | None = None, row_scale: torch.Tensor | None = None,
-    quantise_in_product: bool | None = None, config=None,
 ) -> torch.Tensor:
     """The blockwise fp8 grouped product (DeepSeek-V3's scaling): ``x [M, K']`` quantised in
     ``1 x 128`` blocks along its last dim (here, in one pass, unless ``x_fp8`` gives them),
@@ -396,25 +386,17 @@ def grouped_linear_fp8_blockwise(
     if row_scale is not None and transposed:
         raise ValueError("row_scale scales the forward product's rows, not dX's")
     reduction = n if transposed else k
-    if quantise_in_product is None:
-        quantise_in_product = QUANTISE_IN_PRODUCT and x_fp8 is None and x.device.type == "cuda"
     if x_fp8 is None:
         if x.dim() != 2 or x.shape[1] != reduction:
             raise ValueError(f"x must be [M, {reduction}], got shape {tuple(x.shape)}")
-        # The product reads no A scales when it quantises A itself: any fp32 tensor will do.
-        x_fp8 = ((x, weight_scale) if quantise_in_product
-                 else quantize_blockwise(x, (1, 128)))
-    elif quantise_in_product:
-        raise ValueError("quantise_in_product quantises x itself: x_fp8 must be None")
+        x_fp8 = quantize_blockwise(x, (1, 128))
     xq, xs = x_fp8
     sg, sn, sk = weight_scale.stride()
     if transposed:
         return mjagged_gemm(xq, weight_q, weight_q.stride(), offsets, k, out_dtype=out_dtype,
-                            b_kn=True, fp8_block_scales=(xs, weight_scale, (sg, sk, sn)),
-                            config=config, quantise_a=quantise_in_product)
+                            b_kn=True, fp8_block_scales=(xs, weight_scale, (sg, sk, sn)))
     n_out = n // 2 if swiglu else n
     return mjagged_gemm(xq, weight_q, (weight_q.stride(0), weight_q.stride(2),
                                        weight_q.stride(1)),
                         offsets, n_out, swiglu=swiglu, out_dtype=out_dtype, preact=preact,
-                        row_scale=row_scale, fp8_block_scales=(xs, weight_scale, (sg, sn, sk)),
-                        config=config, quantise_a=quantise_in_product)
+                        row_scale=row_scale, fp8_block_scales=(xs, weight_scale, (sg, sn, sk)))

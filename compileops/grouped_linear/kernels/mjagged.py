@@ -29,7 +29,6 @@ from compileops.grouped_linear.kernels.config import (
     group_block,
     input_precision,
 )
-from compileops.grouped_linear.kernels.fp8 import amax_and_nans, quantize_to_e4m3, scales_of
 from compileops.grouped_linear.kernels.tiles import group_tile_table, locate_tile
 from compileops.grouped_linear.kernels.tma import (
     Fallback,
@@ -100,7 +99,6 @@ def mjagged_tile(
     USE_TMA: tl.constexpr, B_KN: tl.constexpr,
     a_block_scale_ptr=None, b_block_scale_ptr=None, stride_asm=0, stride_bsg=0,
     stride_bsn=0, stride_bsk=0, FP8_BLOCKWISE: tl.constexpr = False,
-    A_QUANTISE: tl.constexpr = False,
 ):
     """fp32 ``[BLOCK_M, BLOCK_N]`` tile of ``A[row_start + rm] @ B_g[:, rn] (+ bias_g[rn])``.
 
@@ -160,16 +158,8 @@ def mjagged_tile(
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if FP8_BLOCKWISE:
-            if A_QUANTISE:
-                # A arrives in 16 bits: each K step (BLOCK_K == 128) is one 1 x 128 block
-                # per row, quantised here by the standalone quantiser's rule, bit for bit.
-                a_wide = a.to(tl.float32)
-                a_amax, a_nans = amax_and_nans(a_wide, 1)
-                a_scale, a_inverse = scales_of(a_amax, a_nans)
-                a = quantize_to_e4m3(a_wide, a_inverse[:, None]).to(b.dtype)
-            else:
-                a_scale = tl.load(a_block_scale_ptr + rows * stride_asm + k0 // 128,
-                                  mask=row_ok, other=0.0)
+            a_scale = tl.load(a_block_scale_ptr + rows * stride_asm + k0 // 128, mask=row_ok,
+                              other=0.0)
             acc = acc + fp8_block_product(a, b, INTERPRETER_DOT) * a_scale[:, None] * \
                 weight_block_scale(b_block_scale_ptr, g, cols, col_ok, k0, stride_bsg,
                                    stride_bsn, stride_bsk)[None, :]
@@ -282,7 +272,7 @@ def mjagged_gemm_kernel(
     USE_TMA: tl.constexpr, B_KN: tl.constexpr, G_BLOCK: tl.constexpr, FLATTEN: tl.constexpr,
     TMA_STORE: tl.constexpr = False, SAVE_PREACT: tl.constexpr = False,
     ROW_SCALE: tl.constexpr = False, FP8_ROWWISE: tl.constexpr = False,
-    FP8_BLOCKWISE: tl.constexpr = False, A_QUANTISE: tl.constexpr = False,
+    FP8_BLOCKWISE: tl.constexpr = False,
 ):
     """Persistent M-jagged grouped GEMM.
 
@@ -343,7 +333,7 @@ def mjagged_gemm_kernel(
             stride_biasg, stride_biasn, a_desc, b_desc, HAS_BIAS, SWIGLU, BLOCK_M, BLOCK_N,
             BLOCK_K, INPUT_PRECISION, INTERPRETER_DOT, USE_TMA, B_KN,
             a_scale_ptr, b_scale_ptr, stride_asm, stride_bsg, stride_bsn, stride_bsk,
-            FP8_BLOCKWISE, A_QUANTISE,
+            FP8_BLOCKWISE,
         )  # [BLOCK_M, BLOCK_N] each, fp32
         if FP8_ROWWISE:
             acc = fp8_rowwise_scales(acc, a_scale_ptr, b_scale_ptr, g, g < G, start, end - start,
@@ -383,8 +373,7 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
                  row_scale: Optional[torch.Tensor] = None,
                  fp8_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                  fp8_block_scales: Optional[tuple[torch.Tensor, torch.Tensor,
-                                                  tuple[int, int, int]]] = None,
-                 quantise_a: bool = False) -> torch.Tensor:
+                                                  tuple[int, int, int]]] = None) -> torch.Tensor:
     """``out [M, n_out]``: rows of group g are ``A_g @ B_g`` (B addressed through
     ``b_strides = (stride_g, stride_k, stride_n)``), tail rows zero.
 
@@ -404,9 +393,6 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
     bias): the blockwise fp8 product, each K step scaled by its blocks' scales
     (:func:`mjagged_tile`); ``b_scale``'s strides address the block of output columns and of
     K (for dX, W's own ``[G, N / 128, K / 128]`` scales with the last two strides swapped).
-    ``quantise_a`` (with ``fp8_block_scales``, whose A scales are then not read): ``a`` in
-    16 or 32 bits, quantised in ``1 x 128`` blocks as each K step loads it (``block_k``
-    128), the standalone quantiser's bits.
     """
     m, k = a.shape
     offsets = offsets.contiguous()  # the kernel reads offsets[g] at offs_ptr + g
@@ -427,12 +413,8 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
     out = torch.empty((m, n_out), dtype=out_dtype, device=a.device)
     if m == 0 or n_out == 0:
         return out
-    cfg = config or choose_config(m, groups, n_out, k, b.dtype if quantise_a else a.dtype,
-                                  a.device, batch_invariant=batch_invariant, swiglu=swiglu)
-    if quantise_a and (fp8_block_scales is None or cfg.block_k != 128):
-        raise ValueError("quantise_a quantises A in 1 x 128 blocks for the blockwise fp8 "
-                         f"product: it needs fp8_block_scales and block_k 128, got "
-                         f"{cfg.block_k}")
+    cfg = config or choose_config(m, groups, n_out, k, a.dtype, a.device,
+                                  batch_invariant=batch_invariant, swiglu=swiglu)
     if fp8_block_scales is not None:
         if 128 % cfg.block_k:
             raise ValueError(f"the blockwise fp8 product needs a block_k dividing 128, got "
@@ -469,7 +451,7 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
             USE_TMA=tma, B_KN=b_kn, G_BLOCK=group_block(groups), FLATTEN=cfg.flatten,
             TMA_STORE=tma and tma_store, SAVE_PREACT=preact is not None,
             ROW_SCALE=row_scale is not None, FP8_ROWWISE=fp8_scales is not None,
-            FP8_BLOCKWISE=fp8_block_scales is not None, A_QUANTISE=quantise_a,
+            FP8_BLOCKWISE=fp8_block_scales is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
