@@ -15,6 +15,11 @@ gates at N(-1, 1)); parallel (raw) output 1.3e-4, gradients 6.4e-4 (dq, forget g
 N(0, 1), input gates at N(-1, 2^2)). Plain fp32 autograd of the reference on the CPU (whose
 cumsum accumulates in fp64) gave output errors up to 3.4e-5 and gradient errors up to 5.3e-5
 at the same length (B 1, NH 2).
+
+Under the interpreter a parallel case takes 70-120 s and a chunkwise one about 20, so the CPU
+runs each form on the two distributions that gave it its largest errors (forget gates at
+N(0, 1) for the parallel form; at N(-1, 1) and N(0, 1) for the chunkwise one); the GPU test
+runs all four, at S = 1024 and 4096.
 """
 import pytest
 import torch
@@ -29,6 +34,12 @@ from tests.mlstm._helpers import Inputs, check_precision
 GATES = [(-1.0, 2.0, 3.0, 1.0), (0.0, 1.0, -1.0, 1.0), (0.0, 1.0, 0.0, 1.0),
          (-1.0, 2.0, 0.0, 1.0)]
 GATE_IDS = ["ig-1x2_fg3", "ig0_fg-1", "ig0_fg0", "ig-1x2_fg0"]
+#: The CPU's cases of each form (see the module docstring).
+CPU_GATES = {"parallel": ["ig0_fg0", "ig-1x2_fg0"], "chunkwise": ["ig0_fg-1", "ig-1x2_fg0"]}
+
+
+def cpu_gates(form):
+    return [GATES[GATE_IDS.index(name)] for name in CPU_GATES[form]]
 
 #: fp32, relative L2 against fp64: ``{(form, max S): (output, gradients)}``, the bounds of
 #: ``compileops.mlstm``'s docstring.
@@ -85,13 +96,13 @@ def test_docstring_states_the_long_row_bounds():
         assert f"{_short(out)} and {_short(grad)} at S <= {s}" in doc, s
 
 
-@pytest.mark.parametrize("gates", GATES, ids=GATE_IDS)
+@pytest.mark.parametrize("gates", cpu_gates("chunkwise"), ids=CPU_GATES["chunkwise"])
 @pytest.mark.parametrize("normed", [False, True], ids=["raw", "normed"])
 def test_fp32_chunkwise_s1024(gates, normed):
     check_long_rows((1, 1, 1024, 16, 32), gates, "chunkwise", normed)
 
 
-@pytest.mark.parametrize("gates", GATES, ids=GATE_IDS)
+@pytest.mark.parametrize("gates", cpu_gates("parallel"), ids=CPU_GATES["parallel"])
 def test_fp32_parallel_s1024(gates):
     """Raw h: the parallel form's worst case (the norm divides out part of the error)."""
     check_long_rows((1, 1, 1024, 16, 32), gates, "parallel", False)
