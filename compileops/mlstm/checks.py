@@ -21,27 +21,30 @@ KERNELS = ("auto", "parallel", "chunkwise")
 def check_inputs(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, igate: torch.Tensor,
     fgate: torch.Tensor, norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
-    norm_eps: float, eps: float,
+    norm_eps: float, eps: float, *, one_token: bool = False,
 ) -> None:
     """Shapes ``q, k [B, NH, S, DQK]``, ``v [B, NH, S, DV]``, ``igate, fgate [B, NH, S]``,
-    ``norm_weight, norm_bias [NH * DV]``; one floating dtype for q, k, v; one device."""
+    ``norm_weight, norm_bias [NH * DV]``; one floating dtype for q, k, v; one device.
+    ``one_token`` (the decode step): no S axis, ``q, k [B, NH, DQK]`` and so on."""
+    lead = "B, NH" if one_token else "B, NH, S"  # the axes before a head's features
+    rank = 3 if one_token else 4
     for name, t in (("q", q), ("k", k), ("v", v)):
-        require(t.dim() == 4, lambda: f"{name} must be 4-D [B, NH, S, D], got shape "
-                f"{tuple(t.shape)}")
+        require(t.dim() == rank, lambda: f"{name} must be {rank}-D [{lead}, D]"
+                f"{' (one token)' if one_token else ''}, got shape {tuple(t.shape)}")
         require(t.dtype in KERNEL_DTYPES, lambda: f"{name} must be bf16, fp16, fp32 or "
                 f"fp64, got {t.dtype}")
     require(k.shape == q.shape, lambda: f"k must have q's shape {tuple(q.shape)} "
-            f"[B, NH, S, DQK], got {tuple(k.shape)}")
-    require(v.shape[:3] == q.shape[:3], lambda: f"v must be [B, NH, S, DV] with q's "
-            f"B, NH, S {tuple(q.shape[:3])}, got {tuple(v.shape)}")
+            f"[{lead}, DQK], got {tuple(k.shape)}")
+    require(v.shape[:rank - 1] == q.shape[:rank - 1], lambda: f"v must be [{lead}, DV] with "
+            f"q's {lead} {tuple(q.shape[:rank - 1])}, got {tuple(v.shape)}")
     require(k.dtype == q.dtype and v.dtype == q.dtype, lambda: "q, k and v must share "
             f"one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     for name, g in (("igate", igate), ("fgate", fgate)):
-        require(g.shape == q.shape[:3], lambda: f"{name} must be [B, NH, S] = "
-                f"{tuple(q.shape[:3])}, got {tuple(g.shape)}")
+        require(g.shape == q.shape[:rank - 1], lambda: f"{name} must be [{lead}] = "
+                f"{tuple(q.shape[:rank - 1])}, got {tuple(g.shape)}")
         require(g.is_floating_point(), lambda: f"{name} must be floating point, got "
                 f"{g.dtype}")
-    channels = q.shape[1] * v.shape[3]
+    channels = q.shape[1] * v.shape[rank - 1]
     for name, p in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
         if p is None:
             continue

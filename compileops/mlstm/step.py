@@ -27,9 +27,13 @@ import torch
 import torch.nn.functional as F
 
 from compileops import backends
-from compileops._library import check_same_device, custom_op, require
+from compileops._library import custom_op, require
 from compileops.mlstm import recurrent, reference
-from compileops.mlstm.checks import KERNEL_DTYPES, check_backward_grad, check_gates_floating
+from compileops.mlstm.checks import (
+    check_backward_grad,
+    check_gates_floating,
+    check_inputs,
+)
 from compileops.mlstm.op import _layernorm_backward
 
 State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -44,37 +48,9 @@ def check_step_inputs(
     norm_bias: Optional[torch.Tensor], norm_eps: float, eps: float,
 ) -> None:
     """Shapes ``q, k [B, NH, DQK]``, ``v [B, NH, DV]``, ``igate, fgate [B, NH]``,
-    ``norm_weight, norm_bias [NH * DV]``; one floating dtype for q, k, v; one device."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        require(t.dim() == 3, lambda: f"{name} must be 3-D [B, NH, D] (one token), got "
-                f"shape {tuple(t.shape)}")
-        require(t.dtype in KERNEL_DTYPES, lambda: f"{name} must be bf16, fp16, fp32 or "
-                f"fp64, got {t.dtype}")
-    require(k.shape == q.shape, lambda: f"k must have q's shape {tuple(q.shape)} "
-            f"[B, NH, DQK], got {tuple(k.shape)}")
-    require(v.shape[:2] == q.shape[:2], lambda: f"v must be [B, NH, DV] with q's B, NH "
-            f"{tuple(q.shape[:2])}, got {tuple(v.shape)}")
-    require(k.dtype == q.dtype and v.dtype == q.dtype, lambda: "q, k and v must share "
-            f"one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    for name, g in (("igate", igate), ("fgate", fgate)):
-        require(g.shape == q.shape[:2], lambda: f"{name} must be [B, NH] = "
-                f"{tuple(q.shape[:2])}, got {tuple(g.shape)}")
-        require(g.is_floating_point(), lambda: f"{name} must be floating point, got "
-                f"{g.dtype}")
-    channels = q.shape[1] * v.shape[2]
-    for name, p in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
-        if p is None:
-            continue
-        require(p.dim() == 1 and p.shape[0] == channels, lambda: f"{name} must be "
-                f"[NH * DV] = [{channels}], got {tuple(p.shape)}")
-        require(p.is_floating_point(), lambda: f"{name} must be floating point, got "
-                f"{p.dtype}")
-    named = [("q", q), ("k", k), ("v", v), ("igate", igate), ("fgate", fgate)]
-    named += [(n, p) for n, p in (("norm_weight", norm_weight), ("norm_bias", norm_bias))
-              if p is not None]
-    check_same_device(named)
-    require(eps >= 0, lambda: f"eps must be >= 0, got {eps}")
-    require(norm_eps > 0, lambda: f"norm_eps must be > 0, got {norm_eps}")
+    ``norm_weight, norm_bias [NH * DV]``; one floating dtype for q, k, v; one device
+    (:func:`compileops.mlstm.checks.check_inputs` for one token)."""
+    check_inputs(q, k, v, igate, fgate, norm_weight, norm_bias, norm_eps, eps, one_token=True)
 
 
 def check_step_state(q: torch.Tensor, v: torch.Tensor, c: Optional[torch.Tensor],
