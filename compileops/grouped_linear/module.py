@@ -102,18 +102,22 @@ class GroupedLinear(torch.nn.Module):
     stay in ``dtype``. ``cache_fp8_weights=True``: the weight's e4m3 copies are made once per
     optimizer step (per version of the weight) and reused by every micro-batch, at one byte
     per weight element per layout (:mod:`compileops.grouped_linear.fp8_cache`).
+    ``fp8_fast_accum=True`` (with ``"rowwise"``): the products accumulate in the MMA's
+    reduced-precision sum over all of K; faster, slightly less exact
+    (:func:`compileops.grouped_linear`).
     """
 
     def __init__(self, num_groups: int, in_features: int, out_features: int, bias: bool = True,
                  device=None, dtype=None, fp8: Optional[str] = None,
-                 cache_fp8_weights: bool = False):
+                 cache_fp8_weights: bool = False, fp8_fast_accum: bool = False):
         super().__init__()
         from compileops.grouped_linear.fp8_op import check_recipe
 
-        check_recipe(fp8, bias=True if bias else None)
+        check_recipe(fp8, bias=True if bias else None, fast_accum=fp8_fast_accum)
         if fp8 is None:
             check_fp8_weight_cache(cache_fp8_weights)
         self.fp8, self.cache_fp8_weights = fp8, bool(cache_fp8_weights)
+        self.fp8_fast_accum = bool(fp8_fast_accum)
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
         factory = {"device": device, "dtype": dtype}
         self.weight = torch.nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
@@ -149,9 +153,11 @@ class GroupedLinear(torch.nn.Module):
         """
         if offsets:
             return grouped_linear(x, self.weight, m_splits_or_offsets.to(x.device), self.bias,
-                                  fp8=self.fp8, cache_fp8_weights=self.cache_fp8_weights)
+                                  fp8=self.fp8, cache_fp8_weights=self.cache_fp8_weights,
+                                  fp8_fast_accum=self.fp8_fast_accum)
         return grouped_linear_splits(x, self.weight, m_splits_or_offsets, self.bias,
-                                     fp8=self.fp8, cache_fp8_weights=self.cache_fp8_weights)
+                                     fp8=self.fp8, cache_fp8_weights=self.cache_fp8_weights,
+                                     fp8_fast_accum=self.fp8_fast_accum)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -223,4 +229,5 @@ class GroupedLinear(torch.nn.Module):
         return (f"num_groups={self.num_groups}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, bias={self.bias is not None}"
                 + (f", fp8={self.fp8!r}" if self.fp8 is not None else "")
-                + (", cache_fp8_weights=True" if self.cache_fp8_weights else ""))
+                + (", cache_fp8_weights=True" if self.cache_fp8_weights else "")
+                + (", fp8_fast_accum=True" if self.fp8_fast_accum else ""))

@@ -325,7 +325,7 @@ def splits_to_offsets(m_splits: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_linear(x, weight, offsets, bias=None, *, row_scale=None, fp8=None,
-                   cache_fp8_weights=False):
+                   cache_fp8_weights=False, fp8_fast_accum=False):
     """Grouped linear: ``y[rows of g] = x[rows of g] @ weight[g].T + bias[g]``.
 
     x ``[M, K]``; weight ``[G, N, K]``; offsets int32 ``[G]``: cumulative end row of each group
@@ -346,8 +346,11 @@ def grouped_linear(x, weight, offsets, bias=None, *, row_scale=None, fp8=None,
     comes from the fp8 dX product (so it carries fp8's error). ``None``: no fp8. ``cache_fp8_weights=True``: the weight's e4m3 copies are
     made once per version of the weight and reused (:mod:`compileops.grouped_linear.fp8_cache`
     says when a copy is stale, and what the cache holds); otherwise every call quantises it.
+    ``fp8_fast_accum=True`` (with ``"rowwise"``): the e4m3 products accumulate in the MMA's
+    own reduced-precision sum over all of K, not one 128-wide step at a time into fp32:
+    faster, at a small cost in error (measured in :mod:`compileops.grouped_linear.fp8_op`).
     """
-    if fp8 is not None:
+    if fp8 is not None or fp8_fast_accum:
         from compileops.grouped_linear.checks import check_row_scale
         from compileops.grouped_linear.fp8_op import (
             check_recipe,
@@ -355,12 +358,14 @@ def grouped_linear(x, weight, offsets, bias=None, *, row_scale=None, fp8=None,
             grouped_linear_row_scaled_fp8_op,
         )
 
-        check_recipe(fp8, bias)
+        check_recipe(fp8, bias, fast_accum=fp8_fast_accum)
         if row_scale is not None:
             check_row_scale(x, row_scale)
             return grouped_linear_row_scaled_fp8_op(x, weight, offsets, row_scale.to(x.dtype),
-                                                    fp8, bool(cache_fp8_weights))
-        return grouped_linear_fp8_op(x, weight, offsets, fp8, bool(cache_fp8_weights))
+                                                    fp8, bool(cache_fp8_weights),
+                                                    bool(fp8_fast_accum))
+        return grouped_linear_fp8_op(x, weight, offsets, fp8, bool(cache_fp8_weights),
+                                     bool(fp8_fast_accum))
     check_fp8_weight_cache(cache_fp8_weights)
     if row_scale is not None:
         from compileops.grouped_linear.scaled import row_scaled_grouped_linear
@@ -370,9 +375,9 @@ def grouped_linear(x, weight, offsets, bias=None, *, row_scale=None, fp8=None,
 
 
 def grouped_linear_splits(x, weight, m_splits, bias=None, *, fp8=None,
-                          cache_fp8_weights=False):
+                          cache_fp8_weights=False, fp8_fast_accum=False):
     """:func:`grouped_linear` with per-group row counts ``m_splits`` ``[G]`` (a device tensor;
-    ``fp8`` and ``cache_fp8_weights`` as there).
+    ``fp8``, ``cache_fp8_weights`` and ``fp8_fast_accum`` as there).
 
     ``m_splits`` must be integers >= 0 adding up to at most M. Their values are checked on
     the host, naming them, on CPU tensors and elsewhere with strict offset checks, when
@@ -383,9 +388,10 @@ def grouped_linear_splits(x, weight, m_splits, bias=None, *, fp8=None,
     if not check_splits_eagerly(m_splits, x.shape[0]) and m_splits.numel():
         assert_split_values_on_device(m_splits, x.shape[0])
     offsets = splits_to_offsets(m_splits).to(x.device)
-    if fp8 is not None:
+    if fp8 is not None or fp8_fast_accum:
         return grouped_linear(x, weight, offsets, bias, fp8=fp8,
-                              cache_fp8_weights=cache_fp8_weights)
+                              cache_fp8_weights=cache_fp8_weights,
+                              fp8_fast_accum=fp8_fast_accum)
     check_fp8_weight_cache(cache_fp8_weights)
     return grouped_linear_op(x, weight, offsets, bias)
 
@@ -402,7 +408,7 @@ def _needs_grad(*tensors) -> bool:
 
 
 def grouped_linear_swiglu(x, weight, offsets, bias=None, *, recompute=False, fp8=None,
-                          cache_fp8_weights=False):
+                          cache_fp8_weights=False, fp8_fast_accum=False):
     """``silu(gate) * up`` of a fused gate/up grouped projection: weight ``[G, 2H, K]``
     (gate rows first, then up) -> ``[M, H]``. Same as ``reference.swiglu(grouped_linear(...))``
     in one kernel.
@@ -427,17 +433,18 @@ def grouped_linear_swiglu(x, weight, offsets, bias=None, *, recompute=False, fp8
     ``fp8="rowwise"`` or ``"blockwise"`` (experimental; no bias, no ``recompute`` yet): the
     gate/up and dX products in e4m3 (:func:`grouped_linear`'s ``fp8``), dW in x's dtype; the
     pre-activations are kept as with ``recompute=False`` (and written even without a
-    gradient). ``cache_fp8_weights``: as in :func:`grouped_linear`.
+    gradient). ``cache_fp8_weights`` and ``fp8_fast_accum``: as in :func:`grouped_linear`.
     """
-    if fp8 is not None:
+    if fp8 is not None or fp8_fast_accum:
         from compileops.grouped_linear.fp8_op import (
             check_recipe,
             grouped_linear_swiglu_fp8_with_preact_op,
         )
 
-        check_recipe(fp8, bias, recompute=recompute)
+        check_recipe(fp8, bias, fast_accum=fp8_fast_accum, recompute=recompute)
         return grouped_linear_swiglu_fp8_with_preact_op(x, weight, offsets, fp8,
-                                                        bool(cache_fp8_weights))[0]
+                                                        bool(cache_fp8_weights),
+                                                        bool(fp8_fast_accum))[0]
     check_fp8_weight_cache(cache_fp8_weights)
     if recompute or not _needs_grad(x, weight, bias):
         return grouped_linear_swiglu_op(x, weight, offsets, bias)

@@ -5,6 +5,7 @@ the TMA variants) when strides are specialised as in real launches (unit inner s
 16-divisible pointers and sizes). Compiling is not running: GPU runs are in the gpu tests."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -61,7 +62,7 @@ def mjagged_args(ptr, operand_ptr=None):
 
 
 def mjagged_compile(dtype, swiglu, tma=False, b_kn=False, flatten=False, cfg=None,
-                    has_bias=True, save_preact=False, row_scale=False):
+                    has_bias=True, save_preact=False, row_scale=False, fast_accum=False):
     """``cfg=None``: choose_config's pick for a 16-bit / fp32 MoE shape. ``TMA_STORE`` is
     always passed (``cfg.tma_store`` on the TMA path, as the launcher does; see
     :func:`kjagged_compile` on unnamed defaulted constexprs)."""
@@ -82,7 +83,7 @@ def mjagged_compile(dtype, swiglu, tma=False, b_kn=False, flatten=False, cfg=Non
              INTERPRETER_DOT=False, USE_TMA=tma, B_KN=b_kn, G_BLOCK=kernels.group_block(128),
              FLATTEN=flatten, TMA_STORE=tma and cfg.tma_store, SAVE_PREACT=save_preact,
              ROW_SCALE=row_scale, FP8_ROWWISE=dtype == "fp8",
-             FP8_BLOCKWISE=dtype == "fp8-blockwise"),
+             FP8_BLOCKWISE=dtype == "fp8-blockwise", FP8_FAST_ACCUM=fast_accum),
         # dX reads W_g [N, K] as B [K, N]: its unit stride is along N, as in a real launch
         # (TMA descriptors need 16-byte aligned strides but the innermost).
         unit=UNIT_DX if b_kn else UNIT,
@@ -188,6 +189,13 @@ def _main():  # runs in a subprocess without TRITON_INTERPRET (the compiler need
         out[name] = dict(summarize(kernel.asm["ttgir"]),
                          # Hopper's fp8 MMA on e4m3 operands, not an upcast to 16 bits
                          e4m3_mma="f32.e4m3.e4m3" in kernel.asm["ptx"])
+    for name, fast in (("fp8-accumulate-promoted", False), ("fp8-accumulate-fast", True)):
+        kernel = mjagged_compile("fp8", False, True, row_scale=True, fast_accum=fast)
+        out[name] = dict(
+            # the MMA's limit on reduced-precision sums, and the fp32 adds of partial sums
+            max_imprecise=sorted(set(re.findall(r"maxNumImpreciseAcc = (\d+)",
+                                                kernel.asm["ttgir"]))),
+            partial_adds=len(re.findall(r"\badd\.f32", kernel.asm["ptx"])))
     out["wgrad-fp16"] = summarize(kjagged_ttgir())
     out["wgrad-bf16-tma"] = summarize(kjagged_ttgir("*bf16", tma=True))
     for name, (block_k, warps, stages, flags) in WGRAD_VARIANTS.items():
@@ -239,6 +247,16 @@ def quantiser_builds():
             dict(BLOCK_R=block_r, BLOCK_K=128, PER_ROW=per_row), num_warps=4 if per_row else 8)
         built[name] = "e4m3x2" in kernel.asm["ptx"]
     return built
+
+
+def test_fp8_accumulation_choice_reaches_the_mma(compiled):
+    """Rowwise fp8 products by default hand each 128-wide K step's MMA sum to the fp32
+    accumulator (Triton's partial accumulator: a limit of 128 reduced-precision sums and
+    fp32 adds after the MMAs); ``FP8_FAST_ACCUM`` leaves the whole K loop to the MMA (no
+    limit, no adds)."""
+    promoted, fast = compiled["fp8-accumulate-promoted"], compiled["fp8-accumulate-fast"]
+    assert promoted["max_imprecise"] == ["128"] and promoted["partial_adds"] > 0, promoted
+    assert fast["max_imprecise"] == [str(2**30)] and fast["partial_adds"] == 0, fast
 
 
 def test_fp8_quantisers_compile_for_sm90(compiled):

@@ -314,6 +314,7 @@ def grouped_linear_fp8_rowwise(
     offsets: torch.Tensor, *, swiglu: bool = False, out_dtype: torch.dtype,
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
     preact: torch.Tensor | None = None, row_scale: torch.Tensor | None = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """The rowwise fp8 grouped product: rows of group g of ``x [M, K]`` (16- or 32-bit)
     times ``W_g^T``, where ``weight_q [G, N, K]`` e4m3 and ``weight_scale [G, N]`` fp32 are
@@ -324,10 +325,12 @@ def grouped_linear_fp8_rowwise(
     are zeros. ``swiglu``: ``silu(gate) * up`` of the two column halves (``[M, N / 2]``),
     with ``preact [M, N]`` receiving the scaled pre-activations if given. ``row_scale [M]``
     in ``out_dtype``: row i of the rounded output times ``row_scale[i]``, rounded again (as
-    :func:`.mjagged.scale_rows`).
+    :func:`.mjagged.scale_rows`). ``fast_accum``: the MMA accumulates over the whole K loop
+    instead of adding each 128-wide K step into fp32 (:func:`.mjagged.tile_dot`).
 
-    Equal, up to the order of its fp32 sums, to
-    :func:`compileops.grouped_linear.fp8.grouped_linear_reference` with ``"rowwise"``.
+    Equal, up to the order of its fp32 sums (and, with ``fast_accum``, the MMA's
+    reduced-precision sums), to :func:`compileops.grouped_linear.fp8.grouped_linear_reference`
+    with ``"rowwise"``.
     """
     from compileops.grouped_linear.kernels.mjagged import mjagged_gemm
 
@@ -346,7 +349,8 @@ def grouped_linear_fp8_rowwise(
     return mjagged_gemm(xq, weight_q, (weight_q.stride(0), weight_q.stride(2),
                                        weight_q.stride(1)),
                         offsets, n_out, swiglu=swiglu, out_dtype=out_dtype, preact=preact,
-                        row_scale=row_scale, fp8_scales=(xs, weight_scale))
+                        row_scale=row_scale, fp8_scales=(xs, weight_scale),
+                        fp8_fast_accum=fast_accum)
 
 
 def grouped_linear_fp8_blockwise(

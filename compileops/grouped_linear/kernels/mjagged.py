@@ -49,9 +49,16 @@ from compileops.grouped_linear.kernels.tma import (
 
 
 @triton.jit
-def tile_dot(a, b, acc, INPUT_PRECISION: tl.constexpr, INTERPRETER_DOT: tl.constexpr):
+def tile_dot(a, b, acc, INPUT_PRECISION: tl.constexpr, INTERPRETER_DOT: tl.constexpr,
+             FP8_FAST_ACCUM: tl.constexpr = False):
     """``acc + a @ b`` in fp32: a ``[BLOCK_M, BLOCK_K]``, b ``[BLOCK_K, BLOCK_N]``, acc
     ``[BLOCK_M, BLOCK_N]``.
+
+    e4m3 tiles on a GPU: by default each call's partial sum (one ``BLOCK_K`` step) is added
+    into the fp32 accumulator, because Hopper's fp8 MMA adds its products at reduced
+    precision. ``FP8_FAST_ACCUM``: the MMA accumulates into ``acc`` itself over the whole K
+    loop (Triton's default for fp8), which lets consecutive steps' MMAs overlap; the cost is
+    that reduced-precision sum over all of K (:mod:`compileops.grouped_linear.fp8_op`).
 
     ``INTERPRETER_DOT`` (CPU tensors, Triton's interpreter; see ``config.interpreter_dot``):
     an explicit product-and-sum over K in fp32, so every output element is summed in the same
@@ -63,11 +70,14 @@ def tile_dot(a, b, acc, INPUT_PRECISION: tl.constexpr, INTERPRETER_DOT: tl.const
         products = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]  # [M, K, N]
         return acc + tl.sum(products, axis=1)
     if a.dtype.is_fp8():
-        # Hopper's fp8 MMA adds its products at reduced precision: add each BLOCK_K slice's
-        # partial sum into the fp32 accumulator (Triton's default lets the whole K loop
-        # accumulate there).
-        return tl.dot(a, b, acc, max_num_imprecise_acc=a.shape[1])
-    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        if FP8_FAST_ACCUM:
+            out = tl.dot(a, b, acc)
+        else:
+            # Promote each BLOCK_K slice's partial sum into the fp32 accumulator.
+            out = tl.dot(a, b, acc, max_num_imprecise_acc=a.shape[1])
+    else:
+        out = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    return out
 
 
 @triton.jit
@@ -99,6 +109,7 @@ def mjagged_tile(
     USE_TMA: tl.constexpr, B_KN: tl.constexpr,
     a_block_scale_ptr=None, b_block_scale_ptr=None, stride_asm=0, stride_bsg=0,
     stride_bsn=0, stride_bsk=0, FP8_BLOCKWISE: tl.constexpr = False,
+    FP8_FAST_ACCUM: tl.constexpr = False,
 ):
     """fp32 ``[BLOCK_M, BLOCK_N]`` tile of ``A[row_start + rm] @ B_g[:, rn] (+ bias_g[rn])``.
 
@@ -129,6 +140,7 @@ def mjagged_tile(
     ``a_block_scale[row, k // 128]`` (``stride_asm`` per row, unit per block) and B's at
     ``b_block_scale[g, n // 128, k // 128]`` (strides ``stride_bsg, stride_bsn,
     stride_bsk``: the 128 x 128 blocks of ``W_g``, read transposed for dX).
+    ``FP8_FAST_ACCUM`` (e4m3 without blocks): see :func:`tile_dot`.
     """
     rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -164,7 +176,7 @@ def mjagged_tile(
                 weight_block_scale(b_block_scale_ptr, g, cols, col_ok, k0, stride_bsg,
                                    stride_bsn, stride_bsk)[None, :]
         else:
-            acc = tile_dot(a, b, acc, INPUT_PRECISION, INTERPRETER_DOT)
+            acc = tile_dot(a, b, acc, INPUT_PRECISION, INTERPRETER_DOT, FP8_FAST_ACCUM)
         if PAIR:  # b2 [BLOCK_K, BLOCK_N]: the up half's columns
             if USE_TMA:
                 b2 = load_b_tile(b_desc, g, tile_n * BLOCK_N + pair_offset, k0,
@@ -176,7 +188,7 @@ def mjagged_tile(
                     weight_block_scale(b_block_scale_ptr, g, cols + pair_offset, col_ok, k0,
                                        stride_bsg, stride_bsn, stride_bsk)[None, :]
             else:
-                acc2 = tile_dot(a, b2, acc2, INPUT_PRECISION, INTERPRETER_DOT)
+                acc2 = tile_dot(a, b2, acc2, INPUT_PRECISION, INTERPRETER_DOT, FP8_FAST_ACCUM)
             b2_ptrs += BLOCK_K * stride_bk
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
@@ -272,7 +284,7 @@ def mjagged_gemm_kernel(
     USE_TMA: tl.constexpr, B_KN: tl.constexpr, G_BLOCK: tl.constexpr, FLATTEN: tl.constexpr,
     TMA_STORE: tl.constexpr = False, SAVE_PREACT: tl.constexpr = False,
     ROW_SCALE: tl.constexpr = False, FP8_ROWWISE: tl.constexpr = False,
-    FP8_BLOCKWISE: tl.constexpr = False,
+    FP8_BLOCKWISE: tl.constexpr = False, FP8_FAST_ACCUM: tl.constexpr = False,
 ):
     """Persistent M-jagged grouped GEMM.
 
@@ -292,7 +304,8 @@ def mjagged_gemm_kernel(
     * ``a_scale_ptr``, ``b_scale_ptr``, ``stride_bsg`` (``FP8_ROWWISE``: A and B in e4m3, no
       bias): the rowwise scales of A ``[M]`` and of B's columns ``[G, N]`` (N = ``2 *
       N_OUT`` with ``SWIGLU``), applied to the fp32 tile before anything else
-      (:func:`fp8_rowwise_scales`).
+      (:func:`fp8_rowwise_scales`). ``FP8_FAST_ACCUM``: the MMA accumulates over the whole K
+      loop (:func:`tile_dot`).
     * ``FP8_BLOCKWISE`` (A and B in e4m3, no bias): ``a_scale_ptr`` A's ``[M, K / 128]``
       block scales (row stride ``stride_asm``), ``b_scale_ptr`` the weight's 128 x 128 block
       scales (strides ``stride_bsg``, ``stride_bsn`` per block of output columns,
@@ -333,7 +346,7 @@ def mjagged_gemm_kernel(
             stride_biasg, stride_biasn, a_desc, b_desc, HAS_BIAS, SWIGLU, BLOCK_M, BLOCK_N,
             BLOCK_K, INPUT_PRECISION, INTERPRETER_DOT, USE_TMA, B_KN,
             a_scale_ptr, b_scale_ptr, stride_asm, stride_bsg, stride_bsn, stride_bsk,
-            FP8_BLOCKWISE,
+            FP8_BLOCKWISE, FP8_FAST_ACCUM,
         )  # [BLOCK_M, BLOCK_N] each, fp32
         if FP8_ROWWISE:
             acc = fp8_rowwise_scales(acc, a_scale_ptr, b_scale_ptr, g, g < G, start, end - start,
@@ -373,7 +386,8 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
                  row_scale: Optional[torch.Tensor] = None,
                  fp8_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                  fp8_block_scales: Optional[tuple[torch.Tensor, torch.Tensor,
-                                                  tuple[int, int, int]]] = None) -> torch.Tensor:
+                                                  tuple[int, int, int]]] = None,
+                 fp8_fast_accum: bool = False) -> torch.Tensor:
     """``out [M, n_out]``: rows of group g are ``A_g @ B_g`` (B addressed through
     ``b_strides = (stride_g, stride_k, stride_n)``), tail rows zero.
 
@@ -393,7 +407,13 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
     bias): the blockwise fp8 product, each K step scaled by its blocks' scales
     (:func:`mjagged_tile`); ``b_scale``'s strides address the block of output columns and of
     K (for dX, W's own ``[G, N / 128, K / 128]`` scales with the last two strides swapped).
+    ``fp8_fast_accum`` (with ``fp8_scales`` only): the MMA accumulates over the whole K loop
+    instead of adding each K step into fp32 (:func:`tile_dot`); the interpreter's exact
+    sums ignore it.
     """
+    if fp8_fast_accum and fp8_scales is None:
+        raise ValueError("fp8_fast_accum applies to the rowwise fp8 product (fp8_scales): the "
+                         "blockwise product scales each K step apart by construction")
     m, k = a.shape
     offsets = offsets.contiguous()  # the kernel reads offsets[g] at offs_ptr + g
     groups = offsets.shape[0]
@@ -451,7 +471,7 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
             USE_TMA=tma, B_KN=b_kn, G_BLOCK=group_block(groups), FLATTEN=cfg.flatten,
             TMA_STORE=tma and tma_store, SAVE_PREACT=preact is not None,
             ROW_SCALE=row_scale is not None, FP8_ROWWISE=fp8_scales is not None,
-            FP8_BLOCKWISE=fp8_block_scales is not None,
+            FP8_BLOCKWISE=fp8_block_scales is not None, FP8_FAST_ACCUM=fp8_fast_accum,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
