@@ -12,11 +12,13 @@ routing code, the weights and the inputs; only the expert GEMMs differ:
   backward recomputes the gate/up GEMM): its cost and the memory it saves.
 * ``grouped_mm``: ``torch._grouped_mm`` + ``F.silu(gate) * up``, the anchor.
 
-With ``--fp8 rowwise`` (or ``blockwise``) two more, both in e4m3:
+With ``--fp8 rowwise`` (or ``blockwise``) two more, both in e4m3 (or, where ``--impls`` names
+fp8 layers, those):
 
 * ``compileops-fp8``: ``grouped_linear_swiglu(..., fp8=...)`` and ``grouped_linear(...,
   row_scale=p, fp8=...)`` with the scaling asked for (fp8 forward and dX products, the
-  probability in the product's epilogue, dW in bf16);
+  probability in the product's epilogue, dW in bf16); with ``--fp8-fast-accum`` (rowwise)
+  their products accumulate over the whole K loop in the MMA (``fp8_fast_accum=True``);
 * ``torchao-fp8``: torchao's ``_to_fp8_rowwise_then_scaled_grouped_mm`` for both GEMMs (fp8
   forward, dX and dW, rowwise whatever ``--fp8`` says), the fp8 anchor. Its GEMM needs every group's row count to be a multiple
   of 16, so this layer first copies the sorted rows into groups padded to 16 (and gathers the
@@ -40,6 +42,7 @@ output against a fixed random cotangent, for x and every weight. Peak memory is 
     python benchmarks/bench_moe_layer.py --smoke               # CPU, tiny shapes, seconds
     python benchmarks/bench_moe_layer.py --plan                # no GPU: the configs, as JSON
     python benchmarks/bench_moe_layer.py --fp8 rowwise         # + the two fp8 layers
+    python benchmarks/bench_moe_layer.py --fp8 rowwise --fp8-fast-accum
 
 Results: ``$COMPILEOPS_BENCH_OUT/moe_layer.csv`` (or benchmarks/out/) and a markdown table on stdout, each row
 with the device's name (``torch.cuda.get_device_name()``) and the peak memory.
@@ -111,9 +114,11 @@ class MoELayer(torch.nn.Module):
     """x ``[T, D]`` -> ``[T, D]``; ``impl`` picks the expert GEMMs, everything else is shared."""
 
     def __init__(self, shape: Shape, impl: str, skew: float, device, dtype=torch.bfloat16,
-                 *, uninitialised: bool = False, fp8: str = "rowwise"):
+                 *, uninitialised: bool = False, fp8: str = "rowwise",
+                 fp8_fast_accum: bool = False):
         super().__init__()
         self.shape, self.impl, self.fp8 = shape, impl, fp8
+        self.fp8_fast_accum = fp8_fast_accum
         d, h, e = shape.dim, shape.hidden, shape.experts
         gen = torch.Generator(device="cpu").manual_seed(0)
 
@@ -148,10 +153,12 @@ class MoELayer(torch.nn.Module):
             y = self._torchao_fp8_experts(xs, offsets) * p_sorted[:, None].to(x.dtype)
         elif self.impl in ("compileops-fp8", "compileops-fp8-cached"):
             cache = self.impl == "compileops-fp8-cached"
+            fast = self.fp8_fast_accum
             h = compileops.grouped_linear_swiglu(xs, self.gate_up, offsets, fp8=self.fp8,
-                                                 cache_fp8_weights=cache)
+                                                 cache_fp8_weights=cache, fp8_fast_accum=fast)
             y = compileops.grouped_linear(h, self.down, offsets, row_scale=p_sorted,
-                                          fp8=self.fp8, cache_fp8_weights=cache)
+                                          fp8=self.fp8, cache_fp8_weights=cache,
+                                          fp8_fast_accum=fast)
         else:
             kwargs = {"recompute": True} if self.impl == "compileops-recompute" else {}
             h = compileops.grouped_linear_swiglu(xs, self.gate_up, offsets, **kwargs)
@@ -261,6 +268,14 @@ def set_routing(layer: MoELayer, routing: str) -> None:
         torch.arange(e, dtype=torch.float32, device=layer.router_bias.device)))
 
 
+def fp8_impls(impls: list, fp8) -> list:
+    """The layers to run: with ``--fp8``, both fp8 layers are added unless ``--impls`` names
+    fp8 layers itself (then those run)."""
+    if fp8 and not any(i.startswith(("compileops-fp8", "torchao-fp8")) for i in impls):
+        return [*impls, "compileops-fp8", "torchao-fp8"]
+    return list(impls)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="*", default=None,
@@ -272,7 +287,9 @@ def main() -> None:
                         default=["grouped_mm", "compileops", "compileops-recompute"])
     parser.add_argument("--fp8", choices=["rowwise", "blockwise"], default=None,
                         help="also the fp8 layers: compileops-fp8 with this scaling and "
-                             "torchao-fp8 (rowwise; CUDA)")
+                             "torchao-fp8 (rowwise; CUDA), unless --impls names fp8 layers")
+    parser.add_argument("--fp8-fast-accum", action="store_true",
+                        help="the compileops fp8 layers with fp8_fast_accum=True (rowwise)")
     parser.add_argument("--csv", default=os.path.join(out_dir(), "moe_layer.csv"))
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on CPU (Triton interpreter): checks the script")
@@ -293,8 +310,8 @@ def main() -> None:
     else:
         sys.exit("bench_moe_layer needs a CUDA device (or --smoke, --plan)")
     impls = [i for i in args.impls if i != "compileops-recompute" or _supports_recompute()]
+    impls = fp8_impls(impls, args.fp8)
     if args.fp8:
-        impls += [i for i in ("compileops-fp8", "torchao-fp8") if i not in impls]
         if device.type != "cuda" and "torchao-fp8" in impls:
             print("torchao-fp8: not run (its kernels need a CUDA device)", flush=True)
             impls.remove("torchao-fp8")
@@ -310,7 +327,8 @@ def main() -> None:
             for impl in impls:
                 # One compile per (shape, mode, impl); the routings only change a buffer.
                 torch._dynamo.reset()
-                layer = MoELayer(shape, impl, 0.0, device, fp8=args.fp8 or "rowwise")
+                layer = MoELayer(shape, impl, 0.0, device, fp8=args.fp8 or "rowwise",
+                                 fp8_fast_accum=args.fp8_fast_accum)
                 compiled = torch.compile(layer, fullgraph=True, dynamic=mode == "dynamic")
                 for routing in args.routing:
                     set_routing(layer, routing)
@@ -325,7 +343,8 @@ def main() -> None:
                     if impl == "compileops-fp8-cached":
                         note += (f"; fp8 weight copies {cached_fp8_weight_bytes() / 2**30:.2f}"
                                  " GiB held (made before the peak was taken)")
-                    label = (f"{impl} ({args.fp8})" if impl.startswith("compileops-fp8")
+                    accum = ", fast accum" if args.fp8_fast_accum else ""
+                    label = (f"{impl} ({args.fp8}{accum})" if impl.startswith("compileops-fp8")
                              else impl)
                     r = Result(shape.name, routing, mode, label, fw_ms, fwbw_ms, peak, note, name)
                     results.append(r)

@@ -11,7 +11,8 @@ and a SwiGLU MoE layer (router, top-k, ``permute_by_expert``, ``grouped_linear_s
 a final RMSNorm and the byte head. Parameters and the AdamW state are fp32; the activations
 and the expert weights enter the GEMMs in bf16, and with ``--recipes rowwise`` (or
 ``blockwise``) the expert products take ``fp8=`` (forward and dX in e4m3, dW in bf16, the
-router scaling then applied after the down projection). Every run starts from the same
+router probability in the down projection's epilogue as ``row_scale``); ``rowwise-fast`` is
+``fp8="rowwise"`` with ``fp8_fast_accum=True``. Every run starts from the same
 weights and reads the same batches; the model is compiled (``fullgraph=True``).
 
 Reported: the training loss at every step (CSV), its mean over the last 50 steps per recipe
@@ -89,10 +90,13 @@ class MoE(torch.nn.Module):
         if self.recipe is None:
             h = compileops.grouped_linear_swiglu(xs, w_gu, offsets)
             y = compileops.grouped_linear(h, w_down, offsets, row_scale=p_sorted)
-        else:  # the fp8 ops take no row_scale yet: the scaling after the product
-            h = compileops.grouped_linear_swiglu(xs, w_gu, offsets, fp8=self.recipe)
-            y = compileops.grouped_linear(h, w_down, offsets, fp8=self.recipe)
-            y = y * p_sorted.to(y.dtype)[:, None]
+        else:
+            scaling, _, accum = self.recipe.partition("-")
+            fast = accum == "fast"
+            h = compileops.grouped_linear_swiglu(xs, w_gu, offsets, fp8=scaling,
+                                                 fp8_fast_accum=fast)
+            y = compileops.grouped_linear(h, w_down, offsets, row_scale=p_sorted, fp8=scaling,
+                                          fp8_fast_accum=fast)
         return x + unpermute_and_combine(y, order, torch.ones_like(probs),
                                           order_is_permutation=True)
 
@@ -187,7 +191,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, 3 steps")
     parser.add_argument("--recipes", nargs="+", default=["none", "rowwise"],
-                        choices=["none", "rowwise", "blockwise"])
+                        choices=["none", "rowwise", "rowwise-fast", "blockwise"])
     parser.add_argument("--steps", type=int, default=None, help="default 1000 (smoke: 3)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=50)

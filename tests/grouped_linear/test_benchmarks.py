@@ -32,19 +32,31 @@ def run_script(path, *args, env=None):
 
 
 def test_moe_layer_benchmark_fp8_smoke(tmp_path):
-    """--fp8 rowwise adds the compileops fp8 layer (run on CPU) and the torchao one (CUDA only:
-    said, not run)."""
+    """--fp8 rowwise with fp8 layers named in --impls runs those (the torchao one needs CUDA:
+    said, not run); --fp8-fast-accum reaches the label."""
     out = run_script("benchmarks/bench_moe_layer.py", "--smoke", "--modes", "static",
                      "--routing", "skewed", "--impls", "grouped_mm", "compileops-fp8-cached",
-                     "--fp8", "rowwise", env=dict(os.environ, COMPILEOPS_BENCH_OUT=str(tmp_path)))
+                     "torchao-fp8", "--fp8", "rowwise", "--fp8-fast-accum",
+                     env=dict(os.environ, COMPILEOPS_BENCH_OUT=str(tmp_path)))
     with open(tmp_path / "moe_layer.csv") as f:
         rows = list(csv.DictReader(f))
-    assert {r["impl"] for r in rows} == {"grouped_mm", "compileops-fp8 (rowwise)",
-                                         "compileops-fp8-cached (rowwise)"}
+    cached_label = "compileops-fp8-cached (rowwise, fast accum)"
+    assert {r["impl"] for r in rows} == {"grouped_mm", cached_label}
     assert all(not r["note"].startswith("failed") for r in rows), rows
-    cached = next(r for r in rows if r["impl"] == "compileops-fp8-cached (rowwise)")
+    cached = next(r for r in rows if r["impl"] == cached_label)
     assert "fp8 weight copies" in cached["note"], cached  # the memory they hold, reported
     assert "torchao-fp8: not run" in out
+
+
+def test_moe_layer_benchmark_fp8_alone_adds_both_fp8_layers():
+    """--fp8 adds the compileops and torchao fp8 layers to --impls that name none."""
+    import benchmarks.bench_moe_layer as bench
+
+    assert bench.fp8_impls(["grouped_mm", "compileops"], "rowwise") == [
+        "grouped_mm", "compileops", "compileops-fp8", "torchao-fp8"]
+    assert bench.fp8_impls(["grouped_mm", "compileops-fp8-cached"], "rowwise") == [
+        "grouped_mm", "compileops-fp8-cached"]
+    assert bench.fp8_impls(["grouped_mm"], None) == ["grouped_mm"]
 
 
 # The torchao fp8 layer with torchao's GEMM replaced by torch._grouped_mm: the padding to
