@@ -69,3 +69,19 @@ def test_timing_takes_warmup_and_alternates_calls():
     assert calls == ["e", "c"] * 7
     assert eager.runs == compiled.runs == 5
     assert eager.low_ms <= eager.median_ms <= eager.high_ms
+
+
+def test_moe_example_runs_the_fp8_training_setup():
+    """``examples/moe_layer.py --fp8 rowwise --fp8-fast-accum --cache-fp8-weights`` compiles
+    the layer with the fp8 ops, trains a step at two token counts with compiled matching
+    eager, and refuses the fp8 options without ``--fp8``."""
+    example = str(ROOT / "examples" / "moe_layer.py")
+    proc = _run(example, "--fp8", "rowwise", "--fp8-fast-accum", "--cache-fp8-weights",
+                timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "grouped_linear_row_scaled_fp8" in proc.stdout, proc.stdout
+    errors = [float(line.rsplit("=", 1)[1]) for line in proc.stdout.splitlines()
+              if "max |compiled - eager|" in line]
+    assert len(errors) == 2 and max(errors) < 1e-5, proc.stdout
+    proc = _run(example, "--fp8-fast-accum", timeout=60)
+    assert proc.returncode == 2 and "need --fp8" in proc.stderr, proc.stderr
