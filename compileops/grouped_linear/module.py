@@ -17,7 +17,7 @@ from typing import Mapping, Optional
 import torch
 
 from compileops.grouped_linear.op import (
-    check_fp8_weight_cache,
+    check_fp8_options,
     grouped_linear,
     grouped_linear_splits,
 )
@@ -115,7 +115,7 @@ class GroupedLinear(torch.nn.Module):
 
         check_recipe(fp8, bias=True if bias else None, fast_accum=fp8_fast_accum)
         if fp8 is None:
-            check_fp8_weight_cache(cache_fp8_weights)
+            check_fp8_options(cache_fp8_weights, fp8_fast_accum)
         self.fp8, self.cache_fp8_weights = fp8, bool(cache_fp8_weights)
         self.fp8_fast_accum = bool(fp8_fast_accum)
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features

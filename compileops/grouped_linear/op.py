@@ -350,7 +350,7 @@ def grouped_linear(x, weight, offsets, bias=None, *, row_scale=None, fp8=None,
     own reduced-precision sum over all of K, not one 128-wide step at a time into fp32:
     faster, at a small cost in error (measured in :mod:`compileops.grouped_linear.fp8_op`).
     """
-    if fp8 is not None or fp8_fast_accum:
+    if fp8 is not None:
         from compileops.grouped_linear.checks import check_row_scale
         from compileops.grouped_linear.fp8_op import (
             check_recipe,
@@ -366,7 +366,7 @@ def grouped_linear(x, weight, offsets, bias=None, *, row_scale=None, fp8=None,
                                                     bool(fp8_fast_accum))
         return grouped_linear_fp8_op(x, weight, offsets, fp8, bool(cache_fp8_weights),
                                      bool(fp8_fast_accum))
-    check_fp8_weight_cache(cache_fp8_weights)
+    check_fp8_options(cache_fp8_weights, fp8_fast_accum)
     if row_scale is not None:
         from compileops.grouped_linear.scaled import row_scaled_grouped_linear
 
@@ -388,19 +388,22 @@ def grouped_linear_splits(x, weight, m_splits, bias=None, *, fp8=None,
     if not check_splits_eagerly(m_splits, x.shape[0]) and m_splits.numel():
         assert_split_values_on_device(m_splits, x.shape[0])
     offsets = splits_to_offsets(m_splits).to(x.device)
-    if fp8 is not None or fp8_fast_accum:
+    if fp8 is not None:
         return grouped_linear(x, weight, offsets, bias, fp8=fp8,
                               cache_fp8_weights=cache_fp8_weights,
                               fp8_fast_accum=fp8_fast_accum)
-    check_fp8_weight_cache(cache_fp8_weights)
+    check_fp8_options(cache_fp8_weights, fp8_fast_accum)
     return grouped_linear_op(x, weight, offsets, bias)
 
 
-def check_fp8_weight_cache(cache_fp8_weights) -> None:
-    """A clear error for ``cache_fp8_weights=True`` where no fp8 recipe is asked for."""
+def check_fp8_options(cache_fp8_weights=False, fp8_fast_accum=False) -> None:
+    """A clear error for fp8-only options where no fp8 recipe is asked for."""
     if cache_fp8_weights:
         raise ValueError("cache_fp8_weights=True caches the fp8 copies of the weights: it "
                          "needs fp8='rowwise' or 'blockwise'")
+    if fp8_fast_accum:
+        raise ValueError("fp8_fast_accum=True chooses how the fp8 products accumulate: it "
+                         "needs fp8='rowwise'")
 
 
 def _needs_grad(*tensors) -> bool:
@@ -435,7 +438,7 @@ def grouped_linear_swiglu(x, weight, offsets, bias=None, *, recompute=False, fp8
     pre-activations are kept as with ``recompute=False`` (and written even without a
     gradient). ``cache_fp8_weights`` and ``fp8_fast_accum``: as in :func:`grouped_linear`.
     """
-    if fp8 is not None or fp8_fast_accum:
+    if fp8 is not None:
         from compileops.grouped_linear.fp8_op import (
             check_recipe,
             grouped_linear_swiglu_fp8_with_preact_op,
@@ -445,7 +448,7 @@ def grouped_linear_swiglu(x, weight, offsets, bias=None, *, recompute=False, fp8
         return grouped_linear_swiglu_fp8_with_preact_op(x, weight, offsets, fp8,
                                                         bool(cache_fp8_weights),
                                                         bool(fp8_fast_accum))[0]
-    check_fp8_weight_cache(cache_fp8_weights)
+    check_fp8_options(cache_fp8_weights, fp8_fast_accum)
     if recompute or not _needs_grad(x, weight, bias):
         return grouped_linear_swiglu_op(x, weight, offsets, bias)
     return grouped_linear_swiglu_with_preact_op(x, weight, offsets, bias)[0]
