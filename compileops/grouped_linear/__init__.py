@@ -3,7 +3,7 @@
 The modes (strict offset checks, batch-invariant mode) live in :mod:`compileops.modes`;
 they are re-exported here.
 """
-from compileops.grouped_linear.op import (
+from compileops.grouped_linear.api import (
     grouped_linear,
     grouped_linear_splits,
     grouped_linear_swiglu,

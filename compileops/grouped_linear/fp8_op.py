@@ -62,12 +62,12 @@ from compileops.grouped_linear.checks import (
     check_offsets_eagerly,
     check_row_scaled_args,
 )
-from compileops.grouped_linear.op import (
-    _forward_mode,
-    _keep_for_backward,
-    _swiglu_derivative,
-    _use_triton,
+from compileops.grouped_linear.backward_ops import (
+    forward_mode,
     grouped_linear_wgrad_op,
+    keep_for_backward,
+    swiglu_derivative,
+    use_triton,
 )
 from compileops.grouped_linear.scaled import row_scaled_backward
 from compileops.modes import BATCH_INVARIANT
@@ -158,7 +158,7 @@ def grouped_linear_fp8_op(x: torch.Tensor, weight: torch.Tensor, offsets: torch.
     (rowwise): the MMA accumulates over the whole K loop, in the forward and dX."""
     _check(x, weight, offsets, scaling, fast_accum=fast_accum)
     check_offsets_eagerly(offsets, x.shape[0])
-    if _use_triton("grouped_linear_fp8", x):
+    if use_triton("grouped_linear_fp8", x):
         return _product(x, weight, offsets, scaling, cache_weight=cache_weight,
                         fast_accum=fast_accum)
     return _reference(x, weight, offsets, scaling).to(x.dtype)
@@ -179,7 +179,7 @@ def grouped_linear_fp8_dx_op(grad: torch.Tensor, weight: torch.Tensor, offsets: 
     ``scaling``: grad quantised along N, the weight as the module docstring says."""
     _check(grad, weight.transpose(1, 2), offsets, scaling, fast_accum=fast_accum)
     check_offsets_eagerly(offsets, grad.shape[0])
-    if _use_triton("grouped_linear_fp8_dx", grad):
+    if use_triton("grouped_linear_fp8_dx", grad):
         return _product(grad, weight, offsets, scaling, transposed=True,
                         cache_weight=cache_weight, fast_accum=fast_accum)
     return _reference(grad, weight.transpose(1, 2), offsets, scaling).to(grad.dtype)
@@ -205,12 +205,12 @@ def _fp8_linear_backward(ctx, grad, x, weight, offsets):
 
 def _setup_context(ctx, inputs, output) -> None:
     x, weight, offsets, scaling, cache_weight, fast_accum = inputs
-    _keep_for_backward(ctx, (x, weight, offsets, None))
+    keep_for_backward(ctx, (x, weight, offsets, None))
     ctx.scaling, ctx.cache_weight, ctx.fast_accum = scaling, cache_weight, fast_accum
 
 
 def _grouped_linear_fp8_backward(ctx, grad):
-    with _forward_mode(ctx):
+    with forward_mode(ctx):
         x, weight, offsets, _ = ctx.saved_tensors
         return _fp8_linear_backward(ctx, grad, x, weight, offsets)
 
@@ -229,7 +229,7 @@ def grouped_linear_row_scaled_fp8_op(x: torch.Tensor, weight: torch.Tensor,
     _check(x, weight, offsets, scaling, fast_accum=fast_accum)
     check_row_scaled_args(x, weight, offsets, row_scale)
     check_offsets_eagerly(offsets, x.shape[0])
-    if _use_triton("grouped_linear_row_scaled_fp8", x):
+    if use_triton("grouped_linear_row_scaled_fp8", x):
         return _product(x, weight, offsets, scaling, cache_weight=cache_weight,
                         row_scale=row_scale.contiguous(), fast_accum=fast_accum)
     y = _reference(x, weight, offsets, scaling).to(x.dtype)
@@ -254,7 +254,7 @@ def _setup_row_scaled_context(ctx, inputs, output) -> None:
 def _grouped_linear_row_scaled_fp8_backward(ctx, grad):
     """dX in fp8 (unscaled, then times the row scale), the scale's gradient as a sum over K
     of that fp8 dX with x, dW in x's dtype (:func:`.scaled.row_scaled_backward`)."""
-    with _forward_mode(ctx):
+    with forward_mode(ctx):
         x, weight, offsets, row_scale = ctx.saved_tensors
         dx, dw, _, ds = row_scaled_backward(
             grad, x, weight, offsets, row_scale, ctx.needs_input_grad[:4],
@@ -276,7 +276,7 @@ def grouped_linear_swiglu_fp8_with_preact_op(
     2H])``, fp8 with ``scaling``; ``preact`` in x's dtype, for the backward."""
     _check(x, weight, offsets, scaling, swiglu=True, fast_accum=fast_accum)
     check_offsets_eagerly(offsets, x.shape[0])
-    if _use_triton("grouped_linear_swiglu_fp8_with_preact", x):
+    if use_triton("grouped_linear_swiglu_fp8_with_preact", x):
         preact = x.new_empty((x.shape[0], weight.shape[1]))
         out = _product(x, weight, offsets, scaling, swiglu=True, preact=preact,
                        cache_weight=cache_weight, fast_accum=fast_accum)
@@ -296,15 +296,15 @@ def _grouped_linear_swiglu_fp8_with_preact_fake(x, weight, offsets, scaling,
 
 def _setup_preact_context(ctx, inputs, output) -> None:
     x, weight, offsets, scaling, cache_weight, fast_accum = inputs
-    _keep_for_backward(ctx, (x, weight, offsets, None), output[1])
+    keep_for_backward(ctx, (x, weight, offsets, None), output[1])
     ctx.scaling, ctx.cache_weight, ctx.fast_accum = scaling, cache_weight, fast_accum
     ctx.mark_non_differentiable(output[1])
 
 
 def _swiglu_fp8_backward(ctx, grad, _grad_preact):
-    with _forward_mode(ctx):
+    with forward_mode(ctx):
         x, weight, offsets, _, preact = ctx.saved_tensors
-        return _fp8_linear_backward(ctx, _swiglu_derivative(preact, grad), x, weight, offsets)
+        return _fp8_linear_backward(ctx, swiglu_derivative(preact, grad), x, weight, offsets)
 
 
 backends.register_autograd(grouped_linear_swiglu_fp8_with_preact_op, _swiglu_fp8_backward,

@@ -16,7 +16,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from compileops.grouped_linear.op import (
+from compileops.grouped_linear.api import (
     check_fp8_options,
     grouped_linear,
     grouped_linear_splits,

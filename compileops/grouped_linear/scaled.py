@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 
 from compileops import backends
+from compileops.grouped_linear.backward_ops import grouped_linear_dx_op, grouped_linear_wgrad_op
 from compileops.grouped_linear.checks import check_row_scale
+from compileops.grouped_linear.op import grouped_linear_op, grouped_linear_row_scaled_op
 from compileops.grouped_linear.reference import compute_dtype
 from compileops.modes import BATCH_INVARIANT
 
@@ -25,8 +27,6 @@ def row_scaled_grouped_linear(x, weight, offsets, bias, row_scale):
     With a bias, that product is what runs (dp then needs the biased output: it is kept)."""
     check_row_scale(x, row_scale)
     if bias is not None:
-        from compileops.grouped_linear.op import grouped_linear_op
-
         return grouped_linear_op(x, weight, offsets, bias) * row_scale.to(x.dtype).unsqueeze(-1)
     return _RowScaledGroupedLinear.apply(x, weight, offsets, row_scale)
 
@@ -35,8 +35,6 @@ def row_scaled_grouped_linear(x, weight, offsets, bias, row_scale):
 class _RowScaledGroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(x, weight, offsets, row_scale):
-        from compileops.grouped_linear.op import grouped_linear_row_scaled_op
-
         # One op, not the product written out: compiled, the scale is then the template's
         # own input, loaded once per row, and its producers cannot become a per-element
         # epilogue of the GEMM (compileops::grouped_linear_row_scaled).
@@ -60,8 +58,6 @@ class _RowScaledGroupedLinear(torch.autograd.Function):
 
 
 def _backward(ctx, grad):
-    from compileops.grouped_linear.op import grouped_linear_dx_op
-
     x, weight, offsets, row_scale = ctx.saved_tensors
     return row_scaled_backward(grad, x, weight, offsets, row_scale, ctx.needs_input_grad[:4],
                                lambda: grouped_linear_dx_op(grad, weight, offsets))
@@ -72,8 +68,6 @@ def row_scaled_backward(grad, x, weight, offsets, row_scale, needs, unscaled_dx)
     ``needs``: which of ``(x, weight, offsets, row_scale)`` want a gradient;
     ``unscaled_dx()``: the product ``grad_g @ W_g`` ``[M, K]`` (bf16, or fp8's), from which
     both dx and ds come. dW in the weight's dtype, from the unquantised operands."""
-    from compileops.grouped_linear.op import grouped_linear_wgrad_op
-
     need_dx, need_dw, _, need_ds = needs
     scale = row_scale.to(x.dtype).unsqueeze(-1)
     dx = dw = ds = None

@@ -6,7 +6,7 @@ import torch
 
 from compileops._demo import Demo
 from compileops.grouped_linear import reference
-from compileops.grouped_linear.op import grouped_linear, grouped_linear_swiglu
+from compileops.grouped_linear.api import grouped_linear, grouped_linear_swiglu
 from compileops.grouped_linear.routing import dirichlet_offsets
 
 

@@ -46,7 +46,7 @@ import torch
 import transformers
 
 from compileops.embedding.module import Embedding
-from compileops.grouped_linear.op import grouped_linear, grouped_linear_swiglu
+from compileops.grouped_linear.api import grouped_linear, grouped_linear_swiglu
 from compileops.grouped_linear.routing import permute_by_expert, unpermute_and_combine
 from compileops.integrations import xlstm as _xlstm
 

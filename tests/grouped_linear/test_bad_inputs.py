@@ -38,7 +38,7 @@ import compileops
 from compileops.grouped_linear import checks as routing_checks
 from compileops.grouped_linear import permute_by_expert, routing, splits_to_offsets
 from compileops.grouped_linear import unpermute_and_combine
-from compileops.grouped_linear.op import grouped_linear_dx_op, grouped_linear_wgrad_op
+from compileops.grouped_linear.backward_ops import grouped_linear_dx_op, grouped_linear_wgrad_op
 from tests import fuzzing
 from tests.bad_inputs import _dynamo_once_per_module, _fresh_dynamo, raises  # noqa: F401
 
@@ -583,3 +583,14 @@ def test_inverse_permutation_never_reads_uninitialised_memory(values):
     for slot in range(n):
         landed = [i for i, v in enumerate(values) if v == slot]
         assert int(inverse[slot]) in (landed or [0]), (slot, inverse.tolist())
+
+
+@pytest.mark.parametrize("fn", [compileops.grouped_linear, compileops.grouped_linear_swiglu])
+@pytest.mark.parametrize("fp8", [None, "rowwise"])
+def test_offsets_as_a_python_list_is_a_clear_type_error(fn, fp8):
+    """torch's schema parser would say 'expected Tensor ... but got list'; ours names what
+    offsets are and where per-group counts go."""
+    x, w = torch.randn(6, 8), torch.randn(2, 4, 8)
+    with pytest.raises(TypeError, match=r"offsets must be a torch.Tensor \(cumulative end "
+                                        r"rows.*grouped_linear_splits"):
+        fn(x, w, [2, 6], fp8=fp8)

@@ -143,7 +143,7 @@ def test_opcheck():
 def test_backward_computes_db_only_for_a_trainable_bias(bias, monkeypatch):
     """dW is the same either way; the column sums run only when the bias needs a gradient
     (``with_db``), and ``with_db=False`` returns an empty ``db [G, 0]``."""
-    from compileops.grouped_linear import op
+    from compileops.grouped_linear import backward_ops as op
 
     x, w, offs, b = make([3, 0, 6], k=8, n=8, extra_rows=1)
     w.requires_grad_()

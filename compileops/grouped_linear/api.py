@@ -1,0 +1,176 @@
+"""The grouped linear's public functions: :func:`grouped_linear`, :func:`grouped_linear_splits`,
+:func:`grouped_linear_swiglu` and :func:`splits_to_offsets` (re-exported as
+``compileops.grouped_linear`` and friends). They check what the ops' schemas cannot (Python
+types, options that need each other) and pick the op: bf16/fp16/fp32 (:mod:`.op`), row-scaled
+(:mod:`.scaled`) or fp8 (:mod:`.fp8_op`).
+"""
+from __future__ import annotations
+
+import torch
+
+from compileops.grouped_linear.checks import (
+    assert_split_values_on_device,
+    check_row_scale,
+    check_splits,
+    check_splits_eagerly,
+)
+from compileops.grouped_linear.fp8_op import (
+    check_recipe,
+    grouped_linear_fp8_op,
+    grouped_linear_row_scaled_fp8_op,
+    grouped_linear_swiglu_fp8_with_preact_op,
+)
+from compileops.grouped_linear.op import (
+    grouped_linear_op,
+    grouped_linear_swiglu_op,
+    grouped_linear_swiglu_with_preact_op,
+)
+from compileops.grouped_linear.scaled import row_scaled_grouped_linear
+
+
+def _check_tensor_args(x, weight, offsets) -> None:
+    """A clear TypeError where the op's schema would give torch's raw one (a Python list of
+    offsets, say)."""
+    for name, value in (("x", x), ("weight", weight), ("offsets", offsets)):
+        if not isinstance(value, torch.Tensor):
+            hint = ""
+            if name == "offsets":
+                hint = (" (cumulative end rows, int32, on x's device; per-group row counts "
+                        "go to grouped_linear_splits, or through splits_to_offsets)")
+            raise TypeError(f"{name} must be a torch.Tensor{hint}, got "
+                            f"{type(value).__name__}")
+
+
+def _splits_tensor(m_splits) -> torch.Tensor:
+    if isinstance(m_splits, torch.Tensor):
+        return m_splits
+    values = list(m_splits)  # (as_tensor keeps float values float, so the check sees them)
+    return torch.as_tensor(values) if values else torch.zeros(0, dtype=torch.int32)
+
+
+def splits_to_offsets(m_splits: torch.Tensor) -> torch.Tensor:
+    """Per-group row counts ``[G]`` (an integer tensor, or a sequence of ints) -> int32
+    cumulative end rows ``[G]``, on the device."""
+    m_splits = _splits_tensor(m_splits)
+    check_splits(m_splits)
+    if m_splits.numel() == 0:  # no groups (a cumsum of nothing: its dtype is lost compiled)
+        return torch.zeros(0, dtype=torch.int32, device=m_splits.device)
+    return torch.cumsum(m_splits, 0, dtype=torch.int32)
+
+
+def grouped_linear(x, weight, offsets, bias=None, *, row_scale=None, fp8=None,
+                   cache_fp8_weights=False, fp8_fast_accum=False):
+    """Grouped linear: ``y[rows of g] = x[rows of g] @ weight[g].T + bias[g]``.
+
+    x ``[M, K]``; weight ``[G, N, K]``; offsets int32 ``[G]``: cumulative end row of each group
+    (kept on the device, never read on the host on CUDA); bias ``[G, N]`` or None.
+    Returns ``[M, N]`` in x's dtype; rows past ``offsets[-1]`` are exactly zero.
+
+    ``row_scale`` ``[M]`` (floating; the MoE router probability of each routed row) multiplies
+    row i of the output, after rounding to x's dtype: the same forward as ``grouped_linear(...)
+    * row_scale[:, None].to(x.dtype)``, and compiled the product is the GEMM's epilogue either
+    way. Without a bias, the backward is cheaper (:mod:`compileops.grouped_linear.scaled`): it
+    keeps nothing ``[M, N]`` for the scale's gradient and takes it as a sum over K from the dX
+    product, where the written-out product keeps the unscaled output and sums over N.
+
+    ``fp8="rowwise"`` or ``"blockwise"`` (experimental; no bias): the forward and dX products
+    in e4m3, with per-row scales or with DeepSeek-V3's ``1 x 128`` / ``128 x 128`` blocks; dW
+    in x's dtype (:mod:`compileops.grouped_linear.fp8_op` for the numerics). With
+    ``row_scale`` the scaling is the fp8 product's epilogue too, and the scale's gradient
+    comes from the fp8 dX product (so it carries fp8's error). ``None``: no fp8. ``cache_fp8_weights=True``: the weight's e4m3 copies are
+    made once per version of the weight and reused (:mod:`compileops.grouped_linear.fp8_cache`
+    says when a copy is stale, and what the cache holds); otherwise every call quantises it.
+    ``fp8_fast_accum=True`` (with ``"rowwise"``): the e4m3 products accumulate in the MMA's
+    own reduced-precision sum over all of K, not one 128-wide step at a time into fp32:
+    faster, at a small cost in error (measured in :mod:`compileops.grouped_linear.fp8_op`).
+    """
+    _check_tensor_args(x, weight, offsets)
+    if fp8 is not None:
+        check_recipe(fp8, bias, fast_accum=fp8_fast_accum)
+        if row_scale is not None:
+            check_row_scale(x, row_scale)
+            return grouped_linear_row_scaled_fp8_op(x, weight, offsets, row_scale.to(x.dtype),
+                                                    fp8, bool(cache_fp8_weights),
+                                                    bool(fp8_fast_accum))
+        return grouped_linear_fp8_op(x, weight, offsets, fp8, bool(cache_fp8_weights),
+                                     bool(fp8_fast_accum))
+    check_fp8_options(cache_fp8_weights, fp8_fast_accum)
+    if row_scale is not None:
+        return row_scaled_grouped_linear(x, weight, offsets, bias, row_scale)
+    return grouped_linear_op(x, weight, offsets, bias)
+
+
+def grouped_linear_splits(x, weight, m_splits, bias=None, *, fp8=None,
+                          cache_fp8_weights=False, fp8_fast_accum=False):
+    """:func:`grouped_linear` with per-group row counts ``m_splits`` ``[G]`` (a device tensor;
+    ``fp8``, ``cache_fp8_weights`` and ``fp8_fast_accum`` as there).
+
+    ``m_splits`` must be integers >= 0 adding up to at most M. Their values are checked on
+    the host, naming them, on CPU tensors and elsewhere with strict offset checks, when
+    running eagerly; otherwise (CUDA without strict checks, and compiled) on the device with
+    no host sync: a device-side assert on CUDA, a ``RuntimeError`` when compiled on CPU."""
+    m_splits = _splits_tensor(m_splits)
+    check_splits(m_splits, weight.shape[0] if weight.dim() == 3 else None)
+    if not check_splits_eagerly(m_splits, x.shape[0]) and m_splits.numel():
+        assert_split_values_on_device(m_splits, x.shape[0])
+    offsets = splits_to_offsets(m_splits).to(x.device)
+    if fp8 is not None:
+        return grouped_linear(x, weight, offsets, bias, fp8=fp8,
+                              cache_fp8_weights=cache_fp8_weights,
+                              fp8_fast_accum=fp8_fast_accum)
+    check_fp8_options(cache_fp8_weights, fp8_fast_accum)
+    return grouped_linear_op(x, weight, offsets, bias)
+
+
+def check_fp8_options(cache_fp8_weights=False, fp8_fast_accum=False) -> None:
+    """A clear error for fp8-only options where no fp8 recipe is asked for."""
+    if cache_fp8_weights:
+        raise ValueError("cache_fp8_weights=True caches the fp8 copies of the weights: it "
+                         "needs fp8='rowwise' or 'blockwise'")
+    if fp8_fast_accum:
+        raise ValueError("fp8_fast_accum=True chooses how the fp8 products accumulate: it "
+                         "needs fp8='rowwise'")
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def grouped_linear_swiglu(x, weight, offsets, bias=None, *, recompute=False, fp8=None,
+                          cache_fp8_weights=False, fp8_fast_accum=False):
+    """``silu(gate) * up`` of a fused gate/up grouped projection: weight ``[G, 2H, K]``
+    (gate rows first, then up) -> ``[M, H]``. Same as ``reference.swiglu(grouped_linear(...))``
+    in one kernel.
+
+    Memory for compute, the user's choice:
+
+    * ``recompute=False`` (default, training-grade): when a gradient is needed, the kernel
+      also writes the pre-activations ``[M, 2H]`` in x's dtype and the backward keeps them,
+      so it is the pointwise SwiGLU derivative plus dX and dW: no extra GEMM. Costs
+      ``M * 2H * x.element_size()`` bytes held from forward to backward (Mixtral-8x7B, 16384
+      routed rows, bf16: 0.94 GB per layer). Without a gradient (inference) nothing is stored.
+    * ``recompute=True``: nothing beyond x is kept; the backward recomputes the pre-activations
+      with one more ``[M, K] x [K, 2H]`` grouped GEMM. Measured on an H100 (bf16, whole MoE
+      layer compiled, forward + backward): Mixtral-8x7B 34.0 ms against 30.2 ms (+13-15%),
+      Qwen3-30B-A3B 8.0 against 7.3 ms (+8-9%). A single layer's peak memory is the same (the
+      backward materialises ``[M, 2H]`` either way); the saving is the activation held from
+      forward to backward in every layer. ``benchmarks/RESULTS.md`` ("MoE layer").
+
+    Both give the same gradients up to the rounding of the stored pre-activations (bitwise
+    when the two forwards use the same K blocking).
+
+    ``fp8="rowwise"`` or ``"blockwise"`` (experimental; no bias, no ``recompute`` yet): the
+    gate/up and dX products in e4m3 (:func:`grouped_linear`'s ``fp8``), dW in x's dtype; the
+    pre-activations are kept as with ``recompute=False`` (and written even without a
+    gradient). ``cache_fp8_weights`` and ``fp8_fast_accum``: as in :func:`grouped_linear`.
+    """
+    _check_tensor_args(x, weight, offsets)
+    if fp8 is not None:
+        check_recipe(fp8, bias, fast_accum=fp8_fast_accum, recompute=recompute)
+        return grouped_linear_swiglu_fp8_with_preact_op(x, weight, offsets, fp8,
+                                                        bool(cache_fp8_weights),
+                                                        bool(fp8_fast_accum))[0]
+    check_fp8_options(cache_fp8_weights, fp8_fast_accum)
+    if recompute or not _needs_grad(x, weight, bias):
+        return grouped_linear_swiglu_op(x, weight, offsets, bias)
+    return grouped_linear_swiglu_with_preact_op(x, weight, offsets, bias)[0]
