@@ -35,10 +35,11 @@ def install() -> None:
     with _install_lock:
         if _installed:
             return
-        from compileops.lowerings import embedding, grouped_linear, mlstm
+        from compileops.lowerings import embedding, grouped_linear, grouped_linear_fp8, mlstm
 
         embedding.register()
         grouped_linear.register()
+        grouped_linear_fp8.register()
         mlstm.register()
         _tag_compile_cache()
         _installed = True

@@ -209,6 +209,23 @@ def fallback(op: torch._ops.OpOverload) -> Callable:
     return fallback_handler(op, add_to_fallback_set=False)
 
 
+def graph_input_behind(node) -> Any:
+    """The graph input (its ``TensorBox``) that ``node`` is, or is a strided view of (a
+    ``ReinterpretView`` of the input's storage); None when ``node`` is computed inside the
+    graph."""
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    try:
+        storage, _ = ir.as_storage_and_layout(node, freeze=False)
+    except NotImplementedError:
+        return None
+    buffer = storage.data if isinstance(storage, ir.StorageBox) else storage
+    if not isinstance(buffer, ir.InputBuffer) or isinstance(buffer, ir.ConstantBuffer):
+        return None
+    return V.graph.graph_inputs.get(buffer.get_name())
+
+
 def size_hint(expr) -> int:
     """A concrete hint for a possibly symbolic size (``size_hint`` on 2.11, ``optimization_hint``
     on 2.13)."""

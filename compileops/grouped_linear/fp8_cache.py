@@ -19,10 +19,22 @@ means with no optimizer step after them (``load_state_dict`` into an FSDP2-shard
 which the next all-gather brings into the unsharded storage). After such writes call
 :func:`clear_fp8_weight_cache`.
 
+**Compiled.** Inductor hands an op a view of a graph input (``w.transpose(1, 2)``,
+``w[:, :H]``) as a tensor rebuilt over the same storage with a version counter of its own,
+which no write to the parameter ever moves. So under ``torch.compile`` the cache follows the
+graph input the weight was taken from (the parameter, or the view passed in), which the
+lowering hands the op as its ``weight_base``: every write above is seen there as it is
+eagerly, with ``dynamic=True`` too. A weight computed inside the compiled graph (a cast of
+fp32 masters, a concatenation) is a new tensor whose writes nothing tracks: it is not
+cached, it is quantised on every call, and the compile logs a warning saying so.
+
 **The cost.** Memory: each cached weight keeps its e4m3 copy and fp32 scales alive, one
 byte per element per layout (rowwise: two layouts, the forward's and dX's; blockwise: one),
-until the next optimizer step, or until the weight changes or its storage is freed. Nothing
-else: a lookup is a dict access under a lock, on the host, no device sync.
+until the next optimizer step, or until the weight changes, or until the tensor its version
+follows (the parameter, or the root of the view passed in) is freed: a finaliser releases its
+copies then. A storage freed while that tensor lives on (``param.data = other``) keeps its
+copies until the next copy is made or the cache is cleared. Nothing else: a lookup is a dict
+access under a lock, on the host, no device sync.
 
 **What it buys**, measured on an H200 (rowwise, a compiled MoE layer's forward and backward,
 ``benchmarks/bench_moe_layer.py --impls compileops-fp8-cached``, weights unchanged between
@@ -42,15 +54,22 @@ the quantisation is part of the graph and every replay makes the copies anew.
 from __future__ import annotations
 
 import threading
-from typing import Callable
+import weakref
+from typing import Callable, Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-_lock = threading.Lock()
-# key -> (weak reference to the weight's storage, the weight's version, (q, scale))
-_entries: dict[tuple, tuple[StorageWeakRef, int, tuple[torch.Tensor, torch.Tensor]]] = {}
+# Re-entrant: a weight's finaliser (which takes the lock) can run inside a locked section,
+# when the garbage collector happens to free that weight there.
+_lock = threading.RLock()
+# key -> (weak reference to the weight's storage, the version of the tensor that tracks
+# writes to it, (q, scale), that tensor's id)
+_entries: dict[tuple, tuple[StorageWeakRef, int, tuple[torch.Tensor, torch.Tensor], int]] = {}
+# id of a tensor whose version the entries follow -> its finaliser (one per tensor), which
+# drops those entries when the tensor is freed.
+_finalisers: dict[int, weakref.finalize] = {}
 # The global optimizer-step hook's handle, once registered (the first cached copy).
 _step_hook = None
 
@@ -78,16 +97,40 @@ def _capturing(weight: torch.Tensor) -> bool:
     return weight.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def _version_source(weight: torch.Tensor, base: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The tensor whose version counter follows writes to ``weight``'s storage: ``base``
+    when given (it must hold that storage), else the root of ``weight``'s views (eager views
+    share their root's counter). None when ``base`` holds another storage: nothing to check
+    the weight's values by."""
+    if base is None:
+        return weight if weight._base is None else weight._base
+    if base.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr():
+        return None
+    return base
+
+
+def _release(source_id: int) -> None:
+    """The tensor whose version the entries of ``source_id`` followed was freed: drop them."""
+    with _lock:
+        _finalisers.pop(source_id, None)
+        for key in [k for k, e in _entries.items() if e[3] == source_id or e[0].expired()]:
+            del _entries[key]
+
+
 def quantised_weight(weight: torch.Tensor, layout: tuple,
-                     quantise: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+                     quantise: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                     base: Optional[torch.Tensor] = None,
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantise()``'s ``(q, scale)`` for ``weight`` in ``layout`` (a hashable naming the
     scaling and the product), from the cache while the weight's storage and version are
-    those it was made from; made and stored otherwise."""
-    if weight.is_inference() or _capturing(weight):
+    those it was made from; made and stored otherwise. ``base``: the tensor whose version
+    counter follows writes to ``weight``'s storage, when ``weight``'s own does not (a
+    compiled graph's rebuilt view of a parameter: the fp8 ops' ``weight_base``)."""
+    source = _version_source(weight, base)
+    if source is None or source.is_inference() or _capturing(weight):
         return quantise()
     untyped = weight.untyped_storage()
-    key, version = _key(weight, untyped, layout), weight._version
+    key, version = _key(weight, untyped, layout), source._version
     storage = StorageWeakRef(untyped)
     with _lock:
         entry = _entries.get(key)
@@ -100,8 +143,10 @@ def quantised_weight(weight: torch.Tensor, layout: tuple,
     value = quantise()
     with _lock:
         for stale in [k for k, e in _entries.items() if e[0].expired()]:
-            del _entries[stale]  # their weights were freed
-        _entries[key] = (storage, version, value)
+            del _entries[stale]  # their storages were freed while their tensors live on
+        _entries[key] = (storage, version, value, id(source))
+        if id(source) not in _finalisers:
+            _finalisers[id(source)] = weakref.finalize(source, _release, id(source))
     return value
 
 
@@ -113,7 +158,6 @@ def clear_fp8_weight_cache() -> None:
 
 
 def cached_fp8_weight_bytes() -> int:
-    """Bytes held by the cache's e4m3 copies and scales (live weights only)."""
+    """Bytes held by the cache's e4m3 copies and scales."""
     with _lock:
-        return sum(q.nbytes + s.nbytes for ref, _, (q, s) in _entries.values()
-                   if not ref.expired())
+        return sum(q.nbytes + s.nbytes for _, _, (q, s), _ in _entries.values())

@@ -44,6 +44,14 @@ there on unit-normal operands against the fp32 product of the same e4m3 operands
 L2 error of 1.7e-3 to 3.4e-3 (growing with K, 768 to 14336) in place of 1.7e-3 (the bf16
 output's own rounding), next to the 3.7e-2 that quantising to e4m3 costs. Deterministic too.
 
+``weight_base`` (every op; the Inductor lowering sets it, users need not): the tensor whose
+version counter follows writes to ``weight``'s storage, for the weight cache. Compiled, a
+view of a parameter (``w.transpose(1, 2)``, ``w[:, :H]``) reaches the op as a tensor rebuilt
+over the parameter's storage with a version counter of its own, which never moves when the
+parameter is written in place; the lowering passes the graph input the view was taken from,
+and the cache checks that tensor's version. None: ``weight``'s own (eager views share their
+base's counter).
+
 The weight is quantised on every call (unless ``cache_weight``: :mod:`.fp8_cache`): with
 rowwise scaling once for the forward and once, per input channel, for dX. At the MoE bench
 layers on an H200 that costs about as much as the fp8 products save, so the layer is not yet
@@ -51,23 +59,25 @@ faster than bf16 without the cache (benchmarks/RESULTS.md, fp8).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from compileops import backends
 from compileops._library import custom_op
 from compileops.grouped_linear import fp8 as fp8_rule
 from compileops.grouped_linear import fp8_cache
-from compileops.grouped_linear.checks import (
-    check_forward_args,
-    check_offsets_eagerly,
-    check_row_scaled_args,
-)
 from compileops.grouped_linear.backward_ops import (
     forward_mode,
     grouped_linear_wgrad_op,
     keep_for_backward,
     swiglu_derivative,
     use_triton,
+)
+from compileops.grouped_linear.checks import (
+    check_forward_args,
+    check_offsets_eagerly,
+    check_row_scaled_args,
 )
 from compileops.grouped_linear.scaled import row_scaled_backward
 from compileops.modes import BATCH_INVARIANT
@@ -114,9 +124,10 @@ def _kernels():
     return fp8_kernels
 
 
-def _quantised_weight(weight, scaling, transposed, cache_weight):
+def _quantised_weight(weight, scaling, transposed, cache_weight, weight_base):
     """The weight's e4m3 copy and scales for the product (``transposed``: dX's), made now or
-    taken from :mod:`compileops.grouped_linear.fp8_cache` (``cache_weight``). Blockwise has
+    taken from :mod:`compileops.grouped_linear.fp8_cache` (``cache_weight``; ``weight_base``:
+    the tensor whose version counter follows writes to ``weight``, see the ops). Blockwise has
     one layout for both products (a square block's scale is its transpose's)."""
     k = _kernels()
     if scaling == "blockwise":
@@ -129,16 +140,16 @@ def _quantised_weight(weight, scaling, transposed, cache_weight):
         layout = ("rowwise", transposed)
     if not cache_weight:
         return quantise()
-    return fp8_cache.quantised_weight(weight, layout, quantise)
+    return fp8_cache.quantised_weight(weight, layout, quantise, base=weight_base)
 
 
 def _product(x, weight, offsets, scaling, *, transposed=False, swiglu=False, preact=None,
-             cache_weight=False, row_scale=None, fast_accum=False):
+             cache_weight=False, weight_base=None, row_scale=None, fast_accum=False):
     """The Triton fp8 product ``x W_g^T`` (``transposed``: ``x W_g``) in x's dtype;
     ``row_scale [M]`` (x's dtype) multiplies each rounded row of the forward's;
     ``fast_accum`` (rowwise): the MMA accumulates over the whole K loop."""
     k = _kernels()
-    wq, ws = _quantised_weight(weight, scaling, transposed, cache_weight)
+    wq, ws = _quantised_weight(weight, scaling, transposed, cache_weight, weight_base)
     if scaling == "blockwise":
         return k.grouped_linear_fp8_blockwise(x, wq, ws, offsets, out_dtype=x.dtype,
                                               swiglu=swiglu, transposed=transposed,
@@ -150,44 +161,46 @@ def _product(x, weight, offsets, scaling, *, transposed=False, swiglu=False, pre
 
 @custom_op("grouped_linear_fp8")
 def grouped_linear_fp8_op(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
-                          scaling: str, cache_weight: bool = False,
-                          fast_accum: bool = False) -> torch.Tensor:
+                          scaling: str, cache_weight: bool = False, fast_accum: bool = False,
+                          weight_base: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x ``[M, K]``, weight ``[G, N, K]``, offsets int32 ``[G]`` -> ``[M, N]`` in x's dtype,
     fp8 with ``scaling`` (module docstring); rows past ``offsets[-1]`` are zeros.
-    ``cache_weight``: the weight's e4m3 copy from :mod:`.fp8_cache`. ``fast_accum``
-    (rowwise): the MMA accumulates over the whole K loop, in the forward and dX."""
+    ``cache_weight``: the weight's e4m3 copy from :mod:`.fp8_cache`; ``weight_base``: the
+    module docstring's. ``fast_accum`` (rowwise): the MMA accumulates over the whole K
+    loop, in the forward and dX."""
     _check(x, weight, offsets, scaling, fast_accum=fast_accum)
     check_offsets_eagerly(offsets, x.shape[0])
     if use_triton("grouped_linear_fp8", x):
         return _product(x, weight, offsets, scaling, cache_weight=cache_weight,
-                        fast_accum=fast_accum)
+                        weight_base=weight_base, fast_accum=fast_accum)
     return _reference(x, weight, offsets, scaling).to(x.dtype)
 
 
 @grouped_linear_fp8_op.register_fake
 def _grouped_linear_fp8_fake(x, weight, offsets, scaling, cache_weight=False,
-                             fast_accum=False):
+                             fast_accum=False, weight_base=None):
     _check(x, weight, offsets, scaling, fast_accum=fast_accum)
     return x.new_empty((x.shape[0], weight.shape[1]))
 
 
 @custom_op("grouped_linear_fp8_dx")
 def grouped_linear_fp8_dx_op(grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
-                             scaling: str, cache_weight: bool = False,
-                             fast_accum: bool = False) -> torch.Tensor:
+                             scaling: str, cache_weight: bool = False, fast_accum: bool = False,
+                             weight_base: Optional[torch.Tensor] = None) -> torch.Tensor:
     """grad ``[M, N]`` -> ``dX [M, K] = grad_g @ W_g`` in grad's dtype, fp8 with
     ``scaling``: grad quantised along N, the weight as the module docstring says."""
     _check(grad, weight.transpose(1, 2), offsets, scaling, fast_accum=fast_accum)
     check_offsets_eagerly(offsets, grad.shape[0])
     if use_triton("grouped_linear_fp8_dx", grad):
         return _product(grad, weight, offsets, scaling, transposed=True,
-                        cache_weight=cache_weight, fast_accum=fast_accum)
+                        cache_weight=cache_weight, weight_base=weight_base,
+                        fast_accum=fast_accum)
     return _reference(grad, weight.transpose(1, 2), offsets, scaling).to(grad.dtype)
 
 
 @grouped_linear_fp8_dx_op.register_fake
 def _grouped_linear_fp8_dx_fake(grad, weight, offsets, scaling, cache_weight=False,
-                                fast_accum=False):
+                                fast_accum=False, weight_base=None):
     _check(grad, weight.transpose(1, 2), offsets, scaling, fast_accum=fast_accum)
     return grad.new_empty((grad.shape[0], weight.shape[2]))
 
@@ -200,11 +213,11 @@ def _fp8_linear_backward(ctx, grad, x, weight, offsets):
                                       ctx.fast_accum)
     if ctx.needs_input_grad[1]:
         dw, _ = grouped_linear_wgrad_op(grad, x, offsets, weight.dtype, grad.dtype, False)
-    return dx, dw, None, None, None, None
+    return dx, dw, None, None, None, None, None
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, offsets, scaling, cache_weight, fast_accum = inputs
+    x, weight, offsets, scaling, cache_weight, fast_accum, _ = inputs
     keep_for_backward(ctx, (x, weight, offsets, None))
     ctx.scaling, ctx.cache_weight, ctx.fast_accum = scaling, cache_weight, fast_accum
 
@@ -222,7 +235,9 @@ backends.register_autograd(grouped_linear_fp8_op, _grouped_linear_fp8_backward, 
 def grouped_linear_row_scaled_fp8_op(x: torch.Tensor, weight: torch.Tensor,
                                      offsets: torch.Tensor, row_scale: torch.Tensor,
                                      scaling: str, cache_weight: bool = False,
-                                     fast_accum: bool = False) -> torch.Tensor:
+                                     fast_accum: bool = False,
+                                     weight_base: Optional[torch.Tensor] = None
+                                     ) -> torch.Tensor:
     """``grouped_linear_fp8`` with row i of the output, rounded to x's dtype, times
     ``row_scale[i]`` (``[M]`` in x's dtype) and rounded again: the MoE down projection times
     the router probability, in the product's epilogue."""
@@ -231,21 +246,23 @@ def grouped_linear_row_scaled_fp8_op(x: torch.Tensor, weight: torch.Tensor,
     check_offsets_eagerly(offsets, x.shape[0])
     if use_triton("grouped_linear_row_scaled_fp8", x):
         return _product(x, weight, offsets, scaling, cache_weight=cache_weight,
-                        row_scale=row_scale.contiguous(), fast_accum=fast_accum)
+                        weight_base=weight_base, row_scale=row_scale.contiguous(),
+                        fast_accum=fast_accum)
     y = _reference(x, weight, offsets, scaling).to(x.dtype)
     return (y.float() * row_scale.float()[:, None]).to(x.dtype)
 
 
 @grouped_linear_row_scaled_fp8_op.register_fake
 def _grouped_linear_row_scaled_fp8_fake(x, weight, offsets, row_scale, scaling,
-                                        cache_weight=False, fast_accum=False):
+                                        cache_weight=False, fast_accum=False,
+                                        weight_base=None):
     _check(x, weight, offsets, scaling, fast_accum=fast_accum)
     check_row_scaled_args(x, weight, offsets, row_scale)
     return x.new_empty((x.shape[0], weight.shape[1]))
 
 
 def _setup_row_scaled_context(ctx, inputs, output) -> None:
-    x, weight, offsets, row_scale, scaling, cache_weight, fast_accum = inputs
+    x, weight, offsets, row_scale, scaling, cache_weight, fast_accum, _ = inputs
     ctx.save_for_backward(x, weight, offsets, row_scale)
     ctx.batch_invariant = BATCH_INVARIANT.enabled()
     ctx.scaling, ctx.cache_weight, ctx.fast_accum = scaling, cache_weight, fast_accum
@@ -260,7 +277,7 @@ def _grouped_linear_row_scaled_fp8_backward(ctx, grad):
             grad, x, weight, offsets, row_scale, ctx.needs_input_grad[:4],
             lambda: grouped_linear_fp8_dx_op(grad, weight, offsets, ctx.scaling,
                                              ctx.cache_weight, ctx.fast_accum))
-    return dx, dw, None, ds, None, None, None
+    return dx, dw, None, ds, None, None, None, None
 
 
 backends.register_autograd(grouped_linear_row_scaled_fp8_op,
@@ -271,6 +288,7 @@ backends.register_autograd(grouped_linear_row_scaled_fp8_op,
 def grouped_linear_swiglu_fp8_with_preact_op(
     x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, scaling: str,
     cache_weight: bool = False, fast_accum: bool = False,
+    weight_base: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """weight ``[G, 2H, K]`` (gate rows first) -> ``(silu(gate) * up [M, H], preact [M,
     2H])``, fp8 with ``scaling``; ``preact`` in x's dtype, for the backward."""
@@ -279,7 +297,8 @@ def grouped_linear_swiglu_fp8_with_preact_op(
     if use_triton("grouped_linear_swiglu_fp8_with_preact", x):
         preact = x.new_empty((x.shape[0], weight.shape[1]))
         out = _product(x, weight, offsets, scaling, swiglu=True, preact=preact,
-                       cache_weight=cache_weight, fast_accum=fast_accum)
+                       cache_weight=cache_weight, weight_base=weight_base,
+                       fast_accum=fast_accum)
         return out, preact
     pre = _reference(x, weight, offsets, scaling)
     gate, up = pre.chunk(2, dim=-1)
@@ -288,14 +307,15 @@ def grouped_linear_swiglu_fp8_with_preact_op(
 
 @grouped_linear_swiglu_fp8_with_preact_op.register_fake
 def _grouped_linear_swiglu_fp8_with_preact_fake(x, weight, offsets, scaling,
-                                                cache_weight=False, fast_accum=False):
+                                                cache_weight=False, fast_accum=False,
+                                                weight_base=None):
     _check(x, weight, offsets, scaling, swiglu=True, fast_accum=fast_accum)
     return (x.new_empty((x.shape[0], weight.shape[1] // 2)),
             x.new_empty((x.shape[0], weight.shape[1])))
 
 
 def _setup_preact_context(ctx, inputs, output) -> None:
-    x, weight, offsets, scaling, cache_weight, fast_accum = inputs
+    x, weight, offsets, scaling, cache_weight, fast_accum, _ = inputs
     keep_for_backward(ctx, (x, weight, offsets, None), output[1])
     ctx.scaling, ctx.cache_weight, ctx.fast_accum = scaling, cache_weight, fast_accum
     ctx.mark_non_differentiable(output[1])

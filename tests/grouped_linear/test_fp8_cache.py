@@ -250,3 +250,43 @@ def test_cache_without_fp8_is_a_clear_error():
             fn(x, w, offs, cache_fp8_weights=True)
     with pytest.raises(ValueError, match="cache_fp8_weights=True .*needs fp8"):
         compileops.nn.GroupedLinear(4, 40, 24, bias=False, cache_fp8_weights=True)
+
+
+def test_a_freed_weight_releases_its_copies_at_once():
+    """The copies go with the weight (a finaliser), not at the next insert or step: nothing
+    is left holding them once the weight is freed."""
+    import weakref
+
+    from compileops.grouped_linear import fp8_cache
+
+    x, w, offs, dy = _layer(seed=9)
+    _step(x, w, offs, dy, "rowwise", cache=True)
+    copies = [weakref.ref(entry[2][0]) for entry in fp8_cache._entries.values()]
+    assert len(copies) == 2 and all(ref() is not None for ref in copies)
+    del w
+    gc.collect()
+    assert all(ref() is None for ref in copies)  # freed, with no other cache call since
+    assert cached_fp8_weight_bytes() == 0
+
+
+def test_eager_views_of_a_parameter_share_its_copies(launches):
+    """A view made afresh each call (``w.transpose(1, 2)``) follows its parameter's version
+    and lifetime: the second call reuses the first one's copies, and a write to the
+    parameter is seen through the view."""
+    x, w, offs, dy = _layer(seed=10)
+    stored = torch.nn.Parameter(w.detach().transpose(1, 2).contiguous())  # [G, K, N]
+
+    def call():
+        with compileops.use_backend("triton"):
+            return compileops.grouped_linear(x.detach(), stored.transpose(1, 2), offs,
+                                             fp8="rowwise", cache_fp8_weights=True)
+
+    first = call()
+    launches.clear()
+    assert torch.equal(call(), first)
+    assert [n for n in launches if n in WEIGHT_QUANTISERS] == ["rowwise_quantize_kernel"]  # x
+    with torch.no_grad():
+        stored.mul_(2.0)
+    with compileops.use_backend("triton"):
+        want = compileops.grouped_linear(x.detach(), stored.transpose(1, 2), offs, fp8="rowwise")
+    assert torch.equal(call(), want) and not torch.equal(want, first)

@@ -107,6 +107,6 @@ triton_poi_fused_mul_unsqueeze
 torch.ops.compileops.grouped_linear_swiglu_fp8_with_preact.default
 # backward
 triton_per_fused__to_copy_add_mul_rsub_sigmoid_split_sum_unsqueeze
-triton_poi_fused__to_copy_grouped_linear_fp8_dx_grouped_linear_wgrad
+triton_poi_fused__to_copy
 torch.ops.compileops.grouped_linear_fp8_dx.default
 torch.ops.compileops.grouped_linear_wgrad.default""")

@@ -1,0 +1,195 @@
+"""``cache_fp8_weights=True`` under ``torch.compile``: never stale, whatever reaches the op.
+
+Inductor hands an extern op a view of a graph input (``w.transpose(1, 2)``, ``w[:, :H]``)
+as a tensor rebuilt over the input's storage, with a version counter that never moves; the
+lowering passes the graph input as the op's ``weight_base`` so the cache follows the
+parameter's own counter. Every way a weight changes is applied in turn to one compiled
+layer, static and ``dynamic=True``, and after each the cached compiled step (output, dX and
+dW) must equal the same compiled step without the cache, bitwise: the same kernels on the
+same operands."""
+import os
+import warnings
+
+import pytest
+import torch
+
+import compileops
+from compileops.grouped_linear import cached_fp8_weight_bytes, clear_fp8_weight_cache
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and
+                                not torch.cuda.is_available(),
+                                reason="the fp8 kernels run on a GPU or under the interpreter")
+SPLITS = [6, 0, 9, 5]
+K, N = 40, 24
+
+
+@pytest.fixture(autouse=True)
+def empty_cache():
+    clear_fp8_weight_cache()
+    yield
+    clear_fp8_weight_cache()
+
+
+def _offsets():
+    return torch.cumsum(torch.tensor(SPLITS), 0).to(torch.int32)
+
+
+# How the layer reaches its weight from the parameter (stored as the layout says).
+VIEWS = {
+    # [G, N, K] passed as it is
+    "parameter": (lambda g: (g, N, K), lambda w: w),
+    # stored [G, K, N] (transformers' layout), transposed in the step
+    "transpose": (lambda g: (g, K, N), lambda w: w.transpose(1, 2)),
+    # the first N rows of a wider [G, 2N, K] parameter (a fused projection's half)
+    "slice": (lambda g: (g, 2 * N, K), lambda w: w[:, :N]),
+}
+
+
+def _step(layer, x, w, dy, offsets, cache, scaling):
+    """(y, dx, dw) of one compiled forward and backward."""
+    x.grad = w.grad = None
+    y = layer(x, w, offsets, cache, scaling)
+    y.backward(dy)
+    return y.detach(), x.grad.clone(), w.grad.clone()
+
+
+def _compiled(view, dynamic):
+    def layer(x, w, offsets, cache, scaling):
+        return compileops.grouped_linear(x, view(w), offsets, fp8=scaling,
+                                         cache_fp8_weights=cache)
+    return torch.compile(layer, fullgraph=True, dynamic=dynamic)
+
+
+def _changes(w, gen):
+    """Every way a weight changes between steps, applied in turn (name, change)."""
+    module = torch.nn.Module()
+    module.weight = w
+    optimizer = torch.optim.SGD([w], lr=0.25)
+
+    def optimizer_step():
+        w.grad = torch.randn(w.shape, generator=gen)
+        optimizer.step()
+
+    def load_state_dict():
+        module.load_state_dict({"weight": torch.randn(w.shape, generator=gen)})
+
+    def no_grad(fn):
+        def change():
+            with torch.no_grad():
+                fn()
+        return change
+
+    return [
+        ("mul_", no_grad(lambda: w.mul_(2.0))),
+        ("copy_", no_grad(lambda: w.copy_(torch.randn(w.shape, generator=gen)))),
+        ("load_state_dict", load_state_dict),
+        ("optimizer step", optimizer_step),
+        ("slice written in place", no_grad(lambda: w[1:3].add_(1.0))),
+        ("EMA swap, back", no_grad(lambda: w.copy_(w * 0.5 + 0.1))),
+    ]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("view", list(VIEWS))
+@pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
+def test_every_weight_change_is_seen_compiled(scaling, view, dynamic):
+    if scaling == "blockwise" and view != "transpose":
+        pytest.skip("blockwise: one view is enough (the cache path is shared)")
+    shape, as_weight = VIEWS[view]
+    gen = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(shape(len(SPLITS)), generator=gen) / K ** 0.5)
+    x = torch.randn(sum(SPLITS) + 4, K, generator=gen).requires_grad_()
+    dy = torch.randn(x.shape[0], N, generator=gen)
+    offsets = _offsets()
+    layer = _compiled(as_weight, dynamic)
+    with compileops.use_backend("triton"):
+        first = _step(layer, x, w, dy, offsets, True, scaling)
+        for name, change in _changes(w, gen):
+            change()
+            got = _step(layer, x, w, dy, offsets, True, scaling)
+            want = _step(layer, x, w, dy, offsets, False, scaling)
+            for what, a, b in zip(("y", "dx", "dw"), got, want):
+                assert torch.equal(a, b), f"{what} stale after {name}"
+            assert not torch.equal(got[0], first[0]), name
+
+
+def test_dynamic_batch_sizes_keep_one_graph_and_the_cache():
+    """dynamic=True: other token counts reuse the graph, and the copies of an unchanged
+    weight (the cache follows the parameter, not the rebuilt view)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from tests.grouped_linear._helpers import record_triton_launches
+
+    counter = CompileCounterWithBackend("inductor")
+    gen = torch.Generator().manual_seed(1)
+    w = torch.nn.Parameter(torch.randn(len(SPLITS), K, N, generator=gen) / K ** 0.5)
+
+    def layer(x, offsets):
+        return compileops.grouped_linear(x, w.transpose(1, 2), offsets, fp8="rowwise",
+                                         cache_fp8_weights=True)
+
+    compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
+    mp = pytest.MonkeyPatch()
+    try:
+        launches = record_triton_launches(mp)
+        with compileops.use_backend("triton"):
+            for rows in (20, 33, 17):
+                splits = torch.tensor([rows // 4, 0, rows // 2, rows - rows // 4 - rows // 2])
+                x = torch.randn(rows, K, generator=gen)
+                launches.clear()
+                got = compiled(x, torch.cumsum(splits, 0).to(torch.int32))
+                # all but x's own quantisation
+                weight_quantisations = launches.count("rowwise_quantize_kernel") - 1
+                want = compileops.grouped_linear(x, w.transpose(1, 2),
+                                                 torch.cumsum(splits, 0).to(torch.int32),
+                                                 fp8="rowwise")
+                assert torch.equal(got, want)
+                assert weight_quantisations == (1 if rows == 20 else 0), launches
+    finally:
+        mp.undo()
+    assert counter.frame_count == 1
+
+
+def test_a_weight_computed_in_the_graph_is_not_cached_and_says_so():
+    """A cast inside the compiled graph is a new tensor each step that nothing tracks: the
+    lowering turns the cache off for it (quantised every call) and warns at compile time."""
+    gen = torch.Generator().manual_seed(2)
+    master = torch.nn.Parameter(torch.randn(len(SPLITS), N, K, generator=gen,
+                                            dtype=torch.float64) / K ** 0.5)
+    x = torch.randn(sum(SPLITS), K, generator=gen)
+    offsets = _offsets()
+
+    def layer(x):
+        return compileops.grouped_linear(x, master.float() * 1.0, offsets, fp8="rowwise",
+                                         cache_fp8_weights=True)
+
+    compiled = torch.compile(layer, fullgraph=True)
+    with compileops.use_backend("triton"):
+        with pytest.warns(UserWarning, match="computed inside the compiled graph"):
+            compiled(x)
+        with torch.no_grad():
+            master.mul_(-1.5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = compiled(x)
+        want = compileops.grouped_linear(x, master.detach().float(), offsets, fp8="rowwise")
+    assert torch.equal(got, want)
+    assert cached_fp8_weight_bytes() == 0
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_module_and_load_state_dict(backend):
+    """The module form, compiled whole: a checkpoint loaded after a step is what runs."""
+    torch.manual_seed(3)
+    layer = compileops.nn.GroupedLinear(len(SPLITS), K, N, bias=False, fp8="rowwise",
+                                        cache_fp8_weights=True)
+    splits = torch.tensor(SPLITS)
+    x = torch.randn(sum(SPLITS), K)
+    compiled = torch.compile(layer, backend=backend, fullgraph=True)
+    state = {"weight": torch.randn_like(layer.weight)}
+    with compileops.use_backend("triton"):
+        before = compiled(x, splits)
+        layer.load_state_dict(state)
+        got = compiled(x, splits)
+        want = compileops.grouped_linear_splits(x, state["weight"], splits, fp8="rowwise")
+    assert torch.equal(got, want) and not torch.equal(got, before)
