@@ -23,6 +23,19 @@ if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("COMPILEOPS_CHEC
     bounds.install()
 
 
+@pytest.fixture
+def fixed_order_dots():
+    """Interpreter ``tl.dot`` summing in a fixed order (``tests/fixed_order_dots.py``): for
+    tests that claim bits across tile shapes, which the CPU's BLAS would decide otherwise."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield  # real GPU kernels: their MMA's order is the claim
+        return
+    from tests.fixed_order_dots import fixed_order_dots as context
+
+    with context():
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()

@@ -40,9 +40,11 @@ def test_sliced_heads_match_the_reference(narrow_slices, kernel, normed):
     _check(x, tol=1e-10, kernel=kernel, chunk_size=16)
 
 
-def test_sliced_heads_fp32_equal_one_pass(narrow_slices, monkeypatch):
+def test_sliced_heads_fp32_equal_one_pass(narrow_slices, monkeypatch, fixed_order_dots):
     """Raw h from slices: each column's sums run over the same keys in the same order as in
-    one pass, so the output and the statistics are bitwise those of the unsliced call."""
+    one pass, so the output and the statistics are bitwise those of the unsliced call (under
+    the interpreter with dots in a fixed order: the CPU's BLAS would sum a 16-column slice in
+    another order than a 40-column pass)."""
     x = make_inputs(1, 2, 37, DQK, DV, dtype=torch.float32, weight=False, bias=False, seed=4)
     with compileops.use_backend("triton"):
         sliced = compileops.mlstm_with_stats(x.q, x.k, x.v, x.igate, x.fgate)
