@@ -14,8 +14,13 @@ The rule, per row, tile or block with largest magnitude ``amax``:
 * ``q = e4m3(x * (448 / amax))``: one fp32 quotient per group (correctly rounded, like the
   scale), one fp32 product per value, rounded to nearest (ties to even) with saturation at
   +-448;
-* an all-zero group gets ``scale = 1``: its values quantise to 0 and come back as 0, with no
-  ``0 / 0``;
+* a group whose ``amax`` is below :data:`MIN_AMAX` ``= 448 * 2^-126`` (about 5.3e-36), an
+  all-zero group among them, gets ``scale = 1``: its values, all far below e4m3's smallest
+  subnormal (``2^-9``), quantise to zeros (of their signs) and come back as exact zeros, an
+  error under 5.3e-36 per value. So every scale is 1 or a normal fp32 number, and ``448 /
+  amax`` is at most ``2^126`` (it overflows fp32 for an amax below about 1.3e-36, which would
+  turn a tiny group's values into +-448 or NaN). Every group at or above :data:`MIN_AMAX`
+  keeps e4m3's full precision;
 * a group holding a NaN or an infinity gets a NaN or infinite scale, so its values come back
   NaN or infinite: a non-finite input is never turned into finite numbers.
 
@@ -31,11 +36,21 @@ import torch
 
 from compileops.grouped_linear.reference import grouped_linear_forward
 
-__all__ = ["ACTIVATION_BLOCK", "E4M3", "E4M3_MAX", "WEIGHT_BLOCK", "dequantize",
+__all__ = ["ACTIVATION_BLOCK", "E4M3", "E4M3_MAX", "MIN_AMAX", "WEIGHT_BLOCK", "dequantize",
            "grouped_linear_reference", "quantize_blockwise", "quantize_rowwise"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+#: Groups whose amax is below this get scale 1 and come back as zeros (module docstring):
+#: the smallest amax whose scale ``amax / 448`` is a normal fp32 number (``2^-126``). Exact in
+#: fp32 (``7 * 2^-120``), so every kernel compares against these bits. Why not torchao's
+#: floor: torchao's float8 clamps amax from below by ``EPS = 1e-12`` before ``max / amax``
+#: (pytorch/ao, ``torchao/float8/float8_utils.py``, ``amax_to_scale``), which avoids the
+#: overflow too but quantises every group below 1e-12 on the floor's grid: such a group
+#: loses e4m3's range below its largest value, and one under about 2.2e-18 comes back as
+#: zeros. A row of gradients can be that small; this bound changes only groups whose scale
+#: would not be a normal number.
+MIN_AMAX = 448.0 * 2.0 ** -126
 ACTIVATION_BLOCK = (1, 128)  # (rows, K) per scale
 WEIGHT_BLOCK = (128, 128)  # (N, K) per scale
 
@@ -51,13 +66,14 @@ def _check_float(x: torch.Tensor, name: str, min_dim: int) -> None:
 
 def _quantize(x: torch.Tensor, amax: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``x`` (fp32) and the groups' ``amax`` broadcast to it -> (``q`` e4m3, ``scale``)."""
-    zero = amax == 0
+    # All-zero and tiny groups (a NaN amax compares False and stays NaN): scale 1.
+    flushed = amax < MIN_AMAX
     # Tensor-by-tensor divisions: correctly rounded fp32 quotients, as a kernel's
     # ``div_rn`` computes them (``448 / amax`` on a tensor is computed by torch as
     # ``448 * (1 / amax)``, rounded twice).
     e4m3_max = torch.full_like(amax, E4M3_MAX)
-    inverse = torch.where(zero, 1.0, e4m3_max / amax)
-    scale = torch.where(zero, 1.0, amax / e4m3_max)
+    inverse = torch.where(flushed, 1.0, e4m3_max / amax)
+    scale = torch.where(flushed, 1.0, amax / e4m3_max)
     # e4m3fn has no infinity: clamp first so that only NaN stays out of range.
     q = (x * inverse).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q, scale

@@ -44,6 +44,11 @@ there on unit-normal operands against the fp32 product of the same e4m3 operands
 L2 error of 1.7e-3 to 3.4e-3 (growing with K, 768 to 14336) in place of 1.7e-3 (the bf16
 output's own rounding), next to the 3.7e-2 that quantising to e4m3 costs. Deterministic too.
 
+A row, ``1 x 128`` tile or ``128 x 128`` block whose largest magnitude is below about
+5.3e-36 (``448 * 2^-126``) is quantised with scale 1, like an all-zero one, and comes back as
+exact zeros (:mod:`compileops.grouped_linear.fp8`), so tiny activations, weights or gradients
+never overflow the scale.
+
 ``weight_base`` (every op; the Inductor lowering sets it, users need not): the tensor whose
 version counter follows writes to ``weight``'s storage, for the weight cache. Compiled, a
 view of a parameter (``w.transpose(1, 2)``, ``w[:, :H]``) reaches the op as a tensor rebuilt

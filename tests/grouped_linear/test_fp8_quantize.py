@@ -22,13 +22,18 @@ def e4m3_round(value: float) -> float:
     return _VALUES[best]
 
 
+#: Groups with a smaller amax get scale 1: 448 * 2^-126, the smallest amax whose scale
+#: ``amax / 448`` is a normal fp32 number.
+MIN_AMAX = 448.0 * 2.0 ** -126
+
+
 def reference_group(values: list) -> tuple:
     """(q values, scale) for one group under the module's rule, in fp32 steps."""
     f32 = lambda x: torch.tensor(x, dtype=torch.float32).item()  # noqa: E731
     amax = max((abs(v) for v in values), default=0.0)
     if any(math.isnan(v) for v in values):
         amax = math.nan
-    if amax == 0:
+    if amax < MIN_AMAX:  # all-zero or tiny
         return [e4m3_round(f32(v)) for v in values], 1.0
     inverse = f32(448.0 / amax) if amax != math.inf else 0.0
     return [e4m3_round(f32(v * inverse)) for v in values], f32(amax / 448.0)
@@ -45,6 +50,57 @@ def test_rowwise_matches_the_written_out_rule():
         want_q, want_scale = reference_group(x[row].tolist())
         assert q[row].double().tolist() == want_q
         assert scale[row].item() == want_scale
+
+
+#: Tiny group amaxes: 1e-40 is subnormal in fp32; 1e-38 and 1e-36 overflow ``448 / amax``
+#: in fp32, 1e-30 and 1e-12 do not; MIN_AMAX and the fp32 value below it are the edge.
+TINY = (1e-38, 1e-40, 1e-36, 1e-30, 1e-12, MIN_AMAX,
+        torch.nextafter(torch.tensor(MIN_AMAX), torch.tensor(0.0)).item())
+
+
+def _tiny_rows(cols: int, seed: int) -> torch.Tensor:
+    """Normal rows with a row of each :data:`TINY` amax between them, each tiny row holding
+    an exact zero (times an overflowed ``448 / amax``, a NaN) and its amax exactly (as its
+    first value)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2 * len(TINY) + 1, cols, generator=gen)
+    for i, amax in enumerate(TINY):
+        row = x[2 * i + 1]
+        row.mul_(amax / row.abs().max() / 2)  # halved: no rounding up past amax
+        row[0], row[cols // 2] = -amax, 0.0
+    return x
+
+
+def test_tiny_groups_get_scale_one_below_min_amax_and_full_precision_above():
+    """Rows and 1 x 128 tiles with tiny amaxes beside normal ones: the written-out rule bit
+    for bit; below MIN_AMAX scale 1 and zeros that keep the values' signs, at and above it
+    a normal scale and e4m3's precision."""
+    assert fp8.MIN_AMAX == MIN_AMAX
+    x = _tiny_rows(300, seed=9)
+    q, scale = fp8.quantize_rowwise(x)
+    for row in range(x.shape[0]):
+        want_q, want_scale = reference_group(x[row].tolist())
+        assert q[row].double().tolist() == want_q, row
+        assert scale[row].item() == want_scale, row
+    qb, scale_b = fp8.quantize_blockwise(x, fp8.ACTIVATION_BLOCK)
+    for row in range(x.shape[0]):
+        for bk in range(3):
+            want_q, want_scale = reference_group(x[row, bk * 128:(bk + 1) * 128].tolist())
+            assert qb[row, bk * 128:(bk + 1) * 128].double().tolist() == want_q, (row, bk)
+            assert scale_b[row, bk].item() == want_scale, (row, bk)
+    back = fp8.dequantize(q, scale)
+    assert bool(torch.isfinite(back).all())
+    for i, amax in enumerate(TINY):
+        row = x[2 * i + 1]
+        if amax < MIN_AMAX:
+            assert scale[2 * i + 1].item() == 1.0, amax
+            assert torch.equal(back[2 * i + 1], row * 0), amax  # zeros, of row's signs
+        else:
+            assert scale[2 * i + 1].item() >= 2.0 ** -126, amax
+            err = (back[2 * i + 1] - row).abs()
+            bound = torch.maximum(row.abs() * 2.0 ** -4, scale[2 * i + 1] * 2.0 ** -10)
+            assert bool((err <= bound).all()), amax
+            assert float(q[2 * i + 1].float().abs().max()) == 448.0, amax
 
 
 def test_blockwise_matches_the_written_out_rule_with_ragged_blocks():

@@ -4,7 +4,8 @@ launchers of the fp8 M-jagged products (:func:`.mjagged.mjagged_gemm`'s ``fp8_sc
 
 The rule is :mod:`compileops.grouped_linear.fp8`'s, bit for bit: per row or block, ``scale =
 amax / 448`` and ``q = e4m3(clamp(x * (448 / amax), -448, 448))`` rounded to nearest with ties
-to even, an all-zero group scale 1, a NaN kept NaN.
+to even; scale 1 for a group with ``amax`` below ``MIN_AMAX`` (all-zero or tiny: its values
+come back as zeros, and ``448 / amax`` never overflows); a NaN kept NaN.
 
 Rounding is done in fp32 arithmetic onto the e4m3 grid (:func:`round_to_e4m3_grid`) before
 the cast, so the cast only ever sees values it can represent exactly. Why: Triton's
@@ -22,7 +23,11 @@ import triton
 import triton.language as tl
 
 from compileops._library import as_rows
-from compileops.grouped_linear.fp8 import E4M3, _check_float
+from compileops.grouped_linear.fp8 import E4M3, MIN_AMAX, _check_float
+
+#: :data:`compileops.grouped_linear.fp8.MIN_AMAX` for the kernels: exact in fp32 and above
+#: 2^-126, so Triton makes it an fp32 constant of exactly these bits.
+_MIN_AMAX = tl.constexpr(MIN_AMAX)
 
 
 @triton.jit
@@ -45,9 +50,10 @@ def round_to_e4m3_grid(v):
 
 @triton.jit
 def quantize_to_e4m3(x, inverse):
-    """fp32 ``x`` times the group's ``inverse`` (``448 / amax``), clamped to +-448 (a NaN
-    stays NaN: Triton's clamp would turn it into a bound) and rounded onto the e4m3 grid,
-    still fp32; the caller's cast to e4m3 is then exact."""
+    """fp32 ``x`` times the group's ``inverse`` (``448 / amax``, or 1:
+    :func:`scale_and_inverse`), clamped to +-448 (a NaN stays NaN: Triton's clamp would turn
+    it into a bound) and rounded onto the e4m3 grid, still fp32; the caller's cast to e4m3 is
+    then exact."""
     scaled = x * inverse
     clamped = tl.where(scaled != scaled, scaled, tl.clamp(scaled, -448.0, 448.0))
     return round_to_e4m3_grid(clamped)
@@ -56,13 +62,15 @@ def quantize_to_e4m3(x, inverse):
 @triton.jit
 def scale_and_inverse(amax):
     """``(scale, inverse)`` of groups with largest magnitude ``amax`` (fp32, any shape; NaN
-    for a group holding a NaN): ``amax / 448`` and ``448 / amax``, both 1 for an all-zero
-    group. ``div_rn``: correctly rounded quotients, as torch's tensor division (Triton's
-    ``/`` on fp32 is an approximate division)."""
-    zero = amax == 0.0
+    for a group holding a NaN): ``amax / 448`` and ``448 / amax``, both 1 for a group below
+    ``MIN_AMAX`` (all-zero or tiny; a NaN compares False), so both quotients kept are finite
+    and normal. ``div_rn``: correctly rounded quotients, as torch's tensor division
+    (Triton's ``/`` on fp32 is an approximate division). Once per group, outside the
+    quantisers' loops over values."""
+    flushed = amax < _MIN_AMAX
     e4m3_max = tl.full(amax.shape, 448.0, tl.float32)
-    divisor = tl.where(zero, 448.0, amax)  # no 448 / 0 computed and thrown away
-    scale = tl.where(zero, 1.0, tl.math.div_rn(amax, e4m3_max))
+    divisor = tl.where(flushed, 448.0, amax)  # no 448 / tiny computed and thrown away
+    scale = tl.where(flushed, 1.0, tl.math.div_rn(amax, e4m3_max))
     return scale, tl.math.div_rn(e4m3_max, divisor)
 
 
