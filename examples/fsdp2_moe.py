@@ -41,9 +41,15 @@ sharded compiled run in three gave a rank's block-input gradient 1e-8 off the on
 it, every run was equal. cuBLAS documents run-to-run reproducibility with concurrent streams
 only under a fixed workspace configuration. 2 x H200, benchmarks/RESULTS.md.
 
-    torchrun --nproc-per-node 2 examples/fsdp2_moe.py --device cpu --steps 3 --tiny
+    torchrun --nproc-per-node 2 examples/fsdp2_moe.py --device cpu     # gloo, small shapes
     torchrun --nproc-per-node 8 examples/fsdp2_moe.py                   # CUDA, nccl, bf16
     torchrun --nproc-per-node 8 examples/fsdp2_moe.py --anchor grouped_mm
+
+It runs one process per device, so it needs ``torchrun`` (plain ``python`` says so and exits).
+The default shapes depend on the device: on CUDA the model above (dim 2048, 64 experts,
+sequences of 2048); on CPU the small shapes of ``--tiny`` (a model of a few kB: 20 steps in
+under 2 minutes on 2 busy cores, most of it compiling, where the GPU shapes ran past 4
+minutes). A size flag given explicitly wins on either.
 
 On CUDA it prints, per step, the mean loss, each rank's step time and peak memory, and at
 the end the median step time and tokens/s (the first ``--warmup`` steps, which compile, left
@@ -349,13 +355,32 @@ def train_single(args, device, dtype) -> list[float]:
     return losses
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+#: The size flags' defaults: the model of the module docstring on CUDA, a few kB on CPU (and
+#: with ``--tiny`` anywhere). Flags given explicitly keep their values.
+GPU_SHAPES = dict(vocab=32768, dim=2048, hidden=768, experts=64, top_k=8, layers=2, batch=2,
+                  seq=2048, lr=3e-4, xlstm_heads=8)
+SMALL_SHAPES = dict(vocab=64, dim=32, hidden=32, experts=4, top_k=2, layers=2, batch=2,
+                    seq=8, lr=1e-2, xlstm_heads=2)
+
+_EPILOG = """\
+The size flags (--vocab to --lr, and --xlstm-heads) default to the GPU shapes on CUDA and to
+the small shapes of --tiny on CPU (there 20 steps took under 2 minutes on 2 busy cores, most
+of it compiling; the GPU shapes ran past 4 minutes). Launch with torchrun, one process per
+device:
+
+    torchrun --nproc-per-node 2 examples/fsdp2_moe.py --device cpu"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # Raw: the epilog's command stays on one line (argparse would break it at a hyphen).
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=_EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cpu", "cuda"],
                    default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
-    p.add_argument("--tiny", action="store_true", help="a model of a few kB (CPU smoke run)")
+    p.add_argument("--tiny", action="store_true",
+                   help="the small shapes (a model of a few kB) on CUDA too; the default on CPU")
     p.add_argument("--compile", choices=["blocks", "model", "none"], default="blocks")
     p.add_argument("--anchor", choices=["compileops", "grouped_mm"], default="compileops",
                    help="grouped_mm: the experts on torch._grouped_mm instead")
@@ -364,20 +389,26 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="parameters and activations (default: bf16 on CUDA and for the "
                    "grouped_mm anchor, which takes bf16 only; fp32 otherwise)")
-    p.add_argument("--vocab", type=int, default=32768)
-    p.add_argument("--dim", type=int, default=2048)
-    p.add_argument("--hidden", type=int, default=768, help="expert hidden size")
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--batch", type=int, default=2, help="sequences per rank")
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--lr", type=float, default=3e-4)
+
+    def size(flag, kind, what=""):
+        key = flag[2:].replace("-", "_")
+        p.add_argument(flag, type=kind, default=None,
+                       help=f"{what}{'; ' if what else ''}default {GPU_SHAPES[key]} on CUDA, "
+                       f"{SMALL_SHAPES[key]} on CPU")
+
+    size("--vocab", int)
+    size("--dim", int)
+    size("--hidden", int, "expert hidden size")
+    size("--experts", int)
+    size("--top-k", int)
+    size("--layers", int)
+    size("--batch", int, "sequences per rank")
+    size("--seq", int)
+    size("--lr", float)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--xlstm", action="store_true",
                    help="each block also runs an mLSTM layer (compileops.nn.mLSTMLayer)")
-    p.add_argument("--xlstm-heads", type=int, default=8,
-                   help="mLSTM heads (query head dim / 2 / heads: <= 256)")
+    size("--xlstm-heads", int, "mLSTM heads (query head dim / 2 / heads: <= 256)")
     p.add_argument("--check-grads", action="store_true",
                    help="compare each rank's step-0 loss and gradients with one GPU, bitwise")
     p.add_argument("--trace-ops", action="store_true",
@@ -388,21 +419,42 @@ def parse_args(argv=None):
                    help="torch.use_deterministic_algorithms(True), with "
                    "CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set: an op without a deterministic "
                    "implementation raises, and Inductor generates no atomic scatter")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available on this machine")
     if args.trace_ops and (not args.check_grads or args.compile != "none"):
         p.error("--trace-ops needs --check-grads and --compile none (dispatch modes see eager "
                 "ops only)")
-    if args.tiny:
-        args.vocab, args.dim, args.hidden, args.experts, args.top_k = 64, 32, 32, 4, 2
-        args.layers, args.batch, args.seq, args.lr = 2, 2, 8, 1e-2
-        args.xlstm_heads = 2
+    shapes = SMALL_SHAPES if args.tiny or args.device == "cpu" else GPU_SHAPES
+    for name, value in shapes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     return args
+
+
+#: What torchrun sets for each process, and ``init_process_group``'s env:// init reads.
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_launched_by_torchrun() -> None:
+    """Exit with one line saying how to launch the example when torchrun did not (plain
+    ``python`` otherwise dies in ``init_process_group`` with a "RANK expected" traceback)."""
+    missing = [name for name in LAUNCH_VARIABLES if name not in os.environ]
+    if missing:
+        raise SystemExit(
+            "examples/fsdp2_moe.py runs one process per device: launch it with torchrun, e.g. "
+            "torchrun --nproc-per-node 2 examples/fsdp2_moe.py --device cpu "
+            f"({', '.join(missing)} not set)")
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    check_launched_by_torchrun()
     if args.deterministic or args.check_grads:
         # Before the first cuBLAS handle: with FSDP2's collectives on concurrent streams,
         # cuBLAS reproduces its results run to run only with a fixed workspace (module

@@ -3,11 +3,19 @@ with an mLSTM layer in each block: it trains, each rank's first step equals one 
 the same shard bitwise (loss and the gradients entering, between and leaving the blocks),
 the sharded loss curve equals the unsharded one, and ``--trace-ops`` finds no op that
 differs. The two-GPU NCCL run is in benchmarks/RESULTS.md.
+
+Also: run without torchrun, the example exits with one line saying how to launch it (not
+``init_process_group``'s "RANK expected" traceback); on CPU its sizes default to the small
+shapes (the GPU shapes ran past 4 minutes there), on CUDA to the GPU shapes, explicit flags
+win, and ``--help`` says so.
 """
+import importlib.util
 import os
 import re
 import subprocess
 import sys
+
+import torch
 
 from tests.gloo import free_port
 
@@ -53,3 +61,50 @@ def test_fsdp2_example_op_trace_finds_no_divergence_on_cpu():
     for line in traces:
         assert "no op differs on equal inputs" in line, line
         assert "compileops::grouped_linear_dx" in line and "compileops::mlstm" in line, line
+
+
+def _example_module():
+    path = os.path.join(ROOT, "examples", "fsdp2_moe.py")
+    spec = importlib.util.spec_from_file_location("fsdp2_moe_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fsdp2_example_without_torchrun_says_how_to_launch():
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "fsdp2_moe.py"),
+                          "--device", "cpu"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode != 0, run.stdout
+    assert "Traceback" not in run.stderr, run.stderr
+    message = run.stderr.strip()
+    assert len(message.splitlines()) == 1, message
+    assert "launch it with torchrun" in message and "--nproc-per-node" in message, message
+
+
+def test_fsdp2_example_sizes_default_small_on_cpu_and_gpu_sized_on_cuda(monkeypatch):
+    example = _example_module()
+    cpu = example.parse_args(["--device", "cpu"])
+    assert {name: getattr(cpu, name) for name in example.SMALL_SHAPES} == example.SMALL_SHAPES
+    assert (cpu.dim, cpu.experts, cpu.seq) == (32, 4, 8)
+    explicit = example.parse_args(["--device", "cpu", "--dim", "64", "--seq", "16"])
+    assert (explicit.dim, explicit.seq, explicit.experts) == (64, 16, 4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = example.parse_args(["--device", "cuda"])
+    assert {name: getattr(gpu, name) for name in example.GPU_SHAPES} == example.GPU_SHAPES
+    assert (gpu.dim, gpu.experts, gpu.seq) == (2048, 64, 2048)
+    tiny_gpu = example.parse_args(["--device", "cuda", "--tiny"])
+    assert {name: getattr(tiny_gpu, name) for name in example.SMALL_SHAPES} == \
+        example.SMALL_SHAPES
+
+
+def test_fsdp2_example_help_states_the_cpu_defaults():
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "fsdp2_moe.py"),
+                          "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    text = " ".join(run.stdout.split())
+    assert "default 2048 on CUDA, 32 on CPU" in text, text
+    assert "small shapes of --tiny on CPU" in text, text
+    assert "torchrun --nproc-per-node 2 examples/fsdp2_moe.py --device cpu" in text, text
