@@ -25,23 +25,30 @@ def check_inputs(
 ) -> None:
     """Shapes ``q, k [B, NH, S, DQK]``, ``v [B, NH, S, DV]``, ``igate, fgate [B, NH, S]``,
     ``norm_weight, norm_bias [NH * DV]``; one floating dtype for q, k, v; one device.
-    ``one_token`` (the decode step): no S axis, ``q, k [B, NH, DQK]`` and so on."""
+    ``one_token`` (the decode step): no S axis, ``q, k [B, NH, DQK]`` and so on.
+
+    Where a wrong shape fits a likely layout mistake (q, k, v as ``[B, S, NH, D]``, the
+    attention layout; a sequence of one token passed to the step), the message names it
+    (:func:`_layout_hint`)."""
     lead = "B, NH" if one_token else "B, NH, S"  # the axes before a head's features
     rank = 3 if one_token else 4
     for name, t in (("q", q), ("k", k), ("v", v)):
         require(t.dim() == rank, lambda: f"{name} must be {rank}-D [{lead}, D]"
-                f"{' (one token)' if one_token else ''}, got shape {tuple(t.shape)}")
+                f"{' (one token)' if one_token else ''}, got shape {tuple(t.shape)}"
+                + _layout_hint(name, q, t, one_token))
         require(t.dtype in KERNEL_DTYPES, lambda: f"{name} must be bf16, fp16, fp32 or "
                 f"fp64, got {t.dtype}")
     require(k.shape == q.shape, lambda: f"k must have q's shape {tuple(q.shape)} "
-            f"[{lead}, DQK], got {tuple(k.shape)}")
+            f"[{lead}, DQK], got {tuple(k.shape)}" + _layout_hint("k", q, k, one_token))
     require(v.shape[:rank - 1] == q.shape[:rank - 1], lambda: f"v must be [{lead}, DV] with "
-            f"q's {lead} {tuple(q.shape[:rank - 1])}, got {tuple(v.shape)}")
+            f"q's {lead} {tuple(q.shape[:rank - 1])}, got {tuple(v.shape)}"
+            + _layout_hint("v", q, v, one_token))
     require(k.dtype == q.dtype and v.dtype == q.dtype, lambda: "q, k and v must share "
             f"one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     for name, g in (("igate", igate), ("fgate", fgate)):
         require(g.shape == q.shape[:rank - 1], lambda: f"{name} must be [{lead}] = "
-                f"{tuple(q.shape[:rank - 1])}, got {tuple(g.shape)}")
+                f"{tuple(q.shape[:rank - 1])}, got {tuple(g.shape)}"
+                + _layout_hint(name, q, g, one_token))
         require(g.is_floating_point(), lambda: f"{name} must be floating point, got "
                 f"{g.dtype}")
     channels = q.shape[1] * v.shape[rank - 1]
@@ -49,7 +56,8 @@ def check_inputs(
         if p is None:
             continue
         require(p.dim() == 1 and p.shape[0] == channels, lambda: f"{name} must be "
-                f"[NH * DV] = [{channels}], got {tuple(p.shape)}")
+                f"[NH * DV] = [{channels}], got {tuple(p.shape)}"
+                + _norm_layout_hint(q, v, p, one_token))
         require(p.is_floating_point(), lambda: f"{name} must be floating point, got "
                 f"{p.dtype}")
     named = [("q", q), ("k", k), ("v", v), ("igate", igate), ("fgate", fgate)]
@@ -58,6 +66,68 @@ def check_inputs(
     check_same_device(named)
     require(eps >= 0, lambda: f"eps must be >= 0, got {eps}")
     require(norm_eps > 0, lambda: f"norm_eps must be > 0, got {norm_eps}")
+
+
+#: The sequence forms' layout, as the hints below state it.
+SEQUENCE_LAYOUT = "q, k [B, NH, S, DQK], v [B, NH, S, DV] and the gates [B, NH, S]"
+
+
+def _axes_1_2_swapped(reference: tuple, got: tuple) -> bool:
+    """``got`` starts with ``reference``'s first three sizes, the second and third exchanged
+    (and they differ, or nothing would show)."""
+    return (len(reference) >= 3 and len(got) >= 3 and reference[1] != reference[2]
+            and tuple(got[:3]) == (reference[0], reference[2], reference[1]))
+
+
+def _layout_hint(name: str, q: torch.Tensor, t: torch.Tensor, one_token: bool) -> str:
+    """The likely layout mistake behind a wrong shape of ``t`` (argument ``name``) next to
+    ``q``, as text to append to the message, or ``""`` when the shapes fit none.
+
+    Sequence forms: ``t``'s axes 1 and 2 are ``q``'s exchanged, the signature of q, k and v
+    passed as ``[B, S, NH, D]`` (the attention layout) with the gates ``[B, NH, S]``, or the
+    other way round. The step: a sequence of one token (an S axis of size 1) where it takes
+    one token without an S axis."""
+    shape, qs = tuple(t.shape), tuple(q.shape)
+    if one_token:
+        if t.dim() == 4 and name in ("q", "k", "v"):
+            if shape[2] == 1:
+                return (f": a sequence of one token [B, NH, 1, D]? mlstm_step takes the token "
+                        f"without the S axis: pass {name}.squeeze(2)")
+            if shape[1] == 1:
+                return (f": a sequence of one token [B, 1, NH, D]? mlstm_step takes [B, NH, D] "
+                        f"without the S axis: pass {name}.squeeze(1)")
+        if t.dim() == 3 and name in ("igate", "fgate") and q.dim() == 3:
+            if shape == (qs[0], qs[1], 1):
+                return (f": mlstm_step takes the gates of one token without the S axis: pass "
+                        f"{name}.squeeze(-1)")
+            if shape == (qs[0], 1, qs[1]):
+                return (f": mlstm_step takes the gates of one token [B, NH] without the S "
+                        f"axis: pass {name}.squeeze(1)")
+        return ""
+    if q.dim() != 4 or not _axes_1_2_swapped(qs, shape):
+        return ""
+    if name in ("igate", "fgate"):
+        return (f": axes 1 and 2 are swapped between q and {name}. If q, k and v are [B, S, "
+                f"NH, D] (S = {qs[1]}, NH = {qs[2]}), pass q.transpose(1, 2), k.transpose(1, "
+                f"2) and v.transpose(1, 2); if {name} is [B, S, NH], pass {name}.transpose(1, "
+                f"2). The mLSTM takes {SEQUENCE_LAYOUT}")
+    return (f": axes 1 and 2 are swapped between q and {name}, so one of them is [B, S, NH, "
+            f"D] (the attention layout); pass that one as .transpose(1, 2). The mLSTM takes "
+            f"{SEQUENCE_LAYOUT}")
+
+
+def _norm_layout_hint(q: torch.Tensor, v: torch.Tensor, p: torch.Tensor,
+                      one_token: bool) -> str:
+    """A norm parameter of ``NH * DV`` entries for NH = q's axis 2: q, k, v passed as ``[B,
+    S, NH, D]`` with the gates ``[B, S, NH]`` pass every other check (the S and NH axes are
+    consistently exchanged), and only the norm's length tells."""
+    if one_token or q.dim() != 4 or v.dim() != 4 or q.shape[1] == q.shape[2]:
+        return ""
+    if p.dim() != 1 or p.shape[0] != q.shape[2] * v.shape[3]:
+        return ""
+    return (f": it fits NH = {q.shape[2]}, q's axis 2. Are q, k and v [B, S, NH, D] and the "
+            f"gates [B, S, NH]? Then pass each .transpose(1, 2): the mLSTM takes "
+            f"{SEQUENCE_LAYOUT}")
 
 
 def check_gates_floating(igate: torch.Tensor, fgate: torch.Tensor) -> None:
@@ -129,8 +199,9 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, seq: int) -> None:
     if ends[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {ends[0]}")
     if ends[-1] != seq:
-        raise ValueError(f"cu_seqlens must end at S = {seq} (the packed row's length), got "
-                         f"cu_seqlens[-1] = {ends[-1]}")
+        # S is q's axis 2: q, k, v passed as [B, S, NH, D] surface here first when packed.
+        raise ValueError(f"cu_seqlens must end at S = {seq} (the packed row's length: axis 2 "
+                         f"of q [B, NH, S, D]), got cu_seqlens[-1] = {ends[-1]}")
     for i, (a, b) in enumerate(zip(ends, ends[1:])):
         if b < a:
             raise ValueError(f"cu_seqlens must not decrease, got cu_seqlens[{i}] = {a} and "
