@@ -6,14 +6,14 @@ Two backends exist:
   Always available.
 * ``triton``: the family's Triton kernels (the ``<family>/kernels/`` package). Available on CUDA/ROCm
   devices when Triton is installed, and on CPU tensors when ``TRITON_INTERPRET=1`` (Triton's
-  interpreter; this is how CI runs the kernels without a GPU).
+  interpreter; this is how the CPU test suite runs the kernels without a GPU).
 
 Each device type has a priority list; the first available backend wins unless
 :func:`use_backend` forces one. Forcing a backend that cannot run on the tensors' device is
 an error, never a silent fallback.
 
 This module decides the *eager* implementation only. Under ``torch.compile`` the Inductor
-lowerings in the ``lowerings`` package take over where they exist.
+lowerings (``compileops.lowerings``) take over where they exist.
 """
 from __future__ import annotations
 

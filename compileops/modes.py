@@ -9,9 +9,21 @@ into another:
   (one device sync), so a bad id raises ``IndexError`` naming it instead of a device assert.
 * **strict offset checks** (grouped linear, and the mLSTM's ``cu_seqlens``): offsets are
   validated on the host before each eager CUDA call (one device sync).
-* **batch-invariant mode** (grouped linear): one fixed tile config for the row-wise products,
-  so a row's output never depends on the other rows or on the group sizes. Read when a kernel
-  launches eagerly and when Inductor lowers: switch it on before compiling.
+* **batch-invariant mode** (grouped linear): one fixed tile config for the row-wise products
+  (forward, SwiGLU, dX), so that a row's output is bitwise the same whatever the other rows
+  and the group sizes, whichever config the heuristics or max-autotune would have picked
+  (max-autotune can pick a config that sums over K in other steps, or ``torch._grouped_mm``).
+  Read when a kernel launches eagerly and when Inductor lowers: switch it on before compiling.
+
+  The promise is the Triton kernels': on a GPU, and on CPU tensors under Triton's interpreter
+  (``TRITON_INTERPRET=1``, which runs one config in any mode). It does not hold on the
+  reference backend (CPU tensors without the interpreter, or ``use_backend("reference")``),
+  whose products are torch matmuls: a CPU BLAS blocks them by the batch size, so a row's last
+  bits can change with it (fp32 forward rows, outputs of about 1, differed by up to 5e-6
+  between batches of 7 and 1024 rows). Nor does it cover the fp8 products, whose tile config
+  follows the group sizes. On an H200 (bf16 and fp32; forward, SwiGLU and dX; eager and
+  compiled; 7 to 16384 rows over 8 groups) the default configs were bitwise invariant even
+  without the mode: within one dtype they all sum over K in the same steps.
 
 Strict checks are ignored while compiling (a host sync cannot be traced).
 
