@@ -598,13 +598,14 @@ def summation_bound(want: torch.Tensor, abs_sum: torch.Tensor, terms, *,
 
 
 def gpu_variant(test):
-    """The GPU variant of a ``@given`` property test taking ``device``: marked ``gpu``,
-    ``device`` parametrized over the visible CUDA devices, run under the "long" profile."""
+    """The GPU variant of a ``@given`` property test taking ``device``: marked ``gpu`` and
+    ``slow``, ``device`` parametrized over the visible CUDA devices, run under the "long"
+    profile (thousands of examples: the quick GPU tier leaves it out)."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 1
     devices = ["cuda"] if count <= 1 else [f"cuda:{i}" for i in range(count)]
     test = settings(parent=settings.get_profile("long"))(test)
     test = pytest.mark.parametrize("device", devices)(test)
-    return pytest.mark.gpu(test)
+    return pytest.mark.slow(pytest.mark.gpu(test))
 
 
 def known_bug(reason: str, raises=None):

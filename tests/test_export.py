@@ -228,12 +228,47 @@ def test_aoti_package_matches_eager_cpu(tmp_path):
     aoti_round_trip("all", "cpu", tmp_path)
 
 
+#: A plain torch model's AOTInductor round trip on CUDA, no compileops op in it.
+PLAIN_AOTI_ROUND_TRIP = textwrap.dedent("""
+    import os, sys, tempfile, torch
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()).cuda()
+    x = torch.randn(8, 64, device="cuda")
+    ep = torch.export.export(model, (x,))
+    path = torch._inductor.aoti_compile_and_package(
+        ep, package_path=os.path.join(tempfile.mkdtemp(), "plain.pt2"))
+    runner = torch._inductor.aoti_load_package(path)
+    with torch.no_grad():
+        torch.testing.assert_close(runner(x), model(x))
+    print("plain: ok")
+""")
+_plain_aoti = {}
+
+
+def plain_aoti_failure() -> str | None:
+    """None when this torch round-trips :data:`PLAIN_AOTI_ROUND_TRIP` on CUDA (in a child
+    process, once per run); else how it failed. A failure there is this torch build's, not
+    compileops': the CUDA tests are skipped, saying so, only then."""
+    if "result" not in _plain_aoti:
+        done = subprocess.run([sys.executable, "-X", "faulthandler", "-c",
+                               PLAIN_AOTI_ROUND_TRIP],
+                              capture_output=True, text=True, timeout=600)
+        ok = done.returncode == 0 and done.stdout.strip().endswith("plain: ok")
+        _plain_aoti["result"] = None if ok else (
+            f"exit {done.returncode}: {(done.stderr or done.stdout).strip()[-300:]}")
+    return _plain_aoti["result"]
+
+
 @pytest.mark.gpu
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_aoti_package_matches_eager_cuda(family, tmp_path):
     # In a child process: an AOTI failure that kills the process (a segfault was seen on the
     # H100) then fails this test with the child's stack (faulthandler) instead of ending the
     # whole GPU run.
+    failure = plain_aoti_failure()
+    if failure is not None:
+        pytest.skip(f"AOTInductor of torch {torch.__version__} fails on CUDA for a plain "
+                    f"nn.Linear with no compileops op in it, the same way ({failure})")
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)

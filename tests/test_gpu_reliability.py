@@ -328,6 +328,7 @@ PR_N, PR_VS, PR_VT, PR_K = 14336, 151936, 8192, 2
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_embedding_table_output_and_grads_past_2_31_elements():
     _gpu_room(24)  # table, output, grad, grad_weight: 4 x 4.0 GiB, plus the sort
     check_embedding_large(EMB_ROWS, EMB_D, EMB_ROWS, LIMIT, "cuda")
@@ -335,6 +336,7 @@ def test_embedding_table_output_and_grads_past_2_31_elements():
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_grouped_linear_x_and_dx_past_2_31_elements():
     _gpu_room(16)  # x, dX: 2 x 4.0 GiB; y, grad 0.25 GiB each; fp64 oracle chunks ~1 GiB
     check_grouped_linear_large(GL_M, GL_K, GL_N, LIMIT, "cuda", span=1000)
@@ -342,6 +344,7 @@ def test_grouped_linear_x_and_dx_past_2_31_elements():
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_chunk_sums_log_probs_and_grad_past_2_31_elements():
     _gpu_room(20)  # log_probs, its grad: 2 x 4.1 GiB; sums, grad_sums: 2 x 2.3 GiB (fp32)
     check_chunk_sums_large(CH_B, CH_T, CH_V, CH_C, LIMIT, "cuda")
@@ -349,6 +352,7 @@ def test_chunk_sums_log_probs_and_grad_past_2_31_elements():
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_projection_p_and_grad_past_2_31_elements():
     # p 4.1 GiB + its column-major copy 4.1 GiB (forward); the fp32 gradient 8.1 GiB and its
     # bf16 cast 4.1 GiB (backward); out, grad 0.44 GiB each
