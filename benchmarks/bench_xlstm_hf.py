@@ -57,6 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import compileops  # noqa: E402
 import compileops.integrations.transformers as cit  # noqa: E402
 from compileops.integrations import xlstm as cx  # noqa: E402
+from compileops.integrations._forward import bound_function  # noqa: E402
 from benchmarks.harness import environment_line, sync, time_calls_ms, write_csv  # noqa: E402
 
 IMPLS = ("native", "compileops", "mlstm_kernels")
@@ -131,7 +132,7 @@ def use(model, impl: str, state: dict) -> None:
     """Switch ``model`` to ``impl`` in place (the weights stay)."""
     ours = (cx.layer_forward, cx.model_forward, cx.rms_norm_forward)
     for module in model.modules():  # drop compileops' per-instance forwards
-        if getattr(vars(module).get("forward"), "__func__", None) in ours:
+        if bound_function(module) in ours:
             del module.forward
     for layer, backend in zip(_layers(model), state["native_backends"]):
         layer.mlstm_backend = backend

@@ -30,7 +30,9 @@ Two entry points, both importing this module (``pip install "compileops[hf]"``):
   :func:`dense_experts_forward`). transformers' xLSTM (``xLSTMForCausalLM``) runs its mLSTM
   layers on :func:`compileops.mlstm` and :func:`compileops.mlstm_step`
   (:mod:`compileops.integrations.xlstm`). Modules it does not know how to serve make it raise
-  before anything is changed.
+  before anything is changed. The patched model pickles: ``torch.save(model)`` /
+  ``torch.load(path, weights_only=False)`` and ``copy.deepcopy`` keep the compileops forwards
+  (:mod:`compileops.integrations._forward`).
 
 Numerics: in fp32 the result matches transformers' eager experts to fp32 rounding (the sums run
 in another order); in bf16 the routed rows are combined as ``sum_j w_j * y_j`` with the products
@@ -39,7 +41,6 @@ rounded to the activation dtype, like the eager loop.
 from __future__ import annotations
 
 import functools
-import types
 from typing import Optional
 
 import torch
@@ -49,6 +50,7 @@ from compileops.embedding.module import Embedding
 from compileops.grouped_linear.api import grouped_linear, grouped_linear_swiglu
 from compileops.grouped_linear.routing import permute_by_expert, unpermute_and_combine
 from compileops.integrations import xlstm as _xlstm
+from compileops.integrations._forward import bind
 
 __all__ = [
     "BACKEND",
@@ -195,7 +197,10 @@ def experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
     shape = hidden_states.shape
     # As transformers' grouped_mm backend: the GEMMs run in the weights' dtype (autocast).
     x = hidden_states.reshape(-1, shape[-1]).to(up.dtype)
-    xs, order, offsets = permute_by_expert(x, top_k_index.reshape(x.shape[0], -1), up.shape[0])
+    # [T, k] by k, not by -1: with no tokens (T = 0, an empty batch) -1 is ambiguous.
+    top_k = top_k_index.shape[-1]
+    xs, order, offsets = permute_by_expert(x, top_k_index.reshape(x.shape[0], top_k),
+                                           up.shape[0])
     if _fused_swiglu(self):
         h = grouped_linear_swiglu(xs, up, offsets, up_bias)
     else:
@@ -204,7 +209,7 @@ def experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
     y = grouped_linear(h.to(down.dtype), down, offsets, down_bias)
     if _flag(self, "has_post_expert_norm", False):
         y = self.post_expert_norm(y)
-    out = unpermute_and_combine(y, order, top_k_weights.reshape(x.shape[0], -1),
+    out = unpermute_and_combine(y, order, top_k_weights.reshape(x.shape[0], top_k),
                                 order_is_permutation=True)
     return out.to(hidden_states.dtype).reshape(shape)
 
@@ -347,6 +352,19 @@ def _experts_plan(model: torch.nn.Module):
     return patches, problems
 
 
+# The module hooks the new embedding takes over from the old one: each is called with the
+# module it runs on, so it works the same on the new one (the output is bitwise the same).
+# The hook dicts themselves move, not copies, so the handles that registered the hooks
+# (transformers' ``_require_grads_hooks`` from gradient checkpointing, PEFT's) still remove
+# them.
+_MOVED_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                "_backward_pre_hooks", "_backward_hooks")
+# State-dict hooks may hold the old module itself (``_WrappedHook``): not moved, refused.
+_REFUSED_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                  "_load_state_dict_post_hooks")
+
+
 def _embedding_plan(model: torch.nn.Module):
     """``(old, problem)``: the input embedding to swap (None if nothing to do)."""
     get = getattr(model, "get_input_embeddings", None)
@@ -356,9 +374,12 @@ def _embedding_plan(model: torch.nn.Module):
     if type(emb) is not torch.nn.Embedding:
         return None, (f"input embedding {type(emb).__name__} is not a plain torch.nn.Embedding "
                       "(a subclass may scale or otherwise change the lookup); not swapped")
-    if "forward" in vars(emb) or emb._forward_hooks or emb._forward_pre_hooks:
-        return None, ("input embedding has hooks or an instance forward (e.g. a device-map "
-                      "dispatch); call apply() before attaching them")
+    if "forward" in vars(emb):
+        return None, ("input embedding has an instance forward (e.g. a device-map dispatch); "
+                      "call apply() before attaching it")
+    if any(getattr(emb, name, None) for name in _REFUSED_HOOKS):
+        return None, ("input embedding has state-dict hooks, which may hold the module itself "
+                      "and so cannot move to the new one; call apply() before registering them")
     unsupported = [n for n, used in (("max_norm", emb.max_norm is not None),
                                      ("scale_grad_by_freq", emb.scale_grad_by_freq),
                                      ("sparse", emb.sparse)) if used]
@@ -375,6 +396,9 @@ def _swap_embedding(model: torch.nn.Module, old: torch.nn.Embedding) -> Embeddin
     for key, value in vars(old).items():  # transformers' per-module flags, if any
         if key not in vars(new):
             setattr(new, key, value)
+    for key in _MOVED_HOOKS:  # e.g. gradient checkpointing's input-require-grads hook
+        vars(new)[key] = vars(old)[key]
+    vars(new)["_is_full_backward_hook"] = old._is_full_backward_hook
     new.train(old.training)
     setter = getattr(model, "set_input_embeddings", None)
     try:
@@ -395,7 +419,10 @@ def apply(model: torch.nn.Module, embedding: bool = True, experts: bool = True,
     * ``embedding``: the input embedding (``model.get_input_embeddings()``), a plain
       ``torch.nn.Embedding``, becomes :class:`compileops.nn.Embedding` holding the **same**
       ``Parameter``: state dict keys, tied output embeddings and optimizer state are untouched,
-      and its output is bitwise the same.
+      and its output is bitwise the same. Its forward and backward hooks move with it (the
+      same hook dicts, so their handles still remove them): the input-require-grads hook
+      that gradient checkpointing (``gradient_checkpointing_enable()``, or a config with
+      ``gradient_checkpointing=True``) and PEFT put there keeps working.
     * ``experts``: every experts module of transformers' experts interface gets
       :func:`experts_forward` as its forward (whatever ``config._experts_implementation``
       says), and known experts classes with their own signature get theirs
@@ -408,10 +435,15 @@ def apply(model: torch.nn.Module, embedding: bool = True, experts: bool = True,
       transformers' own cache bugs (:mod:`compileops.integrations.xlstm`,
       docs/xlstm-transformers.md). Same parameters, state dict and checkpoints.
 
+    Each patched module keeps its class; its ``forward`` is a ``functools.partial`` of a
+    module-level function, so the model survives ``torch.save`` / ``torch.load`` and
+    ``copy.deepcopy``, and ``torch.compile(fullgraph=True)`` traces it with no graph break.
+
     Raises ``NotImplementedError`` listing every module it cannot serve (experts stored per
     expert as in transformers < 5, unknown experts classes, quantized, tensor- or expert-parallel
-    weights, a non-plain embedding, xLSTM blocks from the external ``xlstm`` package), before
-    changing anything. Returns what was patched:
+    weights, a non-plain embedding or one with state-dict hooks or an instance forward, xLSTM
+    blocks from the external ``xlstm`` package), before changing anything. Returns what was
+    patched:
     ``{"embedding": [name], "experts": [names], "xlstm": [layer names]}``.
     """
     report = {"embedding": [], "experts": [], "xlstm": []}
@@ -438,7 +470,7 @@ def apply(model: torch.nn.Module, embedding: bool = True, experts: bool = True,
         _swap_embedding(model, old_emb)
         report["embedding"].append(name)
     for name, module, forward in patches:
-        module.forward = types.MethodType(forward, module)
+        bind(module, forward)
         report["experts"].append(name)
     report["xlstm"] = _xlstm.patch(xlstm_patches)
     return report

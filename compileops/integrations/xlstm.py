@@ -2,8 +2,8 @@
 NX-AI/xLSTM-7b) on compileops' mLSTM ops. Entry point:
 :func:`compileops.integrations.transformers.apply`, which calls :func:`plan` and :func:`patch`.
 
-What changes, per instance (``forward`` attributes; parameters, buffers, state dict and
-checkpoints untouched):
+What changes, per instance (``forward`` attributes, kept by ``torch.save`` / ``torch.load``
+and ``copy.deepcopy``; parameters, buffers, state dict and checkpoints untouched):
 
 * every ``xLSTMLayer``: :func:`layer_forward`. The projections are the layer's own ``Linear``
   modules (both weight modes), the gates are soft-capped as transformers does
@@ -42,11 +42,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import types
 from typing import Optional
 
 import torch
 
+from compileops.integrations._forward import bind, bound_function
 from compileops.mlstm.api import mlstm
 from compileops.mlstm.module import layer_projections
 from compileops.mlstm.reference import gate_dtype
@@ -191,13 +191,32 @@ def _layer_state(cache, index: int):
     return cache.rnn_state[index]
 
 
-def _run_blocks(model, hidden: torch.Tensor, cache, all_hidden: Optional[list]):
+def _hidden_state_selection(config, output_hidden_states) -> Optional[set[int]]:
+    """The hidden-state indices ``output_hidden_states`` selects, as transformers reads it:
+    None for a flag (every one); an int or a list of ints selects those, negative ones
+    counted from the end of the ``num_hidden_layers + 1`` states, out of range ones
+    dropped."""
+    if isinstance(output_hidden_states, bool) or output_hidden_states is None:
+        return None
+    if isinstance(output_hidden_states, int):
+        output_hidden_states = [output_hidden_states]
+    count = config.num_hidden_layers + 1
+    return {i % count for i in output_hidden_states if -count <= i < count}
+
+
+def _record(all_hidden: Optional[list], keep: Optional[set[int]], hidden: torch.Tensor):
+    """Append ``hidden`` to the hidden states, or None where the selection leaves it out."""
+    if all_hidden is not None:
+        all_hidden.append(hidden if keep is None or len(all_hidden) in keep else None)
+
+
+def _run_blocks(model, hidden: torch.Tensor, cache, all_hidden: Optional[list],
+                keep: Optional[set[int]] = None):
     for index, block in enumerate(model.blocks):
         hidden, state = block(hidden, _layer_state(cache, index))
         if cache is not None:
             cache.rnn_state[index] = state
-        if all_hidden is not None:
-            all_hidden.append(hidden)
+        _record(all_hidden, keep, hidden)
     if cache is not None:
         cache.rnn_state_initial = False
     return hidden
@@ -209,6 +228,11 @@ def model_forward(self, input_ids: Optional[torch.LongTensor] = None,
                   return_dict: Optional[bool] = None, **kwargs):
     """``xLSTMModel.forward`` on compileops: transformers' arguments and output
     (``xLSTMOutput(last_hidden_state, cache, hidden_states)``).
+
+    ``output_hidden_states``: True returns the ``num_hidden_layers + 1`` hidden states (the
+    embeddings, then each block's output, the last one after ``out_norm``); an int or a list
+    of ints (negative ones from the end) returns the same tuple with None in the slots not
+    asked for, as transformers does.
 
     ``use_cache`` defaults to the config's in eval mode and to False in training mode
     (transformers' default True breaks its own backward, and a training step needs no state:
@@ -225,7 +249,7 @@ def model_forward(self, input_ids: Optional[torch.LongTensor] = None,
     if inputs_embeds is None:
         inputs_embeds = self.embeddings(input_ids)
     if output_hidden_states is None:
-        output_hidden_states = bool(getattr(config, "output_hidden_states", False))
+        output_hidden_states = getattr(config, "output_hidden_states", False)
     if return_dict is None:
         return_dict = bool(getattr(config, "return_dict", True))
     if use_cache is None:
@@ -233,7 +257,11 @@ def model_forward(self, input_ids: Optional[torch.LongTensor] = None,
     seq = inputs_embeds.shape[1]
     if cache is None and use_cache:
         cache = new_cache(config, inputs_embeds.dtype, inputs_embeds.device)
-    all_hidden = [inputs_embeds] if output_hidden_states else None
+    # transformers' convention: output_hidden_states may be a flag or the indices to return
+    # (an int or a list); a falsy value (False, 0, []) returns none.
+    all_hidden = [] if output_hidden_states else None
+    keep = _hidden_state_selection(config, output_hidden_states) if all_hidden is not None else None
+    _record(all_hidden, keep, inputs_embeds)
 
     piece = config.max_inference_chunksize
     if not self.training and piece < seq and not output_hidden_states:
@@ -243,11 +271,11 @@ def model_forward(self, input_ids: Optional[torch.LongTensor] = None,
             hidden = torch.cat([_run_blocks(self, inputs_embeds[:, start:start + piece], cache,
                                             None) for start in range(0, seq, piece)], dim=1)
     else:
-        hidden = _run_blocks(self, inputs_embeds, cache, all_hidden)
+        hidden = _run_blocks(self, inputs_embeds, cache, all_hidden, keep)
     if cache is not None:
         cache.seqlen_offset = cache.seqlen_offset + seq
     hidden = self.out_norm(hidden)
-    if all_hidden is not None:
+    if all_hidden is not None and all_hidden[-1] is not None:
         all_hidden[-1] = hidden  # transformers records the last block's output after out_norm
 
     from transformers.models.xlstm.modeling_xlstm import xLSTMOutput
@@ -296,17 +324,13 @@ def plan(model: torch.nn.Module):
     return patches, problems
 
 
-def _is_patched(module, forward) -> bool:
-    current = vars(module).get("forward")
-    return getattr(current, "__func__", None) is forward
-
-
 def patch(patches) -> list[str]:
-    """Set each ``forward`` (idempotent); returns the patched layers' names."""
+    """Set each ``forward`` (idempotent; one that ``torch.save`` and ``copy.deepcopy`` carry,
+    :func:`compileops.integrations._forward.bind`); returns the patched layers' names."""
     names = []
     for name, module, forward in patches:
-        if not _is_patched(module, forward):
-            module.forward = types.MethodType(forward, module)
+        if bound_function(module) is not forward:
+            bind(module, forward)
         if forward is layer_forward:
             names.append(name)
     return names

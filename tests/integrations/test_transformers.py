@@ -12,6 +12,8 @@ compileops ops must be in the one graph. Inductor itself is not run here: compil
 tiny HF model with Inductor on this CPU takes over a minute, and the grouped-linear lowerings
 have their own tests (tests/grouped_linear/).
 """
+import copy
+import io
 import json
 import os
 
@@ -28,6 +30,7 @@ if not cit.has_experts_interface():
 
 import compileops  # noqa: E402
 import torch._dynamo.testing  # noqa: E402
+from compileops.integrations._forward import bound_function  # noqa: E402
 
 RTOL = 1e-5
 
@@ -214,6 +217,72 @@ def test_transposed_interleaved_biased_experts_through_a_view():
         assert g1[n].shape == getattr(experts, n).shape
 
 
+def _experts_module(name):
+    """One experts module of each family transformers routes through the interface, hidden
+    size 32, 4 experts, top-2, random weights."""
+    from transformers import DeepseekV3Config, GptOssConfig, MixtralConfig, Qwen3MoeConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    build = {
+        "qwen3_moe": lambda: Qwen3MoeExperts(Qwen3MoeConfig(
+            hidden_size=32, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)),
+        "mixtral": lambda: MixtralExperts(MixtralConfig(
+            hidden_size=32, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2)),
+        "deepseek_v3": lambda: DeepseekV3Experts(DeepseekV3Config(
+            hidden_size=32, moe_intermediate_size=16, n_routed_experts=4,
+            num_experts_per_tok=2)),
+        "gpt_oss": lambda: GptOssExperts(GptOssConfig(
+            hidden_size=32, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2)),
+    }
+    torch.manual_seed(0)
+    experts = build[name]()
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.5)
+    return experts
+
+
+@pytest.mark.parametrize("compiled", ["eager", "aot_eager"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
+def test_zero_tokens_give_an_empty_output_forward_and_backward(name, compiled):
+    """No tokens (hidden_states [0, D], an empty batch): an empty [0, D] output, an empty
+    input gradient and zero weight gradients, as transformers' grouped_mm backend gives,
+    eagerly and compiled (fullgraph)."""
+    experts = _experts_module(name)
+    results = {}
+    for impl in ("grouped_mm", "compileops"):
+        experts.config._experts_implementation = impl
+        experts.zero_grad(set_to_none=True)
+        torch._dynamo.reset()
+        run = experts if compiled == "eager" else torch.compile(
+            experts, fullgraph=True, backend=compiled)
+        x = torch.randn(0, 32, requires_grad=True)
+        out = run(x, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
+        out.sum().backward()
+        results[impl] = out, x.grad, {n: p.grad for n, p in experts.named_parameters()}
+    (want, want_dx, want_grads), (got, got_dx, got_grads) = results.values()
+    assert got.shape == want.shape == (0, 32) and got.dtype == want.dtype
+    assert got_dx.shape == want_dx.shape == (0, 32)
+    for n, g in want_grads.items():
+        assert got_grads[n] is not None and torch.equal(got_grads[n], g), n
+
+
+def test_zero_tokens_under_inductor():
+    """The same with Inductor (the grouped-linear lowerings) on Qwen3-MoE's experts."""
+    experts = _experts_module("qwen3_moe")
+    experts.config._experts_implementation = "compileops"
+    x = torch.randn(0, 32, requires_grad=True)
+    out = torch.compile(experts, fullgraph=True)(x, torch.zeros(0, 2, dtype=torch.long),
+                                                 torch.zeros(0, 2))
+    out.sum().backward()
+    assert out.shape == (0, 32) and x.grad.shape == (0, 32)
+    for n, p in experts.named_parameters():
+        assert torch.equal(p.grad, torch.zeros_like(p)), n
+
+
 def test_backend_sorts_once_and_combines_as_unpermute_and_combine(monkeypatch):
     """One sort per experts call (the un-permutation is the sort's inverse, a scatter, not a
     second argsort), with the same bits as the argsort form, forward and backward."""
@@ -292,6 +361,58 @@ def test_save_and_load_round_trip(tmp_path):
         _close(plain(IDS).logits, logits)
 
 
+def _pickled(model):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_whole_model_pickles_and_deepcopies_after_apply(name):
+    """torch.save of the whole model after apply(), torch.load(weights_only=False), and
+    copy.deepcopy: the copies keep the compileops forwards (their experts run the compileops
+    ops), their classes and state-dict keys, and give the same logits."""
+    model = _build(name)
+    report = cit.apply(model)
+    with torch.no_grad():
+        want = model(IDS).logits
+    for copied in (_pickled(model), copy.deepcopy(model)):
+        assert list(copied.state_dict()) == list(model.state_dict())
+        assert isinstance(copied.get_input_embeddings(), compileops.nn.Embedding)
+        for where in report["experts"]:
+            module = copied.get_submodule(where)
+            assert type(module) is type(model.get_submodule(where))
+            assert bound_function(module) is cit.experts_forward, where
+        weights = [p for n, p in copied.named_parameters() if ".experts." in n]
+        with torch.no_grad():
+            seen, bad = _ops_on(weights, lambda: copied(IDS))
+            assert torch.equal(copied(IDS).logits, want)
+        assert not bad and any(s.startswith("compileops.grouped_linear") for s in seen), seen
+
+
+def test_loaded_model_compiles_fullgraph():
+    """The forwards apply() sets (and torch.load restores) trace with no graph break: one
+    frame holding the compileops ops, forward and backward."""
+    model = _build("qwen3_moe")
+    cit.apply(model)
+    model = _pickled(model)
+    ref = model(IDS, labels=IDS)
+    ref.loss.backward()
+    ref_grads = _grads(model)
+    model.zero_grad(set_to_none=True)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    out = torch.compile(model, fullgraph=True, backend=counter)(IDS, labels=IDS)
+    out.loss.backward()
+    assert counter.frame_count == 1
+    targets = {str(n.target) for g in counter.graphs for n in g.graph.nodes}
+    assert "compileops.embedding.default" in targets
+    assert any(t.startswith("compileops.grouped_linear") for t in targets), sorted(targets)
+    _close(out.logits, ref.logits)
+    for n, g in _grads(model).items():
+        _close(g, ref_grads[n], n)
+
+
 # ---------------------------------------------------------------------------------------
 # apply()
 
@@ -361,6 +482,45 @@ def test_apply_serves_llama4_experts_outside_the_interface():
         _close(model(IDS).logits, ref)
     model(IDS, labels=IDS).loss.backward()
     assert model.model.layers[0].feed_forward.experts.gate_up_proj.grad is not None
+
+
+def _enable_checkpointing(model):
+    # activation_checkpointing_enable is gradient_checkpointing_enable's newer name
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    (enable or model.gradient_checkpointing_enable)()
+
+
+# An embedding's inputs are integer ids: torch says its backward hook sees no input gradient.
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_apply_moves_the_embedding_hooks_of_gradient_checkpointing():
+    """Gradient checkpointing puts an input-require-grads hook on the embedding (so does
+    PEFT): apply() moves it, and the other forward and backward hooks, to the new embedding,
+    where transformers' own handles still remove it."""
+    model = _build("qwen3_moe").train()
+    _enable_checkpointing(model)
+    old = model.get_input_embeddings()
+    assert old._forward_hooks  # transformers' make_inputs_require_grads
+    calls = []
+    old.register_forward_pre_hook(lambda module, args: calls.append("pre"))
+    old.register_full_backward_hook(lambda module, grad_in, grad_out: calls.append("backward"))
+    assert cit.apply(model)["embedding"] == ["model.embed_tokens"]
+    new = model.get_input_embeddings()
+    assert isinstance(new, compileops.nn.Embedding)
+    new(IDS).sum().backward()
+    assert calls == ["pre", "backward"]
+    new.weight.requires_grad_(False)  # frozen, as with adapters: the hook still makes the
+    assert new(IDS).requires_grad  # output require grad
+    model.disable_input_require_grads()
+    assert not new._forward_hooks and not new(IDS).requires_grad
+
+
+def test_apply_refuses_an_embedding_with_state_dict_hooks():
+    model = _build("qwen3_moe")
+    model.get_input_embeddings().register_state_dict_post_hook(lambda *args: None)
+    with pytest.raises(NotImplementedError, match="state-dict hooks"):
+        cit.apply(model)
+    assert type(model.get_input_embeddings()) is torch.nn.Embedding  # nothing changed
+    assert bound_function(model.model.layers[0].mlp.experts) is None
 
 
 # ---------------------------------------------------------------------------------------

@@ -3,9 +3,9 @@
 Tiny random models built here (no downloads): 2 blocks, embedding 64, 2 heads, vocabulary 64,
 weights ``N(0, 1) / sqrt(fan_in)``. The reference is transformers' own native xLSTM code on an
 untouched copy of the same model. Most tests run compileops' reference backend (plain PyTorch;
-the Triton interpreter would make them slow); ``test_triton_kernels_*``, the bf16 test and the
-tests that need gradients through states (which the reference backend does not give) run the
-Triton kernels under the interpreter (tests/conftest.py).
+the Triton interpreter would make them slow); ``test_triton_kernels_*``, the bf16 tests and
+the fp64 comparisons through a state run the Triton kernels under the interpreter
+(tests/conftest.py), and ``test_both_backends_train_through_the_states`` runs both.
 
 Conventions (docs/xlstm-transformers.md): from the same state, our layer equals transformers'
 in fp64 to rounding (1e-12); our empty state is ``m = -inf`` where transformers starts from
@@ -17,6 +17,7 @@ too (transformers rounds an fp64 model's norms to fp32 otherwise), ``mode="train
 inference mode keeps fp32 states) and ``use_cache=False`` (its cache breaks its own backward).
 """
 import copy
+import io
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ import compileops  # noqa: E402
 import compileops.integrations.transformers as cit  # noqa: E402
 import torch._dynamo.testing  # noqa: E402
 from compileops.integrations import xlstm as cx  # noqa: E402
+from compileops.integrations._forward import bound_function  # noqa: E402
 from compileops.mlstm.checks import MAX_KERNEL_HEAD_DIM  # noqa: E402
 from transformers import xLSTMConfig, xLSTMForCausalLM  # noqa: E402
 from transformers.models.xlstm import modeling_xlstm  # noqa: E402
@@ -150,7 +152,7 @@ def test_apply_patches_every_layer_and_keeps_the_state_dict():
     for name, module in ours.named_modules():
         kind = type(module).__name__
         if kind in ("xLSTMLayer", "xLSTMModel", "xLSTMRMSNorm"):
-            assert getattr(module.forward, "__func__", None) in (
+            assert bound_function(module) in (
                 cx.layer_forward, cx.model_forward, cx.rms_norm_forward), name
     assert isinstance(ours.get_input_embeddings(), compileops.nn.Embedding)
     # nothing of the native copy changed
@@ -206,6 +208,33 @@ def test_save_and_load_round_trip(tmp_path):
         # head dims that are multiples of 64: use_cache=False)
         torch.testing.assert_close(plain(IDS, use_cache=False).logits, logits, rtol=1e-4,
                                    atol=1e-4)
+
+
+def _patched_forwards(model) -> dict:
+    return {name: bound_function(m) for name, m in model.named_modules()
+            if bound_function(m) is not None}
+
+
+def test_whole_model_pickles_and_deepcopies_after_apply():
+    """torch.save of the whole patched model and torch.load(weights_only=False), and
+    copy.deepcopy: the copies keep every compileops forward, their classes and state-dict
+    keys, give the same logits and generate the same tokens."""
+    _, ours = _pair(dtype=torch.float32)
+    buffer = io.BytesIO()
+    torch.save(ours, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    forwards = _patched_forwards(ours)
+    assert len(forwards) == 2 * 3 + 1 + 1  # per block: layer, 2 norms; the model; out_norm
+    with compileops.use_backend("reference"):
+        want = ours.eval()(IDS).logits
+        tokens = _greedy(ours, IDS[:, :5], 3)
+        for copied in (loaded, copy.deepcopy(ours)):
+            assert _patched_forwards(copied) == forwards
+            assert [type(m) for m in copied.modules()] == [type(m) for m in ours.modules()]
+            assert list(copied.state_dict()) == list(ours.state_dict())
+            assert torch.equal(copied.eval()(IDS).logits, want)
+            assert torch.equal(_greedy(copied, IDS[:, :5], 3), tokens)
 
 
 # ---------------------------------------------------------------------------------------
@@ -427,6 +456,33 @@ def test_hidden_states_and_tuple_output_as_native():
     assert isinstance(as_tuple, tuple) and as_tuple[0].shape == (2, IDS.shape[1], 64)
 
 
+@pytest.mark.parametrize("selection", [[0, 2, -1], [1], -1, (2, 0), [-3], [5], 0, []])
+def test_hidden_states_selected_by_index_as_native(selection):
+    """output_hidden_states as indices (a list, a tuple or an int; negative from the end, out
+    of range dropped, falsy for none): transformers' tuple with None where not asked for, the
+    last state after out_norm; also read from the config."""
+    native, ours = _pair()
+    with torch.no_grad(), compileops.use_backend("reference"):
+        want = native(IDS, use_cache=False, output_hidden_states=selection).hidden_states
+        got = ours(IDS, output_hidden_states=selection).hidden_states
+        everything = ours(IDS, output_hidden_states=True).hidden_states
+        native.config.output_hidden_states = ours.config.output_hidden_states = selection
+        from_config = ours(IDS).hidden_states
+        assert _same_slots(native(IDS, use_cache=False).hidden_states, from_config)
+    assert _same_slots(want, got)
+    if want is not None:
+        for a, b, c in zip(got, want, everything):
+            if b is not None:
+                assert _rel(a, b) < 1e-5 and torch.equal(a, c)
+
+
+def _same_slots(want, got) -> bool:
+    """Both None, or tuples of the same length with None in the same places."""
+    if want is None or got is None:
+        return want is None and got is None
+    return [t is None for t in want] == [t is None for t in got]
+
+
 def test_gradient_checkpointing_gives_the_same_gradients():
     _, ours = _pair(dtype=torch.float32)
     with compileops.use_backend("reference"):
@@ -436,6 +492,31 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         ours.gradient_checkpointing_enable()
         ours(IDS, labels=IDS).loss.backward()
     assert all(torch.equal(g, want[n]) for n, g in _grads(ours).items())
+
+
+def test_gradient_checkpointing_from_the_config():
+    """config.gradient_checkpointing=True (transformers' backward-compatible switch) turns it
+    on in post_init, which hooks the embedding to make its output require grad: apply()
+    moves that hook to the new embedding, and training gives the gradients of a run without
+    checkpointing."""
+    config = _config()
+    config.gradient_checkpointing = True
+    torch.manual_seed(0)
+    model = _randomize(xLSTMForCausalLM(config))
+    assert model.is_activation_checkpointing and model.get_input_embeddings()._forward_hooks
+    plain = copy.deepcopy(model)
+    plain.backbone.disable_input_require_grads()
+    plain.gradient_checkpointing_disable()
+    cit.apply(model), cit.apply(plain)
+    embedding = model.get_input_embeddings()
+    assert isinstance(embedding, compileops.nn.Embedding) and embedding._forward_hooks
+    with compileops.use_backend("reference"):
+        for m in (model, plain):
+            m.train()(IDS, labels=IDS).loss.backward()
+    want = _grads(plain)
+    assert all(torch.equal(g, want[n]) for n, g in _grads(model).items())
+    embedding.weight.requires_grad_(False)
+    assert embedding(IDS).requires_grad  # the moved hook
 
 
 # ---------------------------------------------------------------------------------------
@@ -462,6 +543,24 @@ def test_training_with_the_default_cache_and_an_explicit_one():
         assert _rel(g, grads[n]) < 1e-12, n
 
 
+def test_both_backends_train_through_the_states():
+    """use_cache=True in training, a loss on the last states too: the reference backend's
+    gradients (through the states, chunk by chunk) equal the Triton kernels' in fp64."""
+    _, ours = _pair()
+    ids = IDS[:, :16]
+    grads = {}
+    for backend in ("reference", "triton"):
+        ours.zero_grad(set_to_none=True)
+        with compileops.use_backend(backend):
+            out = ours.train()(ids, labels=ids, use_cache=True)
+            c, n, _ = _cache(out).rnn_state[1]
+            (out.loss + c.square().sum() + n.sum()).backward()
+        grads[backend] = _grads(ours)
+    assert grads["reference"].keys() == grads["triton"].keys()
+    for name, g in grads["triton"].items():
+        assert _rel(grads["reference"][name], g) < 1e-10, name
+
+
 def test_return_last_states_false_and_train_mode_are_ignored():
     """Native: mode='train' with return_last_states=False fails on its own shapes; ours reads
     neither field (the state is returned when the cache needs it)."""
@@ -470,6 +569,24 @@ def test_return_last_states_false_and_train_mode_are_ignored():
         native(IDS, use_cache=False)
     with torch.no_grad(), compileops.use_backend("reference"):
         assert _cache(ours.eval()(IDS, use_cache=True)).rnn_state[1][0].shape == (2, 2, 16, 32)
+
+
+def test_bf16_without_a_cache_and_lengths_off_the_chunk():
+    """Native: a bf16 model without a cache in the default inference mode fails (fp32 zero
+    states meet bf16 keys), and mode='train' needs the length to be a multiple of
+    chunk_size. Ours runs both (24 tokens, chunk_size 16), as in fp32 to bf16 rounding."""
+    native, ours = _pair(dtype=torch.bfloat16, qk_dim_factor=1.0)
+    ids = IDS[:, :24]
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="same dtype"):
+            native.eval()(ids, use_cache=False)
+        native.config.mode = "train"
+        with pytest.raises(ValueError, match="not divisible by chunk size"):
+            native(ids, use_cache=False)
+        with compileops.use_backend("reference"):
+            got = ours.eval()(ids, use_cache=False).logits
+            want = ours.float()(ids, use_cache=False).logits
+    assert _rel(got, want) < 0.05
 
 
 def test_fused_weight_mode():
