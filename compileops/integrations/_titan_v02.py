@@ -1,0 +1,173 @@
+"""torchtitan 0.2's MoE (``torchtitan.models.moe``) on compileops: the model converters
+``"compileops_moe"`` / ``"compileops_moe_fp8"`` and ``apply()`` of the torchtitan
+integration (``compileops/integrations/torchtitan.py``).
+
+An ``MoE`` becomes a :class:`CompileopsMoE`: torchtitan's ``__init__`` (router, reorderer,
+``GroupedExperts`` with ``w1``, ``w2``, ``w3``, shared experts, load-balancing buffers), and a
+forward that runs the experts on compileops kernels, with the router scores in the down
+projection's epilogue unless ``score_before_experts`` asks for them on the input.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torchtitan.models.moe.moe import MoE
+from torchtitan.protocols.model_converter import (
+    _registry_model_converter_cls,
+    register_model_converter,
+)
+
+from compileops.integrations._titan_experts import Options, experts_forward
+
+
+def _expert_parallel(w: torch.Tensor) -> bool:
+    mesh = getattr(w, "device_mesh", None)
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    return "ep" in names or "etp" in names or "tp" in names
+
+
+def moe_body(x: torch.Tensor, scores_sorted: torch.Tensor, token_indices_sorted: torch.Tensor,
+             num_tokens_per_expert: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+             w3: torch.Tensor, top_k: int, score_before_experts: bool,
+             options: Options) -> torch.Tensor:
+    """The routed part of torchtitan 0.2's ``MoE.forward`` after its router and reorderer:
+    x ``[T, D]``, the reorderer's expert-sorted scores and token slots ``[T*k]`` and counts
+    ``[E]`` -> the experts' combined output ``[T, D]``.
+
+    The router scores multiply the down projection's rows in its epilogue, or (with
+    ``score_before_experts``) the experts' input rows, in fp32, as torchtitan does.
+    """
+    routed_input = x[token_indices_sorted // top_k]
+    row_scale = scores_sorted
+    if score_before_experts:
+        routed_input = (routed_input.to(torch.float32)
+                        * scores_sorted.reshape(-1, 1)).to(x.dtype)
+        row_scale = None
+    routed_output = experts_forward(routed_input, w1, w2, w3, num_tokens_per_expert,
+                                    row_scale, options)
+    # Back to token order (each routed row has its own slot: an assignment, no adds), then
+    # the sum over each token's top-k slots.
+    unsorted = routed_output.new_zeros((x.shape[0] * top_k, x.shape[1]))
+    unsorted[token_indices_sorted] = routed_output
+    return unsorted.reshape(-1, top_k, x.shape[1]).sum(dim=1)
+
+
+class CompileopsMoE(MoE):
+    """torchtitan 0.2's ``MoE`` with its experts on compileops grouped GEMMs (same module
+    tree and parameters).
+
+    torchtitan 0.2 compiles an MoE layer's children (router, reorderer, shared experts) and
+    its experts function, not ``MoE.forward``; the converter compiles :func:`moe_body` the same
+    way (``compileops_body``) when the job compiles the model.
+    """
+
+    compileops_options = Options()
+    compileops_body = staticmethod(moe_body)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[B, L, D]`` -> ``[B, L, D]``, as ``MoE.forward``."""
+        bs, slen, dim = x.shape
+        x = x.view(-1, dim)
+        top_scores, expert_ids, num_tokens_per_expert = self.router(x, self.expert_bias)
+        with torch.no_grad():  # the load-balancing statistics, as torchtitan keeps them
+            self.tokens_per_expert.add_(num_tokens_per_expert)
+        scores_sorted, token_indices_sorted, num_tokens_per_expert = self.reorderer(
+            top_scores, expert_ids)
+        experts = self.experts
+        for w in (experts.w1, experts.w2, experts.w3):
+            if _expert_parallel(w):
+                raise NotImplementedError(
+                    "compileops' torchtitan 0.2 MoE runs without expert or tensor "
+                    "parallelism on the experts (their dispatch hooks sit on the experts "
+                    "module); use torchtitan 0.3 for expert parallelism")
+        out_experts = self.compileops_body(
+            x, scores_sorted, token_indices_sorted, num_tokens_per_expert, experts.w1,
+            experts.w2, experts.w3, self.router.top_k, bool(self.score_before_experts),
+            self.compileops_options)
+        if self.shared_experts is not None:
+            out_experts = self.shared_experts(x) + out_experts
+        return out_experts.reshape(bs, slen, dim)
+
+
+def _problem(name: str, module) -> Optional[str]:
+    if isinstance(module, CompileopsMoE):
+        return None
+    if type(module) is not MoE:
+        return (f"{name} ({type(module).__name__}): not torchtitan's MoE (DeepEP and other "
+                "MoE variants have their own dispatch)")
+    if type(module.experts).__name__ != "GroupedExperts" or not hasattr(module.experts, "w1"):
+        return f"{name}.experts ({type(module.experts).__name__}): not torchtitan's GroupedExperts"
+    for w in (module.experts.w1, module.experts.w2, module.experts.w3):
+        if not isinstance(w, torch.Tensor) or w.dim() != 3:
+            return f"{name}.experts: w1/w2/w3 are not 3-D tensors (converted by another converter?)"
+        if _expert_parallel(w):
+            return (f"{name}.experts: expert or tensor parallelism is applied; convert before "
+                    "parallelizing, and without expert parallelism (torchtitan 0.3 has it)")
+    if getattr(module.experts, "_forward_pre_hooks", None) or \
+            getattr(module.experts, "_forward_hooks", None):
+        return (f"{name}.experts has forward hooks (expert parallelism's dispatch?), which "
+                "the converted MoE would not run")
+    return None
+
+
+def apply_v02(model: torch.nn.Module, options: Options, body=None) -> dict:
+    """The torchtitan integration's ``apply()`` for torchtitan 0.2 models
+    (``body``: a compiled :func:`moe_body` for every MoE, or None)."""
+    found = [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]
+    problems = [p for p in (_problem(n, m) for n, m in found) if p]
+    if problems:
+        raise NotImplementedError(
+            f"compileops' torchtitan apply() cannot serve {type(model).__name__}:"
+            "\n  " + "\n  ".join(problems))
+    report = {"experts": [], "scores": {}}
+    for name, module in found:
+        module.__class__ = CompileopsMoE
+        module.compileops_options = options
+        if body is not None:
+            module.compileops_body = body
+        report["experts"].append(f"{name}.experts")
+        report["scores"][name] = "before experts" if module.score_before_experts else "epilogue"
+    return report
+
+
+class CompileopsMoEConverter:
+    """torchtitan 0.2 model converter (``model.converters``: ``"compileops_moe"`` for bf16,
+    ``"compileops_moe_fp8"`` for fp8 rowwise with the weight cache and fast accumulation)."""
+
+    fp8: Optional[str] = None
+
+    def __init__(self, job_config, parallel_dims):
+        if getattr(parallel_dims, "ep_enabled", False) or getattr(parallel_dims, "etp", 1) > 1:
+            raise ValueError(
+                "compileops' torchtitan 0.2 converter runs without expert parallelism "
+                f"(expert_parallel_degree={getattr(parallel_dims, 'ep', '?')}); use "
+                "torchtitan 0.3 for expert parallelism")
+        self.options = Options(self.fp8)
+        compile_config = job_config.compile
+        self.body = None
+        if compile_config.enable and "model" in compile_config.components:
+            # As torchtitan 0.2 compiles its experts function: one compiled function shared
+            # by every layer (the same graph for each).
+            self.body = torch.compile(moe_body, backend=compile_config.backend, fullgraph=True)
+
+    def convert(self, model: torch.nn.Module) -> None:
+        apply_v02(model, self.options, self.body)
+
+    def post_optimizer_hook(self, model) -> None:
+        pass
+
+
+class CompileopsFP8MoEConverter(CompileopsMoEConverter):
+    """``"compileops_moe_fp8"``: fp8 rowwise, weight cache, fast accumulation."""
+
+    fp8 = "rowwise"
+
+
+def register() -> None:
+    """Register the converters under ``"compileops_moe"`` and ``"compileops_moe_fp8"``
+    (idempotent: torchtitan refuses a name registered twice)."""
+    for name, cls in (("compileops_moe", CompileopsMoEConverter),
+                      ("compileops_moe_fp8", CompileopsFP8MoEConverter)):
+        if name not in _registry_model_converter_cls:
+            register_model_converter(cls, name)

@@ -1,0 +1,44 @@
+"""benchmarks/train_titan_moe.py's reading of torchtitan's log and its table, without a GPU
+(the runs themselves need one: torchtitan's trainer on CUDA)."""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import train_titan_moe as bench
+
+# torchtitan 0.2.2's per-step line (components/metrics.py), colours off, and with colours.
+LOG = """[titan] 2026-12-01 10:00:01,000 - root - INFO - step:  1  loss: 10.41235  grad_norm:  3.2100  memory: 41.20GiB(29.03%)  tps: 1,000  tflops: 10.00  mfu: 1.01%
+[titan] 2026-12-01 10:00:02,000 - root - INFO - \x1b[31mstep:  2  \x1b[32mloss:  9.00000  \x1b[33mgrad_norm:  3.0000  \x1b[36mmemory: 43.50GiB(30.60%)  \x1b[34mtps: 30,000  \x1b[36mtflops: 300.00  \x1b[35mmfu: 30.30%\x1b[39m
+[titan] 2026-12-01 10:00:03,000 - root - INFO - validate step:  2  loss:  9.5000  memory: 43.50GiB(30.60%)  tps: 9,999
+[titan] 2026-12-01 10:00:03,500 - root - INFO - step:  3  loss:  8.00000  grad_norm:  2.0000  memory: 43.00GiB(30.00%)  tps: 32,000  tflops: 320.00  mfu: 32.32%
+"""
+
+
+def test_parse_log_reads_every_training_step():
+    rows = bench.parse_log(LOG)
+    assert rows == [
+        {"step": 1, "loss": 10.41235, "memory_gib": 41.2, "tps": 1000.0},
+        {"step": 2, "loss": 9.0, "memory_gib": 43.5, "tps": 30000.0},
+        {"step": 3, "loss": 8.0, "memory_gib": 43.0, "tps": 32000.0},
+    ]
+
+
+def test_summary_leaves_out_the_warmup_steps():
+    s = bench.summarize(bench.parse_log(LOG), tokens_per_step=16384, warmup=1)
+    assert s["tokens_per_s"] == 31000.0  # the median of steps 2 and 3
+    assert s["step_ms"] == pytest.approx(1000 * 16384 / 31000)
+    assert s["peak_memory_gib"] == 43.5
+    assert s["final50_loss"] == pytest.approx((10.41235 + 9 + 8) / 3)
+
+
+def test_estimate_counts_the_experts_flops():
+    # Qwen3-30B-A3B experts, 1 layer, 1 step of 1000 tokens at 1 TFLOP/s, no compile:
+    # 6 * 1000 tokens * 8 experts * 3 GEMMs * 2048 * 768 FLOPs, plus 10%
+    s = bench.estimate_s("qwen3-30b-a3b-experts", 1, 1, 1000, 1.0, 0.0)
+    assert s == pytest.approx(1.1 * 6 * 1000 * 8 * 3 * 2048 * 768 / 1e12)
+
+
+def test_estimate_mode_runs_nothing(capsys):
+    assert bench.main(["--estimate", "--steps", "300"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen3-30b-a3b-experts" in out and "dsv3-experts" in out and "8 runs" in out

@@ -1,0 +1,129 @@
+"""compileops inside torchtitan 0.2 (``torchtitan.models.moe``, the layout that runs on torch
+2.11): the ``"compileops_moe"`` converters and ``apply()`` on a tiny Qwen3 MoE, in one CPU
+process (torchtitan 0.2's parallelisms need a GPU mesh; its expert parallelism is refused).
+
+torchtitan 0.2's router counts tokens with ``torch.histc`` on integer expert ids, which torch
+has on CUDA only: the tests count them on float ids (the same counts).
+
+Tolerances as in test_torchtitan.py: the two paths round the experts' intermediates to bf16
+(u = 2^-8) at different places, a gradient's relative L2 difference <= 4u.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan")
+import compileops.integrations.torchtitan as titan  # noqa: E402  (must import: no skip)
+if titan.LAYOUT != "0.2":
+    pytest.skip("torchtitan 0.2's MoE layout (torchtitan.models.moe)", allow_module_level=True)
+
+import compileops  # noqa: E402
+
+U = 2.0 ** -8
+
+
+@pytest.fixture(autouse=True)
+def _histc_on_cpu(monkeypatch):
+    histc = torch.histc
+
+    def float_histc(t, *args, **kwargs):
+        return histc(t if t.is_floating_point() else t.float(), *args, **kwargs)
+
+    monkeypatch.setattr(torch, "histc", float_histc)
+
+
+def _model(score_before_experts: bool = False):
+    from torchtitan.models.moe import MoEArgs
+    from torchtitan.models.qwen3 import Qwen3Model
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+
+    args = Qwen3ModelArgs(
+        vocab_size=64, max_seq_len=32, head_dim=16, dim=32, n_layers=2, n_heads=2,
+        n_kv_heads=1, hidden_dim=64, moe_enabled=True, moe_inter_dim=16,
+        moe_args=MoEArgs(num_experts=8, num_shared_experts=0, top_k=2, score_func="softmax",
+                         route_norm=True, score_before_experts=score_before_experts))
+    torch.manual_seed(0)
+    model = Qwen3Model(args)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    return model
+
+
+def _step(model, tokens):
+    with compileops.backends.use_backend("reference"):
+        out = model(tokens)
+        out.float().square().mean().backward()
+    return out
+
+
+@pytest.mark.parametrize("score_before_experts", [False, True])
+def test_apply_matches_torchtitan(score_before_experts):
+    theirs = _model(score_before_experts)
+    mine = copy.deepcopy(theirs)
+    report = titan.apply(mine)
+    where = "before experts" if score_before_experts else "epilogue"
+    assert report == {"experts": ["layers.0.moe.experts", "layers.1.moe.experts"],
+                      "scores": {"layers.0.moe": where, "layers.1.moe": where},
+                      "fp8": None, "layout": "0.2"}
+    assert list(mine.state_dict()) == list(theirs.state_dict())
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    want, got = _step(theirs, tokens), _step(mine, tokens)
+    assert ((got - want).norm() / want.norm()).item() <= U
+    for (name, p), q in zip(mine.named_parameters(), theirs.parameters()):
+        rel = ((p.grad - q.grad).norm() / q.grad.norm()).item()
+        assert rel <= 4 * U, (name, rel)
+    # the load-balancing counts are kept as torchtitan keeps them
+    for a, b in zip(mine.layers.values(), theirs.layers.values()):
+        assert torch.equal(a.moe.tokens_per_expert, b.moe.tokens_per_expert)
+
+
+def test_compiled_body_does_not_recompile_as_token_counts_change():
+    from compileops.integrations._titan_v02 import moe_body
+
+    theirs = _model()
+    mine = copy.deepcopy(theirs)
+    titan.apply(mine)
+    torch._dynamo.reset()
+    body = torch.compile(moe_body, backend="aot_eager", fullgraph=True)
+    for layer in mine.layers.values():
+        layer.moe.compileops_body = body
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        tokens = torch.randint(0, 64, (2, 8), generator=gen)
+        want, got = _step(theirs, tokens), _step(mine, tokens)
+        assert ((got - want).norm() / want.norm()).item() <= U
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_converters_are_registered_and_refuse_expert_parallelism():
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols.model_converter import _registry_model_converter_cls
+
+    assert _registry_model_converter_cls["compileops_moe"].fp8 is None
+    fp8 = _registry_model_converter_cls["compileops_moe_fp8"]
+    assert fp8.fp8 == "rowwise"
+
+    class Job:
+        class compile:  # noqa: N801 - the job config's section
+            enable, components, backend = False, [], "inductor"
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=2, etp=1,
+                        world_size=2)
+    with pytest.raises(ValueError, match="without expert parallelism"):
+        fp8(Job, dims)
+    single = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1,
+                          world_size=1)
+    model = _model()
+    fp8(Job, single).convert(model)
+    assert model.layers["0"].moe.compileops_options.fp8 == "rowwise"
+
+
+def test_apply_refuses_experts_with_hooks_before_changing_anything():
+    model = _model()
+    model.layers["1"].moe.experts.register_forward_pre_hook(lambda m, a: None)
+    with pytest.raises(NotImplementedError, match=r"layers\.1\.moe\.experts has forward hooks"):
+        titan.apply(model)
+    assert type(model.layers["0"].moe).__name__ == "MoE"
