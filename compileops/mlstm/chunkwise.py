@@ -95,7 +95,8 @@ def global_log_forget(logf: torch.Tensor, chunk: int) -> torch.Tensor:
 
 
 def _reference_forward(q, k, v, igate, logf, c0, n0, m0, chunk, eps):
-    """Plain PyTorch, chunk by chunk (differentiable: the reference backward's autograd)."""
+    """Plain PyTorch, chunk by chunk (differentiable: the reference backward's autograd).
+    Causal under NaN and Inf as :func:`.reference.mlstm_parallel`."""
     acc = reference.gate_dtype(q.dtype)
     b, nh, seq, dqk = q.shape
     dv = v.shape[-1]
@@ -118,9 +119,12 @@ def _reference_forward(q, k, v, igate, logf, c0, n0, m0, chunk, eps):
         causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
         log_d = log_d.masked_fill(~causal, float("-inf"))
         m_row = torch.maximum(f + m[..., None], log_d.amax(dim=-1))
-        cmat = (qc @ kc.transpose(-1, -2)) * scale * torch.exp(log_d - m_row[..., None])
+        # Selected, and the values through masked_product: a non-finite k_j or v_j never
+        # reaches an earlier row of its chunk as NaN * 0 (reference.cell_from_log_gates).
+        cmat = torch.where(causal, (qc @ kc.transpose(-1, -2)) * scale
+                           * torch.exp(log_d - m_row[..., None]), 0.0)
         from_state = torch.exp(f + m[..., None] - m_row)
-        num = cmat @ vc + from_state[..., None] * (qc @ c) * scale
+        num = reference.masked_product(cmat, vc) + from_state[..., None] * (qc @ c) * scale
         row_sum = cmat.sum(-1) + from_state * (qc @ n[..., None]).squeeze(-1) * scale
         nrm = torch.maximum(row_sum.abs(), torch.exp(-m_row))
         hs.append(num / (nrm + eps)[..., None])

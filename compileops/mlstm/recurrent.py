@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from compileops.mlstm.reference import gate_dtype
+from compileops.mlstm.reference import gate_dtype, masked_product
 from compileops.mlstm.checks import check_cu_seqlens_layout, check_cu_seqlens_values
 
 State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -133,7 +133,9 @@ def parallel_reference_with_state(
     in one row (B must be 1). Documents never see each other (block-diagonal mask); each
     starts from the empty state, or from ``initial_state[d]`` (its leading dimension then N),
     and the last state is per document, ``[N, NH, ...]`` (an empty document's is its initial
-    state). Differentiable, w.r.t. the initial state too.
+    state). Differentiable, w.r.t. the initial state too. Causal under NaN and Inf as
+    :func:`compileops.mlstm.reference.mlstm_parallel`: a non-finite input reaches the later
+    rows of its document and its document's last state, nothing else.
     """
     acc = gate_dtype(q.dtype)
     batch, heads, seq, dqk = q.shape
@@ -185,10 +187,13 @@ def parallel_reference_with_state(
     m = full.max(dim=-1).values  # [B, NH, S]; its gradient goes to the first max
     weights = torch.exp(full - m[..., None])
     w0, decay = weights[..., 0], weights[..., 1:]
-    c = (qa @ ka.transpose(-1, -2)) * scale * decay
+    # Selected, and the values through masked_product: a non-finite k_j or v_j reaches the
+    # rows that see j (later rows of its document) only, never as NaN * 0 an earlier row or
+    # another document.
+    c = torch.where(live, (qa @ ka.transpose(-1, -2)) * scale * decay, 0.0)
     b = c.sum(dim=-1) + w0 * q_n0 * scale
     n = torch.maximum(b.abs(), torch.exp(-m))
-    h = (c @ va + w0[..., None] * q_c0 * scale) / (n + eps)[..., None]
+    h = (masked_product(c, va, live) + w0[..., None] * q_c0 * scale) / (n + eps)[..., None]
 
     # The last state: the last row of each document (or row), its own stabiliser.
     if seq == 0:
@@ -202,8 +207,13 @@ def parallel_reference_with_state(
     else:
         row_decay = decay[0][:, last].transpose(0, 1)  # [N, NH, S]
         row_w0, row_m = w0[0][:, last].t(), m[0][:, last].t()  # [N, NH]
-        c_last = torch.einsum("nhs,hsd,hse->nhde", row_decay, ka[0], va[0])
-        n_last = torch.einsum("nhs,hsd->nhd", row_decay, ka[0])
+        # Each document's own columns: the others' decay is 0, but 0 * NaN is not.
+        spans = list(zip(bounds, bounds[1:]))
+        c_last = torch.stack([torch.einsum("hs,hsd,hse->hde", row_decay[i, :, a:e],
+                                           ka[0, :, a:e], va[0, :, a:e])
+                              for i, (a, e) in enumerate(spans)])
+        n_last = torch.stack([torch.einsum("hs,hsd->hd", row_decay[i, :, a:e], ka[0, :, a:e])
+                              for i, (a, e) in enumerate(spans)])
     c_last = c_last + row_w0[..., None, None] * c0
     n_last = n_last + row_w0[..., None] * n0
     if cu_seqlens is not None:  # an empty document keeps its initial state

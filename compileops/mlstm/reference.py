@@ -57,11 +57,29 @@ def cell_from_log_gates(
     log_d = log_d.masked_fill(~causal, float("-inf"))  # [B, NH, S, S]
     m = log_d.max(dim=-1).values  # [B, NH, S]; its gradient goes to the first max
     scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    c = scores * torch.exp(log_d - m[..., None])
+    # Selected, not multiplied by exp(-inf) = 0: a non-finite k_j makes scores[:, j] NaN for
+    # every row, and NaN * 0 would reach the rows before j.
+    c = torch.where(causal, scores * torch.exp(log_d - m[..., None]), 0.0)
     b = c.sum(dim=-1)
     n = torch.maximum(b.abs(), torch.exp(-m))
-    h = (c @ v.to(acc)) / (n[..., None] + eps)
+    h = masked_product(c, v.to(acc)) / (n[..., None] + eps)
     return h, b, m
+
+
+def masked_product(c: torch.Tensor, v: torch.Tensor,
+                   live: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``c @ v`` for ``c [..., S, T]`` that is 0 wherever ``live [S, T]`` (bool) is False,
+    ``v [..., T, DV]``, causal under non-finite values: a plain product multiplies every
+    ``v_j`` by ``c_ij = 0`` too, and ``0 * NaN`` would reach rows that must not see j. Here
+    a non-finite ``v[j, d]`` makes ``out[i, d]`` NaN exactly where ``live[i, j]``, and no
+    other entry changes. ``live`` None: causal (``j <= i``, S = T), counted by a cumulative
+    sum (``O(S * DV)``, no second ``S x S`` product); else one ``[S, T] @ [T, DV]`` product of
+    0/1 values. No branch on the data, so it traces whole under ``torch.compile``."""
+    finite = torch.isfinite(v)
+    out = c @ torch.where(finite, v, 0.0)
+    bad = (~finite).to(c.dtype)
+    hits = torch.cumsum(bad, dim=-2) if live is None else live.to(c.dtype) @ bad
+    return torch.where(hits > 0, float("nan"), out)
 
 
 def mlstm_parallel(
@@ -75,6 +93,14 @@ def mlstm_parallel(
     ``n_i = max(|sum_j C_ij|, exp(-m_i))``; ``h_i = sum_j C_ij v_j / (n_i + eps)``.
     Gates, ``m`` and ``n`` are computed in fp32 (fp64 for fp64 inputs); ``h`` is returned in
     v's dtype (in that accumulation dtype if not ``round_h``, as the fused norm reads it).
+
+    Causal under NaN and Inf: a non-finite input at position t never reaches a row before t
+    (``h``, ``n`` and ``m`` of the rows ``i < t`` are those of the same call with any finite
+    value there). From t on it enters the arithmetic as it is: a non-finite ``k_t`` makes
+    every column of h non-finite (``q_t``: row t's only), a non-finite ``v_t[d]`` column d
+    (as NaN), a NaN gate, ``igate = +inf`` or ``fgate = -inf`` every column; the limits that
+    are numbers (``igate = -inf``, a closed input gate; ``fgate = +inf``, an open forget
+    gate) give numbers.
     """
     h, b, m = cell(q, k, v, igate, fgate, eps)
     n = torch.maximum(b.abs(), torch.exp(-m))
