@@ -47,7 +47,6 @@ rows appended to ``benchmarks/results/mlstm_<gpu>.csv`` (``--csv``; CPU runs go 
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import json
 import math
@@ -529,13 +528,13 @@ def report(col: Collector, cfg: dict, order: list) -> None:
 
 
 def append_csv(path: str, line: list) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    new = not os.path.exists(path) or os.path.getsize(path) == 0
-    with open(path, "a", newline="") as f:
-        w = csv.writer(f)
-        if new:
-            w.writerow(CSV_COLUMNS)
-        w.writerow(line)
+    """One row of :data:`CSV_COLUMNS` appended (``benchmarks.harness.append_csv``, imported
+    here: the harness imports torch)."""
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    from benchmarks.harness import append_csv as append
+
+    append(path, CSV_COLUMNS, line)
 
 
 def gpu_tag(device: str) -> str:

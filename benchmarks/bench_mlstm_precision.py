@@ -29,7 +29,6 @@ when it is set.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import os
 import sys
@@ -178,13 +177,13 @@ def csv_paths(device_name: str, cpu: bool, explicit) -> list:
 
 
 def append_csv(path: str, line: list) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    new = not os.path.exists(path) or os.path.getsize(path) == 0
-    with open(path, "a", newline="") as f:
-        w = csv.writer(f)
-        if new:
-            w.writerow(CSV_COLUMNS)
-        w.writerow(line)
+    """One row of :data:`CSV_COLUMNS` appended (``benchmarks.harness.append_csv``, imported
+    here: the harness imports torch)."""
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    from benchmarks.harness import append_csv as append
+
+    append(path, CSV_COLUMNS, line)
 
 
 def _fmt(x) -> str:

@@ -163,6 +163,17 @@ def report(title: str, rows: list[Row], *, csv_path: Optional[str] = None,
     return text
 
 
+def append_csv(path: str, columns: list, line: list) -> None:
+    """Append ``line`` to the CSV at ``path``, writing ``columns`` first if it is new."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    new = not os.path.exists(path) or os.path.getsize(path) == 0
+    with open(path, "a", newline="") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(columns)
+        w.writerow(line)
+
+
 def write_csv(name: str, columns: list, rows: list) -> str:
     """``rows`` (dicts) as ``out_dir()/name`` with ``columns``; returns the path."""
     path = os.path.join(out_dir(), name)
