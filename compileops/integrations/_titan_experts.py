@@ -69,6 +69,15 @@ def _swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, offsets: torch.
     return grouped_linear_swiglu(x, torch.cat([w1, w3], dim=1), offsets, **opts)
 
 
+def refuse_unservable(model: torch.nn.Module, problems: list) -> None:
+    """``apply()``'s refusal, before anything changes: a ``NotImplementedError`` listing
+    every module it cannot serve (``problems``; none: nothing raised)."""
+    if problems:
+        raise NotImplementedError(
+            f"compileops' torchtitan apply() cannot serve {type(model).__name__}:"
+            "\n  " + "\n  ".join(problems))
+
+
 def local_tensor(w: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor weight (expert parallelism shards the expert dim, and the
     token dispatcher sent this rank the rows of its own experts), else ``w``."""

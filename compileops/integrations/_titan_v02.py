@@ -18,7 +18,7 @@ from torchtitan.protocols.model_converter import (
     register_model_converter,
 )
 
-from compileops.integrations._titan_experts import Options, experts_forward
+from compileops.integrations._titan_experts import Options, experts_forward, refuse_unservable
 
 
 def _expert_parallel(w: torch.Tensor) -> bool:
@@ -115,11 +115,7 @@ def apply_v02(model: torch.nn.Module, options: Options, body=None) -> dict:
     """The torchtitan integration's ``apply()`` for torchtitan 0.2 models
     (``body``: a compiled :func:`moe_body` for every MoE, or None)."""
     found = [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]
-    problems = [p for p in (_problem(n, m) for n, m in found) if p]
-    if problems:
-        raise NotImplementedError(
-            f"compileops' torchtitan apply() cannot serve {type(model).__name__}:"
-            "\n  " + "\n  ".join(problems))
+    refuse_unservable(model, [p for p in (_problem(n, m) for n, m in found) if p])
     report = {"experts": [], "scores": {}}
     for name, module in found:
         module.__class__ = CompileopsMoE

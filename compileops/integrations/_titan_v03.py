@@ -27,7 +27,7 @@ from torchtitan.models.common.token_dispatcher import (
 )
 from torchtitan.protocols.model import ModelConfigConverter
 
-from compileops.integrations._titan_experts import Options, experts_forward
+from compileops.integrations._titan_experts import Options, experts_forward, refuse_unservable
 
 
 class CompileopsGroupedExperts(GroupedExperts):
@@ -220,11 +220,7 @@ def _module_problem(name: str, module) -> Optional[str]:
 def apply_v03(model: torch.nn.Module, options: Options) -> dict:
     """The torchtitan integration's ``apply()`` for torchtitan 0.3 models."""
     found = [(n, m) for n, m in model.named_modules() if isinstance(m, RoutedExperts)]
-    problems = [p for p in (_module_problem(n, m) for n, m in found) if p]
-    if problems:
-        raise NotImplementedError(
-            f"compileops' torchtitan apply() cannot serve {type(model).__name__}:"
-            "\n  " + "\n  ".join(problems))
+    refuse_unservable(model, [p for p in (_module_problem(n, m) for n, m in found) if p])
     report = {"experts": [], "scores": {}}
     for name, module in found:
         if not isinstance(module, CompileopsRoutedExperts):
