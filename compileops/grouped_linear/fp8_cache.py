@@ -26,7 +26,8 @@ graph input the weight was taken from (the parameter, or the view passed in), wh
 lowering hands the op as its ``weight_base``: every write above is seen there as it is
 eagerly, with ``dynamic=True`` too. A weight computed inside the compiled graph (a cast of
 fp32 masters, a concatenation) is a new tensor whose writes nothing tracks: it is not
-cached, it is quantised on every call, and the compile logs a warning saying so.
+cached, it is quantised on every call, and the compile warns saying so (once, when
+the graph is lowered: a compile served from Inductor's on-disk cache does not warn again).
 
 **The cost.** Memory: each cached weight keeps its e4m3 copy and fp32 scales alive, one
 byte per element per layout (rowwise: two layouts, the forward's and dX's; blockwise: one),
