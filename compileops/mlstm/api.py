@@ -14,7 +14,6 @@ from compileops.mlstm.checks import (
 )
 from compileops.mlstm import documents
 from compileops.mlstm.chunkwise import check_chunk, mlstm_chunkwise_op
-from compileops.mlstm.heads import is_wide_head
 from compileops.mlstm.op import mlstm_parallel_op
 from compileops.mlstm.gates import log_forget_op
 from compileops.mlstm.reference import gate_dtype, multihead_layernorm
@@ -27,20 +26,20 @@ def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
 
 #: ``kernel="auto"`` runs the parallel form up to these sequence lengths (with a gradient
 #: to compute / without) and the chunkwise form above them, and whenever states go in or
-#: out. Forward+backward, bf16, 65,536 tokens, compiled (benchmarks/RESULTS.md, mLSTM):
-#: at DQK 128 / DV 256 on an H200 (2026-11-28, after the chunkwise backward's tiles), S =
-#: 1024: parallel 7.46 ms against chunkwise 7.20 (raw h), 8.08 against 7.91 (normed); S = 512:
-#: parallel 5.20 against 7.44. The chunkwise form's price at S = 1024: peak memory 2.96 GiB
-#: against 1.59 (raw), 3.98 against 2.60 (normed); ``kernel="parallel"`` keeps the smaller
-#: one. (On an H100 before those tiles: 8.69 against 9.01 at 1024,
-#: 13.29 against 8.86 at 2048.) Wider heads (:data:`AUTO_PARALLEL_MAX_SEQ_WIDE`) keep the
-#: parallel form longer. Forward only, 2.51 vs 2.49 at 2048 (the parallel form's peak
-#: memory 1.02 GiB vs 1.59), 4.13 vs 2.50 at 4096.
-AUTO_PARALLEL_MAX_SEQ = 512
-#: The training crossover for heads wider than DQK 128 + DV 256 (xLSTM-7B's DQK 256, DV
-#: 512): at S = 1024 on an H200 the parallel form takes 13.03 ms against the chunkwise
-#: form's 16.09 (NH 8, 65,536 tokens, normed, compiled).
-AUTO_PARALLEL_MAX_SEQ_WIDE = 1024
+#: out. With a gradient, the limit is chosen by accuracy as well as speed. Forward+backward,
+#: bf16, 65,536 tokens, compiled (benchmarks/RESULTS.md, mLSTM), at DQK 128 / DV 256 on an
+#: H200 (2026-11-28): S = 512: parallel 5.20 ms against chunkwise 7.44; S = 1024: parallel
+#: 7.46 against 7.20 (raw h), 8.08 against 7.91 (normed), so the chunkwise form is 2-4%
+#: faster there, but its bf16 forget-gate gradient is up to 5x further from fp64 (relative
+#: L2 7.5e-2 against the parallel form's 1.5e-2 at worst over the gate distributions of
+#: tests/mlstm/test_precision.py; the other gradients 8.1e-3 against 6.3e-3), and it needs
+#: more memory (peak 2.96 GiB against 1.59 raw, 3.98 against 2.60 normed). xLSTM-7B's head
+#: (DQK 256, DV 512) at 1024: parallel 13.03 ms against chunkwise 16.09. Above 1024 the
+#: parallel form's time grows with S (H100: 13.29 against 8.86 ms at 2048) and its bf16
+#: forget-gate gradient is no better (9.8e-2 against 1.1e-1 at worst at 8192).
+#: Forward only, 2.51 vs 2.49 ms at 2048 (the parallel form's peak memory 1.02 GiB vs
+#: 1.59), 4.13 vs 2.50 at 4096.
+AUTO_PARALLEL_MAX_SEQ = 1024
 AUTO_PARALLEL_MAX_SEQ_INFERENCE = 2048
 #: fp32 inputs take the chunkwise form above this length: its forget-gate sums restart every
 #: chunk, where the parallel form's run the whole row, and an fp32 sum of magnitude |F|
@@ -53,21 +52,16 @@ DEFAULT_CHUNK = 128
 
 
 def choose_kernel(kernel: str, seq: int, with_state: bool, training: bool = True,
-                  dtype: Optional[torch.dtype] = None, dqk: int = 128, dv: int = 256) -> str:
-    """``"parallel"`` or ``"chunkwise"`` for :func:`mlstm`'s ``kernel`` argument (``dtype``:
-    the inputs'; ``dqk``, ``dv``: the head dims)."""
+                  dtype: Optional[torch.dtype] = None) -> str:
+    """``"parallel"`` or ``"chunkwise"`` for :func:`mlstm`'s ``kernel`` argument (``seq``:
+    S; ``dtype``: the inputs')."""
     check_kernel(kernel)
     if kernel == "parallel" and with_state:
         raise ValueError("kernel='parallel' takes no initial_state and returns no last state: "
                          "use kernel='chunkwise' or 'auto'")
     if kernel != "auto":
         return kernel
-    if not training:
-        limit = AUTO_PARALLEL_MAX_SEQ_INFERENCE
-    elif is_wide_head(dqk, dv):
-        limit = AUTO_PARALLEL_MAX_SEQ_WIDE
-    else:
-        limit = AUTO_PARALLEL_MAX_SEQ
+    limit = AUTO_PARALLEL_MAX_SEQ if training else AUTO_PARALLEL_MAX_SEQ_INFERENCE
     if dtype == torch.float32:
         limit = AUTO_PARALLEL_MAX_SEQ_FP32
     return "chunkwise" if with_state or seq > limit else "parallel"
@@ -111,8 +105,7 @@ def mlstm_with_stats(
                            *(initial_state or ()))
     save_h = normed and training
     check_gates_floating(igate, fgate)  # the rest is checked by the op, eagerly and traced
-    form = choose_kernel(kernel, q.shape[-2], with_state, training, q.dtype, q.shape[-1],
-                         v.shape[-1])
+    form = choose_kernel(kernel, q.shape[-2], with_state, training, q.dtype)
     acc = gate_dtype(q.dtype)
     norm = (norm_weight, norm_bias, float(norm_eps), bool(residual_weight))
     if form == "parallel":
@@ -277,15 +270,21 @@ def mlstm(
     S <= 4096 (the forget-gate gradient is the largest error of
     both forms; the other gradients stay within 4e-5 chunkwise). bf16 within a
     relative L2 error of 2e-2 for the output and 4e-2 for the gradients (8e-2 chunkwise: its
-    states enter the MMAs in bf16); fp16 within a
+    states enter the MMAs in bf16) on the tests' short rows. Measured on long rows (an H200,
+    B 2, NH 4, DQK 128, DV 256, the gate distributions above; benchmarks/RESULTS.md): the
+    output within 2.5e-3 and every gradient but the forget gate's within 8.1e-3, both forms,
+    at S 1024 and 8192; the forget-gate gradient, the reverse cumulative sum of bf16-rounded
+    products, within 1.5e-2 parallel and 7.5e-2 chunkwise at S = 1024 (so ``"auto"`` trains
+    the parallel form there), 9.8e-2 parallel and 1.1e-1 chunkwise at S = 8192; fp16 within a
     relative L2 error of 1e-3 for the output and 4e-3 for the gradients. Deterministic and batch-invariant bitwise, forward and backward.
 
     ``kernel``: ``"parallel"`` (tiles over the causal ``S x S`` square: quadratic in S),
     ``"chunkwise"`` (the parallel kernels within chunks of ``chunk_size`` rows, default 128,
     a power of two >= 16, plus a ``[DQK, DV]`` fp32 state carried between chunks: linear
-    in S), or ``"auto"``: parallel up to ``AUTO_PARALLEL_MAX_SEQ`` rows (512) when a
-    gradient is needed (``AUTO_PARALLEL_MAX_SEQ_WIDE``, 1024, for heads wider than DQK 128 +
-    DV 256) and ``AUTO_PARALLEL_MAX_SEQ_INFERENCE`` (2048) when not, chunkwise above and
+    in S), or ``"auto"``: parallel up to ``AUTO_PARALLEL_MAX_SEQ`` rows (1024) when a
+    gradient is needed (there the chunkwise form is 2-4% faster at DQK 128 / DV 256 but its
+    bf16 forget-gate gradient up to 5x less accurate: the default does not trade accuracy
+    for speed) and ``AUTO_PARALLEL_MAX_SEQ_INFERENCE`` (2048) when not, chunkwise above and
     whenever a state goes in or out (the crossovers measured on an H200); fp32
     inputs run chunkwise above ``AUTO_PARALLEL_MAX_SEQ_FP32`` rows (128), for precision. Under ``torch.compile(dynamic=True)`` the
     choice guards on S on one side of that length (one recompile when S crosses it).

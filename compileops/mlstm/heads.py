@@ -14,5 +14,5 @@ def head_tile(dim: int) -> int:
 
 def is_wide_head(dqk: int, dv: int) -> bool:
     """Heads whose tiles are wider than DQK 128 + DV 256 (xLSTM-7B's 256 + 256 per value
-    slice): they take their own backward configs and ``kernel="auto"`` crossover."""
+    slice): they take their own backward configs."""
     return head_tile(dqk) + head_tile(dv) > 384

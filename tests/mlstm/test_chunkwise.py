@@ -10,7 +10,7 @@ import torch
 import compileops
 from compileops.mlstm import chunkwise
 from compileops.mlstm.api import AUTO_PARALLEL_MAX_SEQ, AUTO_PARALLEL_MAX_SEQ_INFERENCE, \
-    AUTO_PARALLEL_MAX_SEQ_WIDE, choose_kernel
+    choose_kernel
 from compileops.mlstm.gates import log_forget_op
 from compileops.mlstm.reference import gate_dtype
 from compileops.testing import assert_close_to_reference
@@ -186,12 +186,6 @@ def test_chunkwise_agrees_with_parallel_fp32():
 def test_auto_picks_by_length_and_state():
     assert choose_kernel("auto", AUTO_PARALLEL_MAX_SEQ, False) == "parallel"
     assert choose_kernel("auto", AUTO_PARALLEL_MAX_SEQ + 1, False) == "chunkwise"
-    # xLSTM-7B's head (DQK 256, DV 512) keeps the parallel form up to its own crossover
-    wide = dict(dqk=256, dv=512)
-    assert choose_kernel("auto", AUTO_PARALLEL_MAX_SEQ + 1, False, **wide) == "parallel"
-    assert choose_kernel("auto", AUTO_PARALLEL_MAX_SEQ_WIDE, False, **wide) == "parallel"
-    assert choose_kernel("auto", AUTO_PARALLEL_MAX_SEQ_WIDE + 1, False, **wide) == "chunkwise"
-    assert choose_kernel("auto", AUTO_PARALLEL_MAX_SEQ_WIDE, False, dqk=64, dv=256) == "chunkwise"
     assert choose_kernel("auto", 8, True) == "chunkwise"
     assert choose_kernel("auto", AUTO_PARALLEL_MAX_SEQ_INFERENCE, False, False) == "parallel"
     assert choose_kernel("auto", AUTO_PARALLEL_MAX_SEQ_INFERENCE + 1, False,
