@@ -243,6 +243,22 @@ _EXTERN_CALL = re.compile(
 )
 
 
+#: A launch in a wrapper's ``call``: a Triton kernel's ``.run(`` or an extern call.
+_LAUNCH = re.compile(
+    r"\b(?:(triton_\w+?)(?:_\d+)?\.run|(extern_kernels\.\w+|torch\.ops\.(?!inductor\b)\w+\.\w+"
+    r"(?:\.\w+)?))\("
+)
+
+
+def _launch_lines(sources: Sequence[str]) -> list[str]:
+    """Every launch of the wrappers' ``call`` functions, in order, repeats kept."""
+    lines: list[str] = []
+    for source in sources:
+        call = source.split("\ndef call(", 1)[-1]
+        lines += [m.group(1) or m.group(2) for m in _LAUNCH.finditer(call)]
+    return lines
+
+
 def _kernel_lines(sources: Sequence[str], backend: str) -> list[str]:
     lines: list[str] = []
     for source in sources:
@@ -266,6 +282,7 @@ def inductor_kernels(
     triton: bool = False,
     backward: bool = False,
     dynamic: bool = False,
+    launches: bool = False,
 ) -> str:
     """The kernels Inductor compiles ``fn(*args)`` into, one per line, in wrapper order.
 
@@ -275,7 +292,12 @@ def inductor_kernels(
     ``extern_kernels.*``) are listed too. With ``backward=True`` a backward through the sum
     of the outputs is compiled and its kernels follow a ``# backward`` line. ``triton=True``
     makes Inductor emit Triton for CPU tensors (works without a GPU; see docs/inductor-notes.md).
+    Each kernel is named once; with ``launches=True`` (Triton only) the lines are instead
+    every launch of a step in the order the wrapper makes them, a kernel launched twice
+    listed twice: a count of a step's kernels.
     """
+    if launches and not (triton or backend_is_gpu(args)):
+        raise ValueError("inductor_kernels(launches=True) reads Triton wrappers: pass triton=True")
     import contextlib
 
     from compileops.lowerings import _compat
@@ -305,8 +327,9 @@ def inductor_kernels(
             _, sources = _compat.run_and_get_code(run)
         else:
             sources = _compat.get_code(compiled, *args)
+    def lines(part):
+        return _launch_lines(part) if launches else _kernel_lines(part, backend)
+
     if backward and len(sources) >= 2:
-        forward_lines = _kernel_lines(sources[:1], backend)
-        backward_lines = _kernel_lines(sources[1:], backend)
-        return "\n".join(forward_lines + ["# backward"] + backward_lines)
-    return "\n".join(_kernel_lines(sources, backend))
+        return "\n".join(lines(sources[:1]) + ["# backward"] + lines(sources[1:]))
+    return "\n".join(lines(sources))

@@ -107,7 +107,36 @@ def triton_codegen_on_cpu() -> Iterator[None]:
     """
     with inductor_config_patch(cpu_backend="triton"), mock.patch(
         "torch.utils._triton.triton_hash_with_backend", lambda *a, **k: "0" * 64
-    ):
+    ), _libdevice_for_the_interpreter():
+        yield
+
+
+@contextlib.contextmanager
+def _libdevice_for_the_interpreter() -> Iterator[None]:
+    """Under Triton's interpreter, Inductor's kernels get ``tl.math``'s function wherever
+    one of the same name exists for their ``libdevice.<name>`` calls (an epilogue's
+    ``exp`` of a SiLU, say). Newer triton's ``triton.language.extra.libdevice`` holds stubs
+    that a GPU backend fills in when it compiles a kernel, which the interpreter never does:
+    there ``libdevice.exp(x)`` returns None (seen with triton 3.9). The generated modules
+    import ``libdevice`` from ``triton_helpers`` when they load, inside this context."""
+    import os
+    import types
+
+    from torch._inductor.runtime import triton_helpers
+
+    if os.environ.get("TRITON_INTERPRET") != "1" or triton_helpers.libdevice is None:
+        yield
+        return
+    import triton.language as tl
+
+    stubs = triton_helpers.libdevice
+
+    class InterpreterLibdevice(types.ModuleType):
+        def __getattr__(self, name):
+            # looked up at each call: the interpreter patches tl.math while a kernel runs
+            return getattr(tl.math, name) if hasattr(tl.math, name) else getattr(stubs, name)
+
+    with mock.patch.object(triton_helpers, "libdevice", InterpreterLibdevice("libdevice")):
         yield
 
 

@@ -52,6 +52,7 @@ COMPAT_MODULES = (
     "test_compile.py", "test_snapshots.py", "test_kernels.py", "test_kernels_wgrad.py",
     "test_codegen_sm90.py", "test_launch.py", "test_import.py", "test_packaging.py",
     "test_export.py", "test_logging.py", "test_snapshot_helper.py", "test_compat.py",
+    "test_user_pattern_snapshots.py",
 )
 
 

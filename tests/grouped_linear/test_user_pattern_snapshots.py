@@ -1,0 +1,152 @@
+"""What the MoE code users write compiles to: the Inductor kernels of each pattern around a
+grouped linear (tests/snapshot.py; regenerate with EXPECTTEST_ACCEPT=1).
+
+The patterns are those of Hugging Face's and torchtitan's expert code: the router probability
+multiplied into the down projection's output (``* p[:, None]``, ``* p.unsqueeze(-1)``, the
+probability in fp32 and the product cast back), a cast of the output, a bias or a residual
+added, and the gate and up products as two weights (``silu(x @ w1) * (x @ w3)``), each with
+the kernels of the compiled forward and backward, static and ``dynamic=True``. The explicit
+``row_scale=`` form is pinned beside them. Each line is one launch of the step (a kernel
+launched twice is listed twice), so a change in what fuses into the templates, or in how many
+kernels a step runs, shows here as a changed line.
+"""
+import torch
+import torch.nn.functional as F
+
+import compileops
+from compileops.testing import inductor_kernels
+from tests.snapshot import SnapshotTestCase
+
+SIZES = [5, 0, 11, 3]
+D, H = 16, 24
+
+
+def _inputs(dtype=torch.float32):
+    """``(x [M, D], h [M, H], w1 [G, H, D], w3 [G, H, D], w2 [G, D, H], offsets [G], p [M],
+    residual [M, D])``, M = sum(SIZES) + 2 rows past the last group."""
+    gen = torch.Generator().manual_seed(0)
+    m = sum(SIZES) + 2
+    x = torch.randn(m, D, generator=gen)
+    h = torch.randn(m, H, generator=gen)
+    w1, w3 = (torch.randn(len(SIZES), H, D, generator=gen) / D ** 0.5 for _ in range(2))
+    w2 = torch.randn(len(SIZES), D, H, generator=gen) / H ** 0.5
+    p = torch.rand(m, generator=gen)
+    residual = torch.randn(m, D, generator=gen)
+    offsets = torch.cumsum(torch.tensor(SIZES), 0).to(torch.int32)
+    x, h, w1, w3, w2, residual = (t.to(dtype) for t in (x, h, w1, w3, w2, residual))
+    return x, h, w1, w3, w2, offsets, p, residual
+
+
+def _kernels(fn, *args, dynamic=False):
+    """The launches of a forward and a backward step, in order, every floating input
+    requiring a gradient."""
+    args = [a.detach().requires_grad_() if a.is_floating_point() else a for a in args]
+    return inductor_kernels(fn, *args, triton=True, backward=True, dynamic=dynamic,
+                            launches=True)
+
+
+def down_times_p(h, w2, offsets, p):
+    return compileops.grouped_linear(h, w2, offsets) * p[:, None]
+
+
+def down_times_p_unsqueezed(h, w2, offsets, p):
+    return compileops.grouped_linear(h, w2, offsets) * p.unsqueeze(-1)
+
+
+def down_times_fp32_p_cast_back(h, w2, offsets, p):
+    y = compileops.grouped_linear(h, w2, offsets)
+    return (y.float() * p[:, None]).to(h.dtype)
+
+
+def down_row_scale(h, w2, offsets, p):
+    return compileops.grouped_linear(h, w2, offsets, row_scale=p)
+
+
+def down_cast(h, w2, offsets, residual):
+    return compileops.grouped_linear(h, w2, offsets).type_as(residual)
+
+
+def down_plus_residual(h, w2, offsets, residual):
+    return residual + compileops.grouped_linear(h, w2, offsets)
+
+
+def gate_up_apart(x, w1, w3, offsets):
+    return F.silu(compileops.grouped_linear(x, w1, offsets)) * \
+        compileops.grouped_linear(x, w3, offsets)
+
+
+class UserPatternSnapshots(SnapshotTestCase):
+    def test_down_projection_times_probability(self):
+        _, h, _, _, w2, offsets, p, _ = _inputs()
+        self.assertSnapshot(_kernels(down_times_p, h, w2, offsets, p), """\
+triton_tem_fused_grouped_linear_mul_unsqueeze
+# backward
+triton_per_fused_mul_sum_unsqueeze
+triton_tem_fused_grouped_linear_dx
+torch.ops.compileops.grouped_linear_wgrad.default""")
+        self.assertSnapshot(_kernels(down_times_p_unsqueezed, h, w2, offsets, p), """\
+triton_tem_fused_grouped_linear_mul_unsqueeze
+# backward
+triton_per_fused_mul_sum_unsqueeze
+triton_tem_fused_grouped_linear_dx
+torch.ops.compileops.grouped_linear_wgrad.default""")
+        self.assertSnapshot(_kernels(down_times_p, h, w2, offsets, p, dynamic=True), """\
+triton_tem_fused_grouped_linear_mul_unsqueeze
+# backward
+triton_red_fused_mul_sum_unsqueeze
+triton_tem_fused_grouped_linear_dx
+torch.ops.compileops.grouped_linear_wgrad.default""")
+
+    def test_down_projection_bf16_times_fp32_probability(self):
+        _, h, _, _, w2, offsets, p, _ = _inputs(torch.bfloat16)
+        self.assertSnapshot(_kernels(down_times_fp32_p_cast_back, h, w2, offsets, p), """\
+triton_tem_fused__to_copy_grouped_linear_mul_unsqueeze
+# backward
+triton_per_fused__to_copy_mul_sum_unsqueeze
+triton_tem_fused_grouped_linear_dx
+torch.ops.compileops.grouped_linear_wgrad.default""")
+
+    def test_row_scale_beside_them(self):
+        _, h, _, _, w2, offsets, p, _ = _inputs()
+        self.assertSnapshot(_kernels(down_row_scale, h, w2, offsets, p), """\
+triton_tem_fused_grouped_linear_row_scaled
+# backward
+triton_tem_fused_grouped_linear_dx
+triton_per_fused_mul_sum_unsqueeze
+triton_poi_fused_grouped_linear_wgrad_mul_unsqueeze
+torch.ops.compileops.grouped_linear_wgrad.default""")
+
+    def test_cast_and_residual(self):
+        _, h, _, _, w2, offsets, _, residual = _inputs(torch.bfloat16)
+        self.assertSnapshot(_kernels(down_cast, h, w2, offsets, residual.float()), """\
+triton_tem_fused__to_copy_grouped_linear
+# backward
+triton_poi_fused__to_copy
+triton_tem_fused__to_copy_grouped_linear_dx
+torch.ops.compileops.grouped_linear_wgrad.default""")
+        self.assertSnapshot(_kernels(down_plus_residual, h, w2, offsets, residual), """\
+triton_tem_fused_add_grouped_linear
+# backward
+triton_tem_fused_grouped_linear_dx
+torch.ops.compileops.grouped_linear_wgrad.default""")
+
+    def test_gate_and_up_as_two_weights(self):
+        x, _, w1, w3, _, offsets, _, _ = _inputs()
+        self.assertSnapshot(_kernels(gate_up_apart, x, w1, w3, offsets), """\
+triton_tem_fused_grouped_linear
+triton_tem_fused_grouped_linear_mul_silu
+# backward
+triton_poi_fused_mul_silu_silu_backward
+triton_tem_fused_grouped_linear_dx
+torch.ops.compileops.grouped_linear_wgrad.default
+triton_tem_fused_add_grouped_linear_dx
+torch.ops.compileops.grouped_linear_wgrad.default""")
+        self.assertSnapshot(_kernels(gate_up_apart, x, w1, w3, offsets, dynamic=True), """\
+triton_tem_fused_grouped_linear
+triton_tem_fused_grouped_linear_mul_silu
+# backward
+triton_poi_fused_mul_silu_silu_backward
+triton_tem_fused_grouped_linear_dx
+torch.ops.compileops.grouped_linear_wgrad.default
+triton_tem_fused_add_grouped_linear_dx
+torch.ops.compileops.grouped_linear_wgrad.default""")
