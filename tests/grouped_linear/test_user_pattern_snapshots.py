@@ -150,3 +150,27 @@ triton_tem_fused_grouped_linear_dx
 torch.ops.compileops.grouped_linear_wgrad.default
 triton_tem_fused_add_grouped_linear_dx
 torch.ops.compileops.grouped_linear_wgrad.default""")
+
+    def test_fp8_layer_launches(self):
+        # fp8 rowwise, the expert layer as users write it: each product is one of our ops,
+        # an extern call whose own kernels (quantising the activation and the weight, the
+        # fp8 GEMM) run inside it, with Inductor's kernels around them.
+        x, _, w1, w3, w2, offsets, p, _ = _inputs(torch.bfloat16)
+
+        def layer(x, w13, w2, offsets, p):
+            h = compileops.grouped_linear_swiglu(x, w13, offsets, fp8="rowwise")
+            return compileops.grouped_linear(h, w2, offsets, fp8="rowwise") * p[:, None]
+
+        w13 = torch.cat([w1, w3], dim=1)
+        self.assertSnapshot(_kernels(layer, x, w13, w2, offsets, p), """\
+torch.ops.compileops.grouped_linear_swiglu_fp8_with_preact.default
+torch.ops.compileops.grouped_linear_fp8.default
+triton_poi_fused_mul_unsqueeze
+# backward
+triton_per_fused__to_copy_mul_sum_unsqueeze
+torch.ops.compileops.grouped_linear_fp8_dx.default
+torch.ops.compileops.grouped_linear_wgrad.default
+triton_poi_fused__to_copy_add_mul_rsub_sigmoid_split
+triton_poi_fused__to_copy
+torch.ops.compileops.grouped_linear_fp8_dx.default
+torch.ops.compileops.grouped_linear_wgrad.default""")
