@@ -255,6 +255,25 @@ def graph_input_behind(node) -> Any:
     return V.graph.graph_inputs.get(buffer.get_name())
 
 
+def graph_input_written(input_box) -> bool:
+    """Whether the graph being lowered writes into the graph input ``input_box`` (a
+    ``TensorBox`` of :func:`graph_input_behind`): an in-place op on it that AOTAutograd kept
+    in the graph (``copy_`` of the new value, under ``no_grad``). Its version counter is
+    then raised before the graph runs, while its values change only where the write is."""
+    from torch._inductor.virtualized import V
+
+    name = input_box.get_name()
+    for node in V.graph.module.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for argument, value in zip(node.target._schema.arguments, node.args):
+            written = argument.alias_info is not None and argument.alias_info.is_write
+            if written and isinstance(value, torch.fx.Node) and value.op == "placeholder" \
+                    and value.target == name:
+                return True
+    return False
+
+
 def size_hint(expr) -> int:
     """A concrete hint for a possibly symbolic size (``size_hint`` on 2.11, ``optimization_hint``
     on 2.13)."""

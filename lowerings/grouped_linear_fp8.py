@@ -12,7 +12,11 @@ op with ``cache_weight``:
   ``weight_base``, and the cache checks the input's version (the parameter's own counter);
 * the weight is computed inside the graph (a cast, a concatenation): nothing tracks writes to
   it, so ``cache_weight`` is turned off for that call (quantised every call) and a warning
-  says so.
+  says so;
+* the weight's graph input is also written in place by the graph (under ``no_grad``):
+  AOTAutograd raises its version before the graph runs, while its values change only at the
+  write, so a copy made before the write would be stored under the new version. The cache is
+  turned off for that call too, with a warning.
 
 The products stay the eager Triton kernels (called through the op).
 """
@@ -62,6 +66,14 @@ def _lowering(op: torch._ops.OpOverload):
                     "to it cannot be tracked; it is quantised on every call instead of "
                     "cached. Pass the parameter (or a view of it) to cache its fp8 copy.",
                     stacklevel=2)
+                values[cache_at] = False
+            elif _compat.graph_input_written(base):
+                warnings.warn(
+                    f"cache_fp8_weights=True: the compiled graph that calls compileops::{name} "
+                    "also writes its weight in place, so the weight's version counter does "
+                    "not say which values the call sees; it is quantised on every call of "
+                    "this graph instead of cached. Write the weight outside the compiled "
+                    "function to keep the cache.", stacklevel=2)
                 values[cache_at] = False
             else:
                 values[base_at] = base

@@ -14,7 +14,9 @@ dropped after any ``torch.optim`` optimizer's step (a global step hook, register
 first copy is cached): FSDP2 (``fully_shard``) all-gathers the updated shards into the same
 unsharded parameter storage *with the parameter's version counter kept as it was*, so
 without the hook the forward after a step could match the copies of the weights before it.
-Writes that bypass both are not seen: through ``param.data``, or into the storage by other
+Writes that bypass both are not seen: through another tensor over the same storage with a
+version counter of its own (``param.data``, a parameter built as ``nn.Parameter(p.data)``:
+a write through one is not seen by a cached call on the other), or into the storage by other
 means with no optimizer step after them (``load_state_dict`` into an FSDP2-sharded model,
 which the next all-gather brings into the unsharded storage). After such writes call
 :func:`clear_fp8_weight_cache`.
@@ -28,14 +30,18 @@ eagerly, with ``dynamic=True`` too. A weight computed inside the compiled graph 
 fp32 masters, a concatenation) is a new tensor whose writes nothing tracks: it is not
 cached, it is quantised on every call, and the compile warns saying so (once, when
 the graph is lowered: a compile served from Inductor's on-disk cache does not warn again).
+Nor is a weight that the same compiled graph also writes in place (``w.mul_(2)`` under
+``no_grad`` inside the compiled function): its version is raised before the graph runs, so
+the version cannot tell the values before the write from those after it.
 
 **The cost.** Memory: each cached weight keeps its e4m3 copy and fp32 scales alive, one
 byte per element per layout (rowwise: two layouts, the forward's and dX's; blockwise: one),
-until the next optimizer step, or until the weight changes, or until the tensor its version
-follows (the parameter, or the root of the view passed in) is freed: a finaliser releases its
-copies then. A storage freed while that tensor lives on (``param.data = other``) keeps its
-copies until the next copy is made or the cache is cleared. Nothing else: a lookup is a dict
-access under a lock, on the host, no device sync.
+until the next optimizer step, or until the weight changes, or until the weight's storage is
+freed (the parameter deleted, or ``param.data = other``): a finaliser on the storage releases
+its copies then. Nothing else: a lookup is a dict access under a lock, on the host, no device
+sync. The cache holds no reference to the weight tensor itself, so
+``torch.utils.swap_tensors`` (``load_state_dict`` and ``Module.to`` with
+``torch.__future__.set_swap_module_params_on_conversion(True)``) works on cached weights.
 
 **What it buys**, measured on an H200 (rowwise, a compiled MoE layer's forward and backward,
 ``benchmarks/bench_moe_layer.py --impls compileops-fp8-cached``, weights unchanged between
@@ -68,8 +74,13 @@ _lock = threading.RLock()
 # key -> (weak reference to the weight's storage, the version of the tensor that tracks
 # writes to it, (q, scale), that tensor's id)
 _entries: dict[tuple, tuple[StorageWeakRef, int, tuple[torch.Tensor, torch.Tensor], int]] = {}
-# id of a tensor whose version the entries follow -> its finaliser (one per tensor), which
-# drops those entries when the tensor is freed.
+# A weight storage's identity (``StorageWeakRef.cdata``) -> its finaliser (one per storage),
+# which drops that storage's entries when it is freed. On the storage, not the tensor: a
+# weak reference to a tensor would make ``torch.utils.swap_tensors`` refuse it (which
+# ``load_state_dict`` and ``Module.to`` use under
+# ``torch.__future__.set_swap_module_params_on_conversion(True)``, and for tensor
+# subclasses); torch keeps one Python object per live storage, so the finaliser runs when
+# the storage itself is freed.
 _finalisers: dict[int, weakref.finalize] = {}
 # The global optimizer-step hook's handle, once registered (the first cached copy).
 _step_hook = None
@@ -110,11 +121,12 @@ def _version_source(weight: torch.Tensor, base: Optional[torch.Tensor]) -> Optio
     return base
 
 
-def _release(source_id: int) -> None:
-    """The tensor whose version the entries of ``source_id`` followed was freed: drop them."""
+def _release(storage_id: int) -> None:
+    """The weight storage ``storage_id`` (its ``StorageWeakRef.cdata``) was freed: drop its
+    entries."""
     with _lock:
-        _finalisers.pop(source_id, None)
-        for key in [k for k, e in _entries.items() if e[3] == source_id or e[0].expired()]:
+        _finalisers.pop(storage_id, None)
+        for key in [k for k, e in _entries.items() if e[0].cdata == storage_id or e[0].expired()]:
             del _entries[key]
 
 
@@ -135,10 +147,12 @@ def quantised_weight(weight: torch.Tensor, layout: tuple,
     storage = StorageWeakRef(untyped)
     with _lock:
         entry = _entries.get(key)
-        # The same storage (a weak reference keeps its identity from being reused) at the
-        # same version: the same values.
+        # The same storage (a weak reference keeps its identity from being reused), its
+        # version read from the same tensor, at the same version: the same values. (Two
+        # tensors over one storage with counters of their own, ``nn.Parameter(p.data)``,
+        # can be at equal versions after different writes.)
         if entry is not None and entry[1] == version and entry[0] == storage \
-                and not entry[0].expired():
+                and entry[3] == id(source) and not entry[0].expired():
             return entry[2]
     _watch_optimizer_steps()
     value = quantise()
@@ -146,8 +160,8 @@ def quantised_weight(weight: torch.Tensor, layout: tuple,
         for stale in [k for k, e in _entries.items() if e[0].expired()]:
             del _entries[stale]  # their storages were freed while their tensors live on
         _entries[key] = (storage, version, value, id(source))
-        if id(source) not in _finalisers:
-            _finalisers[id(source)] = weakref.finalize(source, _release, id(source))
+        if storage.cdata not in _finalisers:
+            _finalisers[storage.cdata] = weakref.finalize(untyped, _release, storage.cdata)
     return value
 
 

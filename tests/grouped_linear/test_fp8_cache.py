@@ -269,6 +269,61 @@ def test_a_freed_weight_releases_its_copies_at_once():
     assert cached_fp8_weight_bytes() == 0
 
 
+def test_a_storage_freed_under_a_live_parameter_releases_its_copies():
+    """``param.data = other`` frees the old storage while the parameter lives on: its copies
+    go with it (the finaliser is on the storage)."""
+    x, w, offs, dy = _layer(seed=10)
+    _step(x, w, offs, dy, "rowwise", cache=True)
+    assert cached_fp8_weight_bytes() > 0
+    w.data = torch.randn_like(w)
+    gc.collect()
+    assert cached_fp8_weight_bytes() == 0
+
+
+def test_swap_tensors_works_on_cached_weights():
+    """The cache keeps no weak reference to the weight tensor, which would make
+    ``torch.utils.swap_tensors`` refuse it: ``load_state_dict`` and ``Module.to`` with
+    swapping on still work after a cached call, and the next call uses the new weight."""
+    torch.manual_seed(11)
+    layer = compileops.nn.GroupedLinear(len(SPLITS), 40, 24, bias=False, fp8="rowwise",
+                                        cache_fp8_weights=True)
+    x = torch.randn(24, 40)
+    splits = torch.tensor(SPLITS)
+    state = {"weight": torch.randn_like(layer.weight)}
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with compileops.use_backend("triton"), torch.no_grad():
+            layer(x, splits)
+            layer.load_state_dict(state)
+            got = layer(x, splits)
+            want = compileops.grouped_linear_splits(x, state["weight"], splits, fp8="rowwise")
+            assert torch.equal(got, want)
+            layer.to(torch.float64)
+            assert layer.weight.dtype == torch.float64
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+
+
+def test_two_parameters_over_one_storage_never_share_a_copy():
+    """``nn.Parameter(p.data)`` shares p's storage with a version counter of its own: after
+    one write each, both counters read the same, yet a cached call on the second must see
+    its write, not the copy made for the first before it."""
+    gen = torch.Generator().manual_seed(12)
+    first = torch.nn.Parameter(torch.randn(len(SPLITS), 24, 40, generator=gen))
+    x = torch.randn(24, 40, generator=gen)
+    offs = torch.cumsum(torch.tensor(SPLITS), 0).to(torch.int32)
+    with compileops.use_backend("triton"), torch.no_grad():
+        first.mul_(1.0)
+        compileops.grouped_linear(x, first, offs, fp8="rowwise", cache_fp8_weights=True)
+        second = torch.nn.Parameter(first.data)
+        second.mul_(-2.0)
+        assert second._version == first._version
+        got = compileops.grouped_linear(x, second, offs, fp8="rowwise", cache_fp8_weights=True)
+        want = compileops.grouped_linear(x, second.clone(), offs, fp8="rowwise")
+    assert torch.equal(got, want)
+
+
 def test_eager_views_of_a_parameter_share_its_copies(launches):
     """A view made afresh each call (``w.transpose(1, 2)``) follows its parameter's version
     and lifetime: the second call reuses the first one's copies, and a write to the

@@ -184,6 +184,37 @@ def test_a_weight_computed_in_the_graph_is_not_cached_and_says_so():
     assert cached_fp8_weight_bytes() == 0
 
 
+@pytest.mark.parametrize("later", ["eager", "compiled"])
+def test_a_weight_written_in_the_same_graph_is_not_cached(later):
+    """A compiled function that reads the weight, then writes it in place (under no_grad):
+    its version is raised before the graph runs, so a copy made inside it would be stored
+    under the new version with the old values. The lowering turns the cache off there (and
+    warns); a later cached call, eager or compiled, sees the written weight."""
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.nn.Parameter(torch.randn(len(SPLITS), N, K, generator=gen) / K ** 0.5)
+    x = torch.randn(sum(SPLITS), K, generator=gen)
+    offsets = _offsets()
+    before = weight.detach().clone()
+
+    def read_then_double(x, w):
+        y = compileops.grouped_linear(x, w, offsets, fp8="rowwise", cache_fp8_weights=True)
+        w.mul_(2.0)
+        return y
+
+    def read(x, w):
+        return compileops.grouped_linear(x, w, offsets, fp8="rowwise", cache_fp8_weights=True)
+
+    reader = torch.compile(read, fullgraph=True) if later == "compiled" else read
+    with compileops.use_backend("triton"), torch.no_grad(), _compat.fresh_inductor_cache():
+        with pytest.warns(UserWarning, match="also writes its weight in place"):
+            first = torch.compile(read_then_double, fullgraph=True)(x, weight)
+        got = reader(x, weight)
+        want_first = compileops.grouped_linear(x, before, offsets, fp8="rowwise")
+        want = compileops.grouped_linear(x, 2 * before, offsets, fp8="rowwise")
+    assert torch.equal(first, want_first)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_module_and_load_state_dict(backend):
     """The module form, compiled whole: a checkpoint loaded after a step is what runs."""
