@@ -276,7 +276,15 @@ def mlstm(
     at S 1024 and 8192; the forget-gate gradient, the reverse cumulative sum of bf16-rounded
     products, within 1.5e-2 parallel and 7.5e-2 chunkwise at S = 1024 (so ``"auto"`` trains
     the parallel form there), 9.8e-2 parallel and 1.1e-1 chunkwise at S = 8192; fp16 within a
-    relative L2 error of 1e-3 for the output and 4e-3 for the gradients. Deterministic and batch-invariant bitwise, forward and backward.
+    relative L2 error of 1e-3 for the output and 4e-3 for the gradients. Deterministic and
+    batch-invariant bitwise, forward and backward.
+
+    Causality (tests/mlstm/test_causality.py): a NaN or Inf at position t never reaches an
+    output before t on the reference backend, in every form; on the Triton kernels two
+    known limits remain. A non-finite k or v at t turns the rows before t of t's 16-row tile
+    NaN (the tile's masked products meet it). In 16-bit, the rows of a tile are rounded
+    against gate references shared by the tile, so a later gate in the tile (or a sequence
+    cut inside it) can move an earlier row's output by its last bit.
 
     ``kernel``: ``"parallel"`` (tiles over the causal ``S x S`` square: quadratic in S),
     ``"chunkwise"`` (the parallel kernels within chunks of ``chunk_size`` rows, default 128,

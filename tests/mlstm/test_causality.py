@@ -258,3 +258,40 @@ def test_parallel_reference_with_state_is_causal(name, value):
     check_causal(run, x, name, value, f"parallel_reference_with_state {name}={value}")
     for got, want in zip(last_states(_with_bad(x, name, value, T)), last_states(x)):
         assert torch.equal(got[0], want[0])  # the first document's
+
+
+#: A second known limit, also pinned by strict xfails: in 16-bit, the Triton forward rounds a
+#: tile's rows against references shared by the tile (its gates' spread and stabiliser), so
+#: a later gate of the same tile can move an earlier row's output by a last bit (about one
+#: bf16 ulp: 0.0078-0.0156 for outputs of size 1-2), and a sequence cut short can round its
+#: last tile's rows differently. fp32 and the reference backend are exactly causal here.
+TRITON_TILE_ROUNDING = pytest.mark.xfail(
+    strict=True, reason="known limit: 16-bit Triton tiles round rows against tile-wide gate "
+    "references, so a later gate in the tile can move an earlier row by a last bit")
+
+
+@pytest.mark.parametrize("name,delta", [("igate", 8.0), ("fgate", -8.0), ("igate", INF)],
+                         ids=["igate+8", "fgate-8", "igate=inf"])
+@pytest.mark.parametrize("backend", [
+    "reference", pytest.param("triton", marks=TRITON_TILE_ROUNDING)])
+def test_bf16_rows_do_not_see_later_gates_of_their_tile(backend, name, delta):
+    """bf16, the parallel form: a gate changed at t = 33 (row 32 shares its 16-row tile)
+    leaves every row before t bitwise as it was, and so does cutting the sequence after t."""
+    seq, t = 40, 33
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, seq, DQK, generator=gen, dtype=torch.float64)
+               for _ in range(3))
+    igate = torch.randn(1, 1, seq, generator=gen, dtype=torch.float64)
+    fgate = torch.randn(1, 1, seq, generator=gen, dtype=torch.float64) + 3
+    inputs = {n: x.to(torch.bfloat16) for n, x in
+              zip(("q", "k", "v", "igate", "fgate"), (q, k, v, igate, fgate))}
+    changed = dict(inputs)
+    changed[name] = inputs[name].clone()
+    changed[name][..., t] = (changed[name][..., t].float() + delta).to(torch.bfloat16)
+    with compileops.use_backend(backend):
+        clean = compileops.mlstm(*inputs.values(), kernel="parallel")
+        moved = compileops.mlstm(*changed.values(), kernel="parallel")
+        cut = compileops.mlstm(*(x[..., :t + 1, :] if x.dim() == 4 else x[..., :t + 1]
+                                 for x in inputs.values()), kernel="parallel")
+    assert torch.equal(moved[..., :t, :], clean[..., :t, :]), name
+    assert torch.equal(cut[..., :t, :], clean[..., :t, :]), "cut after t"
