@@ -31,6 +31,16 @@ def require(cond, message: Callable[[], str]) -> None:
     torch._check(cond, message)
 
 
+def require_tensors(named: Iterable[tuple[str, object]], hints: dict | None = None) -> None:
+    """A clear ``TypeError`` for an argument that is not a tensor (a Python list, say), where
+    an op's schema would give torch's raw one. ``named``: ``(name, value)`` pairs; ``hints``:
+    what to say after a name's message."""
+    for name, value in named:
+        if not isinstance(value, torch.Tensor):
+            hint = (hints or {}).get(name, "")
+            raise TypeError(f"{name} must be a torch.Tensor{hint}, got {type(value).__name__}")
+
+
 def check_index_dtype(t: torch.Tensor, what: str) -> None:
     """Precondition usable from fake functions and eager code alike."""
     require(

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from compileops import backends
-from compileops._library import custom_op
+from compileops._library import custom_op, require_tensors
 from compileops.embedding import checks, reference
 from compileops.embedding.checks import check_backward_args, check_forward_args
 from compileops.modes import STRICT_INDEX_CHECKS, set_strict_index_checks, strict_index_checks
@@ -134,6 +134,7 @@ def embedding(
     Dtype contract: bitwise equal to ``weight[ids].to(out_dtype)``. The backward is
     deterministic and bitwise batch-invariant.
     """
+    require_tensors((("ids", ids), ("weight", weight)))
     if padding_idx is not None:  # (weight is not touched before ids: graph input order)
         padding_idx = checks.normalize_padding_idx(padding_idx, weight.shape[0])
     # is_compiling() first: Dynamo cannot trace a ContextVar read.

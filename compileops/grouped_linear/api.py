@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from compileops._library import require_tensors
 from compileops.grouped_linear.checks import (
     assert_split_values_on_device,
     check_row_scale,
@@ -28,17 +29,13 @@ from compileops.grouped_linear.op import (
 from compileops.grouped_linear.scaled import row_scaled_grouped_linear
 
 
+#: What a non-tensor ``offsets`` most likely meant.
+_OFFSETS_HINT = {"offsets": " (cumulative end rows, int32, on x's device; per-group row "
+                            "counts go to grouped_linear_splits, or through splits_to_offsets)"}
+
+
 def _check_tensor_args(x, weight, offsets) -> None:
-    """A clear TypeError where the op's schema would give torch's raw one (a Python list of
-    offsets, say)."""
-    for name, value in (("x", x), ("weight", weight), ("offsets", offsets)):
-        if not isinstance(value, torch.Tensor):
-            hint = ""
-            if name == "offsets":
-                hint = (" (cumulative end rows, int32, on x's device; per-group row counts "
-                        "go to grouped_linear_splits, or through splits_to_offsets)")
-            raise TypeError(f"{name} must be a torch.Tensor{hint}, got "
-                            f"{type(value).__name__}")
+    require_tensors((("x", x), ("weight", weight), ("offsets", offsets)), _OFFSETS_HINT)
 
 
 def _splits_tensor(m_splits) -> torch.Tensor:

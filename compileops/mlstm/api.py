@@ -5,6 +5,7 @@ from typing import Optional
 
 import torch
 
+from compileops._library import require_tensors
 from compileops.mlstm.checks import (
     MAX_KERNEL_HEAD_DIM,
     check_cu_seqlens,
@@ -78,6 +79,7 @@ def mlstm_with_stats(
     """:func:`mlstm`, also returning the normaliser and the stabiliser: ``(out, n [B, NH, S],
     m [B, NH, S])`` in fp32 (fp64 for fp64 inputs), then the last state when
     ``return_last_state``. ``n`` and ``m`` carry no gradient."""
+    require_tensors((("q", q), ("k", k), ("v", v), ("igate", igate), ("fgate", fgate)))
     normed = norm_weight is not None or norm_bias is not None
     check_initial_state(initial_state)
     if cu_seqlens is not None:
@@ -304,7 +306,7 @@ def mlstm(
     backend's through the plain recursion, chunk by chunk). A sequence cut in two calls at a
     chunk boundary, the state carried, gives the one call's result bitwise. S = 0 is
     allowed: an empty output, and the initial state (or the empty one) as the last state.
-    Anything but a tuple of three tensors as ``initial_state`` raises, naming it.
+    Anything but a tuple (or list) of three tensors as ``initial_state`` raises, naming it.
     One known limit, 16-bit inputs with a norm at heads wider than 256 value columns: a norm
     after the cell makes the initial n's gradient cancel to a small value in exact
     arithmetic, and there, where the norm runs after the cell in torch rather than fused,

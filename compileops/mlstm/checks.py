@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from compileops._library import check_same_device, require
+from compileops._library import check_same_device, require, require_tensors
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 #: Head dims the Triton kernels hold in registers (a program owns whole rows).
@@ -30,6 +30,7 @@ def check_inputs(
     Where a wrong shape fits a likely layout mistake (q, k, v as ``[B, S, NH, D]``, the
     attention layout; a sequence of one token passed to the step), the message names it
     (:func:`_layout_hint`)."""
+    require_tensors((("q", q), ("k", k), ("v", v), ("igate", igate), ("fgate", fgate)))
     lead = "B, NH" if one_token else "B, NH, S"  # the axes before a head's features
     rank = 3 if one_token else 4
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -43,6 +44,8 @@ def check_inputs(
     require(v.shape[:rank - 1] == q.shape[:rank - 1], lambda: f"v must be [{lead}, DV] with "
             f"q's {lead} {tuple(q.shape[:rank - 1])}, got {tuple(v.shape)}"
             + _layout_hint("v", q, v, one_token))
+    require(q.shape[rank - 1] > 0 and v.shape[rank - 1] > 0, lambda: "the head dims DQK "
+            f"and DV must be at least 1, got q {tuple(q.shape)} and v {tuple(v.shape)}")
     require(k.dtype == q.dtype and v.dtype == q.dtype, lambda: "q, k and v must share "
             f"one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     for name, g in (("igate", igate), ("fgate", fgate)):

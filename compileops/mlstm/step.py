@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from compileops import backends
-from compileops._library import custom_op, require
+from compileops._library import custom_op, require, require_tensors
 from compileops.mlstm import recurrent, reference
 from compileops.mlstm.checks import (
     check_backward_grad,
@@ -351,6 +351,7 @@ def mlstm_step(
     included, and cheap for one token, but not tuned. Train over sequences with
     :func:`compileops.mlstm`.
     """
+    require_tensors((("q", q), ("k", k), ("v", v), ("igate", igate), ("fgate", fgate)))
     check_gates_floating(igate, fgate)
     c = n = m = None
     if state is not None:

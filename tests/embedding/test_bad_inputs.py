@@ -66,6 +66,8 @@ def _ids():
 
 FORWARD_CASES = {
     # case: (make (ids, weight, out_dtype, padding_idx), error, message naming the argument)
+    "ids as a list": (lambda i, w: (i.tolist(), w, None, None), TypeError,
+                      r"ids must be a torch\.Tensor, got list"),
     "float ids": (lambda i, w: (i.float(), w, None, None), RuntimeError,
                   r"ids must be int32 or int64, got torch\.float32"),
     "bool ids": (lambda i, w: (i.bool(), w, None, None), RuntimeError,

@@ -144,3 +144,42 @@ def test_shapes_that_fit_no_layout_mistake_get_no_hint():
     q1, k1, v1, i1, f1 = _token()
     with pytest.raises(RuntimeError, match=r"q must be 3-D .*got shape \(2, 3, 2, 8\)$"):
         compileops.mlstm_step(torch.cat([q1[:, :, None]] * 2, dim=2), k1, v1, i1, f1)
+
+
+def _right_layout():
+    """q, k ``[B, NH, S, DQK]``, v ``[B, NH, S, DV]``, the gates ``[B, NH, S]``."""
+    g = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(B, NH, S, DQK, generator=g) for _ in range(2))
+    v = torch.randn(B, NH, S, DV, generator=g)
+    return q, k, v, torch.randn(B, NH, S, generator=g), torch.randn(B, NH, S, generator=g) + 3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS) + ["step"])
+def test_a_list_for_a_tensor_is_named(entry, backend):
+    """A Python list where a tensor goes: a TypeError naming the argument, not an
+    AttributeError from inside."""
+    q, k, v, igate, fgate = _right_layout()
+    if entry == "step":
+        q, k, v, igate, fgate = q[:, :, 0], k[:, :, 0], v[:, :, 0], igate[..., 0], fgate[..., 0]
+    call = ENTRY_POINTS.get(entry, compileops.mlstm_step)
+    with use_backend(backend), pytest.raises(TypeError, match="v must be a torch.Tensor, got list"):
+        call(q, k, v.tolist(), igate, fgate)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("empty", ["q", "v"])
+@pytest.mark.parametrize("entry", ["parallel", "chunkwise", "step"])
+def test_empty_head_dims_are_refused(entry, empty, backend):
+    """DQK = 0 or DV = 0: a named error (the reference backend gave NaN, the Triton one a
+    ZeroDivisionError)."""
+    q, k, v, igate, fgate = _right_layout()
+    if empty == "q":
+        q, k = q[..., :0], k[..., :0]
+    else:
+        v = v[..., :0]
+    if entry == "step":
+        q, k, v, igate, fgate = q[:, :, 0], k[:, :, 0], v[:, :, 0], igate[..., 0], fgate[..., 0]
+    call = ENTRY_POINTS.get(entry, compileops.mlstm_step)
+    with use_backend(backend), pytest.raises(RuntimeError, match="DQK and DV must be at least 1"):
+        call(q, k, v, igate, fgate)
