@@ -81,7 +81,9 @@ class Embedding(torch.nn.Embedding):
         converted), else in the weight's dtype.
 
         The forward is bitwise equal to indexing the weight. The backward sums each row's
-        gradients in token order in fp32 (fp64 for an fp64 weight): deterministic and bitwise batch-invariant, with
+        gradients in token order in fp32 (fp64 when the output, and so its gradient, is fp64:
+        an fp64 table read with ``out_dtype=torch.float32`` sums its fp32 gradients in fp32),
+        then casts to the weight's dtype: deterministic and bitwise batch-invariant, with
         ``padding_idx``'s row getting none. An id out of range raises ``IndexError`` on CPU;
         on a GPU it trips a device-side assert (:func:`compileops.strict_index_checks`
         checks on the host first, at a sync, and names the id).

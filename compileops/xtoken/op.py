@@ -70,7 +70,10 @@ def project_op(
         segs = None if columns is None else as_rows(columns)
         out = kernels.csr_gather_sum(flat, col_indptr, col_student_ids, col_weights, segs)
         return out.reshape(*p.shape[:-1], out.shape[-1])
-    return reference.project_forward(p, col_indptr, col_student_ids, col_weights, columns)
+    # contiguous, as the fake declares: the reference result takes the layout of its index
+    # inputs (a transposed ``columns`` gives a transposed output)
+    return reference.project_forward(p, col_indptr, col_student_ids, col_weights,
+                                     columns).contiguous()
 
 
 @project_op.register_fake
@@ -132,7 +135,7 @@ def project_backward_op(
                                         num_teacher)
         return out.reshape(*grad.shape[:-1], out.shape[-1])
     return reference.project_backward(grad, row_indptr, row_teacher_ids, row_weights,
-                                      num_teacher, columns)
+                                      num_teacher, columns).contiguous()
 
 
 @project_backward_op.register_fake
@@ -168,7 +171,8 @@ def chunk_sums_op(
         order, starts, ends = chunk_segments(chunk_id, max_chunks)
         sums = kernels.chunk_sums(log_probs, order, starts, ends)
         return sums, (ends - starts).float()
-    return reference.chunk_sums(log_probs, chunk_id, max_chunks)
+    sums, sizes = reference.chunk_sums(log_probs, chunk_id, max_chunks)
+    return sums.contiguous(), sizes.contiguous()
 
 
 @chunk_sums_op.register_fake
@@ -204,7 +208,7 @@ def chunk_sums_backward_op(
         from compileops.xtoken import kernels
 
         return kernels.chunk_sums_backward(grad_sums, chunk_id, dtype)
-    return reference.chunk_sums_backward(grad_sums, chunk_id, dtype)
+    return reference.chunk_sums_backward(grad_sums, chunk_id, dtype).contiguous()  # (as above)
 
 
 @chunk_sums_backward_op.register_fake
