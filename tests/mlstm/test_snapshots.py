@@ -57,10 +57,10 @@ class Snapshots(SnapshotTestCase):
             lambda *a: compileops.mlstm(*a[:5], norm_weight=a[5]), q, k, v, igate, fgate, weight)
         self.assertSnapshot(fw, """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[64]", primals_2: "f32[2, 2, 40, 16]", primals_3: "f32[2, 2, 40, 16]", primals_4: "f32[2, 2, 40]", primals_5: "f32[2, 2, 40]", primals_6: "f32[2, 2, 40, 32]"):
+    def forward(self, primals_1: "f32[2, 2, 40, 16]", primals_2: "f32[2, 2, 40, 16]", primals_3: "f32[2, 2, 40, 32]", primals_4: "f32[2, 2, 40]", primals_5: "f32[2, 2, 40]", primals_6: "f32[64]"):
         mlstm_log_forget: "f32[2, 2, 40]" = torch.ops.compileops.mlstm_log_forget.default(primals_5)
 
-        mlstm_parallel = torch.ops.compileops.mlstm_parallel.default(primals_2, primals_3, primals_6, primals_4, mlstm_log_forget, primals_1, None, True, 1e-06, 1e-06, False, True)
+        mlstm_parallel = torch.ops.compileops.mlstm_parallel.default(primals_1, primals_2, primals_3, primals_4, mlstm_log_forget, primals_6, None, True, 1e-06, 1e-06, False, True)
         getitem: "f32[2, 40, 64]" = mlstm_parallel[0]
         getitem_1: "f32[2, 2, 40, 32]" = mlstm_parallel[1]
         getitem_2: "f32[2, 2, 40]" = mlstm_parallel[2]
@@ -68,8 +68,8 @@ class GraphModule(torch.nn.Module):
         return (getitem, primals_1, primals_2, primals_3, primals_4, primals_5, primals_6, mlstm_log_forget, getitem_1, getitem_2, getitem_3)""")
         self.assertSnapshot(bw, """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[64]", primals_2: "f32[2, 2, 40, 16]", primals_3: "f32[2, 2, 40, 16]", primals_4: "f32[2, 2, 40]", primals_5: "f32[2, 2, 40]", primals_6: "f32[2, 2, 40, 32]", mlstm_log_forget: "f32[2, 2, 40]", getitem_1: "f32[2, 2, 40, 32]", getitem_2: "f32[2, 2, 40]", getitem_3: "f32[2, 2, 40]", tangents_1: "f32[2, 40, 64]"):
-        mlstm_parallel_backward = torch.ops.compileops.mlstm_parallel_backward.default(tangents_1, primals_2, primals_3, primals_6, primals_4, mlstm_log_forget, primals_1, getitem_1, getitem_2, getitem_3, True, 1e-06, 1e-06, False);  tangents_1 = primals_2 = primals_3 = primals_6 = primals_4 = mlstm_log_forget = primals_1 = getitem_1 = getitem_2 = getitem_3 = None
+    def forward(self, primals_1: "f32[2, 2, 40, 16]", primals_2: "f32[2, 2, 40, 16]", primals_3: "f32[2, 2, 40, 32]", primals_4: "f32[2, 2, 40]", primals_5: "f32[2, 2, 40]", primals_6: "f32[64]", mlstm_log_forget: "f32[2, 2, 40]", getitem_1: "f32[2, 2, 40, 32]", getitem_2: "f32[2, 2, 40]", getitem_3: "f32[2, 2, 40]", tangents_1: "f32[2, 40, 64]"):
+        mlstm_parallel_backward = torch.ops.compileops.mlstm_parallel_backward.default(tangents_1, primals_1, primals_2, primals_3, primals_4, mlstm_log_forget, primals_6, getitem_1, getitem_2, getitem_3, True, 1e-06, 1e-06, False);  tangents_1 = primals_1 = primals_2 = primals_3 = primals_4 = mlstm_log_forget = primals_6 = getitem_1 = getitem_2 = getitem_3 = None
         getitem_4: "f32[2, 2, 40, 16]" = mlstm_parallel_backward[0]
         getitem_5: "f32[2, 2, 40, 16]" = mlstm_parallel_backward[1]
         getitem_6: "f32[2, 2, 40, 32]" = mlstm_parallel_backward[2]
@@ -78,7 +78,7 @@ class GraphModule(torch.nn.Module):
         getitem_9: "f32[64]" = mlstm_parallel_backward[5];  mlstm_parallel_backward = None
 
         mlstm_log_forget_backward: "f32[2, 2, 40]" = torch.ops.compileops.mlstm_log_forget_backward.default(getitem_8, primals_5);  getitem_8 = primals_5 = None
-        return (getitem_9, getitem_4, getitem_5, getitem_7, mlstm_log_forget_backward, getitem_6)""")
+        return (getitem_4, getitem_5, getitem_6, getitem_7, mlstm_log_forget_backward, getitem_9)""")
 
     def test_chunkwise_aot_graphs(self):
         """The chunkwise form with a state in and out: the chunk-restarted forget sums, the
@@ -100,10 +100,10 @@ class GraphModule(torch.nn.Module):
         fw, bw = aot_graph_text(fn, q, k, v, igate, fgate, weight, *state)
         self.assertSnapshot(fw, """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[64]", primals_2: "f32[2, 2, 16, 32]", primals_3: "f32[2, 2, 16]", primals_4: "f32[2, 2]", primals_5: "f32[2, 2, 40, 16]", primals_6: "f32[2, 2, 40, 16]", primals_7: "f32[2, 2, 40]", primals_8: "f32[2, 2, 40]", primals_9: "f32[2, 2, 40, 32]"):
-        mlstm_log_forget: "f32[2, 2, 40]" = torch.ops.compileops.mlstm_log_forget.default(primals_8, 16)
+    def forward(self, primals_1: "f32[2, 2, 40, 16]", primals_2: "f32[2, 2, 40, 16]", primals_3: "f32[2, 2, 40, 32]", primals_4: "f32[2, 2, 40]", primals_5: "f32[2, 2, 40]", primals_6: "f32[64]", primals_7: "f32[2, 2, 16, 32]", primals_8: "f32[2, 2, 16]", primals_9: "f32[2, 2]"):
+        mlstm_log_forget: "f32[2, 2, 40]" = torch.ops.compileops.mlstm_log_forget.default(primals_5, 16)
 
-        mlstm_chunkwise = torch.ops.compileops.mlstm_chunkwise.default(primals_5, primals_6, primals_9, primals_7, mlstm_log_forget, primals_1, None, primals_2, primals_3, primals_4, 16, True, 1e-06, 1e-06, False, True)
+        mlstm_chunkwise = torch.ops.compileops.mlstm_chunkwise.default(primals_1, primals_2, primals_3, primals_4, mlstm_log_forget, primals_6, None, primals_7, primals_8, primals_9, 16, True, 1e-06, 1e-06, False, True)
         getitem: "f32[2, 40, 64]" = mlstm_chunkwise[0]
         getitem_1: "f32[2, 2, 40, 32]" = mlstm_chunkwise[1]
         getitem_2: "f32[2, 2, 40]" = mlstm_chunkwise[2]
@@ -121,8 +121,8 @@ class GraphModule(torch.nn.Module):
         return (getitem, getitem_7, getitem_8, getitem_9, primals_1, primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, mlstm_log_forget, getitem_1, getitem_2, getitem_3, getitem_4, getitem_5, getitem_6, detach_2, detach_3)""")
         self.assertSnapshot(bw, """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[64]", primals_2: "f32[2, 2, 16, 32]", primals_3: "f32[2, 2, 16]", primals_4: "f32[2, 2]", primals_5: "f32[2, 2, 40, 16]", primals_6: "f32[2, 2, 40, 16]", primals_7: "f32[2, 2, 40]", primals_8: "f32[2, 2, 40]", primals_9: "f32[2, 2, 40, 32]", mlstm_log_forget: "f32[2, 2, 40]", getitem_1: "f32[2, 2, 40, 32]", getitem_2: "f32[2, 2, 40]", getitem_3: "f32[2, 2, 40]", getitem_4: "f32[4, 3, 16, 32]", getitem_5: "f32[4, 4, 16]", getitem_6: "f32[4, 4]", detach_2: "f32[2, 2, 16, 32]", detach_3: "f32[2, 2, 16]", tangents_1: "f32[2, 40, 64]", tangents_2: "f32[2, 2, 16, 32]", tangents_3: "f32[2, 2, 16]", tangents_4: "f32[2, 2]"):
-        mlstm_chunkwise_backward = torch.ops.compileops.mlstm_chunkwise_backward.default(tangents_1, tangents_2, tangents_3, tangents_4, primals_5, primals_6, primals_9, primals_7, mlstm_log_forget, primals_1, primals_2, primals_3, primals_4, getitem_1, getitem_2, getitem_3, getitem_4, getitem_5, getitem_6, detach_2, detach_3, 16, True, 1e-06, 1e-06, False);  tangents_1 = tangents_2 = tangents_3 = tangents_4 = primals_5 = primals_6 = primals_9 = primals_7 = mlstm_log_forget = primals_1 = primals_2 = primals_3 = primals_4 = getitem_1 = getitem_2 = getitem_3 = getitem_4 = getitem_5 = getitem_6 = detach_2 = detach_3 = None
+    def forward(self, primals_1: "f32[2, 2, 40, 16]", primals_2: "f32[2, 2, 40, 16]", primals_3: "f32[2, 2, 40, 32]", primals_4: "f32[2, 2, 40]", primals_5: "f32[2, 2, 40]", primals_6: "f32[64]", primals_7: "f32[2, 2, 16, 32]", primals_8: "f32[2, 2, 16]", primals_9: "f32[2, 2]", mlstm_log_forget: "f32[2, 2, 40]", getitem_1: "f32[2, 2, 40, 32]", getitem_2: "f32[2, 2, 40]", getitem_3: "f32[2, 2, 40]", getitem_4: "f32[4, 3, 16, 32]", getitem_5: "f32[4, 4, 16]", getitem_6: "f32[4, 4]", detach_2: "f32[2, 2, 16, 32]", detach_3: "f32[2, 2, 16]", tangents_1: "f32[2, 40, 64]", tangents_2: "f32[2, 2, 16, 32]", tangents_3: "f32[2, 2, 16]", tangents_4: "f32[2, 2]"):
+        mlstm_chunkwise_backward = torch.ops.compileops.mlstm_chunkwise_backward.default(tangents_1, tangents_2, tangents_3, tangents_4, primals_1, primals_2, primals_3, primals_4, mlstm_log_forget, primals_6, primals_7, primals_8, primals_9, getitem_1, getitem_2, getitem_3, getitem_4, getitem_5, getitem_6, detach_2, detach_3, 16, True, 1e-06, 1e-06, False);  tangents_1 = tangents_2 = tangents_3 = tangents_4 = primals_1 = primals_2 = primals_3 = primals_4 = mlstm_log_forget = primals_6 = primals_7 = primals_8 = primals_9 = getitem_1 = getitem_2 = getitem_3 = getitem_4 = getitem_5 = getitem_6 = detach_2 = detach_3 = None
         getitem_10: "f32[2, 2, 40, 16]" = mlstm_chunkwise_backward[0]
         getitem_11: "f32[2, 2, 40, 16]" = mlstm_chunkwise_backward[1]
         getitem_12: "f32[2, 2, 40, 32]" = mlstm_chunkwise_backward[2]
@@ -133,8 +133,8 @@ class GraphModule(torch.nn.Module):
         getitem_18: "f32[2, 2, 16]" = mlstm_chunkwise_backward[8]
         getitem_19: "f32[2, 2]" = mlstm_chunkwise_backward[9];  mlstm_chunkwise_backward = None
 
-        mlstm_log_forget_backward: "f32[2, 2, 40]" = torch.ops.compileops.mlstm_log_forget_backward.default(getitem_14, primals_8, 16);  getitem_14 = primals_8 = None
-        return (getitem_15, getitem_17, getitem_18, getitem_19, getitem_10, getitem_11, getitem_13, mlstm_log_forget_backward, getitem_12)""")
+        mlstm_log_forget_backward: "f32[2, 2, 40]" = torch.ops.compileops.mlstm_log_forget_backward.default(getitem_14, primals_5, 16);  getitem_14 = primals_5 = None
+        return (getitem_10, getitem_11, getitem_12, getitem_13, mlstm_log_forget_backward, getitem_15, getitem_17, getitem_18, getitem_19)""")
 
     def test_template_fuses_the_output_gate(self):
         args = _inputs()
