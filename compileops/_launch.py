@@ -124,6 +124,16 @@ def launch(fn, grid: Sequence[int], args: Sequence[Any], constexprs: dict, optio
                None, None, *args, *tail)
 
 
+def interpreter_casts_wrongly(source: torch.dtype, dest: torch.dtype) -> bool:
+    """Whether a kernel's cast from ``source`` to ``dest`` stores wrong values under Triton's
+    interpreter: fp64 -> bf16 there writes bit patterns unrelated to the value (triton 3.6 to
+    3.9; 1.0 becomes 9.2e-41). Launchers that would make that cast stage the result in
+    ``source``'s dtype and let torch round it instead."""
+    from compileops.backends import triton_interpret_enabled
+
+    return source == torch.float64 and dest == torch.bfloat16 and triton_interpret_enabled()
+
+
 def cdiv(a: int, b: int) -> int:
     """Host-side ceil division (``triton.cdiv`` is a constexpr function: ~2 us per call)."""
     return -(-a // b)

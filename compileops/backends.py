@@ -8,10 +8,10 @@ Two backends exist:
   devices when Triton is installed, and on CPU tensors when ``TRITON_INTERPRET=1`` (Triton's
   interpreter; this is how the CPU test suite runs the kernels without a GPU). The
   interpreter runs the kernels' logic, not the GPU's bf16 rounding: its casts to bf16 round
-  toward zero, and its fp64 -> bf16 casts store wrong values (triton 3.6 to 3.9), so a bf16
-  result there can be a last bit low, and one cast from fp64 (a bf16 embedding table read
-  with ``out_dtype=torch.float64``: its gradient) is wrong. Use the reference backend on CPU
-  for values.
+  toward zero (triton 3.6 to 3.9), so a bf16 result there can be a last bit low; use the
+  reference backend on CPU for values. Its fp64 -> bf16 casts store wrong values; the one
+  kernel cast so (the embedding's, fp64 table or gradient to bf16) is staged in fp64 there
+  (``_launch.interpreter_casts_wrongly``).
 
 Each device type has a priority list; the first available backend wins unless
 :func:`use_backend` forces one. Forcing a backend that cannot run on the tensors' device is

@@ -80,6 +80,9 @@ def embedding_forward(
     # it is): a reshape of a [n_tokens, dim] buffer would be a view, and autograd refuses
     # in-place ops on a view that a custom op returns.
     out = torch.empty((*ids.shape, dim), dtype=out_dtype, device=weight.device)
+    if n_tokens and dim and _launch.interpreter_casts_wrongly(weight.dtype, out_dtype):
+        # an fp64 table read as bf16, under the interpreter: gathered in fp64, rounded by torch
+        return out.copy_(embedding_forward(ids, weight, config=config))
     if n_tokens and dim:
         config = config or ForwardConfig.default(dim, weight.element_size())
         grid = (cdiv(n_tokens, config.block_tok), cdiv(dim, config.block_col))

@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from compileops._launch import interpreter_casts_wrongly
 from compileops._library import as_rows
 
 from .. import checks
@@ -52,6 +53,10 @@ def embedding_backward(
         return out
     if n_tokens == 0:
         return out.zero_()
+    if interpreter_casts_wrongly(flat_grad.dtype, out.dtype):
+        # fp64 sums into a bf16 table, under the interpreter: summed in fp64, rounded by torch
+        return out.copy_(embedding_backward(grad, ids, num_embeddings, padding_idx,
+                                            torch.float64, config))
     tiles = config.resolve(flat_grad, out.dtype)
     sort = resolve_sort(config.sort, flat_ids, num_embeddings)
     streams = config.streams
