@@ -243,11 +243,9 @@ _EXTERN_CALL = re.compile(
 )
 
 
-#: A launch in a wrapper's ``call``: a Triton kernel's ``.run(`` or an extern call.
-_LAUNCH = re.compile(
-    r"\b(?:(triton_\w+?)(?:_\d+)?\.run|(extern_kernels\.\w+|torch\.ops\.(?!inductor\b)\w+\.\w+"
-    r"(?:\.\w+)?))\("
-)
+#: A launch in a wrapper's ``call``: a Triton kernel's ``.run(`` (group 1) or an extern call
+#: (group 2, :data:`_EXTERN_CALL`).
+_LAUNCH = re.compile(r"\b(triton_\w+?)(?:_\d+)?\.run\(|" + _EXTERN_CALL.pattern)
 
 
 def _launch_lines(sources: Sequence[str]) -> list[str]:

@@ -154,6 +154,11 @@ def _right_layout():
     return q, k, v, torch.randn(B, NH, S, generator=g), torch.randn(B, NH, S, generator=g) + 3
 
 
+def _first_token(q, k, v, igate, fgate):
+    """The decode step's inputs: token 0 of each, its S axis dropped."""
+    return q[:, :, 0], k[:, :, 0], v[:, :, 0], igate[..., 0], fgate[..., 0]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("entry", sorted(ENTRY_POINTS) + ["step"])
 def test_a_list_for_a_tensor_is_named(entry, backend):
@@ -161,7 +166,7 @@ def test_a_list_for_a_tensor_is_named(entry, backend):
     AttributeError from inside."""
     q, k, v, igate, fgate = _right_layout()
     if entry == "step":
-        q, k, v, igate, fgate = q[:, :, 0], k[:, :, 0], v[:, :, 0], igate[..., 0], fgate[..., 0]
+        q, k, v, igate, fgate = _first_token(q, k, v, igate, fgate)
     call = ENTRY_POINTS.get(entry, compileops.mlstm_step)
     with use_backend(backend), pytest.raises(TypeError, match="v must be a torch.Tensor, got list"):
         call(q, k, v.tolist(), igate, fgate)
@@ -179,7 +184,7 @@ def test_empty_head_dims_are_refused(entry, empty, backend):
     else:
         v = v[..., :0]
     if entry == "step":
-        q, k, v, igate, fgate = q[:, :, 0], k[:, :, 0], v[:, :, 0], igate[..., 0], fgate[..., 0]
+        q, k, v, igate, fgate = _first_token(q, k, v, igate, fgate)
     call = ENTRY_POINTS.get(entry, compileops.mlstm_step)
     with use_backend(backend), pytest.raises(RuntimeError, match="DQK and DV must be at least 1"):
         call(q, k, v, igate, fgate)
