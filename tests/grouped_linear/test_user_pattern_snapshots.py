@@ -76,6 +76,19 @@ def gate_up_apart(x, w1, w3, offsets):
 
 
 class UserPatternSnapshots(SnapshotTestCase):
+    @classmethod
+    def setUpClass(cls):
+        # A known difference, not yet explained: the first grouped-linear compile in a
+        # process fuses the probability's multiply into the dX template's prologue
+        # (triton_tem_fused_grouped_linear_dx_mul_unsqueeze) and every later one does not,
+        # on torch 2.11, 2.13 and 2.15 alike, whatever caches are cleared between them. One
+        # compile first, so that the snapshots pin the later compiles' kernels whatever ran
+        # before in this process.
+        super().setUpClass()
+        _, h, _, _, w2, offsets, p, _ = _inputs()
+        _kernels(down_times_p, h, w2, offsets, p)
+
+
     def test_down_projection_times_probability(self):
         _, h, _, _, w2, offsets, p, _ = _inputs()
         self.assertSnapshot(_kernels(down_times_p, h, w2, offsets, p), """\
