@@ -35,11 +35,13 @@ import argparse
 import csv
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 TOML = ROOT / "benchmarks" / "titan_moe.toml"
@@ -108,13 +110,43 @@ def run_one(shape: str, impl: str, args, out: Path) -> tuple[list[dict], str]:
                                                         os.environ.get("PYTHONPATH")])))
     log = out / f"{shape}-{impl}.log"
     start = time.time()
-    with open(log, "w") as f:
-        code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                              timeout=args.timeout).returncode
+    code = run_logged(cmd, env, log, args.timeout)
     text = log.read_text()
-    status = "ok" if code == 0 else f"exit {code}: see {log.name}"
+    if code is None:
+        status = f"timeout after {args.timeout:.0f} s: see {log.name}"
+    else:
+        status = "ok" if code == 0 else f"exit {code}: see {log.name}"
     print(f"{shape} {impl}: {status}, {time.time() - start:.0f} s", flush=True)
     return parse_log(text), status
+
+
+def run_logged(cmd: list[str], env: dict, log: Path, timeout: float) -> Optional[int]:
+    """Runs ``cmd`` with its output in ``log``: its exit code, or None when it ran past
+    ``timeout`` seconds. It runs in its own process group, so that a run stopped at the
+    limit goes with every process it started (torchrun's worker), and the next run starts
+    on an idle GPU."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop_group(proc)
+            return None
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """Ends ``proc``'s process group: SIGTERM, then SIGKILL after 10 s."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def _has_torchao() -> bool:
@@ -136,53 +168,10 @@ def _titan_fp8_args() -> list[str]:
             "--quantize.grouped_mm.float8.fqns", "experts"]
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--warmup", type=int, default=20, help="steps left out of tokens/s")
-    p.add_argument("--layers", type=int, default=0, help="0: the shape's default (4, 2)")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="torchtitan's training.dtype: float32 (its default: fp32 weights, "
-                        "bf16 autocast on one GPU) or bfloat16 (weights and optimizer state "
-                        "in bf16; the only way compileops' fp8 weight cache can hit on one "
-                        "GPU, where torchtitan applies no FSDP)")
-    p.add_argument("--timeout", type=float, default=900, help="seconds per run")
-    p.add_argument("--out", type=Path, default=Path("titan_moe_results"))
-    p.add_argument("--estimate", action="store_true")
-    p.add_argument("--assumed-tflops", type=float, default=300.0)
-    p.add_argument("--compile-s", type=float, default=60.0)
-    args = p.parse_args(argv)
-
-    tokens = args.batch * args.seq
-    if args.estimate:
-        total = 0.0
-        for shape in args.shapes:
-            layers = args.layers or SHAPES[shape][4]
-            s = estimate_s(shape, layers, args.steps, tokens, args.assumed_tflops,
-                           args.compile_s)
-            total += s * len(args.impls)
-            print(f"{shape}: {layers} layers, {args.steps} steps of {tokens} tokens: about "
-                  f"{s:.0f} s a run")
-        print(f"all {len(args.shapes) * len(args.impls)} runs: about {total / 60:.1f} min")
-        return 0
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    summary, all_rows = [], []
-    for shape in args.shapes:
-        for impl in args.impls:
-            if impl == "titan-fp8" and not _has_torchao():
-                summary.append({"shape": shape, "impl": impl, "status": "not run: no torchao"})
-                continue
-            rows, status = run_one(shape, impl, args, args.out)
-            all_rows += [{"shape": shape, "impl": impl, **r} for r in rows]
-            summary.append({"shape": shape, "impl": impl, "status": status,
-                            **summarize(rows, tokens, args.warmup)})
-
-    with open(args.out / "titan_moe_steps.csv", "w", newline="") as f:
+def write_report(out: Path, summary: list[dict], all_rows: list[dict]) -> str:
+    """Writes every step to ``titan_moe_steps.csv`` and the per-run table to
+    ``titan_moe.md``; returns the table."""
+    with open(out / "titan_moe_steps.csv", "w", newline="") as f:
         w = csv.DictWriter(f, ["shape", "impl", "step", "loss", "memory_gib", "tps"])
         w.writeheader()
         w.writerows(all_rows)
@@ -203,30 +192,105 @@ def main(argv=None) -> int:
                      f"{r['final50_loss']:.4f} | {speed} | {loss} | {r['steps']} | "
                      f"{r['status']} |")
     table = "\n".join(lines)
-    (args.out / "titan_moe.md").write_text(table + "\n")
-    print(table)
+    (out / "titan_moe.md").write_text(table + "\n")
+    return table
+
+
+def plot_losses(out: Path, all_rows: list[dict]) -> None:
+    """``titan_moe_loss.png``: loss against step, one panel per shape (needs matplotlib;
+    nothing without it)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, len(args.shapes), figsize=(6 * len(args.shapes), 4),
-                                 squeeze=False)
-        for ax, shape in zip(axes[0], args.shapes):
-            for impl in args.impls:
-                pts = [(r["step"], r["loss"]) for r in all_rows
-                       if r["shape"] == shape and r["impl"] == impl]
-                if pts:
-                    ax.plot(*zip(*pts), label=impl, linewidth=0.8)
-            ax.set_title(shape)
-            ax.set_xlabel("step")
-            ax.set_ylabel("loss")
-            ax.legend()
-        fig.savefig(args.out / "titan_moe_loss.png", dpi=120, bbox_inches="tight")
     except ImportError:
-        pass
-    return 0 if all(r["status"] in ("ok",) or r["status"].startswith("not run")
+        return
+    shapes = list(dict.fromkeys(r["shape"] for r in all_rows))
+    if not shapes:
+        return
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        for impl in dict.fromkeys(r["impl"] for r in all_rows if r["shape"] == shape):
+            pts = [(r["step"], r["loss"]) for r in all_rows
+                   if r["shape"] == shape and r["impl"] == impl]
+            ax.plot(*zip(*pts), label=impl, linewidth=0.8)
+        ax.set_title(shape)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.legend()
+    fig.savefig(out / "titan_moe_loss.png", dpi=120, bbox_inches="tight")
+
+
+def _run_of(log: Path) -> tuple[str, str]:
+    """``<shape>-<impl>.log`` (the names :func:`run_one` writes) -> ``(shape, impl)``."""
+    for shape in SHAPES:
+        for impl in IMPLS:
+            if log.name == f"{shape}-{impl}.log":
+                return shape, impl
+    raise SystemExit(f"{log}: not a run log (<shape>-<impl>.log)")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=20, help="steps left out of tokens/s")
+    p.add_argument("--layers", type=int, default=0, help="0: the shape's default (4, 2)")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="torchtitan's training.dtype: float32 (its default: fp32 weights, "
+                        "bf16 autocast on one GPU) or bfloat16 (weights and optimizer state "
+                        "in bf16; the only way compileops' fp8 weight cache can hit on one "
+                        "GPU, where torchtitan applies no FSDP)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    p.add_argument("--out", type=Path, default=Path("titan_moe_results"))
+    p.add_argument("--estimate", action="store_true")
+    p.add_argument("--from-logs", nargs="+", type=Path, default=[],
+                   help="run nothing: rebuild the table, CSV and plot from these run logs "
+                        "(<shape>-<impl>.log, as a run writes them)")
+    p.add_argument("--assumed-tflops", type=float, default=300.0)
+    p.add_argument("--compile-s", type=float, default=60.0)
+    args = p.parse_args(argv)
+
+    tokens = args.batch * args.seq
+    if args.estimate:
+        total = 0.0
+        for shape in args.shapes:
+            layers = args.layers or SHAPES[shape][4]
+            s = estimate_s(shape, layers, args.steps, tokens, args.assumed_tflops,
+                           args.compile_s)
+            total += s * len(args.impls)
+            print(f"{shape}: {layers} layers, {args.steps} steps of {tokens} tokens: about "
+                  f"{s:.0f} s a run")
+        print(f"all {len(args.shapes) * len(args.impls)} runs: about {total / 60:.1f} min")
+        return 0
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary, all_rows = [], []
+    if args.from_logs:
+        for log in args.from_logs:
+            shape, impl = _run_of(log)
+            rows = parse_log(log.read_text())
+            all_rows += [{"shape": shape, "impl": impl, **r} for r in rows]
+            summary.append({"shape": shape, "impl": impl, "status": f"log {log.name}",
+                            **summarize(rows, tokens, args.warmup)})
+    for shape in ([] if args.from_logs else args.shapes):
+        for impl in args.impls:
+            if impl == "titan-fp8" and not _has_torchao():
+                summary.append({"shape": shape, "impl": impl, "status": "not run: no torchao"})
+                continue
+            rows, status = run_one(shape, impl, args, args.out)
+            all_rows += [{"shape": shape, "impl": impl, **r} for r in rows]
+            summary.append({"shape": shape, "impl": impl, "status": status,
+                            **summarize(rows, tokens, args.warmup)})
+            # after every run, so that a batch stopped from outside keeps what it measured
+            write_report(args.out, summary, all_rows)
+    print(write_report(args.out, summary, all_rows))
+    plot_losses(args.out, all_rows)
+    return 0 if all(r["status"] == "ok" or r["status"].startswith(("not run", "log "))
                     for r in summary) else 1
 
 

@@ -32,8 +32,8 @@ def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
 #: H200 (2026-11-28): S = 512: parallel 5.20 ms against chunkwise 7.44; S = 1024, one run:
 #: parallel 7.46 against 7.20 (raw h), 8.08 against 7.91 (normed); a later run the same day,
 #: after the chunkwise form's state-walk tiles, took the chunkwise form to 6.36 (raw) and
-#: 7.01 (normed), the parallel form not measured again: so at S = 1024 the chunkwise form
-#: is 2% to about 15% faster. But its bf16 forget-gate gradient is up to 5x further from
+#: 7.01 (normed); the parallel form measured again (2026-12-02): 7.51 (raw), 8.10 (normed).
+#: So at S = 1024 the chunkwise form is about 16-18% faster. But its bf16 forget-gate gradient is up to 5x further from
 #: fp64 (relative L2 7.5e-2 against the parallel form's 1.5e-2 at worst over the gate
 #: distributions of tests/mlstm/test_precision.py; the other gradients 8.1e-3 against
 #: 6.3e-3), and it needs more memory (peak 2.96 GiB against 1.59 raw, 3.98 against 2.60
@@ -295,8 +295,8 @@ def mlstm(
     ``"chunkwise"`` (the parallel kernels within chunks of ``chunk_size`` rows, default 128,
     a power of two >= 16, plus a ``[DQK, DV]`` fp32 state carried between chunks: linear
     in S), or ``"auto"``: parallel up to ``AUTO_PARALLEL_MAX_SEQ`` rows (1024) when a
-    gradient is needed (at S = 1024 and DQK 128 / DV 256 the chunkwise form is 2% to about
-    15% faster on an H200 but its bf16 forget-gate gradient up to 5x less accurate, and it
+    gradient is needed (at S = 1024 and DQK 128 / DV 256 the chunkwise form is about
+    16-18% faster on an H200, fw+bw compiled, but its bf16 forget-gate gradient up to 5x less accurate, and it
     needs more memory: the default does not trade accuracy for speed; pass
     ``kernel="chunkwise"`` for the speed) and ``AUTO_PARALLEL_MAX_SEQ_INFERENCE`` (2048) when not, chunkwise above and
     whenever a state goes in or out (the crossovers measured on an H200); fp32

@@ -42,3 +42,56 @@ def test_estimate_mode_runs_nothing(capsys):
     assert bench.main(["--estimate", "--steps", "300"]) == 0
     out = capsys.readouterr().out
     assert "qwen3-30b-a3b-experts" in out and "dsv3-experts" in out and "8 runs" in out
+
+
+def test_a_run_past_its_time_limit_is_stopped_with_every_process_it_started(tmp_path):
+    # The child starts a grandchild (as torchrun starts its worker) and both would sleep
+    # for a minute: the run returns None at the limit, and the grandchild is gone too.
+    import os
+    import sys
+    import time
+
+    pid_file = tmp_path / "grandchild.pid"
+    script = ("import subprocess, sys, time; "
+              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    start = time.time()
+    code = bench.run_logged([sys.executable, "-c", script], dict(os.environ),
+                            tmp_path / "run.log", timeout=3)
+    assert code is None
+    assert time.time() - start < 30
+    grandchild = int(pid_file.read_text())
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the grandchild outlived its run")
+
+
+def test_a_finished_run_returns_its_exit_code(tmp_path):
+    import os
+    import sys
+
+    log = tmp_path / "run.log"
+    assert bench.run_logged([sys.executable, "-c", "print('step'); raise SystemExit(3)"],
+                            dict(os.environ), log, timeout=60) == 3
+    assert log.read_text().strip() == "step"
+
+
+def test_tables_rebuild_from_run_logs(tmp_path):
+    for impl, tps in (("titan-bf16", "1,000"), ("compileops-bf16", "1,500")):
+        text = "\n".join(
+            f"[titan] - root - INFO - step: {i}  loss: {10 - i / 100:.5f}  grad_norm:  1.0  "
+            f"memory: 20.00GiB(14.00%)  tps: {tps}  tflops: 1.00  mfu: 0.10%"
+            for i in range(1, 61))
+        (tmp_path / f"qwen3-30b-a3b-experts-{impl}.log").write_text(text)
+    out = tmp_path / "out"
+    logs = sorted(str(p) for p in tmp_path.glob("*.log"))[::-1]  # titan-bf16 first
+    assert bench.main(["--from-logs", *logs, "--out", str(out)]) == 0
+    table = (out / "titan_moe.md").read_text()
+    row = next(line for line in table.splitlines() if "| compileops-bf16 |" in line)
+    assert "| 1.500x |" in row and "| 60 |" in row
