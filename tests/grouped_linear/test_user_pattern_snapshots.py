@@ -78,12 +78,16 @@ def gate_up_apart(x, w1, w3, offsets):
 class UserPatternSnapshots(SnapshotTestCase):
     @classmethod
     def setUpClass(cls):
-        # A known difference, not yet explained: the first grouped-linear compile in a
-        # process fuses the probability's multiply into the dX template's prologue
-        # (triton_tem_fused_grouped_linear_dx_mul_unsqueeze) and every later one does not,
-        # on torch 2.11, 2.13 and 2.15 alike, whatever caches are cleared between them. One
-        # compile first, so that the snapshots pin the later compiles' kernels whatever ran
-        # before in this process.
+        # The first grouped-linear compile in a process names its dX kernel
+        # triton_tem_fused_grouped_linear_dx_mul_unsqueeze, every later one
+        # triton_tem_fused_grouped_linear_dx, on torch 2.11, 2.13 and 2.15 alike. The code is
+        # the same: neither fuses the probability's multiply into the template (Inductor's
+        # fusion log: "template has no allowed prologue inputs"; the multiply runs in the
+        # reduction kernel before it). The first compile's backward graph lists its outputs
+        # in another order (sum, mul against mul, sum), and with that order the multiply's
+        # FX nodes are counted among the template's origins, which Inductor names kernels
+        # after. One compile first, so that the names pinned here are the later compiles'
+        # whatever ran before in this process.
         super().setUpClass()
         _, h, _, _, w2, offsets, p, _ = _inputs()
         _kernels(down_times_p, h, w2, offsets, p)
