@@ -55,8 +55,13 @@ def _swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, offsets: torch.
     the forward and 2 in the backward, against 2 and 4 for two separate products; the
     separate form has the smaller backward graph (10 nodes against 21: the fused op's SwiGLU
     derivative is written as pointwise ops, which Inductor fuses into one kernel), so the
-    fused form launches fewer GEMMs for a larger pointwise graph. The choice is to be
-    measured again on a GPU, and a kernel taking w1 and w3 apart would remove the copy.
+    fused form launches fewer GEMMs for a larger pointwise graph. Measured in torchtitan
+    0.2.2's trainer on an H200 at Qwen3-30B-A3B's experts (benchmarks/RESULTS.md), this form
+    trains at 1.31x torchtitan's own experts with fp32 master weights, where the copy is
+    the cast. With bf16 weights (FSDP2's mixed precision) the copy is traffic of its own: by
+    arithmetic, not measured, one read and one write of w1 and w3 forward and the same for
+    their gradients' split, about 1.6 GB a layer a step at that shape, 0.4 ms at the H200's
+    copy bandwidth. A kernel taking w1 and w3 apart would remove it.
     With ``cache_fp8_weights`` the two products stay apart: the fp8 cache keys on the
     weight's storage, and a concatenated copy is a new storage at every call, so it would
     never hit.
