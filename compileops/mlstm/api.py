@@ -286,8 +286,9 @@ def mlstm(
 
     Causality (tests/mlstm/test_causality.py): a NaN or Inf at position t never reaches an
     output before t on the reference backend, in every form; on the Triton kernels two
-    known limits remain. A non-finite k or v at t turns the rows before t of t's 16-row tile
-    NaN (the tile's masked products meet it). In 16-bit, the rows of a tile are rounded
+    known limits remain. A non-finite k or v at t turns the rows before t of t's row tile
+    NaN (the tile's masked products meet it): 16 rows under Triton's interpreter, 16 to 128
+    on a GPU, by head size and length. In 16-bit, the rows of a tile are rounded
     against gate references shared by the tile, so a later gate in the tile (or a sequence
     cut inside it) can move an earlier row's output by its last bit.
 
