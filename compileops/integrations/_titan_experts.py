@@ -94,25 +94,32 @@ def local_tensor(w: torch.Tensor) -> torch.Tensor:
 def experts_forward(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
                     num_tokens_per_expert: torch.Tensor,
                     row_scale: Optional[torch.Tensor] = None,
-                    options: Options = Options()) -> torch.Tensor:
+                    options: Options = Options(),
+                    compute_dtype: Optional[torch.dtype] = torch.bfloat16) -> torch.Tensor:
     """torchtitan's ``GroupedExperts`` on compileops: x ``[R, D]`` (rows grouped by expert),
     w1 and w3 ``[E, F, D]``, w2 ``[E, D, F]``, num_tokens_per_expert ``[E]`` (integers, on
     the device), row_scale ``[R]`` or None -> ``[R, D]`` in x's dtype, per expert
     ``row_scale * (silu(x W1^T) * (x W3^T)) W2^T``.
 
-    As torchtitan's experts: inputs and weights cast to bf16, fp32 accumulation, each product
-    rounded to bf16 (``options.fp8="rowwise"``: e4m3 operands; the weight cache is used only
-    for weights that are bf16 already). The row scale multiplies the down projection's
+    As torchtitan's grouped-GEMM experts: inputs and weights cast to ``compute_dtype`` (bf16),
+    fp32 accumulation, each product rounded to it (``options.fp8="rowwise"``: e4m3 operands
+    whatever ``compute_dtype``; the weight cache is used only for weights that are bf16
+    already). ``compute_dtype=None``: the weights' dtype, as torchtitan 0.2's for-loop
+    experts (``use_grouped_mm=False``) compute. The row scale multiplies the down projection's
     rounded rows in its epilogue. Rows past the last group (padding) come
     out as zeros. The offsets are the counts' cumsum on the device: no host sync.
     """
     offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-    xb = x.to(torch.bfloat16)
     weights = [local_tensor(w) for w in (w1, w2, w3)]
+    if compute_dtype is None:
+        compute_dtype = weights[0].dtype
+    if options.fp8 is not None:
+        compute_dtype = torch.bfloat16  # the fp8 products quantise from bf16
+    xb = x.to(compute_dtype)
     # The fp8 weight cache keys on the weight's storage: it can only hit when the weights are
     # bf16 already (FSDP's bf16 unsharded parameters, bf16 training). A bf16 copy made here
     # at every call (fp32 parameters under autocast) is a new storage each time.
     opts = options.kwargs(cacheable=all(w.dtype == torch.bfloat16 for w in weights))
-    w1, w2, w3 = (w.to(torch.bfloat16) for w in weights)
+    w1, w2, w3 = (w.to(compute_dtype) for w in weights)
     h = _swiglu(xb, w1, w3, offsets, **opts)
     return grouped_linear(h, w2, offsets, row_scale=row_scale, **opts).to(x.dtype)

@@ -30,13 +30,16 @@ def _expert_parallel(w: torch.Tensor) -> bool:
 def moe_body(x: torch.Tensor, scores_sorted: torch.Tensor, token_indices_sorted: torch.Tensor,
              num_tokens_per_expert: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
              w3: torch.Tensor, top_k: int, score_before_experts: bool,
-             options: Options) -> torch.Tensor:
+             options: Options,
+             compute_dtype: Optional[torch.dtype] = torch.bfloat16) -> torch.Tensor:
     """The routed part of torchtitan 0.2's ``MoE.forward`` after its router and reorderer:
     x ``[T, D]``, the reorderer's expert-sorted scores and token slots ``[T*k]`` and counts
     ``[E]`` -> the experts' combined output ``[T, D]``.
 
     The router scores multiply the down projection's rows in its epilogue, or (with
     ``score_before_experts``) the experts' input rows, in fp32, as torchtitan does.
+    ``compute_dtype``: as :func:`.experts_forward` (None: the parameters' dtype, as
+    torchtitan's experts with ``use_grouped_mm=False``).
     """
     routed_input = x[token_indices_sorted // top_k]
     row_scale = scores_sorted
@@ -45,7 +48,7 @@ def moe_body(x: torch.Tensor, scores_sorted: torch.Tensor, token_indices_sorted:
                         * scores_sorted.reshape(-1, 1)).to(x.dtype)
         row_scale = None
     routed_output = experts_forward(routed_input, w1, w2, w3, num_tokens_per_expert,
-                                    row_scale, options)
+                                    row_scale, options, compute_dtype)
     # Back to token order (each routed row has its own slot: an assignment, no adds), then
     # the sum over each token's top-k slots.
     unsorted = routed_output.new_zeros((x.shape[0] * top_k, x.shape[1]))
@@ -59,11 +62,19 @@ class CompileopsMoE(MoE):
 
     torchtitan 0.2 compiles an MoE layer's children (router, reorderer, shared experts) and
     its experts function, not ``MoE.forward``; the converter compiles :func:`moe_body` the same
-    way (``compileops_body``) when the job compiles the model.
+    way when the job compiles the model (``compileops_compile_backend``: the backend's name,
+    None: not compiled). The module keeps the name, not the compiled function, so that it
+    pickles (``torch.save``) and deep-copies; layers with the same backend share one
+    compiled function (:func:`compiled_body`).
+
+    The products run in bf16 as torchtitan's grouped-GEMM experts do, or, where its experts
+    run their for-loop (``use_grouped_mm=False``, which torchtitan sets itself for some
+    models on GPUs older than Hopper, and on the CPU), in the parameters' dtype as that loop
+    does (with ``fp8``: e4m3 either way).
     """
 
     compileops_options = Options()
-    compileops_body = staticmethod(moe_body)
+    compileops_compile_backend: Optional[str] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[B, L, D]`` -> ``[B, L, D]``, as ``MoE.forward``."""
@@ -81,13 +92,32 @@ class CompileopsMoE(MoE):
                     "compileops' torchtitan 0.2 MoE runs without expert or tensor "
                     "parallelism on the experts (their dispatch hooks sit on the experts "
                     "module); use torchtitan 0.3 for expert parallelism")
-        out_experts = self.compileops_body(
+        out_experts = compiled_body(self.compileops_compile_backend)(
             x, scores_sorted, token_indices_sorted, num_tokens_per_expert, experts.w1,
             experts.w2, experts.w3, self.router.top_k, bool(self.score_before_experts),
-            self.compileops_options)
+            self.compileops_options, experts_compute_dtype(experts))
         if self.shared_experts is not None:
             out_experts = self.shared_experts(x) + out_experts
         return out_experts.reshape(bs, slen, dim)
+
+
+_compiled_bodies: dict = {}
+
+
+def compiled_body(backend: Optional[str]):
+    """:func:`moe_body`, compiled ``fullgraph=True`` with ``backend`` (one function per
+    backend, shared by every layer: the same graph for each), or as it is for None."""
+    if backend is None:
+        return moe_body
+    if backend not in _compiled_bodies:
+        _compiled_bodies[backend] = torch.compile(moe_body, backend=backend, fullgraph=True)
+    return _compiled_bodies[backend]
+
+
+def experts_compute_dtype(experts) -> Optional[torch.dtype]:
+    """bf16 for torchtitan's grouped-GEMM experts; None (the parameters' dtype) where they run
+    their for-loop (``use_grouped_mm=False``)."""
+    return torch.bfloat16 if getattr(experts, "use_grouped_mm", True) else None
 
 
 def _problem(name: str, module) -> Optional[str]:
@@ -111,19 +141,24 @@ def _problem(name: str, module) -> Optional[str]:
     return None
 
 
-def apply_v02(model: torch.nn.Module, options: Options, body=None) -> dict:
+def apply_v02(model: torch.nn.Module, options: Options,
+              compile_backend: Optional[str] = None) -> dict:
     """The torchtitan integration's ``apply()`` for torchtitan 0.2 models
-    (``body``: a compiled :func:`moe_body` for every MoE, or None)."""
+    (``compile_backend``: every MoE's :func:`moe_body` compiled with it, or None)."""
     found = [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]
     refuse_unservable(model, [p for p in (_problem(n, m) for n, m in found) if p])
-    report = {"experts": [], "scores": {}}
+    report = {"experts": [], "scores": {}, "compute": {}}
     for name, module in found:
         module.__class__ = CompileopsMoE
         module.compileops_options = options
-        if body is not None:
-            module.compileops_body = body
+        if compile_backend is not None:
+            module.compileops_compile_backend = compile_backend
         report["experts"].append(f"{name}.experts")
         report["scores"][name] = "before experts" if module.score_before_experts else "epilogue"
+        dtype = experts_compute_dtype(module.experts)
+        report["compute"][f"{name}.experts"] = (
+            "bf16" if dtype is not None else
+            "the parameters' dtype (torchtitan's use_grouped_mm=False)")
     return report
 
 
@@ -141,14 +176,12 @@ class CompileopsMoEConverter:
                 "torchtitan 0.3 for expert parallelism")
         self.options = Options(self.fp8)
         compile_config = job_config.compile
-        self.body = None
-        if compile_config.enable and "model" in compile_config.components:
-            # As torchtitan 0.2 compiles its experts function: one compiled function shared
-            # by every layer (the same graph for each).
-            self.body = torch.compile(moe_body, backend=compile_config.backend, fullgraph=True)
+        # As torchtitan 0.2 compiles its experts function (compiled_body).
+        self.compile_backend = (compile_config.backend if compile_config.enable
+                                and "model" in compile_config.components else None)
 
     def convert(self, model: torch.nn.Module) -> None:
-        apply_v02(model, self.options, self.body)
+        apply_v02(model, self.options, self.compile_backend)
 
     def post_optimizer_hook(self, model) -> None:
         pass

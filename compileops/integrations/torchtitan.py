@@ -114,6 +114,10 @@ def apply(model: torch.nn.Module, *, fp8: Optional[Literal["rowwise"]] = None,
     "combine"}, "fp8": fp8, "layout": "0.3" | "0.2"}``; ``"scores"`` says where each MoE's
     router scores are applied: in the down projection's kernel, on the experts' input
     (torchtitan 0.2's ``score_before_experts``), or by torchtitan's dispatcher in its combine.
+    With torchtitan 0.2 it also holds ``"compute": {experts name: "bf16" | "the parameters'
+    dtype (torchtitan's use_grouped_mm=False)"}``: the products run in bf16 as torchtitan's
+    grouped-GEMM experts do, or in the parameters' dtype where its experts run their for-loop
+    (torchtitan sets ``use_grouped_mm=False`` itself for some models on GPUs before Hopper).
     """
     options = Options(fp8, cache_fp8_weights, fp8_fast_accum)
     report = _apply_layout(model, options)

@@ -3,7 +3,7 @@
 process (torchtitan 0.2's parallelisms need a GPU mesh; its expert parallelism is refused).
 
 torchtitan 0.2's router counts tokens with ``torch.histc`` on integer expert ids, which torch
-has on CUDA only: the tests count them on float ids (the same counts).
+has on CUDA only: the tests count them on float ids (the same counts, in the ids' dtype).
 
 Tolerances as in test_torchtitan.py: the two paths round the experts' intermediates to bf16
 (u = 2^-8) at different places, a gradient's relative L2 difference <= 4u.
@@ -30,12 +30,14 @@ def _histc_on_cpu(monkeypatch):
     histc = torch.histc
 
     def float_histc(t, *args, **kwargs):
-        return histc(t if t.is_floating_point() else t.float(), *args, **kwargs)
+        if t.is_floating_point():
+            return histc(t, *args, **kwargs)
+        return histc(t.float(), *args, **kwargs).to(t.dtype)  # integer counts, as on CUDA
 
     monkeypatch.setattr(torch, "histc", float_histc)
 
 
-def _model(score_before_experts: bool = False):
+def _model(score_before_experts: bool = False, use_grouped_mm: bool = True):
     from torchtitan.models.moe import MoEArgs
     from torchtitan.models.qwen3 import Qwen3Model
     from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
@@ -44,7 +46,8 @@ def _model(score_before_experts: bool = False):
         vocab_size=64, max_seq_len=32, head_dim=16, dim=32, n_layers=2, n_heads=2,
         n_kv_heads=1, hidden_dim=64, moe_enabled=True, moe_inter_dim=16,
         moe_args=MoEArgs(num_experts=8, num_shared_experts=0, top_k=2, score_func="softmax",
-                         route_norm=True, score_before_experts=score_before_experts))
+                         route_norm=True, score_before_experts=score_before_experts,
+                         use_grouped_mm=use_grouped_mm))
     torch.manual_seed(0)
     model = Qwen3Model(args)
     with torch.no_grad():
@@ -67,6 +70,8 @@ def test_apply_matches_torchtitan(score_before_experts):
     where = "before experts" if score_before_experts else "epilogue"
     assert report == {"experts": ["layers.0.moe.experts", "layers.1.moe.experts"],
                       "scores": {"layers.0.moe": where, "layers.1.moe": where},
+                      "compute": {"layers.0.moe.experts": "bf16",
+                                  "layers.1.moe.experts": "bf16"},
                       "fp8": None, "layout": "0.2"}
     assert list(mine.state_dict()) == list(theirs.state_dict())
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
@@ -81,15 +86,13 @@ def test_apply_matches_torchtitan(score_before_experts):
 
 
 def test_compiled_body_does_not_recompile_as_token_counts_change():
-    from compileops.integrations._titan_v02 import moe_body
+    from compileops.integrations._titan_v02 import apply_v02
+    from compileops.integrations._titan_experts import Options
 
     theirs = _model()
     mine = copy.deepcopy(theirs)
-    titan.apply(mine)
     torch._dynamo.reset()
-    body = torch.compile(moe_body, backend="aot_eager", fullgraph=True)
-    for layer in mine.layers.values():
-        layer.moe.compileops_body = body
+    apply_v02(mine, Options(), compile_backend="aot_eager")  # as the converter does
     gen = torch.Generator().manual_seed(2)
     for _ in range(3):
         tokens = torch.randint(0, 64, (2, 8), generator=gen)
@@ -127,3 +130,37 @@ def test_apply_refuses_experts_with_hooks_before_changing_anything():
     with pytest.raises(NotImplementedError, match=r"layers\.1\.moe\.experts has forward hooks"):
         titan.apply(model)
     assert type(model.layers["0"].moe).__name__ == "MoE"
+
+
+def test_for_loop_experts_keep_the_parameters_dtype():
+    """torchtitan's experts with ``use_grouped_mm=False`` (which it sets itself for some
+    models before Hopper) compute in the parameters' dtype, fp32 here: so do the converted
+    ones, within fp32 rounding of torchtitan's (bf16 would be about 1e-2 off)."""
+    theirs = _model(use_grouped_mm=False)
+    mine = copy.deepcopy(theirs)
+    report = titan.apply(mine)
+    assert set(report["compute"].values()) == {
+        "the parameters' dtype (torchtitan's use_grouped_mm=False)"}
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    want, got = _step(theirs, tokens), _step(mine, tokens)
+    assert ((got - want).norm() / want.norm()).item() <= 1e-5
+    for (name, p), q in zip(mine.named_parameters(), theirs.parameters()):
+        rel = ((p.grad - q.grad).norm() / q.grad.norm()).item()
+        assert rel <= 1e-5, (name, rel)
+
+
+def test_a_layer_converted_for_a_compiled_job_saves_and_loads(tmp_path):
+    """The converter of a job that compiles keeps the backend's name on each MoE, not the
+    compiled function, so that the module pickles; loaded, it computes as before."""
+    from compileops.integrations._titan_experts import Options
+    from compileops.integrations._titan_v02 import apply_v02
+
+    model = _model()
+    apply_v02(model, Options(), compile_backend="aot_eager")
+    moe = model.layers["0"].moe
+    torch.save(moe, tmp_path / "moe.pt")
+    loaded = torch.load(tmp_path / "moe.pt", weights_only=False)
+    assert loaded.compileops_compile_backend == "aot_eager"
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(4))
+    with compileops.backends.use_backend("reference"), torch.no_grad():
+        assert torch.equal(loaded(x), moe(x))
