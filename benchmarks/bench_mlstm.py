@@ -403,10 +403,11 @@ def _on_sigterm(*_):
 
 def _kill(proc: subprocess.Popen) -> None:
     """Ends the child and whatever it started (its own session: compile workers)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    from benchmarks.harness import stop_process_group
+
+    stop_process_group(proc)
 
 
 def run_group(impl: str, jobs: list, base_cfg: dict, args, col: Collector) -> None:

@@ -11,6 +11,8 @@ import dataclasses
 import datetime
 import os
 import platform
+import signal
+import subprocess
 import sys
 import time
 from typing import Callable, Optional
@@ -189,3 +191,20 @@ def out_dir() -> str:
     """Where CSVs go: ``$COMPILEOPS_BENCH_OUT`` when set, else benchmarks/out."""
     return (os.environ.get("COMPILEOPS_BENCH_OUT")
             or os.path.join(os.path.dirname(__file__), "out"))
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 0.0) -> None:
+    """Ends ``proc`` (started with ``start_new_session=True``) and every process it started
+    (compile workers, torchrun's worker): with ``grace_s`` > 0, SIGTERM and that long to
+    exit first; then SIGKILL."""
+    signals = ((signal.SIGTERM, grace_s),) if grace_s > 0 else ()
+    for sig, wait_s in (*signals, (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue

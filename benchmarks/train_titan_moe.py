@@ -35,7 +35,6 @@ import argparse
 import csv
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,9 @@ from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: the harness beside it
+    sys.path.insert(0, str(ROOT))
+from benchmarks.harness import stop_process_group  # noqa: E402
 TOML = ROOT / "benchmarks" / "titan_moe.toml"
 
 #: flavor -> (width, expert hidden, experts, top-k, default layers)
@@ -131,22 +133,8 @@ def run_logged(cmd: list[str], env: dict, log: Path, timeout: float) -> Optional
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _stop_group(proc)
+            stop_process_group(proc, grace_s=10)
             return None
-
-
-def _stop_group(proc: subprocess.Popen) -> None:
-    """Ends ``proc``'s process group: SIGTERM, then SIGKILL after 10 s."""
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _has_torchao() -> bool:
