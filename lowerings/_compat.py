@@ -257,21 +257,43 @@ def graph_input_behind(node) -> Any:
 
 def graph_input_written(input_box) -> bool:
     """Whether the graph being lowered writes into the graph input ``input_box`` (a
-    ``TensorBox`` of :func:`graph_input_behind`): an in-place op on it that AOTAutograd kept
-    in the graph (``copy_`` of the new value, under ``no_grad``). Its version counter is
-    then raised before the graph runs, while its values change only where the write is."""
+    ``TensorBox`` of :func:`graph_input_behind`): an in-place op on it, or on a view of it
+    (``w[:, :4].mul_(2)`` is ``copy_`` into a ``slice`` of the input), that AOTAutograd kept
+    in the graph (under ``no_grad``), its arguments given by position or by name. Its version
+    counter is then raised before the graph runs, while its values change only where the
+    write is."""
     from torch._inductor.virtualized import V
 
     name = input_box.get_name()
     for node in V.graph.module.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
-        for argument, value in zip(node.target._schema.arguments, node.args):
-            written = argument.alias_info is not None and argument.alias_info.is_write
-            if written and isinstance(value, torch.fx.Node) and value.op == "placeholder" \
-                    and value.target == name:
+        for position, argument in enumerate(node.target._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = (node.args[position] if position < len(node.args)
+                     else node.kwargs.get(argument.name))
+            base = _view_base(value)
+            if base is not None and base.op == "placeholder" and base.target == name:
                 return True
     return False
+
+
+def _view_base(value):
+    """The FX node that ``value`` is a view of, through chains of view ops (``slice``,
+    ``select``, ``view``, ``transpose``, ``as_strided``, ...: ops whose output aliases their
+    first argument), or ``value`` itself; None for a non-node."""
+    while isinstance(value, torch.fx.Node):
+        target = value.target
+        if value.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            return value
+        returns = target._schema.returns
+        aliases = (len(returns) == 1 and returns[0].alias_info is not None
+                   and not returns[0].alias_info.is_write)
+        if not aliases or not value.args:
+            return value
+        value = value.args[0]
+    return None
 
 
 def size_hint(expr) -> int:

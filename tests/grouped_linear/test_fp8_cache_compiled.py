@@ -184,21 +184,35 @@ def test_a_weight_computed_in_the_graph_is_not_cached_and_says_so():
     assert cached_fp8_weight_bytes() == 0
 
 
+#: In-place writes of the weight inside the graph: the whole tensor, and through views
+#: (AOTAutograd keeps those as ``copy_`` into a ``slice`` / ``select`` of the input).
+WRITES = {
+    "whole": lambda w: w.mul_(2.0),
+    "slice": lambda w: w[:, :4].mul_(2.0),
+    "select": lambda w: w[0].zero_(),
+    "select-of-slice": lambda w: w[:, 0, 0].fill_(5.0),
+}
+
+
+@pytest.mark.parametrize("write", list(WRITES))
 @pytest.mark.parametrize("later", ["eager", "compiled"])
-def test_a_weight_written_in_the_same_graph_is_not_cached(later):
-    """A compiled function that reads the weight, then writes it in place (under no_grad):
-    its version is raised before the graph runs, so a copy made inside it would be stored
-    under the new version with the old values. The lowering turns the cache off there (and
-    warns); a later cached call, eager or compiled, sees the written weight."""
+def test_a_weight_written_in_the_same_graph_is_not_cached(later, write):
+    """A compiled function that reads the weight, then writes it in place (under no_grad),
+    whole or through a view: its version is raised before the graph runs, so a copy made
+    inside it would be stored under the new version with the old values. The lowering turns
+    the cache off there (and warns); a later cached call, eager or compiled, sees the written
+    weight."""
     gen = torch.Generator().manual_seed(4)
     weight = torch.nn.Parameter(torch.randn(len(SPLITS), N, K, generator=gen) / K ** 0.5)
     x = torch.randn(sum(SPLITS), K, generator=gen)
     offsets = _offsets()
     before = weight.detach().clone()
+    after = before.clone()
+    WRITES[write](after)
 
     def read_then_double(x, w):
         y = compileops.grouped_linear(x, w, offsets, fp8="rowwise", cache_fp8_weights=True)
-        w.mul_(2.0)
+        WRITES[write](w)
         return y
 
     def read(x, w):
@@ -210,9 +224,33 @@ def test_a_weight_written_in_the_same_graph_is_not_cached(later):
             first = torch.compile(read_then_double, fullgraph=True)(x, weight)
         got = reader(x, weight)
         want_first = compileops.grouped_linear(x, before, offsets, fp8="rowwise")
-        want = compileops.grouped_linear(x, 2 * before, offsets, fp8="rowwise")
+        want = compileops.grouped_linear(x, after, offsets, fp8="rowwise")
+    assert torch.equal(weight.detach(), after)
     assert torch.equal(first, want_first)
     assert torch.equal(got, want)
+
+
+def test_a_read_after_a_write_through_a_view_in_the_same_graph_sees_the_write():
+    """Read, write a slice of the weight, read again, in one compiled call: the second read
+    is of the written weight (a copy cached by the first read would be the old one)."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.nn.Parameter(torch.randn(len(SPLITS), N, K, generator=gen) / K ** 0.5)
+    x = torch.randn(sum(SPLITS), K, generator=gen)
+    offsets = _offsets()
+    after = weight.detach().clone()
+    after[:, :4].mul_(2.0)
+
+    def read_write_read(x, w):
+        y = compileops.grouped_linear(x, w, offsets, fp8="rowwise", cache_fp8_weights=True)
+        w[:, :4].mul_(2.0)
+        return y, compileops.grouped_linear(x, w, offsets, fp8="rowwise",
+                                            cache_fp8_weights=True)
+
+    with compileops.use_backend("triton"), torch.no_grad(), _compat.fresh_inductor_cache():
+        with pytest.warns(UserWarning, match="also writes its weight in place"):
+            _, second = torch.compile(read_write_read, fullgraph=True)(x, weight)
+        want = compileops.grouped_linear(x, after, offsets, fp8="rowwise")
+    assert torch.equal(second, want)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
