@@ -25,24 +25,23 @@ def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
         t is not None and t.requires_grad for t in tensors)
 
 
-#: ``kernel="auto"`` runs the parallel form up to these sequence lengths (with a gradient
-#: to compute / without) and the chunkwise form above them, and whenever states go in or
-#: out. With a gradient, the limit is chosen by accuracy as well as speed. Forward+backward,
-#: bf16, 65,536 tokens, compiled (benchmarks/RESULTS.md, mLSTM), at DQK 128 / DV 256 on an
-#: H200 (2026-11-28): S = 512: parallel 5.20 ms against chunkwise 7.44; S = 1024, one run:
-#: parallel 7.46 against 7.20 (raw h), 8.08 against 7.91 (normed); a later run the same day,
-#: after the chunkwise form's state-walk tiles, took the chunkwise form to 6.36 (raw) and
-#: 7.01 (normed); the parallel form measured again (2026-12-02): 7.51 (raw), 8.10 (normed).
-#: So at S = 1024 the chunkwise form is about 16-18% faster. But its bf16 forget-gate gradient is up to 5x further from
-#: fp64 (relative L2 7.5e-2 against the parallel form's 1.5e-2 at worst over the gate
-#: distributions of tests/mlstm/test_precision.py; the other gradients 8.1e-3 against
-#: 6.3e-3), and it needs more memory (peak 2.96 GiB against 1.59 raw, 3.98 against 2.60
-#: normed): a default does not trade accuracy for speed. xLSTM-7B's head
-#: (DQK 256, DV 512) at 1024: parallel 13.03 ms against chunkwise 16.09. Above 1024 the
-#: parallel form's time grows with S (H100: 13.29 against 8.86 ms at 2048) and its bf16
-#: forget-gate gradient is no better (9.8e-2 against 1.1e-1 at worst at 8192).
-#: Forward only, 2.51 vs 2.49 ms at 2048 (the parallel form's peak memory 1.02 GiB vs
-#: 1.59), 4.13 vs 2.50 at 4096.
+#: ``kernel="auto"`` runs the parallel form up to these sequence lengths (with a gradient to
+#: compute / without) and the chunkwise form above them, and whenever states go in or out. With
+#: a gradient, the limit is chosen by accuracy as well as speed. Forward+backward, bf16, 65,536
+#: tokens, compiled (benchmarks/RESULTS.md, mLSTM), at DQK 128 / DV 256 on an H200
+#: (2026-11-28): S = 512: parallel 5.20 ms against chunkwise 7.44; S = 1024, one run: parallel
+#: 7.46 against 7.20 (raw h), 8.08 against 7.91 (normed); a later run the same day, after the
+#: chunkwise form's state-walk tiles, took the chunkwise form to 6.36 (raw) and 7.01 (normed);
+#: the parallel form measured again (2026-12-02): 7.51 (raw), 8.10 (normed). So at S = 1024 the
+#: chunkwise form is about 16-18% faster. But its bf16 forget-gate gradient is up to 5x further
+#: from fp64 (relative L2 7.5e-2 against the parallel form's 1.5e-2 at worst over the gate
+#: distributions of tests/mlstm/test_precision.py; the other gradients 8.1e-3 against 6.3e-3),
+#: and it needs more memory (peak 2.96 GiB against 1.59 raw, 3.98 against 2.60 normed): a
+#: default does not trade accuracy for speed. xLSTM-7B's head (DQK 256, DV 512) at 1024:
+#: parallel 13.03 ms against chunkwise 16.09. Above 1024 the parallel form's time grows with S
+#: (H100: 13.29 against 8.86 ms at 2048) and its bf16 forget-gate gradient is no better (9.8e-2
+#: against 1.1e-1 at worst at 8192). Forward only, 2.51 vs 2.49 ms at 2048 (the parallel form's
+#: peak memory 1.02 GiB vs 1.59), 4.13 vs 2.50 at 4096.
 AUTO_PARALLEL_MAX_SEQ = 1024
 AUTO_PARALLEL_MAX_SEQ_INFERENCE = 2048
 #: fp32 inputs take the chunkwise form above this length: its forget-gate sums restart every
@@ -293,16 +292,17 @@ def mlstm(
     cut inside it) can move an earlier row's output by its last bit.
 
     ``kernel``: ``"parallel"`` (tiles over the causal ``S x S`` square: quadratic in S),
-    ``"chunkwise"`` (the parallel kernels within chunks of ``chunk_size`` rows, default 128,
-    a power of two >= 16, plus a ``[DQK, DV]`` fp32 state carried between chunks: linear
-    in S), or ``"auto"``: parallel up to ``AUTO_PARALLEL_MAX_SEQ`` rows (1024) when a
-    gradient is needed (at S = 1024 and DQK 128 / DV 256 the chunkwise form is about
-    16-18% faster on an H200, fw+bw compiled, but its bf16 forget-gate gradient up to 5x less accurate, and it
+    ``"chunkwise"`` (the parallel kernels within chunks of ``chunk_size`` rows, default 128, a
+    power of two >= 16, plus a ``[DQK, DV]`` fp32 state carried between chunks: linear in S),
+    or ``"auto"``: parallel up to ``AUTO_PARALLEL_MAX_SEQ`` rows (1024) when a gradient is
+    needed (at S = 1024 and DQK 128 / DV 256 the chunkwise form is about 16-18% faster on an
+    H200, fw+bw compiled, but its bf16 forget-gate gradient up to 5x less accurate, and it
     needs more memory: the default does not trade accuracy for speed; pass
-    ``kernel="chunkwise"`` for the speed) and ``AUTO_PARALLEL_MAX_SEQ_INFERENCE`` (2048) when not, chunkwise above and
-    whenever a state goes in or out (the crossovers measured on an H200); fp32
-    inputs run chunkwise above ``AUTO_PARALLEL_MAX_SEQ_FP32`` rows (128), for precision. Under ``torch.compile(dynamic=True)`` the
-    choice guards on S on one side of that length (one recompile when S crosses it).
+    ``kernel="chunkwise"`` for the speed) and ``AUTO_PARALLEL_MAX_SEQ_INFERENCE`` (2048) when
+    not, chunkwise above and whenever a state goes in or out (the crossovers measured on an
+    H200); fp32 inputs run chunkwise above ``AUTO_PARALLEL_MAX_SEQ_FP32`` rows (128), for
+    precision. Under ``torch.compile(dynamic=True)`` the choice guards on S on one side of that
+    length (one recompile when S crosses it).
 
     States (chunkwise): ``initial_state=(C [B, NH, DQK, DV], n [B, NH, DQK], m [B, NH])``
     in fp32 (fp64 for fp64 inputs), stabilised as in ``compileops.mlstm.recurrent``
