@@ -1,6 +1,7 @@
 """The public mLSTM functions: :func:`mlstm` and :func:`mlstm_with_stats`."""
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
@@ -11,6 +12,7 @@ from compileops.mlstm.checks import (
     check_cu_seqlens,
     check_gates_floating,
     check_initial_state,
+    check_inputs,
     check_kernel,
 )
 from compileops.mlstm import documents
@@ -54,6 +56,20 @@ AUTO_PARALLEL_MAX_SEQ_FP32 = 128
 DEFAULT_CHUNK = 128
 
 
+def chunk_length(chunk_size) -> int:
+    """``chunk_size`` (None: :data:`DEFAULT_CHUNK`) checked as the docstring states it, a
+    Python int that is a power of two >= 16, whichever form then runs."""
+    if chunk_size is None:
+        return DEFAULT_CHUNK
+    integer = isinstance(chunk_size, (numbers.Integral, torch.SymInt))
+    if isinstance(chunk_size, bool) or not integer:
+        raise TypeError(f"chunk_size must be an int (a power of two >= 16), got "
+                        f"{type(chunk_size).__name__} {chunk_size!r}")
+    chunk = int(chunk_size)  # a traced size specialises here: the kernels take a constant
+    check_chunk(chunk)
+    return chunk
+
+
 def choose_kernel(kernel: str, seq: int, with_state: bool, training: bool = True,
                   dtype: Optional[torch.dtype] = None) -> str:
     """``"parallel"`` or ``"chunkwise"`` for :func:`mlstm`'s ``kernel`` argument (``seq``:
@@ -84,6 +100,7 @@ def mlstm_with_stats(
     require_tensors((("q", q), ("k", k), ("v", v), ("igate", igate), ("fgate", fgate)))
     normed = norm_weight is not None or norm_bias is not None
     check_initial_state(initial_state)
+    chunk = chunk_length(chunk_size)  # whichever form runs: a bad value fails at every S
     if cu_seqlens is not None:
         if initial_state is not None or return_last_state:
             raise ValueError("cu_seqlens takes no initial_state and returns no last state "
@@ -93,7 +110,18 @@ def mlstm_with_stats(
             raise ValueError("packed documents (cu_seqlens) run the chunkwise form, which "
                              "starts each document on its own chunks: use kernel='chunkwise' "
                              "or 'auto'")
+        # Eagerly, every shape before the packed layout, which indexes the inputs by them;
+        # cu_seqlens (read against q's B and S) once q has its four axes, so that a packed
+        # row in the attention layout is named by S. Not while Dynamo traces: the checks'
+        # messages read the shapes, which it cannot take into a fullgraph trace (the op
+        # checks them there).
+        shapes = (q, k, v, igate, fgate, norm_weight, norm_bias, float(norm_eps), float(eps))
+        eager = not torch.compiler.is_compiling()
+        if eager and q.dim() != 4:
+            check_inputs(*shapes)
         check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[-2], q.device)
+        if eager:
+            check_inputs(*shapes)
         check_gates_floating(igate, fgate)
         if q.shape[-2] == 0:  # every document empty: nothing to lay out
             return mlstm_with_stats(q, k, v, igate, fgate, norm_weight=norm_weight,
@@ -103,7 +131,7 @@ def mlstm_with_stats(
         training = _needs_grad(q, k, v, igate, fgate, norm_weight, norm_bias)
         return _packed_documents(q, k, v, igate, fgate, norm_weight, norm_bias, normed,
                                  float(norm_eps), float(eps), bool(residual_weight),
-                                 chunk_size, normed and training, cu_seqlens)
+                                 chunk, normed and training, cu_seqlens)
     with_state = initial_state is not None or return_last_state
     training = _needs_grad(q, k, v, igate, fgate, norm_weight, norm_bias,
                            *(initial_state or ()))
@@ -124,8 +152,6 @@ def mlstm_with_stats(
 
         out, m_log2, b, last = _by_value_slices(parallel_cell, v, None, norm)
     else:
-        chunk = int(chunk_size) if chunk_size is not None else DEFAULT_CHUNK
-        check_chunk(chunk)
         c0, n0, m0 = initial_state if initial_state is not None else (None, None, None)
         rows = (q, k, v, igate.to(acc), fgate.to(acc))
         one_row = q.shape[-2] == 1
@@ -199,12 +225,10 @@ def _by_value_slices(cell, v, c0, norm):
 
 
 def _packed_documents(q, k, v, igate, fgate, norm_weight, norm_bias, normed, norm_eps, eps,
-                      residual_weight, chunk_size, save_h, cu_seqlens):
+                      residual_weight, chunk, save_h, cu_seqlens):
     """The chunkwise form over packed documents: laid out so that each starts on its own
     chunks (:mod:`compileops.mlstm.documents`), run with the segment table, and gathered
     back. Returns :func:`mlstm_with_stats`'s ``(out, n, m)``."""
-    chunk = int(chunk_size) if chunk_size is not None else DEFAULT_CHUNK
-    check_chunk(chunk)
     acc = gate_dtype(q.dtype)
     lay = documents.layout(cu_seqlens, q.shape[-2], chunk)
     q_l, k_l, v_l = (documents.to_layout(t, lay, dim=2) for t in (q, k, v))

@@ -188,3 +188,46 @@ def test_empty_head_dims_are_refused(entry, empty, backend):
     call = ENTRY_POINTS.get(entry, compileops.mlstm_step)
     with use_backend(backend), pytest.raises(RuntimeError, match="DQK and DV must be at least 1"):
         call(q, k, v, igate, fgate)
+
+
+PACKED_SHAPE_MISTAKES = {
+    "gates [B, S, NH]": (lambda q, k, v, i, f: (q, k, v, i.transpose(1, 2), f),
+                         r"igate must be \[B, NH, S\].*axes 1 and 2 are swapped"),
+    "igate a row short": (lambda q, k, v, i, f: (q, k, v, i[..., :-1], f),
+                          r"igate must be \[B, NH, S\]"),
+    "v a row short": (lambda q, k, v, i, f: (q, k, v[:, :, :-1], i, f),
+                      r"v must be \[B, NH, S, DV\]"),
+    "k a row short": (lambda q, k, v, i, f: (q, k[:, :, :-1], v, i, f),
+                      r"k must have q's shape"),
+    "q without its batch axis": (lambda q, k, v, i, f: (q[0], k[0], v[0], i[0], f[0]),
+                                 r"q must be 4-D \[B, NH, S, D\]"),
+    "q with a fifth axis": (lambda q, k, v, i, f: (q[None], k, v, i, f),
+                            r"q must be 4-D \[B, NH, S, D\]"),
+}
+
+
+@pytest.mark.parametrize("case", list(PACKED_SHAPE_MISTAKES))
+def test_packed_documents_check_shapes_before_laying_them_out(case):
+    """With ``cu_seqlens`` the inputs are laid out by document before the op checks them:
+    eagerly, the shape messages of the unpacked call come first (not an indexing error, nor
+    a batch size read off the wrong axis)."""
+    g = torch.Generator().manual_seed(2)
+    q, k = (torch.randn(1, NH, S, DQK, generator=g) for _ in range(2))
+    v = torch.randn(1, NH, S, DV, generator=g)
+    gates = torch.randn(1, NH, S, generator=g), torch.randn(1, NH, S, generator=g) + 3
+    make, message = PACKED_SHAPE_MISTAKES[case]
+    with pytest.raises(RuntimeError, match=message):
+        compileops.mlstm(*make(q, k, v, *gates), cu_seqlens=torch.tensor([0, 5, S]))
+
+
+@pytest.mark.parametrize("chunk_size", [15, 8, "16", 3.5, True, "x"])
+@pytest.mark.parametrize("kernel", ["auto", "parallel", "chunkwise"])
+def test_a_bad_chunk_size_is_refused_whichever_form_runs(kernel, chunk_size):
+    """At S = 12 ``auto`` runs the parallel form, which has no chunks: a bad ``chunk_size``
+    is refused all the same (it used to pass there and fail only at longer S)."""
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(1, NH, S, DQK, generator=g) for _ in range(2))
+    v = torch.randn(1, NH, S, DV, generator=g)
+    igate, fgate = torch.randn(1, NH, S, generator=g), torch.randn(1, NH, S, generator=g)
+    with pytest.raises((TypeError, ValueError), match="chunk_size must be"):
+        compileops.mlstm(q, k, v, igate, fgate, kernel=kernel, chunk_size=chunk_size)
