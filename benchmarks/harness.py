@@ -195,16 +195,20 @@ def out_dir() -> str:
 
 def stop_process_group(proc: subprocess.Popen, grace_s: float = 0.0) -> None:
     """Ends ``proc`` (started with ``start_new_session=True``) and every process it started
-    (compile workers, torchrun's worker): with ``grace_s`` > 0, SIGTERM and that long to
-    exit first; then SIGKILL."""
-    signals = ((signal.SIGTERM, grace_s),) if grace_s > 0 else ()
-    for sig, wait_s in (*signals, (signal.SIGKILL, 5.0)):
+    (compile workers, torchrun's worker): with ``grace_s`` > 0, SIGTERM and that long for
+    ``proc`` to exit first; then SIGKILL to the whole group, which also ends a process of it
+    that outlived ``proc``."""
+    if grace_s > 0:
         try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=grace_s)
+        except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        pass
