@@ -372,18 +372,23 @@ def _log_decision(op_name: str, x, weight, spec, configs, errors, *, built: bool
 
 
 def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: bool = False,
-           save_preact: bool = False, row_scale=None):
+           save_preact: bool = False, row_scale=None, second_weight=None):
     """The template for one of the M-jagged ops. ``save_preact`` (the training SwiGLU op):
     the template also writes the pre-activations ``[M, 2H]`` into a buffer passed as a
     mutated input, and the lowering returns ``(out, preact)``. ``row_scale`` (the row-scaled
-    op): an ``[M]`` input in x's dtype, each output row times its scale."""
+    op): an ``[M]`` input in x's dtype, each output row times its scale. ``second_weight``
+    (the gate/up pair ops): the up weight, with the gate weight's shape; both are made
+    contiguous, so the template addresses them with one set of strides."""
     op = getattr(torch.ops.compileops, op_name).default
     device = x.get_device()
+    pair = second_weight is not None
     no_template = _why_no_template(device, x.get_dtype())
     if no_template is not None:
         # No Triton template (C++ backend), or fp64 (the reference backend's dtype): the op
         # itself, as an extern call.
         _log_extern_call(op_name, x, weight, no_template)
+        if pair:
+            return _compat.fallback(op)(x, weight, second_weight, offsets)
         extra = () if dx else (row_scale,) if row_scale is not None else (bias,)
         return _compat.fallback(op)(x, weight, offsets, *extra)
     from compileops.grouped_linear import kernels
@@ -395,15 +400,19 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
     extra_inputs = [bias] if bias is not None else []
     if row_scale is not None:
         extra_inputs.append(_compat.require_contiguous(row_scale))
-    nodes = _compat.realize_inputs(x, weight, offsets, *extra_inputs)
-    x, weight, offsets = nodes[:3]
+    weights = [weight]
+    if pair:
+        weights = [_compat.require_contiguous(weight), _compat.require_contiguous(second_weight)]
+    nodes = _compat.realize_inputs(x, *weights, offsets, *extra_inputs)
+    x, weight = nodes[:2]
+    offsets = nodes[len(weights) + 1]
     m, k = x.get_size()
     groups, n, _ = weight.get_size()
     # The number of groups (experts) is a model constant: keep it static under dynamic=True.
     # With a symbolic G the H100 build of the template gave wrong rows for groups >= 16 (G > 16;
     # tests/grouped_linear/test_gpu.py), a miscompile not reproduced under the interpreter.
     groups = _compat.specialize(groups, what="the number of groups G")
-    n_out = weight.get_size()[2] if dx else (n // 2 if swiglu else n)
+    n_out = weight.get_size()[2] if dx else (n // 2 if swiglu and not pair else n)
     dtype = x.get_dtype()
     layout = _compat.fixed_layout(device, dtype, [m, n_out], [n_out, 1])
     m_hint = _compat.size_hint(m)
@@ -417,13 +426,23 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
             # No groups: the weight [0, N, K] is empty, and a descriptor over it stops the
             # kernel with an illegal instruction (tma.tma_compatible).
             no_tma = "no TMA: no groups (an empty weight)"
-        return (no_tma, *_configs(m_hint, g_hint, n_hint, k_hint, dtype, spec,
-                                  tma=no_tma is None, swiglu=swiglu))
+        if no_tma is None and pair and dx and not _compat.multiple_of(
+                n, max(1, 16 // dtype.itemsize), what="gate/up pair width H"):
+            # dX's second A descriptor starts H elements into each row of dY.
+            no_tma = "no TMA: the pair's second half of dY is not 16-byte aligned"
+        no_tma, configs, autotune = (no_tma, *_configs(m_hint, g_hint, n_hint, k_hint, dtype,
+                                                       spec, tma=no_tma is None,
+                                                       swiglu=swiglu))
+        if pair and dx:
+            # Two K loops per tile: the persistent loop is flattened over a single one only.
+            configs = [(dataclasses.replace(cfg, flatten=False), tma) for cfg, tma in configs]
+        return no_tma, configs, autotune
 
     no_tma, configs, autotune = plan(spec)
     constexprs = dict(
         HAS_BIAS=bias is not None,
         SWIGLU=swiglu,
+        SECOND_WEIGHT=pair,
         DX=dx,
         SAVE_PREACT=save_preact,
         ROW_SCALE=row_scale is not None,
@@ -436,7 +455,7 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
     extra = {}
     if save_preact:
         # The extern choices have no second output: template configs only.
-        preact = _compat.empty_buffer(device, dtype, [m, n])
+        preact = _compat.empty_buffer(device, dtype, [m, 2 * n if pair else n])
         nodes = [*nodes, preact]
         extra = dict(mutated_inputs=[preact])
     choices: list = []
@@ -472,9 +491,12 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
         _log_decision(op_name, x, weight, spec, configs, errors, built=bool(choices),
                       autotune=autotune, externs=externs, no_tma=no_tma, flags=flags,
                       why_config=_why_config(spec, m_hint, g_hint, n_hint, dtype, swiglu))
-    input_gen_fns = {2: lambda node: skewed_offsets(g_hint, m_hint, node.get_device())}
+    input_gen_fns = {len(weights) + 1: lambda node: skewed_offsets(g_hint, m_hint,
+                                                                   node.get_device())}
     if save_preact:
         if not choices:  # the template could not be built: the op itself, as an extern call
+            if pair:
+                return _compat.fallback(op)(*nodes[:4])
             return _compat.fallback(op)(*nodes[:3], nodes[3] if bias is not None else None)
         out = _compat.autotune_select_algorithm(f"compileops_{op_name}", choices, nodes, layout,
                                                 input_gen_fns=input_gen_fns)
@@ -509,8 +531,23 @@ def lower_grouped_linear_dx(grad, weight, offsets):
     return _lower("grouped_linear_dx", False, grad, weight, offsets, dx=True)
 
 
+def lower_grouped_linear_swiglu_pair(x, w_gate, w_up, offsets):
+    return _lower("grouped_linear_swiglu_pair", True, x, w_gate, offsets, second_weight=w_up)
+
+
+def lower_grouped_linear_swiglu_pair_with_preact(x, w_gate, w_up, offsets):
+    return _lower("grouped_linear_swiglu_pair_with_preact", True, x, w_gate, offsets,
+                  save_preact=True, second_weight=w_up)
+
+
+def lower_grouped_linear_dx_pair(grad, w_gate, w_up, offsets):
+    return _lower("grouped_linear_dx_pair", False, grad, w_gate, offsets, dx=True,
+                  second_weight=w_up)
+
+
 def register() -> None:
     import compileops.grouped_linear.op  # noqa: F401  (the ops must exist before lowering)
+    import compileops.grouped_linear.pair_op  # noqa: F401
 
     grouped_mm_choice(False)
     grouped_mm_choice(True)
@@ -526,3 +563,9 @@ def register() -> None:
     _compat.register_lowering(torch.ops.compileops.grouped_linear_row_scaled.default,
                               lower_grouped_linear_row_scaled)
     _compat.register_lowering(torch.ops.compileops.grouped_linear_dx.default, lower_grouped_linear_dx)
+    _compat.register_lowering(torch.ops.compileops.grouped_linear_swiglu_pair.default,
+                              lower_grouped_linear_swiglu_pair)
+    _compat.register_lowering(torch.ops.compileops.grouped_linear_swiglu_pair_with_preact.default,
+                              lower_grouped_linear_swiglu_pair_with_preact)
+    _compat.register_lowering(torch.ops.compileops.grouped_linear_dx_pair.default,
+                              lower_grouped_linear_dx_pair)

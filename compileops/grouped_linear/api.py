@@ -26,6 +26,10 @@ from compileops.grouped_linear.op import (
     grouped_linear_swiglu_op,
     grouped_linear_swiglu_with_preact_op,
 )
+from compileops.grouped_linear.pair_op import (
+    grouped_linear_swiglu_pair_op,
+    grouped_linear_swiglu_pair_with_preact_op,
+)
 from compileops.grouped_linear.scaled import row_scaled_grouped_linear
 
 
@@ -133,11 +137,18 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def grouped_linear_swiglu(x, weight, offsets, bias=None, *, recompute=False, fp8=None,
-                          cache_fp8_weights=False, fp8_fast_accum=False):
+def grouped_linear_swiglu(x, weight, offsets, bias=None, *, up_weight=None, recompute=False,
+                          fp8=None, cache_fp8_weights=False, fp8_fast_accum=False):
     """``silu(gate) * up`` of a fused gate/up grouped projection: weight ``[G, 2H, K]``
     (gate rows first, then up) -> ``[M, H]``. Same as ``reference.swiglu(grouped_linear(...))``
     in one kernel.
+
+    ``up_weight`` ``[G, H, K]``: the gate and up projections kept as two weights (``weight``
+    is then the gate's, ``[G, H, K]``), as torchtitan's experts and several Hugging Face
+    models store them. The kernel reads both where they are: the result, its gradients and
+    their bits are those of ``weight=torch.cat([weight, up_weight], 1)``, without that
+    ``[G, 2H, K]`` copy in every forward and the split of its gradient in every backward.
+    No bias and no fp8 with ``up_weight`` (each raises a ``ValueError``).
 
     Memory for compute, the user's choice:
 
@@ -162,6 +173,8 @@ def grouped_linear_swiglu(x, weight, offsets, bias=None, *, recompute=False, fp8
     gradient). ``cache_fp8_weights`` and ``fp8_fast_accum``: as in :func:`grouped_linear`.
     """
     _check_tensor_args(x, weight, offsets)
+    if up_weight is not None:
+        return _swiglu_pair(x, weight, up_weight, offsets, bias, recompute, fp8)
     if fp8 is not None:
         check_recipe(fp8, bias, fast_accum=fp8_fast_accum, recompute=recompute)
         return grouped_linear_swiglu_fp8_with_preact_op(x, weight, offsets, fp8,
@@ -171,3 +184,18 @@ def grouped_linear_swiglu(x, weight, offsets, bias=None, *, recompute=False, fp8
     if recompute or not _needs_grad(x, weight, bias):
         return grouped_linear_swiglu_op(x, weight, offsets, bias)
     return grouped_linear_swiglu_with_preact_op(x, weight, offsets, bias)[0]
+
+
+def _swiglu_pair(x, w_gate, w_up, offsets, bias, recompute, fp8):
+    """:func:`grouped_linear_swiglu` with ``up_weight``: the pair op (:mod:`.pair_op`)."""
+    require_tensors((("up_weight", w_up),))
+    if bias is not None:
+        raise ValueError("grouped_linear_swiglu takes no bias with up_weight (gate and up as "
+                         "two weights); pass the concatenated [G, 2H, K] weight with its "
+                         "[G, 2H] bias instead")
+    if fp8 is not None:
+        raise ValueError("grouped_linear_swiglu has no fp8 form with up_weight (gate and up as "
+                         "two weights) yet; pass the concatenated [G, 2H, K] weight for fp8")
+    if recompute or not _needs_grad(x, w_gate, w_up):
+        return grouped_linear_swiglu_pair_op(x, w_gate, w_up, offsets)
+    return grouped_linear_swiglu_pair_with_preact_op(x, w_gate, w_up, offsets)[0]

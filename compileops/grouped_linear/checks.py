@@ -86,6 +86,36 @@ def check_forward_args(x, weight, offsets, bias, swiglu: bool = False) -> None:
         )
 
 
+def check_pair_args(x, w_gate, w_up, offsets) -> None:
+    """A gate/up pair kept as two weights: each ``[G, H, K]`` as :func:`check_common` wants
+    it, and the two of one shape (named ``weight`` and ``up_weight``, as the public function
+    takes them)."""
+    check_common(x, w_gate, offsets)
+    check_dim(w_up, 3, "up_weight", "[G, H, K]")
+    torch._check_value(
+        w_up.shape == w_gate.shape,
+        lambda: f"up_weight [G, H, K] = {tuple(w_up.shape)} must have the gate weight's shape "
+        f"{tuple(w_gate.shape)}",
+    )
+    torch._check_type(
+        w_up.dtype == w_gate.dtype,
+        lambda: f"up_weight dtype {w_up.dtype} must match the gate weight's {w_gate.dtype}",
+    )
+    check_same_device([("x", x), ("up_weight", w_up)])
+
+
+def check_dx_pair_args(grad, w_gate, w_up, offsets) -> None:
+    """grad ``[M, 2H]`` for the pair of ``[G, H, K]`` weights, plus :func:`check_dx_args`."""
+    check_dim(grad, 2, "grad", "[M, 2H]")
+    torch._check_value(
+        w_gate.dim() == 3 and grad.shape[1] == 2 * w_gate.shape[1],
+        lambda: f"grad [M, 2H] = {tuple(grad.shape)} does not match the gate/up weights [G, "
+        f"H, K] = {tuple(w_gate.shape)}",
+    )
+    check_dx_args(grad[:, : w_gate.shape[1]], w_gate, offsets)
+    check_pair_args(grad.new_empty((grad.shape[0], w_gate.shape[2])), w_gate, w_up, offsets)
+
+
 def check_dx_args(grad, weight, offsets) -> None:
     """grad ``[M, N]`` matching weight ``[G, N, K]``, plus :func:`check_common`."""
     check_dim(grad, 2, "grad", "[M, N]")

@@ -58,11 +58,13 @@ def mjagged_args(ptr, operand_ptr=None):
                                     "stride_biasg", "stride_biasn", "stride_om", "stride_on")]
             + [("pre_ptr", ptr), ("stride_pm", "i64"), ("stride_pn", "i64"), ("scale_ptr", ptr),
                ("a_scale_ptr", "*fp32"), ("b_scale_ptr", "*fp32")]
-            + [(n, "i64") for n in ("stride_bsg", "stride_asm", "stride_bsn", "stride_bsk")])
+            + [(n, "i64") for n in ("stride_bsg", "stride_asm", "stride_bsn", "stride_bsk")]
+            + [("b2_ptr", operand_ptr), ("K2", "i32")])
 
 
 def mjagged_compile(dtype, swiglu, tma=False, b_kn=False, flatten=False, cfg=None,
-                    has_bias=True, save_preact=False, row_scale=False, fast_accum=False):
+                    has_bias=True, save_preact=False, row_scale=False, fast_accum=False,
+                    second_weight=False):
     """``cfg=None``: choose_config's pick for a 16-bit / fp32 MoE shape. ``TMA_STORE`` is
     always passed (``cfg.tma_store`` on the TMA path, as the launcher does; see
     :func:`kjagged_compile` on unnamed defaulted constexprs)."""
@@ -83,7 +85,8 @@ def mjagged_compile(dtype, swiglu, tma=False, b_kn=False, flatten=False, cfg=Non
              INTERPRETER_DOT=False, USE_TMA=tma, B_KN=b_kn, G_BLOCK=kernels.group_block(128),
              FLATTEN=flatten, TMA_STORE=tma and cfg.tma_store, SAVE_PREACT=save_preact,
              ROW_SCALE=row_scale, FP8_ROWWISE=dtype == "fp8",
-             FP8_BLOCKWISE=dtype == "fp8-blockwise", FP8_FAST_ACCUM=fast_accum),
+             FP8_BLOCKWISE=dtype == "fp8-blockwise", FP8_FAST_ACCUM=fast_accum,
+             SECOND_WEIGHT=second_weight),
         # dX reads W_g [N, K] as B [K, N]: its unit stride is along N, as in a real launch
         # (TMA descriptors need 16-byte aligned strides but the innermost).
         unit=UNIT_DX if b_kn else UNIT,
@@ -181,8 +184,24 @@ CASES = {"bf16": ("bf16", False), "bf16-swiglu": ("bf16", True), "fp32-ieee": ("
                                          True)}
 
 
+# A gate/up pair kept as two weights (SECOND_WEIGHT), no bias: (SWIGLU, B_KN, USE_TMA). The
+# forward with its pre-activations (the training form); dX runs its second K loop on the up
+# weight, never flattened (the launcher and the lowering turn FLATTEN off for it).
+PAIR_CASES = {"bf16-swiglu-pair": (True, False, False), "bf16-swiglu-pair-tma": (True, False, True),
+              "bf16-dx-pair": (False, True, False), "bf16-dx-pair-tma": (False, True, True)}
+
+
 def _main():  # runs in a subprocess without TRITON_INTERPRET (the compiler needs JITFunctions)
     out = {}
+    for name, (swiglu, b_kn, tma) in PAIR_CASES.items():
+        for pair in (True, False):  # the pair, and the same product on one weight
+            kernel = mjagged_compile("bf16", swiglu, tma, b_kn, False, has_bias=False,
+                                     save_preact=swiglu, second_weight=pair)
+            ttgir = kernel.asm["ttgir"]
+            out[name if pair else name.replace("-pair", "-one-weight")] = dict(
+                summarize(ttgir), shared=kernel.metadata.shared,
+                mma=ttgir.count("ttng.warp_group_dot "),
+                tma_loads=ttgir.count("ttng.async_tma_copy_global_to_local"))
     for name, args in CASES.items():
         kernel = mjagged_compile(*args[:5], save_preact=args[5] if len(args) > 5 else False,
                                  row_scale=args[6] if len(args) > 6 else False)
@@ -247,6 +266,23 @@ def quantiser_builds():
             dict(BLOCK_R=block_r, BLOCK_K=128, PER_ROW=per_row), num_warps=4 if per_row else 8)
         built[name] = "e4m3x2" in kernel.asm["ptx"]
     return built
+
+
+@pytest.mark.parametrize("case", list(PAIR_CASES))
+def test_gate_up_pair_compiles_for_sm90(compiled, case):
+    """The pair's products are Hopper wgmma in pipelined K loops, with the shared memory of
+    the same product on one weight (the concatenated SwiGLU; dX on one weight): the forward's
+    two MMAs (gate and up, one A tile) and TMA copies as there; dX's two K loops, one MMA
+    and the one-weight loop's copies each (A's two column ranges, the two weights)."""
+    got, one = compiled[case], compiled[case.replace("-pair", "-one-weight")]
+    assert got["wgmma"] and got["pipelined"], got
+    assert got["shared"] == one["shared"] <= SMEM_LIMIT, (got, one)
+    assert got["tma"] == case.endswith("-tma"), got
+    if "swiglu" in case:
+        assert got["mma"] == one["mma"] == 2 and got["tma_loads"] == one["tma_loads"], (got, one)
+    else:
+        assert got["mma"] == 2 * one["mma"] == 2, (got, one)
+        assert got["tma_loads"] == 2 * one["tma_loads"], (got, one)
 
 
 def test_fp8_accumulation_choice_reaches_the_mma(compiled):

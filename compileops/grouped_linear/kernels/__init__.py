@@ -50,8 +50,10 @@ from compileops.grouped_linear.kernels.kjagged import (
 )
 from compileops.grouped_linear.kernels.mjagged import (
     grouped_linear_dx,
+    grouped_linear_dx_pair,
     grouped_linear_forward,
     grouped_linear_swiglu_forward,
+    grouped_linear_swiglu_pair_forward,
     mjagged_gemm,
     mjagged_gemm_kernel,
     mjagged_tile,
@@ -94,6 +96,8 @@ __all__ = [
     "grouped_linear_dx",
     "grouped_linear_forward",
     "grouped_linear_swiglu_forward",
+    "grouped_linear_swiglu_pair_forward",
+    "grouped_linear_dx_pair",
     "grouped_linear_wgrad",
     "input_precision",
     "kjagged_gemm_kernel",

@@ -38,9 +38,12 @@ from compileops.grouped_linear.kernels.tma import (
     make_descriptors,
     mjagged_tma_store,
     ragged_rows_descriptor,
+    second_weight_descriptor,
     set_tma_allocator,
     store_rows_below,
     tma_applies,
+    tma_compatible,
+    trailing_columns_descriptor,
 )
 
 
@@ -110,6 +113,7 @@ def mjagged_tile(
     a_block_scale_ptr=None, b_block_scale_ptr=None, stride_asm=0, stride_bsg=0,
     stride_bsn=0, stride_bsk=0, FP8_BLOCKWISE: tl.constexpr = False,
     FP8_FAST_ACCUM: tl.constexpr = False,
+    b2_ptr=None, b2_desc=None, a2_desc=None, K2=0, SECOND_WEIGHT: tl.constexpr = False,
 ):
     """fp32 ``[BLOCK_M, BLOCK_N]`` tile of ``A[row_start + rm] @ B_g[:, rn] (+ bias_g[rn])``.
 
@@ -141,6 +145,14 @@ def mjagged_tile(
     ``b_block_scale[g, n // 128, k // 128]`` (strides ``stride_bsg, stride_bsn,
     stride_bsk``: the 128 x 128 blocks of ``W_g``, read transposed for dX).
     ``FP8_FAST_ACCUM`` (e4m3 without blocks): see :func:`tile_dot`.
+
+    ``SECOND_WEIGHT`` (16-bit and fp32 products; no bias, no fp8): a second weight ``B2``
+    at ``b2_ptr``, with B's strides (``b2_desc`` its descriptor), for a gate/up pair kept as
+    two tensors. With ``PAIR`` the up tile is ``A @ B2_g[:, rn]`` (``pair_offset`` unused).
+    Without, the reduction goes on over ``K2`` more columns of A, ``A[:, K + k] @ B2_g[k]``
+    (dX of the pair: ``dH_gate @ W_gate + dH_up @ W_up``; ``a2_desc`` addresses A from
+    column ``K``): a second K loop after the first, into the same fp32 accumulator, so when
+    ``BLOCK_K`` divides ``K`` the sums are those of one loop over the concatenated weight.
     """
     rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -155,7 +167,11 @@ def mjagged_tile(
     a_ptrs = a_ptr + rows[:, None] * stride_am + rk[None, :] * stride_ak
     b_ptrs = (b_ptr + tl.cast(g, tl.int64) * stride_bg + rk[:, None] * stride_bk
               + cols[None, :] * stride_bn)
-    b2_ptrs = b_ptrs + tl.cast(pair_offset, tl.int64) * stride_bn
+    if SECOND_WEIGHT:
+        b2_ptrs = (b2_ptr + tl.cast(g, tl.int64) * stride_bg + rk[:, None] * stride_bk
+                   + cols[None, :] * stride_bn)
+    else:
+        b2_ptrs = b_ptrs + tl.cast(pair_offset, tl.int64) * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # A loop-invariant trip count (K, not "0 when inactive") lets tl.range(flatten=True) fuse
@@ -178,7 +194,9 @@ def mjagged_tile(
         else:
             acc = tile_dot(a, b, acc, INPUT_PRECISION, INTERPRETER_DOT, FP8_FAST_ACCUM)
         if PAIR:  # b2 [BLOCK_K, BLOCK_N]: the up half's columns
-            if USE_TMA:
+            if USE_TMA and SECOND_WEIGHT:
+                b2 = load_b_tile(b2_desc, g, tile_n * BLOCK_N, k0, BLOCK_N, BLOCK_K, B_KN)
+            elif USE_TMA:
                 b2 = load_b_tile(b_desc, g, tile_n * BLOCK_N + pair_offset, k0,
                                  BLOCK_N, BLOCK_K, B_KN)
             else:
@@ -192,6 +210,20 @@ def mjagged_tile(
             b2_ptrs += BLOCK_K * stride_bk
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if SECOND_WEIGHT and not PAIR:
+        # The rest of the reduction: A's columns [K, K + K2) against the second weight.
+        a2_ptrs = a_ptr + rows[:, None] * stride_am + (K + rk)[None, :] * stride_ak
+        for k0 in range(0, K2, BLOCK_K):
+            k_ok = (k0 + rk) < K2
+            if USE_TMA:
+                a = a2_desc.load([(row_start + tile_m * BLOCK_M).to(tl.int32), k0])
+                b = load_b_tile(b2_desc, g, tile_n * BLOCK_N, k0, BLOCK_N, BLOCK_K, B_KN)
+            else:
+                a = tl.load(a2_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b2_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = tile_dot(a, b, acc, INPUT_PRECISION, INTERPRETER_DOT, FP8_FAST_ACCUM)
+            a2_ptrs += BLOCK_K * stride_ak
+            b2_ptrs += BLOCK_K * stride_bk
     acc = tl.where(active, acc, 0.0)
     acc2 = tl.where(active, acc2, 0.0)
     if HAS_BIAS:
@@ -285,6 +317,7 @@ def mjagged_gemm_kernel(
     TMA_STORE: tl.constexpr = False, SAVE_PREACT: tl.constexpr = False,
     ROW_SCALE: tl.constexpr = False, FP8_ROWWISE: tl.constexpr = False,
     FP8_BLOCKWISE: tl.constexpr = False, FP8_FAST_ACCUM: tl.constexpr = False,
+    b2_ptr=None, K2=0, SECOND_WEIGHT: tl.constexpr = False,
 ):
     """Persistent M-jagged grouped GEMM.
 
@@ -310,6 +343,10 @@ def mjagged_gemm_kernel(
       block scales (row stride ``stride_asm``), ``b_scale_ptr`` the weight's 128 x 128 block
       scales (strides ``stride_bsg``, ``stride_bsn`` per block of output columns,
       ``stride_bsk`` per block of K), applied per K step (:func:`mjagged_tile`).
+    * ``b2_ptr`` (``SECOND_WEIGHT``, no bias, no fp8): a second weight with B's strides.
+      With ``SWIGLU`` it holds the up rows (``N = N_OUT`` in each weight); with ``B_KN``
+      (dX) A has ``K + K2`` columns and the product is ``A[:, :K] @ B_g + A[:, K:] @ B2_g``
+      (B2 ``[G, K2, N_OUT]``).
 
     Every program strides through the flat tile space by ``NUM_PROGS``. ``FLATTEN`` lets
     Triton pipeline across consecutive tiles. ``USE_TMA``: loads through descriptors
@@ -329,9 +366,19 @@ def mjagged_gemm_kernel(
             a_desc, b_desc = make_descriptors(a_ptr, b_ptr, M, K, G, N_OUT, stride_am, stride_bg,
                                               stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, B_KN)
         else:
-            b_n = N_OUT * 2 if SWIGLU else N_OUT
+            b_n = N_OUT * 2 if SWIGLU and not SECOND_WEIGHT else N_OUT
             a_desc, b_desc = make_descriptors(a_ptr, b_ptr, M, K, G, b_n, stride_am, stride_bg,
                                               stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, B_KN)
+    a2_desc = None
+    b2_desc = None
+    if USE_TMA and SECOND_WEIGHT:
+        if B_KN:
+            b2_desc = second_weight_descriptor(b2_ptr, G, K2, N_OUT, stride_bg, stride_bk,
+                                               BLOCK_N, BLOCK_K, B_KN)
+            a2_desc = trailing_columns_descriptor(a_ptr, M, K, K2, stride_am, BLOCK_M, BLOCK_K)
+        else:
+            b2_desc = second_weight_descriptor(b2_ptr, G, K, N_OUT, stride_bg, stride_bn,
+                                               BLOCK_N, BLOCK_K, B_KN)
     out_desc = None
     if USE_TMA and TMA_STORE:
         out_desc = ragged_rows_descriptor(out_ptr, N_OUT, stride_om, BLOCK_M, BLOCK_N)
@@ -346,7 +393,7 @@ def mjagged_gemm_kernel(
             stride_biasg, stride_biasn, a_desc, b_desc, HAS_BIAS, SWIGLU, BLOCK_M, BLOCK_N,
             BLOCK_K, INPUT_PRECISION, INTERPRETER_DOT, USE_TMA, B_KN,
             a_scale_ptr, b_scale_ptr, stride_asm, stride_bsg, stride_bsn, stride_bsk,
-            FP8_BLOCKWISE, FP8_FAST_ACCUM,
+            FP8_BLOCKWISE, FP8_FAST_ACCUM, b2_ptr, b2_desc, a2_desc, K2, SECOND_WEIGHT,
         )  # [BLOCK_M, BLOCK_N] each, fp32
         if FP8_ROWWISE:
             acc = fp8_rowwise_scales(acc, a_scale_ptr, b_scale_ptr, g, g < G, start, end - start,
@@ -387,7 +434,8 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
                  fp8_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                  fp8_block_scales: Optional[tuple[torch.Tensor, torch.Tensor,
                                                   tuple[int, int, int]]] = None,
-                 fp8_fast_accum: bool = False) -> torch.Tensor:
+                 fp8_fast_accum: bool = False,
+                 second_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out [M, n_out]``: rows of group g are ``A_g @ B_g`` (B addressed through
     ``b_strides = (stride_g, stride_k, stride_n)``), tail rows zero.
 
@@ -409,12 +457,23 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
     K (for dX, W's own ``[G, N / 128, K / 128]`` scales with the last two strides swapped).
     ``fp8_fast_accum`` (with ``fp8_scales`` only): the MMA accumulates over the whole K loop
     instead of adding each K step into fp32 (:func:`tile_dot`); the interpreter's exact
-    sums ignore it.
+    sums ignore it. ``second_weight`` (no bias, no fp8; the strides of ``b``): the up
+    weight of a gate/up pair with ``swiglu`` (``n_out = N`` of each), or with ``b_kn`` (dX)
+    the second half of the reduction, ``A[:, :N1] @ W_g + A[:, N1:] @ W2_g`` (``mjagged_tile``'s
+    ``SECOND_WEIGHT``).
     """
     if fp8_fast_accum and fp8_scales is None:
         raise ValueError("fp8_fast_accum applies to the rowwise fp8 product (fp8_scales): the "
                          "blockwise product scales each K step apart by construction")
     m, k = a.shape
+    k_first, k_second = k, 0
+    if second_weight is not None:
+        if bias is not None or fp8_scales is not None or fp8_block_scales is not None:
+            raise ValueError("a second weight takes no bias and no fp8 scales")
+        if not (swiglu or b_kn):
+            raise ValueError("a second weight is the up half of a SwiGLU pair, or dX's")
+        if b_kn:  # dX: A's columns split between the two weights' rows
+            k_first, k_second = b.shape[1], second_weight.shape[1]
     offsets = offsets.contiguous()  # the kernel reads offsets[g] at offs_ptr + g
     groups = offsets.shape[0]
     if row_scale is not None:
@@ -444,9 +503,17 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
             # much live: 128 x 128 x 128 on 8 warps spills 1.8 KB a thread with flatten, none
             # without (237 registers; sm90, triton 3.6).
             cfg = dataclasses.replace(cfg, flatten=False)
+    if k_second and config is None:
+        # dX of a pair runs two K loops per tile; the persistent loop is flattened only over
+        # a single inner loop.
+        cfg = dataclasses.replace(cfg, flatten=False)
     progs = grid_size(a.device, cfg)
     if use_tma is None:
         use_tma = not batch_invariant and tma_applies(a, b, cfg)
+        if second_weight is not None:
+            # dX's second A descriptor starts k_first elements into each row.
+            use_tma = (use_tma and tma_compatible(second_weight)
+                       and (k_first * a.element_size()) % 16 == 0)
     store = mjagged_tma_store(out, cfg, bool(use_tma))
 
     def launch(tma: bool, tma_store: bool = False) -> None:
@@ -454,7 +521,7 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
             set_tma_allocator(a.device)
         mjagged_gemm_kernel[(progs,)](
             a, b, bias if bias is not None else a, offsets, out,
-            m, n_out, k, groups,
+            m, n_out, k_first, groups,
             a.stride(0), a.stride(1), *b_strides,
             bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
             out.stride(0), out.stride(1),
@@ -472,6 +539,8 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
             TMA_STORE=tma and tma_store, SAVE_PREACT=preact is not None,
             ROW_SCALE=row_scale is not None, FP8_ROWWISE=fp8_scales is not None,
             FP8_BLOCKWISE=fp8_block_scales is not None, FP8_FAST_ACCUM=fp8_fast_accum,
+            b2_ptr=second_weight if second_weight is not None else a, K2=k_second,
+            SECOND_WEIGHT=second_weight is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
@@ -519,3 +588,37 @@ def grouped_linear_dx(grad, weight, offsets, *, batch_invariant=False, use_tma=N
     return mjagged_gemm(grad, weight, (weight.stride(0), weight.stride(1), weight.stride(2)),
                         offsets, k, out_dtype=grad.dtype, batch_invariant=batch_invariant,
                         b_kn=True, use_tma=use_tma)
+
+
+def _pair_strides(w_gate: torch.Tensor, w_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate/up pair with one set of strides (the kernels address both through the
+    gate's): each as it is when they match, else both made contiguous."""
+    if w_gate.stride() == w_up.stride():
+        return w_gate, w_up
+    return w_gate.contiguous(), w_up.contiguous()
+
+
+def grouped_linear_swiglu_pair_forward(x, w_gate, w_up, offsets, *, batch_invariant=False,
+                                       use_tma=None, preact=None):
+    """x ``[M, K]``, w_gate and w_up ``[G, H, K]`` -> ``silu(x W_gate^T) * (x W_up^T)``
+    ``[M, H]``, reading the two weights where they are (no concatenated copy); ``preact [M,
+    2H]``, if given, receives the gate then the up pre-activations in its dtype. The same
+    tiles and sums as :func:`grouped_linear_swiglu_forward` on ``cat([w_gate, w_up], 1)``."""
+    w_gate, w_up = _pair_strides(w_gate, w_up)
+    h = w_gate.shape[1]
+    return mjagged_gemm(x, w_gate, (w_gate.stride(0), w_gate.stride(2), w_gate.stride(1)),
+                        offsets, h, swiglu=True, out_dtype=x.dtype,
+                        batch_invariant=batch_invariant, use_tma=use_tma, preact=preact,
+                        second_weight=w_up)
+
+
+def grouped_linear_dx_pair(grad, w_gate, w_up, offsets, *, batch_invariant=False, use_tma=None):
+    """grad ``[M, 2H]`` (gate columns, then up), w_gate and w_up ``[G, H, K]`` -> ``dX [M, K]
+    = grad_g[:, :H] @ W_gate_g + grad_g[:, H:] @ W_up_g``, one fp32 accumulator per tile
+    (bitwise :func:`grouped_linear_dx` on the concatenated weight when the config's
+    ``BLOCK_K`` divides H)."""
+    w_gate, w_up = _pair_strides(w_gate, w_up)
+    k = w_gate.shape[2]
+    return mjagged_gemm(grad, w_gate, (w_gate.stride(0), w_gate.stride(1), w_gate.stride(2)),
+                        offsets, k, out_dtype=grad.dtype, batch_invariant=batch_invariant,
+                        b_kn=True, use_tma=use_tma, second_weight=w_up)

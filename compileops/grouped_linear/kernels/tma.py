@@ -60,6 +60,33 @@ def make_descriptors(a_ptr, b_ptr, M, K, G, B_N, stride_am, stride_bg, stride_b1
 
 
 @triton.jit
+def second_weight_descriptor(b2_ptr, G, K, B_N, stride_bg, stride_b1, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, B_KN: tl.constexpr):
+    """The descriptor of a second weight (``mjagged_tile``'s ``SECOND_WEIGHT``) with the
+    first one's strides: ``[G, K, B_N]`` (``B_KN``, dX; K its own rows) or ``[G, B_N, K]``,
+    boxes as :func:`make_descriptors`' weight."""
+    if B_KN:
+        desc = tl.make_tensor_descriptor(b2_ptr, shape=[G, K, B_N],
+                                         strides=[stride_bg, stride_b1, 1],
+                                         block_shape=[1, BLOCK_K, BLOCK_N])
+    else:
+        desc = tl.make_tensor_descriptor(b2_ptr, shape=[G, B_N, K],
+                                         strides=[stride_bg, stride_b1, 1],
+                                         block_shape=[1, BLOCK_N, BLOCK_K])
+    return desc
+
+
+@triton.jit
+def trailing_columns_descriptor(a_ptr, M, K, K2, stride_am, BLOCK_M: tl.constexpr,
+                                BLOCK_K: tl.constexpr):
+    """A's columns ``[K, K + K2)`` as their own ``[M, K2]`` matrix (unit column stride), in
+    ``[BLOCK_M, BLOCK_K]`` boxes: dX of a gate/up pair reads the up half of dY through it.
+    Its base, ``K`` elements into A, must be 16-byte aligned (the launcher checks)."""
+    return tl.make_tensor_descriptor(a_ptr + K, shape=[M, K2], strides=[stride_am, 1],
+                                     block_shape=[BLOCK_M, BLOCK_K])
+
+
+@triton.jit
 def load_b_tile(b_desc, g, n0, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 B_KN: tl.constexpr):
     """``[BLOCK_K, BLOCK_N]`` tile of B_g at ``(k0, n0)`` through :func:`make_descriptors`'
