@@ -13,6 +13,9 @@ it runs, alternating, in this order:
 * ``compileops-fp8``: ``--model.converters compileops_moe_fp8`` (rowwise, weight cache, fast
   accumulation).
 
+``--impls`` can add ``compileops-bf16-pair`` (``--model.converters compileops_moe_pair``: bf16
+with the gate and up products reading w1 and w3 where they are, ``gate_up="pair"``).
+
 Each run is ``torchrun --standalone --nproc_per_node 1 -m torchtitan.train`` with
 ``benchmarks/titan_moe.toml`` (compile on, synthetic data, AdamW), its log kept in
 ``--out``. From torchtitan's per-step log line it takes the loss, the tokens per second and
@@ -61,7 +64,10 @@ IMPLS = {
     # recipe (_titan_fp8_args picks).
     "titan-fp8": None,
     "compileops-fp8": ["--model.converters", "compileops_moe_fp8"],
+    "compileops-bf16-pair": ["--model.converters", "compileops_moe_pair"],
 }
+#: The runs made unless ``--impls`` names others: the four the comparison is about.
+DEFAULT_IMPLS = ["titan-bf16", "compileops-bf16", "titan-fp8", "compileops-fp8"]
 STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.naninf]+).*?memory:\s*([\d.]+)GiB"
                        r".*?tps:\s*([\d,]+)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -222,7 +228,7 @@ def _run_of(log: Path) -> tuple[str, str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
+    p.add_argument("--impls", nargs="+", default=DEFAULT_IMPLS, choices=list(IMPLS))
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=20, help="steps left out of tokens/s")
     p.add_argument("--layers", type=int, default=0, help="0: the shape's default (4, 2)")

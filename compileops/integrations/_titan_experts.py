@@ -15,20 +15,28 @@ from compileops.grouped_linear import grouped_linear, grouped_linear_swiglu
 
 #: The ``fp8`` values the integration takes (None: bf16 products, as torchtitan's experts).
 FP8_RECIPES = (None, "rowwise")
+#: How the 16-bit gate and up products read torchtitan's two weights ``w1`` and ``w3``
+#: (:func:`_swiglu`): ``"concatenated"`` (a ``[E, 2F, D]`` copy per call, one fused kernel) or
+#: ``"pair"`` (the same kernel reading both where they are; experimental).
+GATE_UP_FORMS = ("concatenated", "pair")
 
 
 @dataclass(frozen=True)
 class Options:
     """How the converted experts compute: ``fp8`` (None or ``"rowwise"``); with fp8,
-    ``cache_fp8_weights`` and ``fp8_fast_accum`` as in :func:`compileops.grouped_linear`."""
+    ``cache_fp8_weights`` and ``fp8_fast_accum`` as in :func:`compileops.grouped_linear`;
+    without, ``gate_up`` (one of :data:`GATE_UP_FORMS`, :func:`_swiglu`)."""
 
     fp8: Optional[str] = None
     cache_fp8_weights: bool = True
     fp8_fast_accum: bool = True
+    gate_up: str = "concatenated"
 
     def __post_init__(self):
         if self.fp8 not in FP8_RECIPES:
             raise ValueError(f"fp8 must be one of {FP8_RECIPES}, got {self.fp8!r}")
+        if self.gate_up not in GATE_UP_FORMS:
+            raise ValueError(f"gate_up must be one of {GATE_UP_FORMS}, got {self.gate_up!r}")
 
     def kwargs(self, cacheable: bool = True) -> dict:
         """The keyword arguments of the grouped-linear calls (the fp8-only options are
@@ -43,7 +51,7 @@ class Options:
 
 def _swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, offsets: torch.Tensor, *,
             fp8: Optional[str] = None, cache_fp8_weights: bool = False,
-            fp8_fast_accum: bool = False) -> torch.Tensor:
+            fp8_fast_accum: bool = False, gate_up: str = "concatenated") -> torch.Tensor:
     """``silu(x W1_g^T) * (x W3_g^T)``: x ``[M, D]``, w1 and w3 ``[E, F, D]`` (torchtitan keeps
     them as two parameters), offsets int32 ``[E]`` -> ``[M, F]``.
 
@@ -61,7 +69,11 @@ def _swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, offsets: torch.
     the cast. With bf16 weights (FSDP2's mixed precision) the copy is traffic of its own: by
     arithmetic, not measured, one read and one write of w1 and w3 forward and the same for
     their gradients' split, about 3.2 GB a layer a step at that shape, 0.75 ms at the H200's
-    copy bandwidth. A kernel taking w1 and w3 apart would remove it.
+    copy bandwidth.
+    ``gate_up="pair"`` (16-bit only): the same kernel reading w1 and w3 where they are
+    (:func:`compileops.grouped_linear_swiglu`'s ``up_weight``), so neither the copy nor the
+    split exists, with the same bits (dX: when its tile's K step divides F). Experimental:
+    its speed in the trainer is not measured yet, which is why it is not the default.
     With ``cache_fp8_weights`` the two products stay apart: the fp8 cache keys on the
     weight's storage, and a concatenated copy is a new storage at every call, so it would
     never hit.
@@ -70,6 +82,8 @@ def _swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, offsets: torch.
         opts = dict(fp8=fp8, cache_fp8_weights=True, fp8_fast_accum=fp8_fast_accum)
         gate = grouped_linear(x, w1, offsets, **opts)
         return F.silu(gate) * grouped_linear(x, w3, offsets, **opts)
+    if fp8 is None and gate_up == "pair":
+        return grouped_linear_swiglu(x, w1, offsets, up_weight=w3)
     opts = dict(fp8=fp8, fp8_fast_accum=fp8_fast_accum) if fp8 is not None else {}
     return grouped_linear_swiglu(x, torch.cat([w1, w3], dim=1), offsets, **opts)
 
@@ -121,5 +135,5 @@ def experts_forward(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: tor
     # at every call (fp32 parameters under autocast) is a new storage each time.
     opts = options.kwargs(cacheable=all(w.dtype == torch.bfloat16 for w in weights))
     w1, w2, w3 = (w.to(compute_dtype) for w in weights)
-    h = _swiglu(xb, w1, w3, offsets, **opts)
+    h = _swiglu(xb, w1, w3, offsets, **opts, gate_up=options.gate_up)
     return grouped_linear(h, w2, offsets, row_scale=row_scale, **opts).to(x.dtype)

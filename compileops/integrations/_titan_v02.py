@@ -167,6 +167,7 @@ class CompileopsMoEConverter:
     ``"compileops_moe_fp8"`` for fp8 rowwise with the weight cache and fast accumulation)."""
 
     fp8: Optional[str] = None
+    gate_up: str = "concatenated"
 
     def __init__(self, job_config, parallel_dims):
         if getattr(parallel_dims, "ep_enabled", False) or getattr(parallel_dims, "etp", 1) > 1:
@@ -174,7 +175,7 @@ class CompileopsMoEConverter:
                 "compileops' torchtitan 0.2 converter runs without expert parallelism "
                 f"(expert_parallel_degree={getattr(parallel_dims, 'ep', '?')}); use "
                 "torchtitan 0.3 for expert parallelism")
-        self.options = Options(self.fp8)
+        self.options = Options(self.fp8, gate_up=self.gate_up)
         compile_config = job_config.compile
         # As torchtitan 0.2 compiles its experts function (compiled_body).
         self.compile_backend = (compile_config.backend if compile_config.enable
@@ -193,10 +194,18 @@ class CompileopsFP8MoEConverter(CompileopsMoEConverter):
     fp8 = "rowwise"
 
 
+class CompileopsPairMoEConverter(CompileopsMoEConverter):
+    """``"compileops_moe_pair"``: bf16, the gate and up products reading w1 and w3 where they
+    are (``gate_up="pair"``, experimental)."""
+
+    gate_up = "pair"
+
+
 def register() -> None:
     """Register the converters under ``"compileops_moe"`` and ``"compileops_moe_fp8"``
     (idempotent: torchtitan refuses a name registered twice)."""
     for name, cls in (("compileops_moe", CompileopsMoEConverter),
-                      ("compileops_moe_fp8", CompileopsFP8MoEConverter)):
+                      ("compileops_moe_fp8", CompileopsFP8MoEConverter),
+                      ("compileops_moe_pair", CompileopsPairMoEConverter)):
         if name not in _registry_model_converter_cls:
             register_model_converter(cls, name)

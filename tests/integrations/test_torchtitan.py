@@ -253,6 +253,39 @@ def test_apply_on_a_built_model_reports_and_matches_the_converter():
     assert titan.apply(theirs)["experts"] == report["experts"]  # idempotent
 
 
+def test_gate_up_pair_reaches_the_experts_and_gives_the_same_bits():
+    """``gate_up="pair"`` through the converter's config and through ``apply()``: every
+    converted experts module computes with it. The model's output is the concatenated form's,
+    bitwise (the Triton kernels, under the interpreter on CPU). Its gradients are too up to
+    dX of the gate/up product: the tiny model's F = 16 is half the interpreter's K step, so
+    the pair sums dX's two halves apart (the kernels' docstring); a bf16 rounding of dX can
+    then move one step, relative <= 2u."""
+    from compileops.integrations.torchtitan import CompileopsMoEConverter
+
+    config = CompileopsMoEConverter.Config(gate_up="pair").build().convert(harness.tiny_config())
+    torch.manual_seed(0)
+    pair = config.build()
+    pair.init_weights()
+    _, concatenated = _models()
+    titan.apply(concatenated)
+    concatenated.load_state_dict(pair.state_dict())
+    applied = harness.tiny_config().build()
+    titan.apply(applied, gate_up="pair")
+    for model, form in ((pair, "pair"), (applied, "pair"), (concatenated, "concatenated")):
+        experts = [m for m in model.modules() if hasattr(m, "compileops_options")]
+        assert experts and {m.compileops_options.gate_up for m in experts} == {form}
+    tokens = torch.randint(0, harness.SIZES["vocab"], (2, 8))
+    outs = []
+    for model in (pair, concatenated):
+        model.zero_grad()
+        out = model(tokens)
+        out.float().sum().backward()
+        outs.append((out.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    assert torch.equal(outs[0][0], outs[1][0])
+    for name, grad in outs[0][1].items():
+        assert _rel(grad.float(), outs[1][1][name].float()) <= 2 * U, name
+
+
 def test_apply_refuses_a_parallelized_model():
     _, theirs = _models()
     theirs.layers["1"].moe.routed_experts._parallelized = True

@@ -91,7 +91,33 @@ def test_fp8_weight_cache_only_for_weights_that_are_bf16_already(dtype, cached, 
     assert _rel(out, want) <= 2 * 4e-2
 
 
+def test_gate_up_pair_is_the_concatenated_form_bitwise():
+    """``gate_up="pair"`` reads w1 and w3 where they are: output and every gradient are the
+    bits of the concatenated form (F = 32, a multiple of the interpreter's K step, so dX sums
+    in the same order too)."""
+    g = torch.Generator().manual_seed(1)
+    f = 32
+    x = torch.randn(sum(COUNTS) + 2, D, generator=g)
+    w1, w3 = (torch.randn(E, f, D, generator=g) / D ** 0.5 for _ in range(2))
+    w2 = torch.randn(E, D, f, generator=g) / f ** 0.5
+    scale = torch.rand(x.shape[0], generator=g)
+    grad = torch.randn(x.shape, generator=g)
+
+    def run(gate_up):
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w2, w3)]
+        out = experts_forward(leaves[0], *leaves[1:], torch.tensor(COUNTS), scale,
+                              Options(gate_up=gate_up))
+        out.backward(grad)
+        return [out.detach(), *(t.grad for t in leaves)]
+
+    for what, a, b in zip(("out", "dx", "dw1", "dw2", "dw3"), run("pair"),
+                          run("concatenated")):
+        assert torch.equal(a, b), what
+
+
 def test_options_refuse_an_unknown_fp8_recipe():
+    with pytest.raises(ValueError, match="gate_up must be one of"):
+        Options(gate_up="interleaved")
     with pytest.raises(ValueError, match="fp8 must be one of"):
         Options(fp8="blockwise")
     assert Options().kwargs() == {}

@@ -108,6 +108,8 @@ def test_converters_are_registered_and_refuse_expert_parallelism():
     assert _registry_model_converter_cls["compileops_moe"].fp8 is None
     fp8 = _registry_model_converter_cls["compileops_moe_fp8"]
     assert fp8.fp8 == "rowwise"
+    pair = _registry_model_converter_cls["compileops_moe_pair"]
+    assert pair.fp8 is None and pair.gate_up == "pair"
 
     class Job:
         class compile:  # noqa: N801 - the job config's section
