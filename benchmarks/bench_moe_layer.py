@@ -12,6 +12,16 @@ routing code, the weights and the inputs; only the expert GEMMs differ:
   backward recomputes the gate/up GEMM): its cost and the memory it saves.
 * ``grouped_mm``: ``torch._grouped_mm`` + ``F.silu(gate) * up``, the anchor.
 
+Three more on request (``--impls``), for the forms users write:
+
+* ``compileops-pair``: gate and up as two weights (``[G, H, D]`` each, torchtitan's layout),
+  ``grouped_linear_swiglu(xs, w_gate, offsets, up_weight=w_up)``, then as ``compileops``;
+* ``compileops-user-mul``: as ``compileops``, but the probability written as a product,
+  ``grouped_linear(h, down, offsets) * p[:, None]``;
+* ``compileops-user-two-weights``: both written out, ``F.silu(grouped_linear(xs, w_gate,
+  offsets)) * grouped_linear(xs, w_up, offsets)``, then ``grouped_linear(...) * p[:, None]``
+  (Hugging Face's and torchtitan's form on compileops' products).
+
 With ``--fp8 rowwise`` (or ``blockwise``) two more, both in e4m3 (or, where ``--impls`` names
 fp8 layers, those):
 
@@ -110,6 +120,10 @@ def _supports_recompute() -> bool:
     return "recompute" in inspect.signature(compileops.grouped_linear_swiglu).parameters
 
 
+#: The layers whose gate and up weights are two parameters.
+TWO_WEIGHT_IMPLS = ("compileops-pair", "compileops-user-two-weights")
+
+
 class MoELayer(torch.nn.Module):
     """x ``[T, D]`` -> ``[T, D]``; ``impl`` picks the expert GEMMs, everything else is shared."""
 
@@ -129,7 +143,12 @@ class MoELayer(torch.nn.Module):
             return (torch.rand(*size, generator=gen) * 2 - 1).mul_(bound).to(device, dtype)
 
         self.router = torch.nn.Parameter(uniform(e, d, fan_in=d))
-        self.gate_up = torch.nn.Parameter(uniform(e, 2 * h, d, fan_in=d))  # [G, 2H, D]
+        gate_up = uniform(e, 2 * h, d, fan_in=d)  # [G, 2H, D]
+        if impl in TWO_WEIGHT_IMPLS:  # the same values as two parameters [G, H, D]
+            self.w_gate = torch.nn.Parameter(gate_up[:, :h].clone())
+            self.w_up = torch.nn.Parameter(gate_up[:, h:].clone())
+        else:
+            self.gate_up = torch.nn.Parameter(gate_up)
         self.down = torch.nn.Parameter(uniform(e, d, h, fan_in=h))  # [G, D, H]
         self.register_buffer("router_bias",
                              -skew * torch.log1p(torch.arange(e, dtype=torch.float32)).to(device))
@@ -159,6 +178,16 @@ class MoELayer(torch.nn.Module):
             y = compileops.grouped_linear(h, self.down, offsets, row_scale=p_sorted,
                                           fp8=self.fp8, cache_fp8_weights=cache,
                                           fp8_fast_accum=fast)
+        elif self.impl == "compileops-pair":
+            h = compileops.grouped_linear_swiglu(xs, self.w_gate, offsets, up_weight=self.w_up)
+            y = compileops.grouped_linear(h, self.down, offsets, row_scale=p_sorted)
+        elif self.impl == "compileops-user-two-weights":
+            h = (F.silu(compileops.grouped_linear(xs, self.w_gate, offsets))
+                 * compileops.grouped_linear(xs, self.w_up, offsets))
+            y = compileops.grouped_linear(h, self.down, offsets) * p_sorted[:, None].to(x.dtype)
+        elif self.impl == "compileops-user-mul":
+            h = compileops.grouped_linear_swiglu(xs, self.gate_up, offsets)
+            y = compileops.grouped_linear(h, self.down, offsets) * p_sorted[:, None].to(x.dtype)
         else:
             kwargs = {"recompute": True} if self.impl == "compileops-recompute" else {}
             h = compileops.grouped_linear_swiglu(xs, self.gate_up, offsets, **kwargs)

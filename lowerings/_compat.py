@@ -218,6 +218,24 @@ def require_contiguous(node):
     return ExternKernel.require_contiguous(node)
 
 
+def same_fixed_strides(a, b) -> bool:
+    """Whether two realized nodes have fixed layouts (graph inputs, views of them, buffers
+    whose layout is decided) with the same strides: then a template may address both
+    through one set of strides without copying either."""
+    from torch._inductor.ir import FixedLayout
+
+    layouts = []
+    for node in (a, b):
+        try:
+            layout = node.get_layout()
+        except (AttributeError, NotImplementedError):
+            return False
+        if not isinstance(layout, FixedLayout):
+            return False
+        layouts.append(layout)
+    return list(layouts[0].stride) == list(layouts[1].stride)
+
+
 def realize_inputs(*nodes):
     from torch._inductor.select_algorithm import realize_inputs as _realize
 

@@ -402,7 +402,11 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
         extra_inputs.append(_compat.require_contiguous(row_scale))
     weights = [weight]
     if pair:
-        weights = [_compat.require_contiguous(weight), _compat.require_contiguous(second_weight)]
+        # One set of strides for both (the template addresses W2 through W's): as they are
+        # when they already agree (two parameters, or two halves of one), else contiguous.
+        weights = _compat.realize_inputs(weight, second_weight)
+        if not _compat.same_fixed_strides(*weights):
+            weights = [_compat.require_contiguous(w) for w in weights]
     nodes = _compat.realize_inputs(x, *weights, offsets, *extra_inputs)
     x, weight = nodes[:2]
     offsets = nodes[len(weights) + 1]

@@ -263,3 +263,23 @@ def test_gpu_pair_is_the_concatenated_weight_bitwise(compiled):
                                             offs, grad.float())
     for got, want, what in zip(first[1:], (dx_ref, dg_ref, du_ref), ("dX", "dW_gate", "dW_up")):
         assert_close_to_reference(got.float(), want, max_relative_error=1e-2, what=what)
+
+
+def test_compiled_halves_of_one_weight_are_read_in_place():
+    """Gate and up as the two halves of one ``[G, 2H, K]`` parameter (views with the same
+    strides): the compiled pair reads them where they are, no copy kernel before it."""
+    x, w_gate, w_up, offs = make_pair([5, 0, 11, 3], k=32, h=32)
+    gate_up = torch.cat([w_gate, w_up], 1).requires_grad_()
+
+    def halves(x, gate_up, offs):
+        h = gate_up.shape[1] // 2
+        return compileops.grouped_linear_swiglu(x, gate_up[:, :h], offs,
+                                                up_weight=gate_up[:, h:])
+
+    kernels = inductor_kernels(halves, x, gate_up, offs, triton=True).splitlines()
+    # One kernel: the pair's template (the slices are views it reads through; no copy).
+    assert len(kernels) == 1, kernels
+    assert kernels[0].startswith("triton_tem_fused_grouped_linear_swiglu_pair"), kernels
+    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
+        y = torch.compile(halves, fullgraph=True)(x, gate_up, offs)
+    assert torch.equal(y, compileops.grouped_linear_swiglu(x, gate_up, offs))
