@@ -133,6 +133,20 @@ def test_moe_layer_benchmark_smoke(tmp_path):
     assert "peak GiB" in table[0] and len(table) == 1 + len(rows), table
 
 
+def test_moe_layer_benchmark_user_forms_smoke(tmp_path):
+    """The layers users write (the probability as a product, gate and up as two weights,
+    written out or as the pair) compile, run forward and backward, and are timed."""
+    impls = ["compileops", "compileops-pair", "compileops-user-mul",
+             "compileops-user-two-weights"]
+    run_script("benchmarks/bench_moe_layer.py", "--smoke", "--modes", "static", "--routing",
+               "uniform", "--impls", *impls,
+               env=dict(os.environ, COMPILEOPS_BENCH_OUT=str(tmp_path)))
+    with open(tmp_path / "moe_layer.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["impl"] for r in rows] == impls
+    assert not any(r["note"].startswith("failed") for r in rows), rows
+
+
 @pytest.mark.parametrize("script", ["benchmarks/tuning/probe_grouped_linear_dw.py",
                                     "benchmarks/tuning/sweep_grouped_linear.py"])
 def test_tuning_script_parses_its_command_line(script):
