@@ -35,12 +35,19 @@ def install() -> None:
     with _install_lock:
         if _installed:
             return
-        from compileops.lowerings import embedding, grouped_linear, grouped_linear_fp8, mlstm
+        from compileops.lowerings import (
+            embedding,
+            grouped_linear,
+            grouped_linear_fp8,
+            mlstm,
+            user_patterns,
+        )
 
         embedding.register()
         grouped_linear.register()
         grouped_linear_fp8.register()
         mlstm.register()
+        user_patterns.register()
         _tag_compile_cache()
         _installed = True
 

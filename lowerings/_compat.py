@@ -427,3 +427,52 @@ def specialize(expr, *, what: str = "a size") -> int:
     guard_log.info("%s == %d on %s: specialised (a model constant); another value recompiles",
                    expr, value, what)
     return value
+
+
+# ---------------------------------------------------------------------------------------
+# Inductor's pre-grad custom pass (the graph Dynamo captured, before autograd)
+
+def _custom_graph_pass_base() -> type:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
+
+
+CustomGraphPass = _custom_graph_pass_base()
+
+
+class _ChainedPasses(CustomGraphPass):
+    """Two pre-grad passes run one after the other (the user's first). Its uuid is None when
+    either has none: Inductor then runs it without caching, as it would the user's alone."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __call__(self, graph) -> None:
+        self.first(graph)
+        self.second(graph)
+
+    def uuid(self):
+        uuids = [getattr(p, "uuid", lambda: None)() for p in (self.first, self.second)]
+        return None if None in uuids else tuple(uuids)
+
+
+def add_pre_grad_pass(graph_pass) -> None:
+    """Run ``graph_pass`` (a :data:`CustomGraphPass`) in Inductor's pre-grad custom pass slot,
+    after any pass the user has put there (idempotent). A pass the user sets later replaces
+    it: compileops' rewrites are then not made, and nothing else changes."""
+    import torch._inductor.config as config
+
+    current = config.pre_grad_custom_pass
+    if current is graph_pass or (isinstance(current, _ChainedPasses)
+                                 and current.second is graph_pass):
+        return
+    config.pre_grad_custom_pass = (graph_pass if current is None
+                                   else _ChainedPasses(current, graph_pass))
+
+
+def statically_equal(a, b) -> bool:
+    """Whether two sizes (ints or SymInts) are equal without adding a guard."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(a == b))

@@ -6,7 +6,8 @@ multiplied into the down projection's output (``* p[:, None]``, ``* p.unsqueeze(
 probability in fp32 and the product cast back), a cast of the output, a bias or a residual
 added, and the gate and up products as two weights (``silu(x @ w1) * (x @ w3)``), each with
 the kernels of the compiled forward and backward, static and ``dynamic=True``. The explicit
-``row_scale=`` form is pinned beside them. Each line is one launch of the step (a kernel
+``row_scale=`` form is pinned beside them; the probability written as a product in the
+product's dtype compiles to it (``lowerings/user_patterns.py``). Each line is one launch of the step (a kernel
 launched twice is listed twice), so a change in what fuses into the templates, or in how many
 kernels a step runs, shows here as a changed line.
 """
@@ -95,23 +96,28 @@ class UserPatternSnapshots(SnapshotTestCase):
 
     def test_down_projection_times_probability(self):
         _, h, _, _, w2, offsets, p, _ = _inputs()
+        # Rewritten before autograd to the row-scaled op (lowerings/user_patterns.py): the
+        # same launches as row_scale= below.
         self.assertSnapshot(_kernels(down_times_p, h, w2, offsets, p), """\
-triton_tem_fused_grouped_linear_mul_unsqueeze
+triton_tem_fused_grouped_linear_row_scaled
 # backward
-triton_per_fused_mul_sum_unsqueeze
 triton_tem_fused_grouped_linear_dx
+triton_per_fused_mul_sum_unsqueeze
+triton_poi_fused_grouped_linear_wgrad_mul_unsqueeze
 torch.ops.compileops.grouped_linear_wgrad.default""")
         self.assertSnapshot(_kernels(down_times_p_unsqueezed, h, w2, offsets, p), """\
-triton_tem_fused_grouped_linear_mul_unsqueeze
+triton_tem_fused_grouped_linear_row_scaled
 # backward
-triton_per_fused_mul_sum_unsqueeze
 triton_tem_fused_grouped_linear_dx
+triton_per_fused_mul_sum_unsqueeze
+triton_poi_fused_grouped_linear_wgrad_mul_unsqueeze
 torch.ops.compileops.grouped_linear_wgrad.default""")
         self.assertSnapshot(_kernels(down_times_p, h, w2, offsets, p, dynamic=True), """\
-triton_tem_fused_grouped_linear_mul_unsqueeze
+triton_tem_fused_grouped_linear_row_scaled
 # backward
-triton_red_fused_mul_sum_unsqueeze
 triton_tem_fused_grouped_linear_dx
+triton_red_fused_mul_sum_unsqueeze
+triton_poi_fused_grouped_linear_wgrad_mul_unsqueeze
 torch.ops.compileops.grouped_linear_wgrad.default""")
 
     def test_down_projection_bf16_times_fp32_probability(self):

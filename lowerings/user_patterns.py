@@ -1,0 +1,161 @@
+"""What users write around the compileops ops, rewritten to the op that does it in its kernel.
+
+A pass over the graph Dynamo captures, before autograd (Inductor's pre-grad custom pass), so
+that the op put in brings its own backward. One rewrite:
+
+* ``grouped_linear(x, w, offsets) * p[:, None]`` becomes ``grouped_linear(x, w, offsets,
+  row_scale=p)`` (:func:`compileops.grouped_linear.scaled.row_scaled_grouped_linear`), where
+  ``p`` is a 1-D floating tensor with one value per row, made a column by ``p[:, None]``,
+  ``p[..., None]``, ``p.unsqueeze(-1)`` (or ``(1)``, ``torch.unsqueeze``), ``p.view(-1, 1)``
+  or ``p.reshape(-1, 1)``, cast to the product's dtype before or after (``.to(dtype)``) or
+  already of it; either operand order; the product used by nothing else, no bias.
+
+  Why: written as a product, the multiply becomes the GEMM template's epilogue, and
+  Inductor inlines the producers of ``p`` (the gather by routing order, the top-k
+  normalisation) into it, recomputed for every element of the ``[M, N]`` tile; at
+  Mixtral-8x7B's down projection on an H200 that made the layer's forward 0.70-0.81x of the
+  same layer on ``torch._grouped_mm``, where ``row_scale=`` ran at 0.99-1.00x
+  (``benchmarks/RESULTS.md``). The forward's bits are the same (the row-scaled op rounds
+  the product, then multiplies by the scale rounded to its dtype, and rounds again: the
+  written-out product's arithmetic). The backward is the row-scaled op's: ``dp`` as a sum
+  over K from the dX product it computes anyway, instead of a sum over N of ``grad * y``;
+  both round each summand's factor once, so the two are within the same bound of exact
+  arithmetic (``tests/grouped_linear/test_user_patterns.py`` measures it against fp64).
+
+Anything else is left as written. The pass keys Inductor's caches on compileops' sources
+(``uuid``), as the lowerings do.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import torch
+import torch.fx
+
+from compileops.lowerings import _compat
+
+
+def _grouped_linear_without_bias(node: torch.fx.Node) -> bool:
+    if node.op != "call_function" or node.target is not torch.ops.compileops.grouped_linear.default:
+        return False
+    bias = node.args[3] if len(node.args) > 3 else node.kwargs.get("bias")
+    return bias is None
+
+
+def _value(node) -> Optional[torch.Tensor]:
+    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _is_column(node: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """The node whose 1-D value ``node`` makes a ``[M, 1]`` column, else None."""
+    args = node.args
+    if node.op == "call_method" and node.target == "unsqueeze" and len(args) == 2:
+        return args[0] if args[1] in (1, -1) else None
+    if node.op == "call_function" and node.target is torch.unsqueeze and len(args) == 2:
+        return args[0] if args[1] in (1, -1) else None
+    if node.op == "call_function" and node.target is operator.getitem and len(args) == 2:
+        index = args[1]
+        if index in ((slice(None), None), (Ellipsis, None)):
+            return args[0]
+        return None
+    if node.op == "call_method" and node.target in ("view", "reshape") and len(args) >= 2:
+        shape = tuple(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) \
+            else tuple(args[1:])
+        return args[0] if shape == (-1, 1) else None
+    return None
+
+
+def _cast_to(node: torch.fx.Node, dtype: torch.dtype) -> Optional[torch.fx.Node]:
+    """The node cast by ``node`` when it is ``.to(dtype)`` (nothing else), else None."""
+    if node.op != "call_method" or node.target != "to" or node.kwargs:
+        return None
+    if len(node.args) == 2 and node.args[1] == dtype:
+        return node.args[0]
+    return None
+
+
+def _row_scale(column: torch.fx.Node, product: torch.Tensor) -> Optional[torch.fx.Node]:
+    """The 1-D node ``p`` when ``column`` is ``p`` made an ``[M, 1]`` column (and cast to
+    ``product``'s dtype, or of it already), ``M`` the product's rows; else None."""
+    node = column
+    column_seen = False
+    for _ in range(4):  # a column step and casts, in any order
+        if not isinstance(node, torch.fx.Node):
+            return None
+        inner = _cast_to(node, product.dtype)
+        if inner is None and not column_seen:
+            inner = _is_column(node)
+            column_seen = inner is not None
+        if inner is None:
+            break
+        node = inner
+    value = _value(node)
+    if not column_seen or value is None or value.dim() != 1 or not value.is_floating_point():
+        return None
+    if not _compat.statically_equal(value.shape[0], product.shape[0]):
+        return None
+    return node
+
+
+def _rewrite_row_scale(graph: torch.fx.Graph) -> int:
+    from compileops.grouped_linear.scaled import row_scaled_grouped_linear
+
+    done = 0
+    for mul in list(graph.nodes):
+        if mul.op != "call_function" or mul.target not in (operator.mul, torch.mul) \
+                or len(mul.args) != 2 or mul.kwargs:
+            continue
+        for product_node, column in (mul.args, mul.args[::-1]):
+            if not isinstance(product_node, torch.fx.Node) or \
+                    not _grouped_linear_without_bias(product_node) or len(product_node.users) != 1:
+                continue
+            product, out = _value(product_node), _value(mul)
+            if product is None or out is None or out.dtype != product.dtype \
+                    or tuple(out.shape) != tuple(product.shape):
+                continue
+            scale = _row_scale(column, product)
+            if scale is None:
+                continue
+            x, weight, offsets = product_node.args[:3]
+            with graph.inserting_before(mul):
+                scaled = graph.call_function(row_scaled_grouped_linear,
+                                             (x, weight, offsets, None, scale))
+            scaled.meta.update(mul.meta)
+            mul.replace_all_uses_with(scaled)
+            graph.erase_node(mul)
+            graph.erase_node(product_node)
+            _erase_unused(graph, column)
+            done += 1
+            break
+    return done
+
+
+def _erase_unused(graph: torch.fx.Graph, node) -> None:
+    """Erase ``node`` and the view/cast nodes feeding it that nothing else uses."""
+    while isinstance(node, torch.fx.Node) and not node.users and (
+            _is_column(node) is not None or node.target == "to"):
+        feeding = node.args[0]
+        graph.erase_node(node)
+        node = feeding
+
+
+class UserPatterns(_compat.CustomGraphPass):
+    """The pre-grad pass; ``uuid`` is compileops' source fingerprint."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if _rewrite_row_scale(graph):
+            graph.lint()
+
+    def uuid(self):
+        from compileops.lowerings import source_fingerprint
+
+        return f"compileops-user-patterns-{source_fingerprint()}"
+
+
+PASS = UserPatterns()
+
+
+def register() -> None:
+    _compat.add_pre_grad_pass(PASS)

@@ -1,0 +1,140 @@
+"""The pre-grad rewrite of what users write (``lowerings/user_patterns.py``): the router
+probability written as a product after ``grouped_linear`` becomes its ``row_scale``, in every
+spelling it names, and nothing else is touched. Forward bits (fp32: the interpreter's bf16
+casts round toward zero, so bf16 bits are checked on a GPU), gradients against fp64 next to
+the written-out form's, dynamic shapes, and a user's own pre-grad pass kept."""
+import pytest
+import torch
+
+import compileops
+from compileops import backends
+from compileops.lowerings import _compat, user_patterns
+from compileops.testing import assert_close_to_reference, inductor_kernels
+from tests.grouped_linear._helpers import offsets_of
+
+ROW_SCALED = "torch.ops.compileops.grouped_linear_row_scaled.default"
+PLAIN = "torch.ops.compileops.grouped_linear.default"
+gl = compileops.grouped_linear
+
+SPELLINGS = {
+    "p[:, None]": lambda y, p: y * p[:, None],
+    "p[..., None]": lambda y, p: y * p[..., None],
+    "p.unsqueeze(-1), first": lambda y, p: p.unsqueeze(-1) * y,
+    "p.unsqueeze(1)": lambda y, p: y * p.unsqueeze(1),
+    "torch.unsqueeze": lambda y, p: torch.mul(y, torch.unsqueeze(p, -1)),
+    "p.view(-1, 1)": lambda y, p: y * p.view(-1, 1),
+    "p.reshape(-1, 1)": lambda y, p: y * p.reshape(-1, 1),
+    "cast, then column": lambda y, p: y * p.to(y.dtype)[:, None],
+    "column, then cast": lambda y, p: y * p[:, None].to(y.dtype),
+}
+
+
+def make(dtype=torch.float32, sizes=(5, 0, 17, 3), k=24, n=20, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    m = sum(sizes) + 3
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(len(sizes), n, k, generator=gen) / k**0.5).to(dtype)
+    p = torch.rand(m, generator=gen)
+    return x, w, offsets_of(list(sizes)), p
+
+
+def layer(spelling):
+    form = SPELLINGS[spelling]
+    return lambda x, w, offs, p: form(gl(x, w, offs), p)
+
+
+@pytest.mark.parametrize("spelling", list(SPELLINGS))
+def test_each_spelling_becomes_the_row_scaled_op_with_the_same_bits(spelling):
+    x, w, offs, p = make()
+    kernels = inductor_kernels(layer(spelling), x, w, offs, p).splitlines()
+    assert ROW_SCALED in kernels and PLAIN not in kernels, kernels
+    got = torch.compile(layer(spelling), fullgraph=True)(x, w, offs, p)
+    assert torch.equal(got, layer(spelling)(x, w, offs, p))
+
+
+LEFT_ALONE = {
+    # the product is used again: its [M, N] must exist
+    "product used twice": lambda x, w, offs, p, b: (lambda y: y * p[:, None] + y)(gl(x, w, offs)),
+    # a bias: the row-scaled op has none
+    "with a bias": lambda x, w, offs, p, b: gl(x, w, offs, b) * p[:, None],
+    # a row of scales, not a column
+    "row vector": lambda x, w, offs, p, b: gl(x, w, offs) * p[None, :20],
+    # one scale for every row (broadcast), not one per row
+    "one scale": lambda x, w, offs, p, b: gl(x, w, offs) * p[:1, None],
+    # the product promoted to the scale's dtype: not the op's arithmetic
+    "promoted": lambda x, w, offs, p, b: gl(x, w, offs) * p[:, None].double(),
+}
+
+
+@pytest.mark.parametrize("case", list(LEFT_ALONE))
+def test_other_forms_are_left_as_written(case):
+    x, w, offs, p = make()
+    b = torch.randn(w.shape[0], w.shape[1])
+    fn = LEFT_ALONE[case]
+    kernels = inductor_kernels(fn, x, w, offs, p, b).splitlines()
+    assert ROW_SCALED not in kernels, kernels
+    torch.testing.assert_close(torch.compile(fn, fullgraph=True)(x, w, offs, p, b),
+                               fn(x, w, offs, p, b), rtol=0, atol=0)
+
+
+def _errors(run, x, w, offs, p, grad):
+    """Relative L2 errors of (y, dX, dW, dp) from ``run`` against fp64 autograd."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, p)]
+    y = run(leaves[0], leaves[1], offs, leaves[2])
+    y.backward(grad)
+    exact = [t.detach().double().requires_grad_() for t in (x, w, p)]
+    y64 = layer("p[:, None]")(exact[0], exact[1], offs, exact[2].double())
+    y64.backward(grad.double())
+    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
+    return [rel(y, y64)] + [rel(a.grad, b.grad) for a, b in zip(leaves, exact)]
+
+
+def test_bf16_gradients_as_accurate_as_the_written_out_form():
+    """bf16 (the reference backend, which rounds as a GPU does): the rewritten layer's output
+    and its gradients for x, w and p are within the bf16 bound of fp64, and never more than
+    1.5x the written-out product's own error (the two round each factor of a gradient once,
+    at different places)."""
+    x, w, offs, p = make(torch.bfloat16, sizes=(40, 0, 70, 30), k=64, n=48)
+    grad = torch.randn(x.shape[0], w.shape[1]).bfloat16()
+    fn = layer("column, then cast")
+    with backends.use_backend("reference"):
+        written = _errors(fn, x, w, offs, p, grad)
+        compiled = _errors(torch.compile(fn, fullgraph=True), x, w, offs, p, grad)
+    assert ROW_SCALED in inductor_kernels(fn, x, w, offs, p)
+    for what, got, ref in zip(("y", "dX", "dW", "dp"), compiled, written):
+        assert got <= 1e-2, (what, got)
+        assert got <= 1.5 * ref + 1e-4, (what, got, ref)
+
+
+def test_dynamic_shapes_rewritten_without_recompiles():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("inductor")
+    fn = layer("p.unsqueeze(-1), first")
+    compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
+    for seed, sizes in enumerate(((3, 0, 5), (7, 2, 9), (1, 1, 20))):
+        x, w, offs, p = make(sizes=sizes, seed=seed)
+        assert torch.equal(compiled(x, w, offs, p), fn(x, w, offs, p))
+    assert counter.frame_count == 1
+    x, w, offs, p = make()
+    assert ROW_SCALED in inductor_kernels(fn, x, w, offs, p, dynamic=True)
+
+
+def test_a_users_own_pre_grad_pass_runs_first_and_is_kept():
+    import torch._inductor.config as config
+
+    seen = []
+
+    def users_pass(graph):
+        seen.append(sum(1 for _ in graph.nodes))
+
+    x, w, offs, p = make()
+    with _compat.inductor_config_patch(pre_grad_custom_pass=users_pass):
+        _compat.add_pre_grad_pass(user_patterns.PASS)
+        _compat.add_pre_grad_pass(user_patterns.PASS)  # idempotent
+        chained = config.pre_grad_custom_pass
+        assert chained.first is users_pass and chained.second is user_patterns.PASS
+        assert chained.uuid() is None  # the user's pass has none: no caching, as before
+        kernels = inductor_kernels(layer("p[:, None]"), x, w, offs, p).splitlines()
+    assert seen and ROW_SCALED in kernels
+    assert config.pre_grad_custom_pass is user_patterns.PASS
