@@ -276,10 +276,11 @@ def graph_input_behind(node) -> Any:
 def graph_input_written(input_box) -> bool:
     """Whether the graph being lowered writes into the graph input ``input_box`` (a
     ``TensorBox`` of :func:`graph_input_behind`): an in-place op on it, or on a view of it
-    (``w[:, :4].mul_(2)`` is ``copy_`` into a ``slice`` of the input), that AOTAutograd kept
-    in the graph (under ``no_grad``), its arguments given by position or by name. Its version
-    counter is then raised before the graph runs, while its values change only where the
-    write is."""
+    (``w[:, :4].mul_(2)`` is ``copy_`` into a ``slice`` of the input), or in a list of
+    tensors written in place (``torch._foreach_mul_([w], 0.5)``, an EMA or weight decay),
+    that AOTAutograd kept in the graph (under ``no_grad``), its arguments given by position
+    or by name. Its version counter is then raised before the graph runs, while its values
+    change only where the write is."""
     from torch._inductor.virtualized import V
 
     name = input_box.get_name()
@@ -291,9 +292,10 @@ def graph_input_written(input_box) -> bool:
                 continue
             value = (node.args[position] if position < len(node.args)
                      else node.kwargs.get(argument.name))
-            base = _view_base(value)
-            if base is not None and base.op == "placeholder" and base.target == name:
-                return True
+            for written in (value if isinstance(value, (list, tuple)) else (value,)):
+                base = _view_base(written)
+                if base is not None and base.op == "placeholder" and base.target == name:
+                    return True
     return False
 
 

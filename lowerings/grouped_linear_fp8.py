@@ -13,7 +13,8 @@ op with ``cache_weight``:
 * the weight is computed inside the graph (a cast, a concatenation): nothing tracks writes to
   it, so ``cache_weight`` is turned off for that call (quantised every call) and a warning
   says so;
-* the weight's graph input is also written in place by the graph (under ``no_grad``):
+* the weight's graph input is also written in place by the graph (under ``no_grad``; whole,
+  through a view, or in a list of a ``torch._foreach_*_`` op):
   AOTAutograd raises its version before the graph runs, while its values change only at the
   write, so a copy made before the write would be stored under the new version. The cache is
   turned off for that call too, with a warning.

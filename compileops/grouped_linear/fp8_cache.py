@@ -30,9 +30,9 @@ eagerly, with ``dynamic=True`` too. A weight computed inside the compiled graph 
 fp32 masters, a concatenation) is a new tensor whose writes nothing tracks: it is not
 cached, it is quantised on every call, and the compile warns saying so (once, when
 the graph is lowered: a compile served from Inductor's on-disk cache does not warn again).
-Nor is a weight that the same compiled graph also writes in place, whole or through a view
-(``w.mul_(2)``, ``w[:, :4].mul_(2)``, ``w[0].zero_()`` under ``no_grad`` inside the compiled
-function): its version is raised before the graph runs, so
+Nor is a weight that the same compiled graph also writes in place, whole, through a view or
+in a list (``w.mul_(2)``, ``w[:, :4].mul_(2)``, ``w[0].zero_()``, ``torch._foreach_mul_([w],
+0.5)`` under ``no_grad`` inside the compiled function): its version is raised before the graph runs, so
 the version cannot tell the values before the write from those after it.
 
 **The cost.** Memory: each cached weight keeps its e4m3 copy and fp32 scales alive, one

@@ -191,6 +191,9 @@ WRITES = {
     "slice": lambda w: w[:, :4].mul_(2.0),
     "select": lambda w: w[0].zero_(),
     "select-of-slice": lambda w: w[:, 0, 0].fill_(5.0),
+    # a list written in place (weight decay, an EMA): Tensor(a!)[] arguments
+    "foreach": lambda w: torch._foreach_mul_([w], 0.5),
+    "foreach-of-views": lambda w: torch._foreach_add_([w[:, :4], w[:, 4:8]], 1.0),
 }
 
 
