@@ -232,8 +232,8 @@ def _packed_documents(q, k, v, igate, fgate, norm_weight, norm_bias, normed, nor
     acc = gate_dtype(q.dtype)
     lay = documents.layout(cu_seqlens, q.shape[-2], chunk)
     q_l, k_l, v_l = (documents.to_layout(t, lay, dim=2) for t in (q, k, v))
-    igate_l = documents.to_layout(igate.to(acc), lay, dim=-1, pad=documents.PAD_INPUT_GATE)
-    fgate_l = documents.to_layout(fgate.to(acc), lay, dim=-1, pad=float("inf"))
+    igate_l = documents.to_layout(igate.to(acc), lay, dim=-1, pad="input_gate")
+    fgate_l = documents.to_layout(fgate.to(acc), lay, dim=-1, pad="forget_gate")
     logf = log_forget_op(fgate_l, chunk)
     norm = (norm_weight, norm_bias, norm_eps, residual_weight)
 

@@ -14,7 +14,7 @@ one compile serves every packing), ``P = NC * c`` rows. Document d starts at the
 earlier documents' lengths, each rounded up to a multiple of ``c``; the rows after the last
 document (the tail) are one more segment. Pad rows (inside a document and in the tail alike): zero q, k
 and v; forget gate ``+inf`` (``log sigmoid = 0``: the forget sums stay as the document left
-them); input gate :data:`PAD_INPUT_GATE` (far below any real one: nothing of a pad row
+them); input gate ``-1e30`` (:func:`pad_value`; far below any real one: nothing of a pad row
 enters a real row's stabiliser or the state, and a tail of pad rows computes zeros). All of it is computed on the
 device from ``cu_seqlens``, with no host sync.
 
@@ -29,10 +29,23 @@ import torch
 
 from compileops import backends
 
-#: The input gate of a document's pad rows: below every real gate by far, so a pad row never
-#: holds a running maximum a real row reads, yet finite, so that a tile of pad keys still has
-#: a finite reference for its exponentials (``-inf - -inf`` would be NaN).
-PAD_INPUT_GATE = -1e30
+
+def pad_value(name: str) -> float:
+    """The fill of a pad row, by name: q, k and v ``"zero"``; ``"input_gate"``: ``-1e30``,
+    below every real gate by far, so a pad row never holds a running maximum a real row
+    reads, yet finite, so that a tile of pad keys still has a finite reference for its
+    exponentials (``-inf - -inf`` would be NaN); ``"forget_gate"``: ``+inf`` (no decay
+    across the pad).
+
+    Literals, and looked up by name: under ``torch.compile(dynamic=True)`` Dynamo makes a
+    float that reaches traced code from an argument, a default or a global a symbolic input,
+    which it then fails to carry into :class:`_ToLayout`'s graph when a gradient is needed
+    (an internal error); a literal stays a constant."""
+    if name == "input_gate":
+        return -1e30
+    if name == "forget_gate":
+        return float("inf")
+    return 0.0
 
 
 class Layout(NamedTuple):
@@ -98,7 +111,7 @@ class _ToLayout(torch.autograd.Function):
         shape[dim] = target.shape[0] + pad_rows.shape[0]
         out = x.new_empty(shape)
         out.index_copy_(dim, target, x)
-        return out.index_fill_(dim, pad_rows, pad)
+        return out.index_fill_(dim, pad_rows, pad_value(pad))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -135,9 +148,10 @@ class _FromLayout(torch.autograd.Function):
         return grad.new_zeros(shape).index_copy_(ctx.dim, target, grad), None, None
 
 
-def to_layout(x: torch.Tensor, lay: Layout, dim: int, pad: float = 0.0) -> torch.Tensor:
+def to_layout(x: torch.Tensor, lay: Layout, dim: int, pad: str = "zero") -> torch.Tensor:
     """``x`` with its ``S`` rows along ``dim`` laid out (``P`` rows), pad rows filled with
-    ``pad``. Differentiable: the gradient of a packed row is its laid-out row's."""
+    :func:`pad_value` ``(pad)``. Differentiable: the gradient of a packed row is its
+    laid-out row's."""
     return _ToLayout.apply(x, lay.target, lay.pad_rows, dim % x.dim(), pad)
 
 
@@ -151,8 +165,9 @@ def from_layout(x: torch.Tensor, lay: Layout, dim: int) -> torch.Tensor:
 def pad_rows(q, k, v, igate, fgate, rows: int):
     """``q, k [B, NH, S, DQK]``, ``v [B, NH, S, DV]``, ``igate, fgate [B, NH, S]`` (the
     gates in the accumulation dtype) with ``rows`` pad rows appended, as a document's: zero
-    q, k, v, input gate :data:`PAD_INPUT_GATE`, forget gate ``+inf``. Differentiable (the
+    q, k, v, input gate and forget gate as :func:`pad_value` fills them. Differentiable (the
     pad rows' gradients are dropped)."""
     pad = torch.nn.functional.pad
     return (*(pad(t, (0, 0, 0, rows)) for t in (q, k, v)),
-            pad(igate, (0, rows), value=PAD_INPUT_GATE), pad(fgate, (0, rows), value=float("inf")))
+            pad(igate, (0, rows), value=pad_value("input_gate")),
+            pad(fgate, (0, rows), value=pad_value("forget_gate")))

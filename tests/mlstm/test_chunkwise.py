@@ -481,6 +481,38 @@ def test_packed_compiles_once_for_every_packing():
     assert counters["stats"]["unique_graphs"] == 1
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_packed_trains_compiled_with_dynamic_shapes(backend):
+    """Packed documents under torch.compile(dynamic=True) with a gradient (Dynamo failed to
+    trace the layout's autograd function then: a float fill became a symbolic input): the
+    outputs and every gradient are the eager ones, over packings of other document counts
+    and one compile."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+    def fn(x, cu):
+        return compileops.mlstm(x.q, x.k, x.v, x.igate, x.fgate, norm_weight=x.norm_weight,
+                                chunk_size=16, cu_seqlens=cu)
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    with compileops.use_backend(backend):
+        for lengths in ([10, 22], [3, 3, 26], [2, 5, 9, 16]):
+            x, cu = _packed(lengths, dtype=torch.float32)
+            grads = []
+            for run in (compiled, fn):
+                leaves = x.leaves()
+                out = run(leaves, cu)
+                out.backward(torch.ones_like(out))
+                grads.append([out.detach()] + [t.grad for t in (
+                    leaves.q, leaves.k, leaves.v, leaves.igate, leaves.fgate,
+                    leaves.norm_weight)])
+            for got, want in zip(*grads):
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_packed_bad_input_is_named():
     x, cu = _packed([4, 4])
     with pytest.raises(ValueError, match="cu_seqlens must be int32 or int64"):
