@@ -13,6 +13,7 @@ from compileops.mlstm.checks import (
     check_gates_floating,
     check_initial_state,
     check_inputs,
+    check_inputs_op,
     check_kernel,
 )
 from compileops.mlstm import documents
@@ -110,18 +111,16 @@ def mlstm_with_stats(
             raise ValueError("packed documents (cu_seqlens) run the chunkwise form, which "
                              "starts each document on its own chunks: use kernel='chunkwise' "
                              "or 'auto'")
-        # Eagerly, every shape before the packed layout, which indexes the inputs by them;
+        # Every shape before the packed layout, which indexes the inputs by them;
         # cu_seqlens (read against q's B and S) once q has its four axes, so that a packed
-        # row in the attention layout is named by S. Not while Dynamo traces: the checks'
-        # messages read the shapes, which it cannot take into a fullgraph trace (the op
-        # checks them there).
+        # row in the attention layout is named by S. While Dynamo traces, through an op whose
+        # fake function checks (it cannot build the checks' messages in traced Python).
         shapes = (q, k, v, igate, fgate, norm_weight, norm_bias, float(norm_eps), float(eps))
-        eager = not torch.compiler.is_compiling()
-        if eager and q.dim() != 4:
-            check_inputs(*shapes)
+        check = check_inputs_op if torch.compiler.is_compiling() else check_inputs
+        if q.dim() != 4:
+            check(*shapes)
         check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[-2], q.device)
-        if eager:
-            check_inputs(*shapes)
+        check(*shapes)
         check_gates_floating(igate, fgate)
         if q.shape[-2] == 0:  # every document empty: nothing to lay out
             return mlstm_with_stats(q, k, v, igate, fgate, norm_weight=norm_weight,

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from compileops._library import check_same_device, require, require_tensors
+from compileops._library import check_same_device, custom_op, require, require_tensors
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 #: Head dims the Triton kernels hold in registers (a program owns whole rows).
@@ -249,3 +249,20 @@ def check_initial_state(initial_state) -> None:
             raise ValueError(f"{expected}; got a partial state ({name} is None)")
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{expected}; got {type(t).__name__} for {name}")
+
+
+@custom_op("mlstm_check_inputs")
+def check_inputs_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, igate: torch.Tensor,
+                    fgate: torch.Tensor, norm_weight: Optional[torch.Tensor],
+                    norm_bias: Optional[torch.Tensor], norm_eps: float, eps: float) -> None:
+    """:func:`check_inputs` as an op of its own, for code that Dynamo traces before any
+    mLSTM op sees the inputs (the packed layout indexes them by their shapes). Dynamo cannot
+    build the checks' messages in traced Python (a ``torch._check`` message reading the
+    shapes breaks a fullgraph trace); an op's fake function runs them on the fake tensors
+    instead, so a compiled call raises the eager call's message."""
+    check_inputs(q, k, v, igate, fgate, norm_weight, norm_bias, norm_eps, eps)
+
+
+@check_inputs_op.register_fake
+def _check_inputs_fake(q, k, v, igate, fgate, norm_weight, norm_bias, norm_eps, eps) -> None:
+    check_inputs(q, k, v, igate, fgate, norm_weight, norm_bias, norm_eps, eps)

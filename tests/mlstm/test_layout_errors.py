@@ -203,7 +203,27 @@ PACKED_SHAPE_MISTAKES = {
                                  r"q must be 4-D \[B, NH, S, D\]"),
     "q with a fifth axis": (lambda q, k, v, i, f: (q[None], k, v, i, f),
                             r"q must be 4-D \[B, NH, S, D\]"),
+    "q 3-D": (lambda q, k, v, i, f: (q[0], k, v, i, f), r"q must be 4-D \[B, NH, S, D\]"),
+    "v too long": (lambda q, k, v, i, f: (q, k, torch.cat([v, v[:, :, :1]], 2), i, f),
+                   r"v must be \[B, NH, S, DV\]"),
+    "v with another NH": (lambda q, k, v, i, f: (q, k, v[:, :1], i, f),
+                          r"v must be \[B, NH, S, DV\]"),
+    "v of integers": (lambda q, k, v, i, f: (q, k, v.long(), i, f),
+                      r"v must be bf16, fp16, fp32 or fp64"),
 }
+
+
+def _packed_mistake(case):
+    g = torch.Generator().manual_seed(2)
+    q, k = (torch.randn(1, NH, S, DQK, generator=g) for _ in range(2))
+    v = torch.randn(1, NH, S, DV, generator=g)
+    gates = torch.randn(1, NH, S, generator=g), torch.randn(1, NH, S, generator=g) + 3
+    make, message = PACKED_SHAPE_MISTAKES[case]
+    return make(q, k, v, *gates), message
+
+
+def _packed_call(q, k, v, i, f, cu):
+    return compileops.mlstm(q, k, v, i, f, cu_seqlens=cu)
 
 
 @pytest.mark.parametrize("case", list(PACKED_SHAPE_MISTAKES))
@@ -211,13 +231,21 @@ def test_packed_documents_check_shapes_before_laying_them_out(case):
     """With ``cu_seqlens`` the inputs are laid out by document before the op checks them:
     eagerly, the shape messages of the unpacked call come first (not an indexing error, nor
     a batch size read off the wrong axis)."""
-    g = torch.Generator().manual_seed(2)
-    q, k = (torch.randn(1, NH, S, DQK, generator=g) for _ in range(2))
-    v = torch.randn(1, NH, S, DV, generator=g)
-    gates = torch.randn(1, NH, S, generator=g), torch.randn(1, NH, S, generator=g) + 3
-    make, message = PACKED_SHAPE_MISTAKES[case]
+    args, message = _packed_mistake(case)
     with pytest.raises(RuntimeError, match=message):
-        compileops.mlstm(*make(q, k, v, *gates), cu_seqlens=torch.tensor([0, 5, S]))
+        _packed_call(*args, torch.tensor([0, 5, S]))
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("case", list(PACKED_SHAPE_MISTAKES))
+def test_packed_documents_check_shapes_while_compiling(case, dynamic):
+    """The same messages from a compiled call (the checks run as an op's fake function while
+    Dynamo traces, before the layout): not a fake tensor's indexing error."""
+    args, message = _packed_mistake(case)
+    compiled = torch.compile(_packed_call, backend="aot_eager", fullgraph=True,
+                             dynamic=dynamic)
+    with pytest.raises(Exception, match=message):
+        compiled(*args, torch.tensor([0, 5, S]))
 
 
 @pytest.mark.parametrize("chunk_size", [15, 8, "16", 3.5, True, "x"])
