@@ -64,8 +64,11 @@ def chunk_length(chunk_size) -> int:
         return DEFAULT_CHUNK
     integer = isinstance(chunk_size, (numbers.Integral, torch.SymInt))
     if isinstance(chunk_size, bool) or not integer:
-        raise TypeError(f"chunk_size must be an int (a power of two >= 16), got "
-                        f"{type(chunk_size).__name__} {chunk_size!r}")
+        # The value only for Python's own types: while Dynamo traces, a NumPy integer is a
+        # tensor, whose repr it cannot build (the type name alone still names the mistake).
+        shown = f" {chunk_size!r}" if type(chunk_size) in (str, float, bool) else ""
+        raise TypeError(f"chunk_size must be a Python int (a power of two >= 16), got "
+                        f"{type(chunk_size).__name__}{shown}")
     chunk = int(chunk_size)  # a traced size specialises here: the kernels take a constant
     check_chunk(chunk)
     return chunk

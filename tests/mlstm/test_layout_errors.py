@@ -259,3 +259,22 @@ def test_a_bad_chunk_size_is_refused_whichever_form_runs(kernel, chunk_size):
     igate, fgate = torch.randn(1, NH, S, generator=g), torch.randn(1, NH, S, generator=g)
     with pytest.raises((TypeError, ValueError), match="chunk_size must be"):
         compileops.mlstm(q, k, v, igate, fgate, kernel=kernel, chunk_size=chunk_size)
+
+
+def test_a_numpy_chunk_size_is_named_while_compiling():
+    """Compiled, a NumPy integer reaches the check as a tensor (Dynamo's NumPy tracing): the
+    error says a Python int is wanted (it used to fail building the value's repr)."""
+    np = pytest.importorskip("numpy")
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(1, NH, S, DQK, generator=g) for _ in range(2))
+    v = torch.randn(1, NH, S, DV, generator=g)
+    igate, fgate = torch.randn(1, NH, S, generator=g), torch.randn(1, NH, S, generator=g)
+
+    def call(q, k, v, igate, fgate, chunk_size):
+        return compileops.mlstm(q, k, v, igate, fgate, kernel="chunkwise",
+                                chunk_size=chunk_size)
+
+    compiled = torch.compile(call, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception) as info:
+        compiled(q, k, v, igate, fgate, np.int64(32))
+    assert "chunk_size must be a Python int" in f"{info.value} {info.value.__cause__}"
