@@ -1,5 +1,7 @@
 """Self-check demo for the grouped linear family: an MoE expert MLP (fused gate/up SwiGLU,
-down projection, router-probability scaling) over expert-sorted rows."""
+down projection, router-probability scaling) over expert-sorted rows. The probability is
+written as a product, as users write it; compiled, it runs as the down projection's
+``row_scale`` (``grouped_linear_row_scaled``, ``lowerings/user_patterns.py``)."""
 from __future__ import annotations
 
 import torch
@@ -48,7 +50,8 @@ def demo(device: torch.device) -> Demo:
         model=model,
         args=args_for(4096 if on_gpu else 48),
         reference=ref,
-        ops=["grouped_linear", "grouped_linear_swiglu_with_preact", "grouped_linear_dx", "grouped_linear_wgrad"],
+        ops=["grouped_linear_row_scaled", "grouped_linear_swiglu_with_preact",
+             "grouped_linear_dx", "grouped_linear_wgrad"],
         max_relative_error=2e-2 if on_gpu else 1e-5,
         resized_args=args_for,
     )
