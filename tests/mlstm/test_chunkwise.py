@@ -461,15 +461,17 @@ def test_packed_documents_refuse_the_parallel_form():
         compileops.mlstm(x.q, x.k, x.v, x.igate, x.fgate, kernel="parallel", cu_seqlens=cu)
 
 
+def _packed_normed(x, cu):
+    return compileops.mlstm(x.q, x.k, x.v, x.igate, x.fgate, norm_weight=x.norm_weight,
+                            chunk_size=16, cu_seqlens=cu)
+
+
 def test_packed_compiles_once_for_every_packing():
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-
-    def fn(x, cu):
-        return compileops.mlstm(x.q, x.k, x.v, x.igate, x.fgate, norm_weight=x.norm_weight,
-                                chunk_size=16, cu_seqlens=cu)
+    fn = _packed_normed
 
     # Same token count, any packing: new document lengths change values only; a new
     # document count changes cu_seqlens' length, symbolic under dynamic=True.
@@ -491,11 +493,7 @@ def test_packed_trains_compiled_with_dynamic_shapes(backend):
 
     torch._dynamo.reset()
     counters.clear()
-
-    def fn(x, cu):
-        return compileops.mlstm(x.q, x.k, x.v, x.igate, x.fgate, norm_weight=x.norm_weight,
-                                chunk_size=16, cu_seqlens=cu)
-
+    fn = _packed_normed
     compiled = torch.compile(fn, fullgraph=True, dynamic=True)
     with compileops.use_backend(backend):
         for lengths in ([10, 22], [3, 3, 26], [2, 5, 9, 16]):

@@ -38,7 +38,7 @@ from compileops.grouped_linear.kernels.tma import (
     make_descriptors,
     mjagged_tma_store,
     ragged_rows_descriptor,
-    second_weight_descriptor,
+    weight_descriptor,
     set_tma_allocator,
     store_rows_below,
     tma_applies,
@@ -373,11 +373,11 @@ def mjagged_gemm_kernel(
     b2_desc = None
     if USE_TMA and SECOND_WEIGHT:
         if B_KN:
-            b2_desc = second_weight_descriptor(b2_ptr, G, K2, N_OUT, stride_bg, stride_bk,
+            b2_desc = weight_descriptor(b2_ptr, G, K2, N_OUT, stride_bg, stride_bk,
                                                BLOCK_N, BLOCK_K, B_KN)
             a2_desc = trailing_columns_descriptor(a_ptr, M, K, K2, stride_am, BLOCK_M, BLOCK_K)
         else:
-            b2_desc = second_weight_descriptor(b2_ptr, G, K, N_OUT, stride_bg, stride_bn,
+            b2_desc = weight_descriptor(b2_ptr, G, K, N_OUT, stride_bg, stride_bn,
                                                BLOCK_N, BLOCK_K, B_KN)
     out_desc = None
     if USE_TMA and TMA_STORE:

@@ -48,29 +48,23 @@ def make_descriptors(a_ptr, b_ptr, M, K, G, B_N, stride_am, stride_bg, stride_b1
     ``[1, BLOCK_K, BLOCK_N]`` or ``[1, BLOCK_N, BLOCK_K]`` boxes."""
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
                                        block_shape=[BLOCK_M, BLOCK_K])
-    if B_KN:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[G, K, B_N],
-                                           strides=[stride_bg, stride_b1, 1],
-                                           block_shape=[1, BLOCK_K, BLOCK_N])
-    else:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[G, B_N, K],
-                                           strides=[stride_bg, stride_b1, 1],
-                                           block_shape=[1, BLOCK_N, BLOCK_K])
+    b_desc = weight_descriptor(b_ptr, G, K, B_N, stride_bg, stride_b1, BLOCK_N, BLOCK_K, B_KN)
     return a_desc, b_desc
 
 
 @triton.jit
-def second_weight_descriptor(b2_ptr, G, K, B_N, stride_bg, stride_b1, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, B_KN: tl.constexpr):
-    """The descriptor of a second weight (``mjagged_tile``'s ``SECOND_WEIGHT``) with the
-    first one's strides: ``[G, K, B_N]`` (``B_KN``, dX; K its own rows) or ``[G, B_N, K]``,
-    boxes as :func:`make_descriptors`' weight."""
+def weight_descriptor(b_ptr, G, K, B_N, stride_bg, stride_b1, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, B_KN: tl.constexpr):
+    """The weight's descriptor: ``[G, K, B_N]`` (``B_KN``) or ``[G, B_N, K]``, strides
+    ``(stride_bg, stride_b1, 1)``, ``[1, BLOCK_K, BLOCK_N]`` or ``[1, BLOCK_N, BLOCK_K]``
+    boxes. Also a second weight's (``mjagged_tile``'s ``SECOND_WEIGHT``), with the first
+    one's strides (for dX, ``K`` its own rows)."""
     if B_KN:
-        desc = tl.make_tensor_descriptor(b2_ptr, shape=[G, K, B_N],
+        desc = tl.make_tensor_descriptor(b_ptr, shape=[G, K, B_N],
                                          strides=[stride_bg, stride_b1, 1],
                                          block_shape=[1, BLOCK_K, BLOCK_N])
     else:
-        desc = tl.make_tensor_descriptor(b2_ptr, shape=[G, B_N, K],
+        desc = tl.make_tensor_descriptor(b_ptr, shape=[G, B_N, K],
                                          strides=[stride_bg, stride_b1, 1],
                                          block_shape=[1, BLOCK_N, BLOCK_K])
     return desc
