@@ -42,7 +42,9 @@ def compile_sm90(fn, args, constexprs, unit=UNIT, **options):
             sig[name] = ty
     for name in constexprs:
         sig[name] = "constexpr"
-    divisible = [i for i, (n, t) in enumerate(sig.items())
+    # Attributes are keyed by the argument's position in the kernel's own parameter list
+    # (a parameter listed in another order here would get another's divisibility).
+    divisible = [fn.arg_names.index(n) for n, t in sig.items()
                  if t != "constexpr" and n not in NOT_DIVISIBLE]
     src = ASTSource(fn=fn, signature=sig, constexprs=consts,
                     attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
