@@ -138,3 +138,35 @@ def test_a_users_own_pre_grad_pass_runs_first_and_is_kept():
         kernels = inductor_kernels(layer("p[:, None]"), x, w, offs, p).splitlines()
     assert seen and ROW_SCALED in kernels
     assert config.pre_grad_custom_pass is user_patterns.PASS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_gpu_rewritten_product_keeps_the_written_out_bits(dynamic):
+    """On a GPU (bf16 rounds to nearest there), the rewritten product's forward is the
+    written-out one's, bitwise, at an MoE down projection's size; its gradients are
+    deterministic and within the bf16 bound of fp64."""
+    from compileops.grouped_linear.routing import dirichlet_offsets
+
+    gen = torch.Generator().manual_seed(0)
+    g, k, n, m = 16, 768, 2048, 8192
+    offs = dirichlet_offsets(g, m - 5, generator=gen).cuda()
+    x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
+    w = (torch.randn(g, n, k, generator=gen) / k**0.5).to("cuda", torch.bfloat16)
+    p = torch.rand(m, generator=gen).cuda()
+    fn = layer("column, then cast")
+    compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic)
+    assert torch.equal(compiled(x, w, offs, p), fn(x, w, offs, p))
+    grad = torch.randn(m, n, generator=gen).to("cuda", torch.bfloat16)
+    runs = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_() for t in (x, w, p)]
+        compiled(leaves[0], leaves[1], offs, leaves[2]).backward(grad)
+        runs.append([t.grad for t in leaves])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    leaves = [t.detach().double().requires_grad_() for t in (x, w, p)]
+    with backends.use_backend("reference"):  # fp64 runs there
+        fn(*leaves[:2], offs, leaves[2]).backward(grad.double())
+    for got, want, what in zip(runs[0], leaves, ("dX", "dW", "dp")):
+        assert_close_to_reference(got, want.grad, max_relative_error=1e-2, what=what)
