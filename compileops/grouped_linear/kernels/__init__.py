@@ -12,6 +12,7 @@ One job per file:
 
 * :mod:`.tiles`: group bounds from the offsets, the two tile spaces, the dW ticket counter;
 * :mod:`.mjagged`: the M-jagged tile body, kernel and launchers;
+* :mod:`.pair`: the launchers of a gate/up pair kept as two weights;
 * :mod:`.kjagged`: the dW/db tile body, kernel and launcher;
 * :mod:`.tma`: TMA descriptors (ragged ones too), when a launch takes them, and the
   per-device fallback when one fails;
@@ -50,15 +51,17 @@ from compileops.grouped_linear.kernels.kjagged import (
 )
 from compileops.grouped_linear.kernels.mjagged import (
     grouped_linear_dx,
-    grouped_linear_dx_pair,
     grouped_linear_forward,
     grouped_linear_swiglu_forward,
-    grouped_linear_swiglu_pair_forward,
     mjagged_gemm,
     mjagged_gemm_kernel,
     mjagged_tile,
     scale_rows,
     swiglu,
+)
+from compileops.grouped_linear.kernels.pair import (
+    grouped_linear_dx_pair,
+    grouped_linear_swiglu_pair_forward,
 )
 from compileops.grouped_linear.kernels.tiles import group_tile_table, locate_tile
 from compileops.grouped_linear.kernels.tma import (
