@@ -20,7 +20,8 @@ Three more on request (``--impls``), for the forms users write:
   ``grouped_linear(h, down, offsets) * p[:, None]``;
 * ``compileops-user-two-weights``: both written out, ``F.silu(grouped_linear(xs, w_gate,
   offsets)) * grouped_linear(xs, w_up, offsets)``, then ``grouped_linear(...) * p[:, None]``
-  (Hugging Face's and torchtitan's form on compileops' products).
+  (Hugging Face's and torchtitan's form on compileops' products; compiled, the gate/up
+  half becomes the pair kernel and the product ``row_scale=``, ``lowerings/user_patterns.py``).
 
 With ``--fp8 rowwise`` (or ``blockwise``) two more, both in e4m3 (or, where ``--impls`` names
 fp8 layers, those):

@@ -7,7 +7,8 @@ probability in fp32 and the product cast back), a cast of the output, a bias or 
 added, and the gate and up products as two weights (``silu(x @ w1) * (x @ w3)``), each with
 the kernels of the compiled forward and backward, static and ``dynamic=True``. The explicit
 ``row_scale=`` form is pinned beside them; the probability written as a product in the
-product's dtype compiles to it (``lowerings/user_patterns.py``). Each line is one launch of the step (a kernel
+product's dtype compiles to it, and the two gate/up products to the pair kernel
+(``lowerings/user_patterns.py``). Each line is one launch of the step (a kernel
 launched twice is listed twice), so a change in what fuses into the templates, or in how many
 kernels a step runs, shows here as a changed line.
 """
@@ -156,22 +157,18 @@ torch.ops.compileops.grouped_linear_wgrad.default""")
     def test_gate_and_up_as_two_weights(self):
         x, _, w1, w3, _, offsets, _, _ = _inputs()
         self.assertSnapshot(_kernels(gate_up_apart, x, w1, w3, offsets), """\
-triton_tem_fused_grouped_linear
-triton_tem_fused_grouped_linear_mul_silu
+triton_tem_fused_grouped_linear_swiglu_pair_with_preact
 # backward
-triton_poi_fused_mul_silu_silu_backward
-triton_tem_fused_grouped_linear_dx
+triton_poi_fused_add_mul_rsub_sigmoid
+triton_tem_fused_grouped_linear_dx_pair
 torch.ops.compileops.grouped_linear_wgrad.default
-triton_tem_fused_add_grouped_linear_dx
 torch.ops.compileops.grouped_linear_wgrad.default""")
         self.assertSnapshot(_kernels(gate_up_apart, x, w1, w3, offsets, dynamic=True), """\
-triton_tem_fused_grouped_linear
-triton_tem_fused_grouped_linear_mul_silu
+triton_tem_fused_grouped_linear_swiglu_pair_with_preact
 # backward
-triton_poi_fused_mul_silu_silu_backward
-triton_tem_fused_grouped_linear_dx
+triton_poi_fused_add_mul_rsub_sigmoid
+triton_tem_fused_grouped_linear_dx_pair
 torch.ops.compileops.grouped_linear_wgrad.default
-triton_tem_fused_add_grouped_linear_dx
 torch.ops.compileops.grouped_linear_wgrad.default""")
 
     def test_fp8_layer_launches(self):

@@ -1,6 +1,7 @@
-"""The pre-grad rewrite of what users write (``lowerings/user_patterns.py``): the router
+"""The pre-grad rewrites of what users write (``lowerings/user_patterns.py``): the router
 probability written as a product after ``grouped_linear`` becomes its ``row_scale``, in every
-spelling it names, and nothing else is touched. Forward bits (fp32: the interpreter's bf16
+spelling it names, ``silu(grouped_linear(x, w1)) * grouped_linear(x, w3)`` becomes the
+gate/up pair kernel, and nothing else is touched. Forward bits (fp32: the interpreter's bf16
 casts round toward zero, so bf16 bits are checked on a GPU), gradients against fp64 next to
 the written-out form's, dynamic shapes, and a user's own pre-grad pass kept."""
 import pytest
@@ -140,6 +141,143 @@ def test_a_users_own_pre_grad_pass_runs_first_and_is_kept():
     assert config.pre_grad_custom_pass is user_patterns.PASS
 
 
+PAIR_OPS = ("torch.ops.compileops.grouped_linear_swiglu_pair_with_preact.default",
+            "torch.ops.compileops.grouped_linear_swiglu_pair.default")
+silu = torch.nn.functional.silu
+
+SWIGLU_SPELLINGS = {
+    "silu(gate) * up": lambda x, w1, w3, offs: silu(gl(x, w1, offs)) * gl(x, w3, offs),
+    "up * silu(gate)": lambda x, w1, w3, offs: gl(x, w3, offs) * silu(gl(x, w1, offs)),
+    "torch.mul, nn.SiLU": lambda x, w1, w3, offs: torch.mul(
+        torch.nn.SiLU()(gl(x, w1, offs)), gl(x, w3, offs)),
+}
+
+
+def make_pair(dtype=torch.float32, sizes=(5, 0, 17, 3), k=24, h=20, seed=0):
+    x, w1, offs, _ = make(dtype, sizes, k, h, seed)
+    w3 = (torch.randn(w1.shape, generator=torch.Generator().manual_seed(seed + 100))
+          / k**0.5).to(dtype)
+    return x, w1, w3, offs
+
+
+def _pair_in(kernels: str) -> bool:
+    lines = kernels.splitlines()
+    return any(op in lines for op in PAIR_OPS) and PLAIN not in lines
+
+
+@pytest.mark.parametrize("spelling", list(SWIGLU_SPELLINGS))
+def test_written_out_swiglu_becomes_the_pair_kernel(spelling):
+    """Each spelling compiles to the pair op alone (no plain product left), forward and
+    backward, and computes what ``grouped_linear_swiglu(..., up_weight=)`` computes, bitwise
+    (fp32), with the same gradients."""
+    fn = SWIGLU_SPELLINGS[spelling]
+    x, w1, w3, offs = make_pair()
+    assert _pair_in(inductor_kernels(fn, x, w1, w3, offs))
+    leaves = [t.clone().requires_grad_() for t in (x, w1, w3)]
+    got = torch.compile(fn, fullgraph=True)(leaves[0], leaves[1], leaves[2], offs)
+    exact = [t.clone().requires_grad_() for t in (x, w1, w3)]
+    want = compileops.grouped_linear_swiglu(exact[0], exact[1], offs, up_weight=exact[2])
+    assert torch.equal(got, want)
+    grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(3))
+    got.backward(grad)
+    want.backward(grad)
+    for a, b in zip(leaves, exact):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_module_parameters_rewritten():
+    """torchtitan's experts' form: w1 and w3 as parameters of a module, compiled whole."""
+    x, w1, w3, offs = make_pair()
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w3 = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w3.clone())
+
+        def forward(self, x, offs):
+            return silu(gl(x, self.w1, offs)) * gl(x, self.w3, offs)
+
+    experts = Experts()
+    assert _pair_in(inductor_kernels(experts, x, offs))
+    got = torch.compile(experts, fullgraph=True)(x, offs)
+    assert torch.equal(got, compileops.grouped_linear_swiglu(x, w1, offs, up_weight=w3))
+
+
+SWIGLU_LEFT_ALONE = {
+    # two inputs: not one product's rows
+    "other x": lambda x, w1, w3, offs, b: silu(gl(x, w1, offs)) * gl(x * 2, w3, offs),
+    # other groups
+    "other offsets": lambda x, w1, w3, offs, b: silu(gl(x, w1, offs)) * gl(
+        x, w3, offs.clamp(max=10)),
+    # a bias: the pair has none
+    "with a bias": lambda x, w1, w3, offs, b: silu(gl(x, w1, offs, b)) * gl(x, w3, offs),
+    # the gate's product used again: its [M, H] must exist
+    "gate used twice": lambda x, w1, w3, offs, b: (
+        lambda g: silu(g) * gl(x, w3, offs) + g)(gl(x, w1, offs)),
+    # the activation used again
+    "silu used twice": lambda x, w1, w3, offs, b: (
+        lambda a: a * gl(x, w3, offs) + a)(silu(gl(x, w1, offs))),
+    # not SiLU
+    "relu": lambda x, w1, w3, offs, b: torch.relu(gl(x, w1, offs)) * gl(x, w3, offs),
+}
+
+
+@pytest.mark.parametrize("case", list(SWIGLU_LEFT_ALONE))
+def test_other_swiglu_forms_are_left_as_written(case):
+    x, w1, w3, offs = make_pair()
+    b = torch.randn(w1.shape[0], w1.shape[1])
+    fn = SWIGLU_LEFT_ALONE[case]
+    kernels = inductor_kernels(fn, x, w1, w3, offs, b).splitlines()
+    assert not any(op in kernels for op in PAIR_OPS), kernels
+    torch.testing.assert_close(torch.compile(fn, fullgraph=True)(x, w1, w3, offs, b),
+                               fn(x, w1, w3, offs, b), rtol=0, atol=0)
+
+
+def _swiglu_errors(run, x, w1, w3, offs, grad):
+    """Relative L2 errors of (y, dX, dW1, dW3) from ``run`` against fp64 autograd."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w3)]
+    y = run(*leaves, offs)
+    y.backward(grad)
+    exact = [t.detach().double().requires_grad_() for t in (x, w1, w3)]
+    y64 = SWIGLU_SPELLINGS["silu(gate) * up"](*exact, offs)
+    y64.backward(grad.double())
+    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
+    return [rel(y, y64)] + [rel(a.grad, b.grad) for a, b in zip(leaves, exact)]
+
+
+def test_bf16_swiglu_rewrite_no_less_accurate_than_written_out():
+    """bf16 (the reference backend, which rounds as a GPU does): the pair's output and
+    gradients are within the bf16 bound of fp64 and within 1.25x (plus a bf16 ulp's worth)
+    of the written-out form's own error; its forward rounds once where the written-out form
+    rounds three times."""
+    x, w1, w3, offs = make_pair(torch.bfloat16, sizes=(40, 0, 70, 30), k=64, h=48)
+    grad = torch.randn(x.shape[0], w1.shape[1]).bfloat16()
+    fn = SWIGLU_SPELLINGS["silu(gate) * up"]
+    with backends.use_backend("reference"):
+        written = _swiglu_errors(fn, x, w1, w3, offs, grad)
+        compiled = _swiglu_errors(torch.compile(fn, fullgraph=True), x, w1, w3, offs, grad)
+    assert _pair_in(inductor_kernels(fn, x, w1, w3, offs))
+    for what, got, ref in zip(("y", "dX", "dW1", "dW3"), compiled, written):
+        assert got <= 1e-2, (what, got)
+        assert got <= 1.25 * ref + 1e-3, (what, got, ref)
+    assert compiled[0] <= written[0], (compiled[0], written[0])
+
+
+def test_swiglu_dynamic_shapes_rewritten_without_recompiles():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("inductor")
+    fn = SWIGLU_SPELLINGS["up * silu(gate)"]
+    compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
+    for seed, sizes in enumerate(((3, 0, 5), (7, 2, 9), (1, 1, 20))):
+        x, w1, w3, offs = make_pair(sizes=sizes, seed=seed)
+        assert torch.equal(compiled(x, w1, w3, offs),
+                           compileops.grouped_linear_swiglu(x, w1, offs, up_weight=w3))
+    assert counter.frame_count == 1
+    x, w1, w3, offs = make_pair()
+    assert _pair_in(inductor_kernels(fn, x, w1, w3, offs, dynamic=True))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 def test_gpu_rewritten_product_keeps_the_written_out_bits(dynamic):
@@ -170,3 +308,30 @@ def test_gpu_rewritten_product_keeps_the_written_out_bits(dynamic):
         fn(*leaves[:2], offs, leaves[2]).backward(grad.double())
     for got, want, what in zip(runs[0], leaves, ("dX", "dW", "dp")):
         assert_close_to_reference(got, want.grad, max_relative_error=1e-2, what=what)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_gpu_rewritten_swiglu_is_the_pair_kernel_bitwise(dynamic):
+    """On a GPU, at an MoE gate/up size: the compiled written-out SwiGLU gives the eager pair
+    kernel's bits, forward and gradients, static and dynamic."""
+    from compileops.grouped_linear.routing import dirichlet_offsets
+
+    gen = torch.Generator().manual_seed(0)
+    g, k, h, m = 16, 2048, 768, 8192
+    offs = dirichlet_offsets(g, m - 5, generator=gen).cuda()
+    x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
+    w1, w3 = ((torch.randn(g, h, k, generator=gen) / k**0.5).to("cuda", torch.bfloat16)
+              for _ in range(2))
+    grad = torch.randn(m, h, generator=gen).to("cuda", torch.bfloat16)
+    fn = SWIGLU_SPELLINGS["silu(gate) * up"]
+    compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic)
+    results = []
+    for run in (compiled, lambda a, b, c, o: compileops.grouped_linear_swiglu(
+            a, b, o, up_weight=c)):
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w3)]
+        y = run(*leaves, offs)
+        y.backward(grad)
+        results.append([y.detach()] + [t.grad for t in leaves])
+    for what, a, b in zip(("y", "dX", "dW1", "dW3"), *results):
+        assert torch.equal(a, b), what
