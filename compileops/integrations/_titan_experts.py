@@ -72,8 +72,10 @@ def _swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, offsets: torch.
     copy bandwidth.
     ``gate_up="pair"`` (16-bit only): the same kernel reading w1 and w3 where they are
     (:func:`compileops.grouped_linear_swiglu`'s ``up_weight``), so neither the copy nor the
-    split exists, with the same bits (dX: when its tile's K step divides F). Experimental:
-    its speed in the trainer is not measured yet, which is why it is not the default.
+    split exists, with the same bits (dX: when its tile's K step divides F). In torchtitan
+    0.2.2's trainer on an H200 with fp32 master weights it trained at the concatenated
+    form's speed (1.297x torchtitan's experts, both) and held 0.75 GiB more reserved memory,
+    so it is not the default; it is meant for bf16 weights, where it saves the copy above.
     With ``cache_fp8_weights`` the two products stay apart: the fp8 cache keys on the
     weight's storage, and a concatenated copy is a new storage at every call, so it would
     never hit.
