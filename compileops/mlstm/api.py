@@ -309,13 +309,18 @@ def mlstm(
     relative L2 error of 1e-3 for the output and 4e-3 for the gradients. Deterministic and
     batch-invariant bitwise, forward and backward.
 
-    Causality (tests/mlstm/test_causality.py): a NaN or Inf at position t never reaches an
-    output before t on the reference backend, in every form; on the Triton kernels two
-    known limits remain. A non-finite k or v at t turns the rows before t of t's row tile
-    NaN (the tile's masked products meet it): 16 rows under Triton's interpreter, 16 to 128
-    on a GPU, by head size and length. In 16-bit, the rows of a tile are rounded
-    against gate references shared by the tile, so a later gate in the tile (or a sequence
-    cut inside it) can move an earlier row's output by its last bit.
+    Causality (tests/mlstm/test_causality.py): a NaN or Inf at position t (in q, k, v or a
+    gate) never reaches an output before t, on both backends and in every form (parallel,
+    chunkwise, with a state, packed documents, the recurrent step): those rows keep the bits
+    they have with that value finite. The outputs it reaches are non-finite, except for the
+    limits that are numbers (an open forget gate, ``fgate = +Inf``; a closed input gate,
+    ``igate = -Inf``; in the recurrent step a closed forget gate too); on the Triton kernels
+    a cell that an Inf in v reaches may be NaN where the exact sum is +-Inf. Their cost on
+    finite inputs: one check per query tile; a tile
+    whose rows came out non-finite runs its key loop a second time. One known limit remains,
+    on the Triton kernels in 16-bit: the rows of a tile are rounded against gate references
+    shared by the tile, so a later gate in the tile (or a sequence cut inside it) can move an
+    earlier row's output by its last bit.
 
     ``kernel``: ``"parallel"`` (tiles over the causal ``S x S`` square: quadratic in S),
     ``"chunkwise"`` (the parallel kernels within chunks of ``chunk_size`` rows, default 128, a

@@ -4,8 +4,8 @@ reaches an output before t.
 For every form (parallel and chunkwise, raw and normed, with an initial state, packed
 documents, the recurrent step) on both backends, a NaN or an Inf is put at one entry of
 q, k, v or a gate pre-activation at position ``T``, inside a tile and a chunk but not at
-its first row (``T`` = 21: rows 16..20 share its 16-row tile and chunk, where the kernels
-leaked). Then:
+its first row (``T`` = 21: rows 16..20 share its 16-row tile and chunk, whose diagonal
+tiles multiply masked columns' k and v in the same MMAs as the live ones). Then:
 
 * the outputs of the rows before ``T`` (h or the normed h, the normaliser n, the stabiliser
   m, the states entering each chunk) are finite and equal to those of the same call on the
@@ -39,13 +39,6 @@ FINITE_LIMITS = {("igate", -INF), ("fgate", INF)}
 #: The CPU even where CUDA is present (the module docstring): with a GPU these tests would
 #: meet the GPU's tiles, which their cases are not placed against.
 DEVICE = "cpu"
-#: A known bug, pinned by strict xfails (a fix turns them into failures that say so): the
-#: Triton forward kernels' tiles that straddle the diagonal multiply a masked column's score
-#: by 0 and put every v row of the tile through one MMA, so a non-finite k or v at t still
-#: turns the rows of t's 16-row tile before t NaN (the reference backend is causal).
-TRITON_TILE_LEAK = pytest.mark.xfail(
-    strict=True, reason="known bug: the Triton forward's diagonal tiles let a non-finite k "
-    "or v reach the earlier rows of the tile (0 * NaN)")
 
 
 def _inputs(dtype=torch.float32, seq=S):
@@ -163,8 +156,7 @@ def _forms_cases():
     for backend in BACKENDS:
         for form in FORMS:
             for name, value in BAD:
-                marks = TRITON_TILE_LEAK if backend == "triton" and name in ("k", "v") else ()
-                yield pytest.param(backend, form, name, value, marks=marks,
+                yield pytest.param(backend, form, name, value,
                                    id=f"{backend}-{form}-{name}={value}")
 
 
@@ -193,9 +185,9 @@ def test_step_loop_is_causal(backend, normed, name, value):
 
 
 @pytest.mark.parametrize("name,value", [
-    pytest.param("k", NAN, id="k=nan"),  # the one-loop form selects its mask: no leak
-    pytest.param("v", NAN, id="v=nan", marks=TRITON_TILE_LEAK),
-    pytest.param("v", INF, id="v=inf", marks=TRITON_TILE_LEAK)])
+    pytest.param("k", NAN, id="k=nan"),
+    pytest.param("v", NAN, id="v=nan"),
+    pytest.param("v", INF, id="v=inf")])
 @pytest.mark.parametrize("normed", [False, True], ids=["raw", "normed"])
 def test_one_loop_tiles_are_causal(normed, name, value):
     """bf16: the parallel kernel's one-loop form (every key tile in one pipeline, the gates'
@@ -212,6 +204,26 @@ def test_one_loop_tiles_are_causal(normed, name, value):
     with compileops.use_backend("triton"):
         check_causal(lambda y: _stats(y, normed, kernel="parallel"), x, name, value,
                      f"bf16 one-loop {name}={value}")
+
+
+@pytest.mark.parametrize("name,value", [("k", NAN), ("k", INF), ("v", NAN), ("v", INF)])
+@pytest.mark.parametrize("normed", [False, True], ids=["raw", "normed"])
+def test_16bit_two_loop_tiles_are_causal(normed, name, value):
+    """bf16 with an input-gate spike at row 17, inside T's tile: the tile's column terms
+    spread past ``ONE_LOOP_SPREAD``, so the parallel kernel takes its two-loop form, whose
+    diagonal tiles (the exact exponential) reach v through the MMA."""
+    from compileops.mlstm.kernels.forward import ONE_LOOP_SPREAD
+    from compileops.mlstm.reference import LOG2E
+
+    x = _inputs(torch.bfloat16)
+    x.igate[0, 0, 17] = 60.0
+    logf = log_forget_op(x.fgate.float())
+    terms = (x.igate.float() - logf) * LOG2E
+    tile = terms[..., T - T % 16:T - T % 16 + 16]
+    assert tile.max() - tile.min() > ONE_LOOP_SPREAD  # the two-loop form runs
+    with compileops.use_backend("triton"):
+        check_causal(lambda y: _stats(y, normed, kernel="parallel"), x, name, value,
+                     f"bf16 two-loop {name}={value}")
 
 
 @pytest.mark.parametrize("name,value", [("k", NAN), ("v", INF), ("igate", NAN),
@@ -265,7 +277,7 @@ def test_parallel_reference_with_state_is_causal(name, value):
         assert torch.equal(got[0], want[0])  # the first document's
 
 
-#: A second known limit, also pinned by strict xfails: in 16-bit, the Triton forward rounds a
+#: A known limit, pinned by strict xfails: in 16-bit, the Triton forward rounds a
 #: tile's rows against references shared by the tile (its gates' spread and stabiliser), so
 #: a later gate of the same tile can move an earlier row's output by a last bit (about one
 #: bf16 ulp: 0.0078-0.0156 for outputs of size 1-2), and a sequence cut short can round its

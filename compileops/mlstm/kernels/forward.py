@@ -43,6 +43,8 @@ from compileops.mlstm.kernels.stabiliser import column_terms
 #: far more than that, and fp64 far less.
 ONE_LOOP_SPREAD = tl.constexpr(64.0)
 ONE_LOOP_SPREAD_FP16 = tl.constexpr(8.0)
+#: No row: above every row index (the careful pass's first non-finite v row, none yet).
+NO_ROW = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
@@ -83,19 +85,87 @@ def mlstm_forward_tile(
       ``cstate_ptr [B * NH, NC, DQK, DV]`` (q's dtype), ``nstate_ptr [B * NH, NC + 1, DQK]``
       and ``mstate_ptr [B * NH, NC + 1]`` (``ACC``, m in natural-log units), contiguous.
     """
-    batch = bh // num_heads
     head = bh % num_heads
-    batch64 = batch.to(tl.int64)
-    head64 = head.to(tl.int64)
-    q_base = q_ptr + batch64 * stride_qb + head64 * stride_qh
-    k_base = k_ptr + batch64 * stride_kb + head64 * stride_kh
-    v_base = v_ptr + batch64 * stride_vb + head64 * stride_vh
     gate_off = bh.to(tl.int64) * seq_len
 
     rows = start_m + tl.arange(0, BLOCK_M)
     row_ok = rows < seq_len
-    dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
+    acc, row_sum, row_max = _accumulate(
+        q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, term_ptr, colmax_ptr, cstate_ptr,
+        nstate_ptr, mstate_ptr, bh, start_m, seq_len, chunk_len, num_heads,
+        stride_qb, stride_qh, stride_qs, stride_qd,
+        stride_kb, stride_kh, stride_ks, stride_kd,
+        stride_vb, stride_vh, stride_vs, stride_vd, scale, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        BLOCK_M, BLOCK_N, HAS_STATE, ACC, INPUT_PRECISION, UPCAST, False)
+    # Causality under NaN and Inf. The masked columns of a diagonal tile (j > i) are selected
+    # to 0 (tl.where, never a product with 0), so a non-finite k or gate there stays out of
+    # the scores, the row sum and the first operand of the second MMA. That MMA still puts
+    # every v row of the tile through every output row: 0 * NaN or 0 * Inf from a v row j > i
+    # would reach row i, and only an MMA on a v tile without it can keep it out. So: one
+    # check of the finished accumulator (a reduction over registers, once per program;
+    # nothing in the key loops, whose pipelines and MMAs are as they were). Only where it
+    # holds a non-finite value (a non-finite v, or any other, reached it) does the key loop
+    # run again, from the start, in its careful form (:func:`_careful_pv`): the same tiles,
+    # order and operations, but the masked tiles' v with its non-finite entries taken as 0,
+    # and each column's first non-finite row kept ([BLOCK_DV] indices, no second
+    # accumulator); then every cell (i, d) at or after column d's first non-finite v row is
+    # NaN. The rows a non-finite value does not reach keep their bits (the zeros they now
+    # multiply were products with 0 before); the cells it reaches are non-finite.
+    # The careful pass recomputes everything from the kernel's arguments (q, the gates, the
+    # state, the bases), from a program index the compiler cannot prove equal to the first
+    # pass's (`zero` is 0, but opaque): merged with the first pass's values, they would stay
+    # live through its loops (sm90: spills in the one-loop form's pipeline).
+    not_finite = tl.max(tl.where(tl.abs(acc) < float("inf"), 0, 1))
+    if not_finite != 0:
+        zero = tl.minimum(not_finite, 0)
+        acc, row_sum, row_max = _accumulate(
+            q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, term_ptr, colmax_ptr, cstate_ptr,
+            nstate_ptr, mstate_ptr, bh + zero, start_m + zero, seq_len, chunk_len, num_heads,
+            stride_qb, stride_qh, stride_qs, stride_qd,
+            stride_kb, stride_kh, stride_ks, stride_kd,
+            stride_vb, stride_vh, stride_vs, stride_vd, scale, DQK, DV, BLOCK_DQK, BLOCK_DV,
+            BLOCK_M, BLOCK_N, HAS_STATE, ACC, INPUT_PRECISION, UPCAST, True)
+
+    # h = acc / (n + eps): one reciprocal per row, and the norm takes acc with it (a
+    # [BLOCK_M, DV] division and pass fewer in the epilogue, which nothing overlaps).
+    normaliser = tl.maximum(tl.abs(row_sum), tl.exp2(-row_max))
+    inv = 1.0 / (normaliser + eps)
+    tl.store(m_ptr + gate_off + rows, row_max, mask=row_ok)
+    tl.store(b_ptr + gate_off + rows, row_sum, mask=row_ok)
+    if SAVE_H:
+        h_rows = h_ptr + gate_off * DV + rows[:, None] * DV + dv[None, :]
+        tl.store(h_rows, (acc * inv[:, None]).to(h_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (dv[None, :] < DV))
+    if HAS_NORM:
+        return _layernorm_rows(acc, inv, weight_ptr, bias_ptr, head, norm_eps, DV, BLOCK_DV,
+                               HAS_WEIGHT, HAS_BIAS, RESIDUAL_WEIGHT)
+    return acc * inv[:, None]
+
+
+@triton.jit
+def _accumulate(q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, term_ptr, colmax_ptr, cstate_ptr,
+                nstate_ptr, mstate_ptr, bh, start_m, seq_len, chunk_len, num_heads,
+                stride_qb, stride_qh, stride_qs, stride_qd,
+                stride_kb, stride_kh, stride_ks, stride_kd,
+                stride_vb, stride_vh, stride_vs, stride_vd, scale,
+                DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                HAS_STATE: tl.constexpr, ACC: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                UPCAST: tl.constexpr, CAREFUL: tl.constexpr):
+    """:func:`mlstm_forward_tile`'s rows before its epilogue, ``(acc, row_sum, row_max)``: the
+    unnormalised ``sum_j C_ij v_j``, the signed row sum ``b`` and the stabiliser (log2
+    units) of rows ``start_m + arange(BLOCK_M)`` of head ``bh``. ``CAREFUL``: the rare second
+    pass (:func:`_key_loops`)."""
+    batch64 = (bh // num_heads).to(tl.int64)
+    head64 = (bh % num_heads).to(tl.int64)
+    q_base = q_ptr + batch64 * stride_qb + head64 * stride_qh
+    k_base = k_ptr + batch64 * stride_kb + head64 * stride_kh
+    v_base = v_ptr + batch64 * stride_vb + head64 * stride_vh
+    gate_off = bh.to(tl.int64) * seq_len
+    rows = start_m + tl.arange(0, BLOCK_M)
+    row_ok = rows < seq_len
+    dqk = tl.arange(0, BLOCK_DQK)
     q = load_tile(q_base, rows, stride_qs, dqk, stride_qd, seq_len, DQK, BLOCK_DQK, True)
     logf_i = tl.load(logf_ptr + gate_off + rows, mask=row_ok, other=0.0) * LOG2E
 
@@ -133,9 +203,9 @@ def mlstm_forward_tile(
     # Otherwise (gates that jump inside one tile: strong forgetting, a spike of the input
     # gate) two loops: left of the diagonal with ref = before (>= those columns: factors
     # <= 1), then the diagonal tiles with the exact exponential.
-    if v_ptr.dtype.element_ty == tl.float32:
+    if v_base.dtype.element_ty == tl.float32:
         one_loop = False  # fp32 inputs keep the exact diagonal tiles (ONE_LOOP_SPREAD)
-    elif v_ptr.dtype.element_ty == tl.float16:
+    elif v_base.dtype.element_ty == tl.float16:
         one_loop = high - low <= ONE_LOOP_SPREAD_FP16
     else:
         one_loop = high - low <= ONE_LOOP_SPREAD
@@ -152,10 +222,40 @@ def mlstm_forward_tile(
         acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=ACC)
         row_sum = tl.zeros((BLOCK_M,), dtype=ACC)
     row_factor = tl.where(has_ref, tl.exp2(logf_i + col_ref - row_max), 0.0)
-    if one_loop:
+    acc, row_sum = _key_loops(
+        acc, row_sum, row_factor, one_loop, q, k_base, v_base, igate_ptr, logf_ptr, term_ptr,
+        gate_off, rows, logf_i, row_max, col_ref, window, start_m, seq_len, scale,
+        stride_ks, stride_kd, stride_vs, stride_vd, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+        BLOCK_N, ACC, INPUT_PRECISION, UPCAST, CAREFUL)
+    return acc, row_sum, row_max
+
+
+@triton.jit
+def _key_loops(acc, row_sum, row_factor, one_loop, q, k_base, v_base, igate_ptr, logf_ptr,
+               term_ptr, gate_off, rows, logf_i, row_max, col_ref, window, start_m, seq_len,
+               scale, stride_ks, stride_kd, stride_vs, stride_vd, DQK: tl.constexpr,
+               DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
+               INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, CAREFUL: tl.constexpr):
+    """:func:`mlstm_forward_tile`'s key loop, ``(acc, row_sum)`` from their starting values:
+    the one-loop form when ``one_loop`` (16-bit inputs only), else the two-loop form.
+    ``CAREFUL`` (the rare second pass): the masked tiles' second MMA is
+    :func:`_careful_pv`'s, the loops unpipelined; the arithmetic is the fast pass's."""
+    if v_base.dtype.element_ty == tl.float32:
+        # fp32 inputs keep the exact diagonal tiles (ONE_LOOP_SPREAD)
+        acc, row_sum = _left_then_diagonal(
+            acc, row_sum, row_factor, q, k_base, v_base, igate_ptr, logf_ptr, term_ptr,
+            gate_off, rows, logf_i, row_max, col_ref, window, start_m, seq_len, scale,
+            stride_ks, stride_kd, stride_vs, stride_vd, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+            BLOCK_N, ACC, INPUT_PRECISION, UPCAST, 1 if CAREFUL else None, CAREFUL)
+    elif one_loop:
         # One software pipeline through the diagonal tiles: against two loops (the diagonal
         # tiles' own prologue, their exact exponentials) 4-7% faster on an H100.
-        for start_n in range(window, tl.minimum(start_m + BLOCK_M, seq_len), BLOCK_N):
+        dqk = tl.arange(0, BLOCK_DQK)
+        dv = tl.arange(0, BLOCK_DV)
+        first_bad = tl.full((BLOCK_DV,), NO_ROW, dtype=tl.int32)
+        for start_n in tl.range(window, tl.minimum(start_m + BLOCK_M, seq_len), BLOCK_N,
+                                num_stages=1 if CAREFUL else None):
             cols = start_n + tl.arange(0, BLOCK_N)
             col_ok = cols < seq_len
             k = load_tile(k_base, cols, stride_ks, dqk, stride_kd, seq_len, DQK, BLOCK_DQK,
@@ -167,15 +267,15 @@ def mlstm_forward_tile(
                          INPUT_PRECISION, UPCAST)
             c = tl.where(cols[None, :] <= rows[:, None], scores * col_scale[None, :], 0.0)
             row_sum += tl.sum(c, axis=1)
-            acc = mma(c.to(v.dtype), v, acc, INPUT_PRECISION, UPCAST)
+            if CAREFUL:  # every tile (the left ones too: simpler, and rare)
+                acc, first_bad = _careful_pv(c, cols, v, acc, first_bad, INPUT_PRECISION,
+                                             UPCAST)
+            else:
+                acc = mma(c.to(v.dtype), v, acc, INPUT_PRECISION, UPCAST)
         acc = acc * row_factor[:, None]
         row_sum = row_sum * row_factor
-    elif v_ptr.dtype.element_ty == tl.float32:
-        acc, row_sum = _left_then_diagonal(
-            acc, row_sum, row_factor, q, k_base, v_base, igate_ptr, logf_ptr, term_ptr,
-            gate_off, rows, logf_i, row_max, col_ref, window, start_m, seq_len, scale,
-            stride_ks, stride_kd, stride_vs, stride_vd, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
-            BLOCK_N, ACC, INPUT_PRECISION, UPCAST, None)
+        if CAREFUL:
+            acc = tl.where(rows[:, None] >= first_bad[None, :], float("nan"), acc)
     else:
         # Rare here (gates that jump inside a tile), so unpipelined: pipelined, these loops
         # made ptxas serialise every wgmma of the kernel (C7515) once S is a compile-time
@@ -184,22 +284,23 @@ def mlstm_forward_tile(
             acc, row_sum, row_factor, q, k_base, v_base, igate_ptr, logf_ptr, term_ptr,
             gate_off, rows, logf_i, row_max, col_ref, window, start_m, seq_len, scale,
             stride_ks, stride_kd, stride_vs, stride_vd, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
-            BLOCK_N, ACC, INPUT_PRECISION, UPCAST, 1)
+            BLOCK_N, ACC, INPUT_PRECISION, UPCAST, 1, CAREFUL)
+    return acc, row_sum
 
-    # h = acc / (n + eps): one reciprocal per row, and the norm takes acc with it (a
-    # [BLOCK_M, DV] division and pass fewer in the epilogue, which nothing overlaps).
-    normaliser = tl.maximum(tl.abs(row_sum), tl.exp2(-row_max))
-    inv = 1.0 / (normaliser + eps)
-    tl.store(m_ptr + gate_off + rows, row_max, mask=row_ok)
-    tl.store(b_ptr + gate_off + rows, row_sum, mask=row_ok)
-    if SAVE_H:
-        h_rows = h_ptr + gate_off * DV + rows[:, None] * DV + dv[None, :]
-        tl.store(h_rows, (acc * inv[:, None]).to(h_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & (dv[None, :] < DV))
-    if HAS_NORM:
-        return _layernorm_rows(acc, inv, weight_ptr, bias_ptr, head, norm_eps, DV, BLOCK_DV,
-                               HAS_WEIGHT, HAS_BIAS, RESIDUAL_WEIGHT)
-    return acc * inv[:, None]
+
+@triton.jit
+def _careful_pv(c, cols, v, acc, first_bad, INPUT_PRECISION: tl.constexpr,
+                UPCAST: tl.constexpr):
+    """The careful form of a key tile's second MMA, ``(acc + c @ v', first_bad')``: ``c
+    [BLOCK_M, BLOCK_N]`` with its masked entries (j > i) 0, ``v' = v`` with its non-finite
+    entries 0 (where v is finite, bitwise the plain product: those entries' products were 0
+    too), and ``first_bad [BLOCK_DV]`` lowered to the first row (of ``cols``) holding a
+    non-finite v in each column: the caller sets every cell at or after it NaN."""
+    finite = tl.abs(v) < float("inf")
+    acc = mma(c.to(v.dtype), tl.where(finite, v, 0.0).to(v.dtype), acc, INPUT_PRECISION,
+              UPCAST)
+    bad_row = tl.min(tl.where(finite, NO_ROW, cols[:, None]), axis=0)
+    return acc, tl.minimum(first_bad, bad_row)
 
 
 @triton.jit
@@ -209,11 +310,13 @@ def _left_then_diagonal(acc, row_sum, row_factor, q, k_base, v_base, igate_ptr, 
                         DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr,
                         BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         ACC: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                        UPCAST: tl.constexpr, STAGES: tl.constexpr):
+                        UPCAST: tl.constexpr, STAGES: tl.constexpr, CAREFUL: tl.constexpr):
     """The two-loop form of :func:`mlstm_forward_tile`'s key loop, ``(acc, row_sum)``: left of
     the diagonal factorised around ``col_ref`` (>= those columns' terms), then ``row_factor``
     applied, then the diagonal tiles with the exact exponential, masked (j > i, j past the
-    sequence). ``STAGES``: the loops' software-pipeline depth (None: the launch's)."""
+    sequence). ``STAGES``: the loops' software-pipeline depth (None: the launch's).
+    ``CAREFUL``: the diagonal tiles' second MMA is :func:`_careful_pv`'s, and the cells their
+    non-finite v entries reach (causally) are NaN."""
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
     for start_n in tl.range(window, start_m, BLOCK_N, num_stages=STAGES):
@@ -229,6 +332,7 @@ def _left_then_diagonal(acc, row_sum, row_factor, q, k_base, v_base, igate_ptr, 
         acc = mma(c.to(v.dtype), v, acc, INPUT_PRECISION, UPCAST)
     acc = acc * row_factor[:, None]
     row_sum = row_sum * row_factor
+    first_bad = tl.full((BLOCK_DV,), NO_ROW, dtype=tl.int32)
     for start_n in tl.range(start_m, tl.minimum(start_m + BLOCK_M, seq_len), BLOCK_N,
                             num_stages=STAGES):
         cols = start_n + tl.arange(0, BLOCK_N)
@@ -242,11 +346,16 @@ def _left_then_diagonal(acc, row_sum, row_factor, q, k_base, v_base, igate_ptr, 
         live = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
         # logf_i - logf_j first: it cancels exactly where the two are close, which the column
         # terms (large when the forget gates close) would not.
-        log_d = tl.where(live, logf_i[:, None] - logf_j[None, :] + igate_j[None, :],
-                         float("-inf"))
-        c = scores * tl.exp2(log_d - row_max[:, None])
+        # The mask selects (a masked column's product with 0 would keep a NaN score or gate).
+        log_d = logf_i[:, None] - logf_j[None, :] + igate_j[None, :]
+        c = tl.where(live, scores * tl.exp2(log_d - row_max[:, None]), 0.0)
         row_sum += tl.sum(c, axis=1)
-        acc = mma(c.to(v.dtype), v, acc, INPUT_PRECISION, UPCAST)
+        if CAREFUL:
+            acc, first_bad = _careful_pv(c, cols, v, acc, first_bad, INPUT_PRECISION, UPCAST)
+        else:
+            acc = mma(c.to(v.dtype), v, acc, INPUT_PRECISION, UPCAST)
+    if CAREFUL:
+        acc = tl.where(rows[:, None] >= first_bad[None, :], float("nan"), acc)
     return acc, row_sum
 
 
