@@ -37,6 +37,11 @@ that the op put in brings its own backward. Two rewrites:
   test measures both against fp64). The backward keeps the two pre-activations in x's dtype,
   as the written-out form keeps the two products.
 
+Both rewrites put the fused op where the multiply is. So neither applies when anything
+between the first matched node and the multiply could change what the products compute: a
+grad-mode or autocast switch (``with torch.no_grad():`` around one product), an in-place
+write (``x.mul_(2)``, ``x[0] = 1``, ``x += 1``, a mutating op) or a module call.
+
 Anything else is left as written. The pass keys Inductor's caches on compileops' sources
 (``uuid``), as the lowerings do.
 """
@@ -131,7 +136,8 @@ def _rewrite_row_scale(graph: torch.fx.Graph) -> int:
                     or tuple(out.shape) != tuple(product.shape):
                 continue
             scale = _row_scale(column, product)
-            if scale is None:
+            if scale is None or _moved_across_barrier(
+                    graph, [product_node, *_column_chain(column, scale)], mul):
                 continue
             x, weight, offsets = product_node.args[:3]
             with graph.inserting_before(mul):
@@ -145,6 +151,62 @@ def _rewrite_row_scale(graph: torch.fx.Graph) -> int:
             done += 1
             break
     return done
+
+
+#: Calls that switch global state the products depend on, by name (Dynamo records
+#: ``torch.no_grad()`` and ``torch.autocast`` as these).
+_STATE_SWITCHES = {"_set_grad_enabled", "set_grad_enabled", "_enter_autocast", "_exit_autocast",
+                   "_set_autocast_enabled", "_set_fwd_grad_enabled", "inference_mode"}
+_INPLACE_OPERATORS = {operator.setitem, operator.delitem, operator.iadd, operator.isub,
+                      operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+                      operator.ipow, operator.iand, operator.ior, operator.ixor,
+                      operator.ilshift, operator.irshift, operator.imatmul}
+
+
+def _is_barrier(node: torch.fx.Node) -> bool:
+    """Whether ``node`` may change what a product moved past it computes: a global state
+    switch, an in-place write, a mutating op, or a module call (opaque)."""
+    if node.op == "call_module":
+        return True
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.startswith("__")
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target in _INPLACE_OPERATORS:
+        return True
+    name = getattr(target, "__name__", "")
+    if name in _STATE_SWITCHES or (name.endswith("_") and not name.startswith("__")):
+        return True
+    schema = getattr(target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def _moved_across_barrier(graph: torch.fx.Graph, matched, mul: torch.fx.Node) -> bool:
+    """Whether any node from the earliest of ``matched`` (the nodes the rewrite replaces:
+    where the products and the scale's column read their inputs) to ``mul`` (graph order) is
+    a barrier: the fused op, put at ``mul``, would then compute under other state or on
+    other values than the products did where they were."""
+    matched = {n for n in matched if isinstance(n, torch.fx.Node)}
+    inside = False
+    for node in graph.nodes:
+        if node is mul:
+            return False
+        if node in matched:
+            inside = True
+        elif inside and _is_barrier(node):
+            return True
+    return False
+
+
+def _column_chain(column, scale) -> list:
+    """The nodes from ``column`` down to ``scale`` (the column and cast steps)."""
+    chain, node = [], column
+    while isinstance(node, torch.fx.Node) and node is not scale:
+        chain.append(node)
+        node = node.args[0] if node.args else None
+    return chain
 
 
 def _erase_unused(graph: torch.fx.Graph, node) -> None:
@@ -191,6 +253,8 @@ def _rewrite_swiglu_pair(graph: torch.fx.Graph) -> int:
                 continue
             values = [_value(n) for n in (x, w_gate, w_up, gate, up, silu, mul)]
             if any(v is None for v in values):
+                continue
+            if _moved_across_barrier(graph, [gate, up, silu], mul):
                 continue
             x_val, wg_val, wu_val, *outs = values
             if wg_val.dtype != wu_val.dtype or any(v.dtype != x_val.dtype for v in outs) \

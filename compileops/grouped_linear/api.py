@@ -146,7 +146,8 @@ def grouped_linear_swiglu(x, weight, offsets, bias=None, *, up_weight=None, reco
     ``up_weight`` ``[G, H, K]``: the gate and up projections kept as two weights (``weight``
     is then the gate's, ``[G, H, K]``), as torchtitan's experts and several Hugging Face
     models store them. The kernel reads both where they are: the result, its gradients and
-    their bits are those of ``weight=torch.cat([weight, up_weight], 1)``, without that
+    their bits are those of ``weight=torch.cat([weight, up_weight], 1)`` (dX's bits when the
+    kernel's K step divides H; otherwise within a last bit of them), without that
     ``[G, 2H, K]`` copy in every forward and the split of its gradient in every backward.
     No bias and no fp8 with ``up_weight`` (each raises a ``ValueError``). On an H200 (bf16, the
     whole MoE layer compiled at Mixtral-8x7B's shape) it runs at the concatenated weight's
@@ -178,6 +179,8 @@ def grouped_linear_swiglu(x, weight, offsets, bias=None, *, up_weight=None, reco
     """
     _check_tensor_args(x, weight, offsets)
     if up_weight is not None:
+        if fp8 is None:
+            check_fp8_options(cache_fp8_weights, fp8_fast_accum)
         return _swiglu_pair(x, weight, up_weight, offsets, bias, recompute, fp8)
     if fp8 is not None:
         check_recipe(fp8, bias, fast_accum=fp8_fast_accum, recompute=recompute)

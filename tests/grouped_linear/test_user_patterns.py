@@ -233,6 +233,95 @@ def test_other_swiglu_forms_are_left_as_written(case):
                                fn(x, w1, w3, offs, b), rtol=0, atol=0)
 
 
+def _row_scale_under_no_grad(x, w, offs, p):
+    with torch.no_grad():
+        y = gl(x, w, offs)
+    return y * p[:, None]
+
+
+def _pair_gate_under_no_grad(x, w1, w3, offs):
+    with torch.no_grad():
+        g = gl(x, w1, offs)
+    return silu(g) * gl(x, w3, offs)
+
+
+def _row_scale_x_written_between(x, w, offs, p):
+    y = gl(x, w, offs)
+    x.mul_(2)
+    return y * p[:, None]
+
+
+def _row_scale_p_written_after_its_column(x, w, offs, p):
+    column = p.to(torch.float32)[:, None]
+    p.mul_(2)
+    return gl(x, w, offs) * column
+
+
+def _pair_x_written_between(x, w1, w3, offs):
+    g = gl(x, w1, offs)
+    x.add_(1)
+    return silu(g) * gl(x, w3, offs)
+
+
+def _pair_weight_zeroed_between(x, w1, w3, offs):
+    g = gl(x, w1, offs)
+    u = gl(x, w3, offs)
+    w1.zero_()
+    return silu(g) * u
+
+
+def _pair_x_set_between(x, w1, w3, offs):
+    g = gl(x, w1, offs)
+    x[0] = 1.0
+    return silu(g) * gl(x, w3, offs)
+
+
+#: Programs where the fused op, put at the multiply, would compute under another grad mode
+#: or on values written in place since the products read them: left as written.
+ACROSS_A_BARRIER = {
+    "row scale, product under no_grad": (_row_scale_under_no_grad, "row"),
+    "pair, gate under no_grad": (_pair_gate_under_no_grad, "pair"),
+    "row scale, x written in place": (_row_scale_x_written_between, "row"),
+    "row scale, p written after its column": (_row_scale_p_written_after_its_column, "row"),
+    "pair, x written in place": (_pair_x_written_between, "pair"),
+    "pair, w1 zeroed in place": (_pair_weight_zeroed_between, "pair"),
+    "pair, x set by index": (_pair_x_set_between, "pair"),
+}
+
+
+@pytest.mark.parametrize("case", list(ACROSS_A_BARRIER))
+def test_no_rewrite_across_grad_mode_switches_or_in_place_writes(case):
+    """Compiled equals eager, and the products stay apart: values, and where no input is
+    written in place (autograd refuses a backward through those), gradients, None where
+    eager has none."""
+    fn, kind = ACROSS_A_BARRIER[case]
+    args = list(make()) if kind == "row" else list(make_pair())
+    with_grad = "no_grad" in case
+    runs = []
+    for run in (fn, torch.compile(fn, fullgraph=True)):
+        torch._dynamo.reset()
+        leaves = [a.clone().requires_grad_(with_grad and a.is_floating_point()) for a in args]
+        y = run(*leaves)
+        if with_grad:
+            y.sum().backward()
+        runs.append((y.detach(), [a.grad for a in leaves if a.is_floating_point()]))
+    (y_e, g_e), (y_c, g_c) = runs
+    torch.testing.assert_close(y_c, y_e, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g_c, g_e):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    kernels = inductor_kernels(fn, *[a.clone() for a in args]).splitlines()
+    assert ROW_SCALED not in kernels and not any(op in kernels for op in PAIR_OPS), kernels
+
+
+def test_pair_refuses_fp8_only_options_without_fp8():
+    x, w1, w3, offs = make_pair()
+    for option in ("cache_fp8_weights", "fp8_fast_accum"):
+        with pytest.raises(ValueError, match="needs fp8"):
+            compileops.grouped_linear_swiglu(x, w1, offs, up_weight=w3, **{option: True})
+
+
 def _swiglu_errors(run, x, w1, w3, offs, grad):
     """Relative L2 errors of (y, dX, dW1, dW3) from ``run`` against fp64 autograd."""
     leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w3)]
