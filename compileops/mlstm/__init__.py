@@ -8,6 +8,7 @@ Importing this package registers ``compileops::mlstm_parallel``, ``compileops::m
 kernel runs.
 """
 from compileops.mlstm.api import mlstm, mlstm_with_stats
+from compileops.mlstm.op import fast_gate_gradients, set_fast_gate_gradients
 from compileops.mlstm.step import mlstm_step
 from compileops.mlstm.module import (
     MultiHeadLayerNorm,
@@ -17,4 +18,5 @@ from compileops.mlstm.module import (
 )
 
 __all__ = ["mlstm", "mlstm_step", "mlstm_with_stats", "MultiHeadLayerNorm",
-           "convert_xlstm_state_dict", "mLSTMLayer", "mLSTMLayerConfig"]
+           "convert_xlstm_state_dict", "fast_gate_gradients", "mLSTMLayer", "mLSTMLayerConfig",
+           "set_fast_gate_gradients"]

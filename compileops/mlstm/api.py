@@ -303,11 +303,21 @@ def mlstm(
     states enter the MMAs in bf16) on the tests' short rows. Measured on long rows (an H200,
     B 2, NH 4, DQK 128, DV 256, the gate distributions above; benchmarks/RESULTS.md): the
     output within 2.5e-3 and every gradient but the forget gate's within 8.1e-3, both forms,
-    at S 1024 and 8192; the forget-gate gradient, the reverse cumulative sum of bf16-rounded
-    products, within 1.5e-2 parallel and 7.5e-2 chunkwise at S = 1024 (so ``"auto"`` trains
-    the parallel form there), 9.8e-2 parallel and 1.1e-1 chunkwise at S = 8192; fp16 within a
-    relative L2 error of 1e-3 for the output and 4e-3 for the gradients. Deterministic and
-    batch-invariant bitwise, forward and backward.
+    at S 1024 and 8192. The forget gate's gradient is the reverse cumulative sum of each
+    position's row sum less its column sum of bf16-rounded products: with each kernel's own
+    rounding (``compileops.mlstm.set_fast_gate_gradients(True)``, and the only way until
+    this release) it was within 1.5e-2 parallel and 7.5e-2 chunkwise at S = 1024 (so
+    ``"auto"`` trains the parallel form there), 9.8e-2 parallel and 1.1e-1 chunkwise at
+    S = 8192 on that H200. By default the two sums of each pair are now taken from the same
+    rounded product, and the chunkwise form takes what crosses each chunk's end from the
+    chunk's own keys and the state entering it, so the pairs that should cancel do: under
+    Triton's interpreter (B 1, NH 1, S 512-1024, DQK 32-64, DV 32-64, the gate distributions
+    above, raw and normed, chunks of 32 and 64) within 1.2e-2 in both forms, on par with the
+    other gradients (which reach 1.2e-2 there too, raw, with DQK 64), where the older sums
+    gave up to 2.4e-2 parallel and 5.5e-2 chunkwise (tests/mlstm/test_precision.py; chunks
+    of 16, whose states round in bf16 sixteen rows apart: up to 1.3e-2 against 7.0e-2); not
+    yet measured on a GPU. fp16 within a relative L2 error of 1e-3 for the output and 4e-3
+    for the gradients. Deterministic and batch-invariant bitwise, forward and backward.
 
     Causality (tests/mlstm/test_causality.py): a NaN or Inf at position t (in q, k, v or a
     gate) never reaches an output before t, on both backends and in every form (parallel,
@@ -327,7 +337,8 @@ def mlstm(
     power of two >= 16, plus a ``[DQK, DV]`` fp32 state carried between chunks: linear in S),
     or ``"auto"``: parallel up to ``AUTO_PARALLEL_MAX_SEQ`` rows (1024) when a gradient is
     needed (at S = 1024 and DQK 128 / DV 256 the chunkwise form is about 16-18% faster on an
-    H200, fw+bw compiled, but its bf16 forget-gate gradient up to 5x less accurate, and it
+    H200, fw+bw compiled, but its bf16 forget-gate gradient was up to 5x less accurate
+    with the older gate sums, the only ones when this was measured, and it
     needs more memory: the default does not trade accuracy for speed; pass
     ``kernel="chunkwise"`` for the speed) and ``AUTO_PARALLEL_MAX_SEQ_INFERENCE`` (2048) when
     not, chunkwise above and whenever a state goes in or out (the crossovers measured on an

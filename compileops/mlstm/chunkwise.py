@@ -397,9 +397,11 @@ def mlstm_chunkwise_backward_op(
     dcs, dns, dc0, dn0_exact = chunkwise.chunk_state_grads(
         q, dh, lf, m2, r, beta, mst, chunk, (grad_c, grad_n), _resets(segments, seq, chunk),
         beta_exact=beta_exact)
-    dq, dk, dv, row_grad, col_grad = kernels.cell_backward(
+    from compileops.mlstm.op import fast_gate_gradients
+
+    dq, dk, dv, row_grad, col_grad, state_col = kernels.cell_backward(
         q, k, v, dh, ig, lf, m2, r, beta, cfg, chunk=chunk, states=(cst, nst, mst),
-        state_grads=(dcs, dns))
+        state_grads=(dcs, dns), paired=not fast_gate_gradients())
     # The stabiliser's gradient: m_i = F_i + max_{j<=i} (igate_j - F_j), F the segment's
     # whole forget sums (the restarted ones plus the chunk offsets), the initial state a
     # column before the first with key m0.
@@ -420,11 +422,25 @@ def mlstm_chunkwise_backward_op(
         dn0 = q.new_zeros((b, nh, dqk), dtype=acc)
         dm0 = q.new_zeros((b, nh), dtype=acc)
     row_grad = row_grad + dm
-    if seq:
-        row_grad = torch.cat([row_grad[..., :-1], row_grad[..., -1:] + read_last[..., None]], -1)
-    d_global = row_grad - col_grad
-    later = segment_scans.chunk_scan(d_global, chunk, starts, reverse=True, last_only=False)
-    dlogf = _with_later_chunks(d_global, later, chunk)
+    if state_col is not None:
+        # Paired sums (16-bit; kernels.cell_backward): what crosses each chunk's end is taken
+        # as it is, from the state entering the chunk and the chunk's own keys (the last
+        # chunk's: the last state's readers, read_last above), not as the later chunks' row
+        # sums less their column sums, whose rounding would add up along the whole row. The
+        # stabiliser's pairs (dm at a row, its share at the row's maximal column) still
+        # cross by their scan: both ends are the same fp32 values.
+        crossing = chunkwise.chunk_boundaries((cst, nst, mst), (dcs, dns), lf, state_col, chunk,
+                                              _resets(segments, seq, chunk))
+        crossing = crossing + segment_scans.chunk_scan(dm - shares, chunk, starts,
+                                                       reverse=True, last_only=False)
+        dlogf = _with_boundaries(row_grad - col_grad, crossing, chunk)
+    else:
+        if seq:
+            row_grad = torch.cat([row_grad[..., :-1],
+                                  row_grad[..., -1:] + read_last[..., None]], -1)
+        d_global = row_grad - col_grad
+        later = segment_scans.chunk_scan(d_global, chunk, starts, reverse=True, last_only=False)
+        dlogf = _with_later_chunks(d_global, later, chunk)
     if normed:
         dweight = parts_w.sum(dim=(0, 1)).reshape(-1)
         dbias = parts_b.sum(dim=(0, 1)).reshape(-1)
@@ -460,6 +476,22 @@ def _with_later_chunks(d_global: torch.Tensor, later: torch.Tensor, chunk: int) 
     last = torch.zeros_like(blocks)
     last[..., -1] = later
     return (blocks + last).flatten(-2)[..., :seq].contiguous()
+
+
+def _with_boundaries(d_local: torch.Tensor, crossing: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The gradient of the chunk-restarted forget sums from each row's ``d_local [..., S]``
+    (its row sum less its column sum of ``dlogD``) and each chunk's ``crossing [..., NC]``
+    (the pairs across its end): ``crossing`` joins each chunk's last row (the row's last
+    chunk: row S - 1, also when partial), and the reverse sums within each chunk
+    (``log_forget_backward``) do the rest."""
+    seq = d_local.shape[-1]
+    if seq == 0:
+        return d_local
+    blocks = _chunked(d_local, chunk)
+    ends = torch.zeros_like(blocks)
+    ends[..., :-1, -1] = crossing[..., :-1]
+    ends[..., -1, (seq - 1) % chunk] = crossing[..., -1]
+    return (blocks + ends).flatten(-2)[..., :seq].contiguous()
 
 
 @mlstm_chunkwise_backward_op.register_fake

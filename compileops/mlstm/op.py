@@ -42,6 +42,37 @@ from compileops.mlstm.checks import (
 
 
 
+#: :func:`set_fast_gate_gradients`'s setting, read by the backward ops when they run.
+_FAST_GATE_GRADIENTS = False
+
+
+def set_fast_gate_gradients(enabled: bool) -> None:
+    """Process-wide: the Triton backward of 16-bit inputs takes the forget and input gates'
+    gradients the older, cheaper way (``enabled=True``) or the accurate way (``False``, the
+    default). Both forms of :func:`compileops.mlstm.mlstm`.
+
+    The forget gate's gradient is a reverse cumulative sum of each position's ``dlogD`` row
+    sum less its column sum; the two sums of a pair ``(i, j)`` come from the dQ and the dK/dV
+    programs. By default the dK/dV programs sum the very bf16-rounded products the dQ
+    programs multiply, and the chunkwise form takes what crosses each chunk's end from the
+    chunk's own keys and the state entering it, so each pair cancels where it should. The
+    fast way sums each kernel's own rounding (and, chunkwise, the later chunks' sums along
+    the whole row): measured on an H200 at S = 8192, a forget-gate gradient up to 10x further
+    from fp64 (benchmarks/RESULTS.md). What the default costs: in the dK/dV programs, the dQ
+    product rebuilt below the diagonal (a rounding and a few multiplies per element, two
+    exponentials per row and column of a tile) and a row sum per tile; chunkwise, one more
+    read of the states entering the chunks. Read each time a backward runs (compiled too:
+    the backward ops are not traced through), not per call or per thread. fp32 and fp64 are
+    unaffected: nothing is rounded between the two sums there."""
+    global _FAST_GATE_GRADIENTS
+    _FAST_GATE_GRADIENTS = bool(enabled)
+
+
+def fast_gate_gradients() -> bool:
+    """Whether :func:`set_fast_gate_gradients` is on."""
+    return _FAST_GATE_GRADIENTS
+
+
 def _use_triton(op: str, q: torch.Tensor, v: torch.Tensor) -> bool:
     if backends.select(op, q.device) != "triton":
         return False
@@ -169,8 +200,9 @@ def _kernel_backward(grad_out, q, k, v, igate, logf, norm_weight, h, m, b, norme
     dh, r, beta, dm, parts_w, parts_b = kernels.norm_backward(
         grad_out, h, _dense(norm_weight), m.contiguous(), b.contiguous(), normed, norm_eps,
         eps, residual_weight, cfg)
-    dq, dk, dv, row_grad, col_grad = kernels.cell_backward(
-        q, k, v, dh, igate.contiguous(), logf.contiguous(), m, r, beta, cfg)
+    dq, dk, dv, row_grad, col_grad, _ = kernels.cell_backward(
+        q, k, v, dh, igate.contiguous(), logf.contiguous(), m, r, beta, cfg,
+        paired=not _FAST_GATE_GRADIENTS)
     col_grad = col_grad + stabiliser_column_grad(igate - logf, dm, gates.running_sum)
     # logD_ij = F_i - F_j + igate_j: dF gets the row sums of dlogD minus its column sums
     # (dm: the stabiliser's share, which sits in row i too).

@@ -208,7 +208,8 @@ def _dq_step(
 @triton.jit
 def mlstm_dq_kernel(
     q_ptr, k_ptr, v_ptr, dh_ptr, igate_ptr, logf_ptr, m2_ptr, r_ptr, beta_ptr,
-    cstate_ptr, nstate_ptr, mstate_ptr, dq_ptr, row_grad_ptr, seq_len, chunk_len, num_heads,
+    cstate_ptr, nstate_ptr, mstate_ptr, dq_ptr, row_grad_ptr, ref_ptr, seq_len, chunk_len,
+    num_heads,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -216,11 +217,14 @@ def mlstm_dq_kernel(
     scale,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_STATE: tl.constexpr, ACC: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PAIRED: tl.constexpr = False,
 ):
     """Grid ``(B * NH * cdiv(S, BLOCK_M),)``, head-major (:func:`.common.head_major_tile`),
     within a head the longest rows first. Writes ``dq_ptr [B, NH,
     S, DQK]`` contiguous and ``row_grad_ptr [B * NH, S]`` (``sum_j dlogD_ij = q_i . dq_i``).
+    ``PAIRED``: also ``ref_ptr [B * NH, cdiv(S, BLOCK_M)]`` (``ACC``), the tile's reference of
+    the factorised decay (``-inf``: none), from which :func:`mlstm_dkv_kernel` rebuilds the
+    products this kernel rounds.
 
     ``dh_ptr``: the raw h's gradient, (batch, head, seq, channel) strides given;
     ``igate_ptr``, ``logf_ptr`` (the forward's gates), ``m2_ptr`` (the forward's stabiliser,
@@ -254,6 +258,8 @@ def mlstm_dq_kernel(
                           8 * BLOCK_M, ACC)
     has_ref = ref > float("-inf")
     col_ref = tl.where(has_ref, ref, 0.0)
+    if PAIRED:
+        tl.store(ref_ptr + bh.to(tl.int64) * num_tiles + start_m // BLOCK_M, ref)
     for start_n in range(window, start_m, BLOCK_N):
         dq = _dq_step(
             dq, dh, logf_i, m2_i, r_i, beta_i, col_ref, rows, start_n, k_base, v_base,
@@ -295,12 +301,13 @@ def mlstm_dq_kernel(
 
 @triton.jit
 def _dkv_step(
-    dk, dv_acc, k, v, col_scale, tile_ref, cols, start_m, q_base, h_base,
-    logf_ptr, m2_ptr, r_ptr, beta_ptr, seq_len, logf_j, igate_j,
+    dk, dv_acc, col_acc, k, v, col_scale, tile_ref, col_term_j, cols, start_m, q_base, h_base,
+    logf_ptr, m2_ptr, r_ptr, beta_ptr, ref_ptr, seq_len, logf_j, igate_j,
     stride_qs, stride_qd, stride_hs, stride_hd, scale,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ACC: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, CHECK_ROWS: tl.constexpr = False,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PAIRED: tl.constexpr,
+    CHECK_ROWS: tl.constexpr = False,
 ):
     """Query tile ``[start_m, start_m + BLOCK_M)`` into the unscaled dK ``[BLOCK_N,
     BLOCK_DQK]`` and the dV ``[BLOCK_N, BLOCK_DV]`` accumulators (``MASKED``: the diagonal
@@ -309,7 +316,14 @@ def _dkv_step(
     tile_ref)`` (log2 units, ``tile_ref`` the largest column term of the key tile) times a
     per-row factor; ``CHECK_ROWS`` (the ragged last tile) masks the rows past ``seq_len``
     and computes the live ones exactly as a full tile would, so that a row's sums do not
-    depend on where the sequence ends (a packed document is bitwise its own alone)."""
+    depend on where the sequence ends (a packed document is bitwise its own alone).
+
+    ``PAIRED``: ``col_acc [BLOCK_N]`` (``ACC``) gathers the column sums of ``dlogD`` from the
+    very products the dQ program multiplies (:func:`paired_products`), which the rounding of
+    this tile's own ``dS`` would not match: with both sums of each pair alike, the forget
+    gates' reverse cumulative sum cancels the pairs it should, as in exact arithmetic.
+    ``col_term_j`` (dQ's column terms of these keys) and ``ref_ptr`` (dQ's references, one
+    a query tile: :func:`mlstm_dq_kernel`) rebuild them."""
     rows = start_m + tl.arange(0, BLOCK_M)
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
@@ -344,15 +358,43 @@ def _dkv_step(
     dv_acc = mma(c_scaled.to(dh.dtype), dh, dv_acc, INPUT_PRECISION, UPCAST)
     d_c = mma(v, tl.trans(dh), tl.zeros((BLOCK_N, BLOCK_M), dtype=ACC),
               INPUT_PRECISION, UPCAST) * r_i[None, :] + beta_i[None, :]
-    dk = mma((d_c * decay).to(q.dtype), q, dk, INPUT_PRECISION, UPCAST)
-    return dk, dv_acc
+    d_s = (d_c * decay).to(q.dtype)
+    dk = mma(d_s, q, dk, INPUT_PRECISION, UPCAST)
+    if PAIRED:
+        if MASKED:
+            # dQ's diagonal tiles round this same product (the same expression, bitwise).
+            paired = d_s.to(ACC)
+        else:
+            paired = paired_products(d_c, col_term_j, logf_i, m2_i, ref_ptr, start_m,
+                                     rows, seq_len, BLOCK_M, CHECK_ROWS, q.dtype)
+        col_acc += tl.sum(paired * scores, axis=1)
+    return dk, dv_acc, col_acc
+
+
+@triton.jit
+def paired_products(d_c, col_term_j, logf_i, m2_i, ref_ptr, start_m, rows, seq_len,
+                    BLOCK_M: tl.constexpr, CHECK_ROWS: tl.constexpr, DTYPE: tl.constexpr):
+    """``[BLOCK_N, BLOCK_M]``: the products ``dS_ij`` of a query tile below the diagonal
+    as the dQ program multiplies them (:func:`_dq_step`, unmasked): ``d_c`` times the column
+    factor against the query tile's reference, rounded to the MMA's dtype ``DTYPE``, times the
+    row factor that program applies after its key loop. Same expressions on the same
+    values: the rounding lands alike (bitwise where the two ``d_c`` are)."""
+    ref = tl.load(ref_ptr + start_m // BLOCK_M)
+    has_ref = ref > float("-inf")
+    col_ref = tl.where(has_ref, ref, 0.0)
+    row_factor = tl.where(has_ref, tl.exp2(logf_i + col_ref - m2_i), 0.0)
+    if CHECK_ROWS:
+        row_factor = tl.where(rows < seq_len, row_factor, 0.0)
+    col_factor = tl.exp2(col_term_j - col_ref)
+    rounded = (d_c * col_factor[:, None]).to(DTYPE)
+    return rounded.to(d_c.dtype) * row_factor[None, :]
 
 
 @triton.jit
 def mlstm_dkv_kernel(
     q_ptr, k_ptr, v_ptr, dh_ptr, igate_ptr, logf_ptr, m2_ptr, r_ptr, beta_ptr,
-    dcstate_ptr, dnstate_ptr, mstate_ptr, dk_ptr, dv_ptr, col_grad_ptr, seq_len, chunk_len,
-    num_heads,
+    dcstate_ptr, dnstate_ptr, mstate_ptr, dk_ptr, dv_ptr, col_grad_ptr, ref_ptr, state_col_ptr,
+    seq_len, chunk_len, num_heads,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -360,7 +402,7 @@ def mlstm_dkv_kernel(
     scale,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_STATE: tl.constexpr, ACC: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PAIRED: tl.constexpr = False,
 ):
     """Grid ``(B * NH * cdiv(S, BLOCK_N),)``, head-major (:func:`.common.head_major_tile`),
     within a head the earliest keys (most query tiles) first.
@@ -370,7 +412,14 @@ def mlstm_dkv_kernel(
     (``dcstate_ptr [B * NH, NC, DQK, DV]`` in k's dtype, ``dnstate_ptr [B * NH, NC + 1,
     DQK]``; the state's ``mstate_ptr``) adds the later chunks' share: with ``w_j =
     exp(logf_end - logf_j + igate_j - m)``, ``dk_j += w_j (dC v_j + dn)``, ``dv_j += w_j
-    dC^T k_j``. Other arguments as :func:`mlstm_dq_kernel`."""
+    dC^T k_j``. Other arguments as :func:`mlstm_dq_kernel`.
+
+    ``PAIRED`` (16-bit inputs): the column sums come from the products the dQ programs
+    round (:func:`_dkv_step`; ``ref_ptr``: their references, written by
+    :func:`mlstm_dq_kernel`), not from ``k . dk``; with ``HAS_STATE`` the later chunks'
+    share of them, ``w_j k_j . (dC v_j + dn)``, is also written alone to ``state_col_ptr
+    [B * NH, S]`` (``ACC``), for the sums that cross each chunk's end
+    (:func:`.chunkwise.chunk_boundaries`)."""
     bh, tile = head_major_tile(tl.cdiv(seq_len, BLOCK_N))
     start_n = tile * BLOCK_N
     batch64 = (bh // num_heads).to(tl.int64)
@@ -394,6 +443,12 @@ def mlstm_dkv_kernel(
     h_base = dh_ptr + batch64 * stride_hb + head64 * stride_hh
     dk = tl.zeros((BLOCK_N, BLOCK_DQK), dtype=ACC)
     dv_acc = tl.zeros((BLOCK_N, BLOCK_DV), dtype=ACC)
+    col_acc = tl.zeros((BLOCK_N,), dtype=ACC)
+    lf_nat = tl.load(logf_ptr + gate_off + cols, mask=col_ok, other=0.0)
+    ig_nat = tl.load(igate_ptr + gate_off + cols, mask=col_ok, other=0.0)
+    # The dQ programs' column terms of these keys (their expression: see paired_products).
+    pair_term = (ig_nat - lf_nat) * LOG2E
+    refs = ref_ptr + bh.to(tl.int64) * tl.cdiv(seq_len, BLOCK_M)
     logf_h = logf_ptr + gate_off
     m2_h = m2_ptr + gate_off
     r_h = r_ptr + gate_off
@@ -404,24 +459,26 @@ def mlstm_dkv_kernel(
     first_m = (start_n // BLOCK_M) * BLOCK_M
     full_end = (first_m + BLOCK_M
                 + tl.maximum(window_end - first_m - BLOCK_M, 0) // BLOCK_M * BLOCK_M)
-    dk, dv_acc = _dkv_step(
-        dk, dv_acc, k, v, col_scale, tile_ref, cols, first_m, q_base, h_base,
-        logf_h, m2_h, r_h, beta_h, seq_len, logf_j, igate_j,
+    dk, dv_acc, col_acc = _dkv_step(
+        dk, dv_acc, col_acc, k, v, col_scale, tile_ref, pair_term, cols, first_m, q_base,
+        h_base, logf_h, m2_h, r_h, beta_h, refs, seq_len, logf_j, igate_j,
         stride_qs, stride_qd, stride_hs, stride_hd, scale,
-        DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, True, ACC, INPUT_PRECISION, UPCAST)
+        DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, True, ACC, INPUT_PRECISION, UPCAST,
+        PAIRED)
     for start_m in range(first_m + BLOCK_M, full_end, BLOCK_M):
-        dk, dv_acc = _dkv_step(
-            dk, dv_acc, k, v, col_scale, tile_ref, cols, start_m, q_base, h_base,
-            logf_h, m2_h, r_h, beta_h, seq_len, logf_j, igate_j,
-            stride_qs, stride_qd, stride_hs, stride_hd, scale,
-            DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, False, ACC, INPUT_PRECISION, UPCAST)
-    if full_end < window_end:
-        dk, dv_acc = _dkv_step(
-            dk, dv_acc, k, v, col_scale, tile_ref, cols, full_end, q_base, h_base,
-            logf_h, m2_h, r_h, beta_h, seq_len, logf_j, igate_j,
+        dk, dv_acc, col_acc = _dkv_step(
+            dk, dv_acc, col_acc, k, v, col_scale, tile_ref, pair_term, cols, start_m, q_base,
+            h_base, logf_h, m2_h, r_h, beta_h, refs, seq_len, logf_j, igate_j,
             stride_qs, stride_qd, stride_hs, stride_hd, scale,
             DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, False, ACC, INPUT_PRECISION, UPCAST,
-            CHECK_ROWS=True)
+            PAIRED)
+    if full_end < window_end:
+        dk, dv_acc, col_acc = _dkv_step(
+            dk, dv_acc, col_acc, k, v, col_scale, tile_ref, pair_term, cols, full_end, q_base,
+            h_base, logf_h, m2_h, r_h, beta_h, refs, seq_len, logf_j, igate_j,
+            stride_qs, stride_qd, stride_hs, stride_hd, scale,
+            DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, False, ACC, INPUT_PRECISION, UPCAST,
+            PAIRED, CHECK_ROWS=True)
     dk = dk * scale
     if HAS_STATE:
         slots = tl.maximum(tl.cdiv(seq_len, chunk_len), 1)
@@ -432,8 +489,6 @@ def mlstm_dkv_kernel(
         dn = tl.load(dnstate_ptr + slot * DQK + dqk, mask=dqk < DQK, other=0.0)
         # Natural-log units, with the state kernels' expression for the same weight.
         logf_end = tl.load(logf_h + window_end - 1)
-        lf_nat = tl.load(logf_h + cols, mask=col_ok, other=0.0)
-        ig_nat = tl.load(igate_ptr + gate_off + cols, mask=col_ok, other=0.0)
         # An m of -inf: the leaving state is empty, or the next chunk starts a new segment
         # (packed documents) and nothing reads it; its weights are 0, not exp(+inf).
         m_leaving = tl.load(mstate_ptr + slot)
@@ -442,6 +497,10 @@ def mlstm_dkv_kernel(
         dk_state = mma(v, tl.trans(dc), tl.zeros((BLOCK_N, BLOCK_DQK), dtype=ACC),
                        INPUT_PRECISION, UPCAST) + dn[None, :]
         dk = dk + w[:, None] * dk_state
+        if PAIRED:
+            state_col = w * tl.sum(k.to(ACC) * dk_state, axis=1)
+            tl.store(state_col_ptr + gate_off + cols, state_col, mask=col_ok)
+            col_acc += state_col
         dv_state = mma(k, dc, tl.zeros((BLOCK_N, BLOCK_DV), dtype=ACC),
                        INPUT_PRECISION, UPCAST)
         dv_acc = dv_acc + w[:, None] * dv_state
@@ -450,7 +509,10 @@ def mlstm_dkv_kernel(
              dk.to(dk_ptr.dtype.element_ty), mask=mask & (dqk[None, :] < DQK))
     tl.store(dv_ptr + gate_off * DV + cols[:, None] * DV + dv[None, :],
              dv_acc.to(dv_ptr.dtype.element_ty), mask=mask & (dv[None, :] < DV))
-    tl.store(col_grad_ptr + gate_off + cols, tl.sum(k.to(ACC) * dk, axis=1), mask=col_ok)
+    if PAIRED:
+        tl.store(col_grad_ptr + gate_off + cols, col_acc, mask=col_ok)
+    else:
+        tl.store(col_grad_ptr + gate_off + cols, tl.sum(k.to(ACC) * dk, axis=1), mask=col_ok)
 
 
 def _dims(t: torch.Tensor, normed: bool, dv: int) -> tuple[int, int, int, int]:
@@ -509,17 +571,27 @@ def cell_backward(
     r: torch.Tensor, beta: torch.Tensor,
     config: Optional[BackwardConfig] = None, chunk: int = 0,
     states: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-    state_grads: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv, row_grad, col_grad)``: the cell's gradients for the raw h's gradient
-    ``dh [B, NH, S, DV]`` (any strides). Per-row ``[B, NH, S]`` contiguous inputs in the
-    accumulation dtype: the gates, the stabiliser in log2 units, ``r = 1 / (n + eps)``
+    state_grads: Optional[tuple[torch.Tensor, torch.Tensor]] = None, paired: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           Optional[torch.Tensor]]:
+    """``(dq, dk, dv, row_grad, col_grad, state_col)``: the cell's gradients for the raw
+    h's gradient ``dh [B, NH, S, DV]`` (any strides). Per-row ``[B, NH, S]`` contiguous
+    inputs in the accumulation dtype: the gates, the stabiliser in log2 units, ``r = 1 / (n + eps)``
     and ``beta`` (module docstring). ``row_grad``/``col_grad``: ``sum_j dlogD_ij`` and
     ``sum_i dlogD_ij`` with the stabiliser held constant (its gradient is the caller's).
 
     ``chunk`` > 0: the chunkwise form (``logf`` restarted at each chunk), with the forward's
     ``states`` ``(C, n, m)`` entering each chunk and ``state_grads`` ``(dC, dn)``, the
-    gradients of the states leaving each chunk (:func:`.chunkwise.chunk_state_grads`)."""
+    gradients of the states leaving each chunk (:func:`.chunkwise.chunk_state_grads`).
+
+    ``paired`` (16-bit inputs; a no-op otherwise, where nothing is rounded between the two
+    sums): ``col_grad`` is summed from the products the dQ programs round, so that each pair
+    ``(i, j)`` enters ``row_grad`` and ``col_grad`` alike (:func:`mlstm_dkv_kernel`); with
+    states, ``state_col [B, NH, S]`` is the later chunks' share of ``col_grad`` (else None).
+    Its cost: the dK/dV programs rebuild dQ's product below the diagonal (two more
+    exponentials a row and a column of each tile, a rounding and three multiplies an
+    element) and sum it with the scores along each key row; the dQ programs store one
+    reference a tile."""
     batch, heads, seq, dqk = q.shape
     dvh = v.shape[-1]
     cfg = config or choose_backward_config(q, dqk, dvh)
@@ -528,15 +600,19 @@ def cell_backward(
     dv = torch.empty((batch, heads, seq, dvh), dtype=v.dtype, device=q.device)
     row_grad = torch.empty_like(logf)
     col_grad = torch.empty_like(logf)
+    paired = paired and q.dtype in (torch.bfloat16, torch.float16)
+    state_col = torch.empty_like(logf) if paired and states is not None else None
     if batch * heads == 0 or seq == 0:
-        return dq, dk, dv, row_grad, col_grad
+        return dq, dk, dv, row_grad, col_grad, state_col
     if chunk and chunk % cfg.block_m:
         raise ValueError(f"chunk ({chunk}) must be a multiple of block_m ({cfg.block_m})")
     common = dict(
         DQK=dqk, DV=dvh, BLOCK_DQK=head_tile(dqk), BLOCK_DV=head_tile(dvh),
         BLOCK_M=cfg.block_m, HAS_STATE=states is not None, ACC=accumulation_dtype(q.dtype),
-        INPUT_PRECISION=input_precision(q.dtype), UPCAST=upcast_dots(q),
+        INPUT_PRECISION=input_precision(q.dtype), UPCAST=upcast_dots(q), PAIRED=paired,
     )
+    refs = (torch.empty((batch * heads, triton.cdiv(seq, cfg.block_m)), dtype=logf.dtype,
+                        device=q.device) if paired else row_grad)
     cstates, nstates, mstates = states if states is not None else (r, r, r)
     dcstates, dnstates = state_grads if state_grads is not None else (r, r)
     chunk_len = chunk if chunk else seq
@@ -544,10 +620,11 @@ def cell_backward(
     scale = 1.0 / math.sqrt(dqk)
     mlstm_dq_kernel[(batch * heads * triton.cdiv(seq, cfg.block_m),)](
         q, k, v, dh, igate, logf, m_log2, r, beta, cstates, nstates, mstates, dq, row_grad,
-        seq, chunk_len, heads, *strides, scale, BLOCK_N=cfg.dq_tile, **common,
+        refs, seq, chunk_len, heads, *strides, scale, BLOCK_N=cfg.dq_tile, **common,
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)
     mlstm_dkv_kernel[(batch * heads * triton.cdiv(seq, cfg.block_n),)](
         q, k, v, dh, igate, logf, m_log2, r, beta, dcstates, dnstates, mstates, dk, dv,
-        col_grad, seq, chunk_len, heads, *strides, scale, BLOCK_N=cfg.block_n, **common,
+        col_grad, refs, state_col if state_col is not None else col_grad, seq, chunk_len, heads,
+        *strides, scale, BLOCK_N=cfg.block_n, **common,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return dq, dk, dv, row_grad, col_grad
+    return dq, dk, dv, row_grad, col_grad, state_col

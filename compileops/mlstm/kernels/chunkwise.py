@@ -227,6 +227,61 @@ def chunk_state_grads_kernel(
                  mask=dqk < DQK)
 
 
+# Not specialised on the row's length or chunk count: a packed document and the document
+# alone run the same compiled sums (see kernels.segments).
+@triton.jit(do_not_specialize=["seq_len", "num_chunks"])
+def chunk_boundaries_kernel(
+    c_ptr, n_ptr, m_ptr, dc_ptr, dn_ptr, logf_ptr, resets_ptr, state_col_ptr, out_ptr,
+    seq_len, num_chunks,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr, HAS_RESETS: tl.constexpr, ACC: tl.constexpr,
+):
+    """Program (row, chunk c) of a grid ``(B * NH, NC)``: ``out_ptr [B * NH, NC]`` gets the
+    share of the forget-gate gradient that crosses chunk c's end, ``sum dlogD_ij`` over the
+    rows ``i`` after the chunk (the last chunk: the last state's readers) and the keys ``j``
+    up to its end, in two parts, neither a difference of larger sums:
+
+    * the keys before the chunk, through the state entering it: ``<G, C> + <g, n>``, with
+      ``(C, n)`` that state (the forward's ``c_ptr``, ``n_ptr``, ``m_ptr``; the layout of
+      the module docstring) and ``(G, g)`` the gradient reaching it from the later chunks:
+      the gradient of the state leaving the chunk (``dc_ptr``, ``dn_ptr``, as
+      :func:`chunk_state_grads_kernel` writes them) times the walk's decay
+      ``exp(m + f_end - m')`` (zero where nothing reads the leaving state: ``resets_ptr``);
+    * the chunk's own keys: the sum of ``state_col_ptr [B * NH, S]``, the later chunks'
+      share of each key's column sum (:func:`.backward.mlstm_dkv_kernel`).
+
+    Fixed tiles (``BLOCK_D`` rows of the state at a time) and a fixed order, whatever the
+    batch: bitwise batch-invariant and reproducible."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    slot = row * (num_chunks + 1) + c
+    last = tl.minimum(c * CHUNK + CHUNK, seq_len) - 1
+    f_end = tl.load(logf_ptr + row * seq_len + last)
+    decay = tl.exp(tl.load(m_ptr + slot) + f_end - tl.load(m_ptr + slot + 1))
+    if HAS_RESETS:
+        read = (c == num_chunks - 1) | (tl.load(resets_ptr + tl.minimum(c + 1, num_chunks - 1))
+                                        == 0)
+        decay = tl.where(read, decay, 0.0)
+    rows = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    base = (row * num_chunks + c) * DQK * DV
+    acc = tl.zeros((BLOCK_D, BLOCK_DV), dtype=ACC)
+    for d0 in range(0, DQK, BLOCK_D):
+        d = d0 + rows
+        mask = (d[:, None] < DQK) & (dv[None, :] < DV)
+        offs = base + d[:, None] * DV + dv[None, :]
+        grad = tl.load(dc_ptr + offs, mask=mask, other=0.0).to(ACC)
+        state = tl.load(c_ptr + offs, mask=mask, other=0.0).to(ACC)
+        acc += grad * state
+    dqk = tl.arange(0, BLOCK_DQK)
+    grad_n = tl.load(dn_ptr + (slot + 1) * DQK + dqk, mask=dqk < DQK, other=0.0)
+    n = tl.load(n_ptr + slot * DQK + dqk, mask=dqk < DQK, other=0.0)
+    entering = decay * (tl.sum(tl.sum(acc, axis=1), axis=0) + tl.sum(grad_n * n, axis=0))
+    idx = c * CHUNK + tl.arange(0, CHUNK)
+    own = tl.load(state_col_ptr + row * seq_len + idx, mask=idx < seq_len, other=0.0)
+    tl.store(out_ptr + row * num_chunks + c, entering + tl.sum(own, axis=0))
+
+
 def _launch_opts(q: torch.Tensor, chunk: int, dqk: int, dv: int,
                  config: Optional[StateConfig], backward: bool) -> tuple[dict, int]:
     cfg = (config or choose_state_config(q, chunk, dqk, dv, backward=backward)).capped(chunk)
@@ -311,3 +366,33 @@ def chunk_state_grads(
         HAS_LAST_GRAD=last_grad is not None, HAS_RESETS=resets is not None,
         EXACT_INITIAL=beta_exact is not None, **opts)
     return dc, dn, dc0, dn0
+
+
+def chunk_boundaries(states: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                     state_grads: tuple[torch.Tensor, torch.Tensor], logf: torch.Tensor,
+                     state_col: torch.Tensor, chunk: int,
+                     resets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[B, NH, NC]``: for each chunk, the share of the forget-gate gradient that crosses its
+    end (:func:`chunk_boundaries_kernel`), from the forward's ``states`` ``(C, n, m)``
+    (:func:`chunk_states`), the gradients ``(dC, dn)`` of the states leaving each chunk
+    (:func:`chunk_state_grads`), ``logf [B, NH, S]`` (restarted at each chunk), and the later
+    chunks' share of each key's column sum ``state_col [B, NH, S]``
+    (:func:`.backward.cell_backward`); ``resets`` as :func:`chunk_states`.
+
+    Its cost: one pass reading the entering states and the leaving states' gradients (each
+    ``[DQK, DV]`` a chunk in the inputs' dtype) and ``state_col``."""
+    c_states, n_states, m_states = states
+    dc, dn = state_grads
+    batch, heads, seq = logf.shape
+    rows, nc, dqk, dv = c_states.shape
+    out = torch.empty((batch, heads, nc), dtype=logf.dtype, device=logf.device)
+    if rows and seq:
+        chunk_boundaries_kernel[(rows, nc)](
+            c_states, n_states, m_states, dc, dn, logf,
+            resets if resets is not None else m_states, state_col.contiguous(), out, seq, nc,
+            DQK=dqk, DV=dv, BLOCK_DQK=head_tile(dqk), BLOCK_D=16, BLOCK_DV=head_tile(dv),
+            CHUNK=chunk,
+            HAS_RESETS=resets is not None, ACC=accumulation_dtype(c_states.dtype))
+    elif rows:
+        out.zero_()
+    return out
