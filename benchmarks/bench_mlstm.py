@@ -70,8 +70,11 @@ ANCHORS = {  # impl -> (mlstm_kernels name, chunk size, extra environment)
 # plain compileops is kernel="auto".
 # compileops[packed16]: kernel="auto" with cu_seqlens, 16 documents of random lengths
 # (fixed seed) packed in the row (B must be 1: S = 65536).
+# compileops[fastgates]: kernel="auto" with compileops.mlstm.set_fast_gate_gradients(True)
+# (the 16-bit forget-gate gradient's older, less accurate sums): what the accurate sums cost.
 OURS = ["compileops", "compileops[parallel]", "compileops[chunkwise64]",
-        "compileops[chunkwise128]", "compileops[chunkwise256]", "compileops[packed16]"]
+        "compileops[chunkwise128]", "compileops[chunkwise256]", "compileops[packed16]",
+        "compileops[fastgates]"]
 IMPLS = OURS + ["limit_chunk", "xl_chunk", "xl_chunk[DISABLE_LLVM_OPT=1]", "reference"]
 DEFAULT_IMPLS = ["compileops", "limit_chunk", "xl_chunk", "reference"]
 MODES = ["eager", "static", "dynamic"]
@@ -230,7 +233,9 @@ def child_main(cfg: dict) -> None:
 
         form = impl[len("compileops["):-1] if impl.startswith("compileops[") else "auto"
         kernel = "chunkwise" if form.startswith("chunkwise") else (
-            "auto" if form == "packed16" else form)
+            "auto" if form in ("packed16", "fastgates") else form)
+        if form == "fastgates" and build_error is None:
+            compileops.mlstm.set_fast_gate_gradients(True)
         chunk = int(form[len("chunkwise"):]) if form.startswith("chunkwise") else None
         packing = {}
 
