@@ -8,8 +8,9 @@ and ``copy.deepcopy``; parameters, buffers, state dict and checkpoints untouched
 * every ``xLSTMLayer``: :func:`layer_forward`. The projections are the layer's own ``Linear``
   modules (both weight modes), the gates are soft-capped as transformers does
   (``gate_soft_cap * tanh(x / gate_soft_cap)``), then one :func:`compileops.mlstm` call runs the
-  cell with the multi-head layernorm fused (``kernel="auto"``: the parallel form for training
-  without states, the chunkwise form when a state goes in or out), or
+  cell with the multi-head layernorm fused (``kernel="auto"``: the parallel form for short
+  training rows without states, the chunkwise form for longer ones and when a state goes in
+  or out), or
   :func:`compileops.mlstm_step` for one token with a state (generation). The output gate
   ``sigmoid(o) * h`` follows in the ``[B, S, NH * DV]`` layout the op writes, so under
   ``torch.compile`` it fuses into the op's epilogue; then ``out_proj``.
@@ -236,8 +237,8 @@ def model_forward(self, input_ids: Optional[torch.LongTensor] = None,
 
     ``use_cache`` defaults to the config's in eval mode and to False in training mode
     (transformers' default True breaks its own backward, and a training step needs no state:
-    the mLSTM then takes its parallel form up to 1024 tokens at xLSTM-7B's head, 512 at
-    narrower heads). A ``cache`` passed in is used
+    the mLSTM then takes its parallel form up to 512 tokens in 16-bit, 128 in fp32, and its
+    chunkwise form above). A ``cache`` passed in is used
     and updated whatever ``use_cache`` says. Sequences longer than
     ``config.max_inference_chunksize`` in eval mode run in pieces of that length, the states
     carried (transformers' memory cap; outputs equal the one-piece run to rounding).

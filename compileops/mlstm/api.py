@@ -30,22 +30,19 @@ def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
 
 #: ``kernel="auto"`` runs the parallel form up to these sequence lengths (with a gradient to
 #: compute / without) and the chunkwise form above them, and whenever states go in or out. With
-#: a gradient, the limit is chosen by accuracy as well as speed. Forward+backward, bf16, 65,536
-#: tokens, compiled (benchmarks/RESULTS.md, mLSTM), at DQK 128 / DV 256 on an H200
-#: (2026-11-28): S = 512: parallel 5.20 ms against chunkwise 7.44; S = 1024, one run: parallel
-#: 7.46 against 7.20 (raw h), 8.08 against 7.91 (normed); a later run the same day, after the
-#: chunkwise form's state-walk tiles, took the chunkwise form to 6.36 (raw) and 7.01 (normed);
-#: the parallel form measured again (2026-12-02): 7.51 (raw), 8.10 (normed). So at S = 1024 the
-#: chunkwise form is about 16-18% faster. But its bf16 forget-gate gradient is up to 5x further
-#: from fp64 (relative L2 7.5e-2 against the parallel form's 1.5e-2 at worst over the gate
-#: distributions of tests/mlstm/test_precision.py; the other gradients 8.1e-3 against 6.3e-3),
-#: and it needs more memory (peak 2.96 GiB against 1.59 raw, 3.98 against 2.60 normed): a
-#: default does not trade accuracy for speed. xLSTM-7B's head (DQK 256, DV 512) at 1024:
-#: parallel 13.03 ms against chunkwise 16.09. Above 1024 the parallel form's time grows with S
-#: (H100: 13.29 against 8.86 ms at 2048) and its bf16 forget-gate gradient is no better (9.8e-2
-#: against 1.1e-1 at worst at 8192). Forward only, 2.51 vs 2.49 ms at 2048 (the parallel form's
-#: peak memory 1.02 GiB vs 1.59), 4.13 vs 2.50 at 4096.
-AUTO_PARALLEL_MAX_SEQ = 1024
+#: a gradient, the limit is chosen by accuracy first. bf16 on an H200 (2026-12-02; B 2, NH 4,
+#: DQK 128, DV 256, four gate distributions of tests/mlstm/test_precision.py, against fp64;
+#: benchmarks/RESULTS.md): the chunkwise form's forget-gate gradient is within 7.4e-3 at S =
+#: 1024 and 8192 (its sums paired, :func:`compileops.mlstm.set_fast_gate_gradients`), the
+#: parallel form's 1.1-1.5e-2 at 1024 and up to 9.5e-2 at 8192; every other gradient is
+#: within 8.1e-3 in both. Speed, compiled fw+bw, 65,536 tokens, same day: at TFLA's head (NH
+#: 16) and S = 1024 the chunkwise form is also faster (7.35 against 7.55 ms raw, 8.02 against
+#: 8.14 normed) for more memory (peak 2.96 GiB against 1.59 raw, 3.98 against 2.60 normed);
+#: at xLSTM-7B's head (NH 8, DQK 256, DV 512) it costs 25% (16.38 against 13.12 ms), the
+#: price of the accuracy (``kernel="parallel"`` takes the faster form). At S <= 512 the
+#: parallel form is much faster (5.20 against 7.44 ms, 2026-11-28). Forward only, 2.51 vs 2.49
+#: ms at 2048 (the parallel form's peak memory 1.02 GiB vs 1.59), 4.13 vs 2.50 at 4096.
+AUTO_PARALLEL_MAX_SEQ = 512
 AUTO_PARALLEL_MAX_SEQ_INFERENCE = 2048
 #: fp32 inputs take the chunkwise form above this length: its forget-gate sums restart every
 #: chunk, where the parallel form's run the whole row, and an fp32 sum of magnitude |F|
@@ -274,8 +271,8 @@ def mlstm(
     slice computes the same normaliser and stabiliser), with the norm after it rather than
     fused; each slice recomputes ``q k^T`` (4/3 of the FLOPs at DQK 256 / DV 512).
     Measured on an H200 at xLSTM-7B's head (NH 8, DQK 256, DV 512, bf16, 65,536 tokens,
-    compiled forward and backward, normed): 12.9 ms at S = 1024 and 14.7 ms at S = 8192,
-    against 26.7 and 26.9 ms for TFLA's ``xl_chunk`` (benchmarks/RESULTS.md).
+    compiled forward and backward, normed, ``kernel="auto"``): 16.4 ms at S = 1024 and 15.9
+    ms at S = 8192, against 26.7 and 26.9 ms for TFLA's ``xl_chunk`` (benchmarks/RESULTS.md).
 
     Returns ``[B, S, NH * DV]`` when normed: the layout the xLSTM block consumes next (it
     transposes and reshapes there anyway), so an output gate ``sigmoid(o) * out`` and a cast
@@ -301,22 +298,17 @@ def mlstm(
     both forms; the other gradients stay within 4e-5 chunkwise). bf16 within a
     relative L2 error of 2e-2 for the output and 4e-2 for the gradients (8e-2 chunkwise: its
     states enter the MMAs in bf16) on the tests' short rows. Measured on long rows (an H200,
-    B 2, NH 4, DQK 128, DV 256, the gate distributions above; benchmarks/RESULTS.md): the
-    output within 2.5e-3 and every gradient but the forget gate's within 8.1e-3, both forms,
-    at S 1024 and 8192. The forget gate's gradient is the reverse cumulative sum of each
-    position's row sum less its column sum of bf16-rounded products: with each kernel's own
-    rounding (``compileops.mlstm.set_fast_gate_gradients(True)``, and the only way until
-    this release) it was within 1.5e-2 parallel and 7.5e-2 chunkwise at S = 1024 (so
-    ``"auto"`` trains the parallel form there), 9.8e-2 parallel and 1.1e-1 chunkwise at
-    S = 8192 on that H200. By default the two sums of each pair are now taken from the same
-    rounded product, and the chunkwise form takes what crosses each chunk's end from the
-    chunk's own keys and the state entering it, so the pairs that should cancel do: under
-    Triton's interpreter (B 1, NH 1, S 512-1024, DQK 32-64, DV 32-64, the gate distributions
-    above, raw and normed, chunks of 32 and 64) within 1.2e-2 in both forms, on par with the
-    other gradients (which reach 1.2e-2 there too, raw, with DQK 64), where the older sums
-    gave up to 2.4e-2 parallel and 5.5e-2 chunkwise (tests/mlstm/test_precision.py; chunks
-    of 16, whose states round in bf16 sixteen rows apart: up to 1.3e-2 against 7.0e-2); not
-    yet measured on a GPU. fp16 within a relative L2 error of 1e-3 for the output and 4e-3
+    B 2, NH 4, DQK 128, DV 256, the gate distributions above, raw and normed;
+    benchmarks/RESULTS.md): the output within 2.5e-3 and every gradient but the forget
+    gate's within 8.1e-3, both forms, at S 1024 and 8192. The forget gate's gradient is the
+    reverse cumulative sum of each position's row sum less its column sum of bf16-rounded
+    products. In the chunkwise form (by default) the two sums of each pair come from the
+    same rounded product, and what crosses each chunk's end from the chunk's own keys and
+    the state entering it, so the pairs that should cancel do: within 7.4e-3 at S 1024 and
+    8192. The parallel form, and the chunkwise form with
+    ``compileops.mlstm.set_fast_gate_gradients(True)``, sum each kernel's own rounding:
+    parallel within 1.5e-2 at S = 1024 and 9.5e-2 at 8192, chunkwise-fast 7.5e-2 and
+    1.1e-1. So ``"auto"`` trains 16-bit rows longer than 512 chunkwise. fp16 within a relative L2 error of 1e-3 for the output and 4e-3
     for the gradients. Deterministic and batch-invariant bitwise, forward and backward.
 
     Causality (tests/mlstm/test_causality.py): a NaN or Inf at position t (in q, k, v or a
@@ -326,8 +318,8 @@ def mlstm(
     limits that are numbers (an open forget gate, ``fgate = +Inf``; a closed input gate,
     ``igate = -Inf``; in the recurrent step a closed forget gate too); on the Triton kernels
     a cell that an Inf in v reaches may be NaN where the exact sum is +-Inf. Their cost on
-    finite inputs: one check per query tile; a tile
-    whose rows came out non-finite runs its key loop a second time. One known limit remains,
+    finite inputs: one check per query tile (1-2% of fw+bw on an H200); a tile whose rows
+    came out non-finite runs its key loop a second time. One known limit remains,
     on the Triton kernels in 16-bit: the rows of a tile are rounded against gate references
     shared by the tile, so a later gate in the tile (or a sequence cut inside it) can move an
     earlier row's output by its last bit.
@@ -335,12 +327,11 @@ def mlstm(
     ``kernel``: ``"parallel"`` (tiles over the causal ``S x S`` square: quadratic in S),
     ``"chunkwise"`` (the parallel kernels within chunks of ``chunk_size`` rows, default 128, a
     power of two >= 16, plus a ``[DQK, DV]`` fp32 state carried between chunks: linear in S),
-    or ``"auto"``: parallel up to ``AUTO_PARALLEL_MAX_SEQ`` rows (1024) when a gradient is
-    needed (at S = 1024 and DQK 128 / DV 256 the chunkwise form is about 16-18% faster on an
-    H200, fw+bw compiled, but its bf16 forget-gate gradient was up to 5x less accurate
-    with the older gate sums, the only ones when this was measured, and it
-    needs more memory: the default does not trade accuracy for speed; pass
-    ``kernel="chunkwise"`` for the speed) and ``AUTO_PARALLEL_MAX_SEQ_INFERENCE`` (2048) when
+    or ``"auto"``: parallel up to ``AUTO_PARALLEL_MAX_SEQ`` rows (512) when a gradient is
+    needed (above it the chunkwise form's bf16 forget-gate gradient is the accurate one; at
+    S = 1024 it is also faster at DQK 128 / DV 256, and 25% slower at xLSTM-7B's DQK 256 /
+    DV 512, where ``kernel="parallel"`` takes the faster, less accurate form; the constant's
+    comment gives the figures), and ``AUTO_PARALLEL_MAX_SEQ_INFERENCE`` (2048) when
     not, chunkwise above and whenever a state goes in or out (the crossovers measured on an
     H200); fp32 inputs run chunkwise above ``AUTO_PARALLEL_MAX_SEQ_FP32`` rows (128), for
     precision. Under ``torch.compile(dynamic=True)`` the choice guards on S on one side of that

@@ -378,8 +378,9 @@ def mlstm_chunkwise_backward_op(
     from compileops.mlstm.kernels import segments as segment_scans
 
     cfg = _backward_config(q, v, chunk)
-    # The initial n's gradient takes beta from the unrounded dh (kernels.norm_backward_rows
-    # says why); where dh is not rounded (fp32, or no norm) the two betas are one.
+    # The initial n's gradient takes beta from the unrounded dh (norm_backward_rows in
+    # kernels/norm_backward.py says why); where dh is not rounded (fp32, or no norm) the two
+    # betas are one.
     beta_exact = (torch.empty_like(m2) if c0 is not None and normed and
                   q.dtype not in (torch.float32, torch.float64) else None)
     dh, r, beta, dm, parts_w, parts_b = kernels.norm_backward(

@@ -47,20 +47,23 @@ _FAST_GATE_GRADIENTS = False
 
 
 def set_fast_gate_gradients(enabled: bool) -> None:
-    """Process-wide: the Triton backward of 16-bit inputs takes the forget and input gates'
-    gradients the older, cheaper way (``enabled=True``) or the accurate way (``False``, the
-    default). Both forms of :func:`compileops.mlstm.mlstm`.
+    """Process-wide: the Triton backward of 16-bit inputs in the chunkwise form takes the
+    forget and input gates' gradients the older, cheaper way (``enabled=True``) or the
+    accurate way (``False``, the default). The parallel form always takes the older way
+    (paired, it measured no closer to fp64 on an H200, and slower).
 
     The forget gate's gradient is a reverse cumulative sum of each position's ``dlogD`` row
     sum less its column sum; the two sums of a pair ``(i, j)`` come from the dQ and the dK/dV
     programs. By default the dK/dV programs sum the very bf16-rounded products the dQ
     programs multiply, and the chunkwise form takes what crosses each chunk's end from the
     chunk's own keys and the state entering it, so each pair cancels where it should. The
-    fast way sums each kernel's own rounding (and, chunkwise, the later chunks' sums along
-    the whole row): measured on an H200 at S = 8192, a forget-gate gradient up to 10x further
-    from fp64 (benchmarks/RESULTS.md). What the default costs: in the dK/dV programs, the dQ
-    product rebuilt below the diagonal (a rounding and a few multiplies per element, two
-    exponentials per row and column of a tile) and a row sum per tile; chunkwise, one more
+    fast way sums each kernel's own rounding and the later chunks' sums along the whole row.
+    Measured on an H200 (bf16, B 2, NH 4, DQK 128, DV 256, four gate distributions,
+    benchmarks/RESULTS.md): the forget gate's gradient within 7.4e-3 of fp64 at S = 1024 and
+    8192 by default, up to 7.5e-2 and 1.1e-1 the fast way. What the default costs, compiled
+    fw+bw at 65,536 tokens: 13-15% at TFLA's head (NH 16, DQK 128, DV 256; 7.17 against 6.34
+    ms raw at S = 4096), 5% at xLSTM-7B's (15.86 against 15.07 ms at 8192): in the dK/dV
+    programs, the dQ product rebuilt below the diagonal and a row sum per tile, and one more
     read of the states entering the chunks. Read each time a backward runs (compiled too:
     the backward ops are not traced through), not per call or per thread. fp32 and fp64 are
     unaffected: nothing is rounded between the two sums there."""
@@ -202,7 +205,11 @@ def _kernel_backward(grad_out, q, k, v, igate, logf, norm_weight, h, m, b, norme
         eps, residual_weight, cfg)
     dq, dk, dv, row_grad, col_grad, _ = kernels.cell_backward(
         q, k, v, dh, igate.contiguous(), logf.contiguous(), m, r, beta, cfg,
-        paired=not _FAST_GATE_GRADIENTS)
+        # The parallel form keeps the older sums: paired, on an H200 its bf16 forget-gate
+        # gradient was no closer to fp64 (1.1-1.5e-2 against 0.8-1.5e-2 at S = 1024) and its
+        # fw+bw 24% slower (benchmarks/RESULTS.md); kernel="auto" trains 16-bit inputs
+        # chunkwise from 513 tokens instead, where the paired sums pay.
+        paired=False)
     col_grad = col_grad + stabiliser_column_grad(igate - logf, dm, gates.running_sum)
     # logD_ij = F_i - F_j + igate_j: dF gets the row sums of dlogD minus its column sums
     # (dm: the stabiliser's share, which sits in row i too).

@@ -8,7 +8,8 @@
   backward);
 * :mod:`.config`: tile configs and the heuristics that pick them.
 """
-from compileops.mlstm.kernels.backward import cell_backward, norm_backward
+from compileops.mlstm.kernels.backward import cell_backward
+from compileops.mlstm.kernels.norm_backward import norm_backward
 from compileops.mlstm.kernels.config import (
     BackwardConfig,
     ForwardConfig,
