@@ -39,7 +39,8 @@ def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
 #: 16) and S = 1024 the chunkwise form is also faster (7.35 against 7.55 ms raw, 8.02 against
 #: 8.14 normed) for more memory (peak 2.96 GiB against 1.59 raw, 3.98 against 2.60 normed);
 #: at xLSTM-7B's head (NH 8, DQK 256, DV 512) it costs 25% (16.38 against 13.12 ms), the
-#: price of the accuracy (``kernel="parallel"`` takes the faster form). At S <= 512 the
+#: price of the accuracy, measured at DQK 128 / DV 256 only (``kernel="parallel"`` takes the
+#: faster form). At S <= 512 the
 #: parallel form is much faster (5.20 against 7.44 ms, 2026-11-28). Forward only, 2.51 vs 2.49
 #: ms at 2048 (the parallel form's peak memory 1.02 GiB vs 1.59), 4.13 vs 2.50 at 4096.
 AUTO_PARALLEL_MAX_SEQ = 512
