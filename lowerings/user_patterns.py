@@ -119,14 +119,17 @@ def _row_scale(column: torch.fx.Node, product: torch.Tensor) -> Optional[torch.f
     return node
 
 
+def _binary_multiplies(graph: torch.fx.Graph) -> list:
+    """The graph's ``a * b`` / ``torch.mul(a, b)`` nodes (a list: rewrites erase nodes)."""
+    return [n for n in graph.nodes if n.op == "call_function"
+            and n.target in (operator.mul, torch.mul) and len(n.args) == 2 and not n.kwargs]
+
+
 def _rewrite_row_scale(graph: torch.fx.Graph) -> int:
     from compileops.grouped_linear.scaled import row_scaled_grouped_linear
 
     done = 0
-    for mul in list(graph.nodes):
-        if mul.op != "call_function" or mul.target not in (operator.mul, torch.mul) \
-                or len(mul.args) != 2 or mul.kwargs:
-            continue
+    for mul in _binary_multiplies(graph):
         for product_node, column in (mul.args, mul.args[::-1]):
             if not isinstance(product_node, torch.fx.Node) or \
                     not _grouped_linear_without_bias(product_node) or len(product_node.users) != 1:
@@ -237,10 +240,7 @@ def _rewrite_swiglu_pair(graph: torch.fx.Graph) -> int:
     from compileops.grouped_linear.api import grouped_linear_swiglu
 
     done = 0
-    for mul in list(graph.nodes):
-        if mul.op != "call_function" or mul.target not in (operator.mul, torch.mul) \
-                or len(mul.args) != 2 or mul.kwargs:
-            continue
+    for mul in _binary_multiplies(graph):
         for silu, up in (mul.args, mul.args[::-1]):
             gate = _is_silu(silu)
             products = (gate, up)
