@@ -58,6 +58,9 @@ def lower_embedding(ids, weight, out_dtype=None, padding_idx=None):
         row = _compat.indirect_index(id_value, num_embeddings, check=not on_cpu)
         value = load_weight([row, index[n_id_dims]])
         if dtype != weight_dtype:
+            if weight_dtype == torch.float64 and dtype in (torch.float16, torch.bfloat16):
+                # torch's rounding, through fp32 (compileops.embedding.kernels.cast says why)
+                value = ops.to_dtype(value, torch.float32)
             value = ops.to_dtype(value, dtype)
         return value
 

@@ -57,7 +57,7 @@ DEFAULT_CHUNK = 128
 
 def chunk_length(chunk_size) -> int:
     """``chunk_size`` (None: :data:`DEFAULT_CHUNK`) checked as the docstring states it, a
-    Python int that is a power of two >= 16, whichever form then runs."""
+    Python int that is a power of two from 16 to 4096, whichever form then runs."""
     if chunk_size is None:
         return DEFAULT_CHUNK
     integer = isinstance(chunk_size, (numbers.Integral, torch.SymInt))
@@ -65,7 +65,7 @@ def chunk_length(chunk_size) -> int:
         # The value only for Python's own types: while Dynamo traces, a NumPy integer is a
         # tensor, whose repr it cannot build (the type name alone still names the mistake).
         shown = f" {chunk_size!r}" if type(chunk_size) in (str, float, bool) else ""
-        raise TypeError(f"chunk_size must be a Python int (a power of two >= 16), got "
+        raise TypeError(f"chunk_size must be a Python int (a power of two from 16 to 4096), got "
                         f"{type(chunk_size).__name__}{shown}")
     chunk = int(chunk_size)  # a traced size specialises here: the kernels take a constant
     check_chunk(chunk)
@@ -310,24 +310,28 @@ def mlstm(
     ``compileops.mlstm.set_fast_gate_gradients(True)``, sum each kernel's own rounding:
     parallel within 1.5e-2 at S = 1024 and 9.5e-2 at 8192, chunkwise-fast 7.5e-2 and
     1.1e-1. So ``"auto"`` trains 16-bit rows longer than 512 chunkwise. fp16 within a relative L2 error of 1e-3 for the output and 4e-3
-    for the gradients. Deterministic and batch-invariant bitwise, forward and backward.
+    for the gradients. The Triton kernels are deterministic and batch-invariant bitwise,
+    forward and backward; the reference backend runs torch's own matmuls, whose bits may
+    change with the batch size (by about 1e-6 in fp32).
 
     Causality (tests/mlstm/test_causality.py): a NaN or Inf at position t (in q, k, v or a
     gate) never reaches an output before t, on both backends and in every form (parallel,
-    chunkwise, with a state, packed documents, the recurrent step): those rows keep the bits
-    they have with that value finite. The outputs it reaches are non-finite, except for the
+    chunkwise, with a state, packed documents, the recurrent step): those rows stay finite
+    and keep the bits they have with that value finite, but for the one limit named at the
+    end of this paragraph. The outputs it reaches are non-finite, except for the
     limits that are numbers (an open forget gate, ``fgate = +Inf``; a closed input gate,
     ``igate = -Inf``; in the recurrent step a closed forget gate too); on the Triton kernels
     a cell that an Inf in v reaches may be NaN where the exact sum is +-Inf. Their cost on
     finite inputs: one check per query tile (1-2% of fw+bw on an H200); a tile whose rows
     came out non-finite runs its key loop a second time. One known limit remains,
     on the Triton kernels in 16-bit: the rows of a tile are rounded against gate references
-    shared by the tile, so a later gate in the tile (or a sequence cut inside it) can move an
-    earlier row's output by its last bit.
+    shared by the tile, so a later gate in the tile (a non-finite one included, or a sequence
+    cut inside it) can move an earlier row's 16-bit output by its last bit, and the fp32
+    normaliser of the states by a few units of its last place.
 
     ``kernel``: ``"parallel"`` (tiles over the causal ``S x S`` square: quadratic in S),
     ``"chunkwise"`` (the parallel kernels within chunks of ``chunk_size`` rows, default 128, a
-    power of two >= 16, plus a ``[DQK, DV]`` fp32 state carried between chunks: linear in S),
+    power of two from 16 to 4096, plus a ``[DQK, DV]`` fp32 state carried between chunks: linear in S),
     or ``"auto"``: parallel up to ``AUTO_PARALLEL_MAX_SEQ`` rows (512) when a gradient is
     needed (above it the chunkwise form's bf16 forget-gate gradient is the accurate one; at
     S = 1024 it is also faster at DQK 128 / DV 256, and 25% slower at xLSTM-7B's DQK 256 /

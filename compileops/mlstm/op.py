@@ -67,8 +67,13 @@ def set_fast_gate_gradients(enabled: bool) -> None:
     read of the states entering the chunks. Read each time a backward runs (compiled too:
     the backward ops are not traced through), not per call or per thread. fp32 and fp64 are
     unaffected: nothing is rounded between the two sums there."""
+    if not isinstance(enabled, bool):
+        # bool("False") is True: a string or a number from a config file must not turn the
+        # less accurate sums on by accident.
+        raise TypeError(f"set_fast_gate_gradients takes True or False, got "
+                        f"{type(enabled).__name__} {enabled!r}")
     global _FAST_GATE_GRADIENTS
-    _FAST_GATE_GRADIENTS = bool(enabled)
+    _FAST_GATE_GRADIENTS = enabled
 
 
 def fast_gate_gradients() -> bool:

@@ -194,11 +194,21 @@ def test_auto_picks_by_length_and_state():
         choose_kernel("parallel", 8, True)
 
 
-@pytest.mark.parametrize("bad", [0, 8, 48, 100])
-def test_chunk_size_must_be_a_power_of_two_from_16(bad):
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("bad", [0, 8, 48, 100, 8192, 2**21])
+def test_chunk_size_must_be_a_power_of_two_from_16_to_4096(bad, backend):
+    """Past 4096 a chunk costs more than the parallel form, and from 2**20 rows the Triton
+    kernels would fail inside Triton: refused with the limit named, on both backends."""
     x = make_inputs(1, 1, 20, 8, 8)
-    with pytest.raises(ValueError, match="chunk_size must be a power of two >= 16"):
+    with compileops.use_backend(backend), pytest.raises(
+            ValueError, match="chunk_size must be a power of two from 16 to 4096"):
         chunk_out(x, chunk_size=bad)
+
+
+def test_the_largest_chunk_size_runs():
+    x = make_inputs(1, 1, 20, 8, 8)
+    out = chunk_out(x, chunk_size=chunkwise.MAX_CHUNK)
+    assert torch.equal(out, chunk_out(x, chunk_size=32))  # one chunk either way
 
 
 def test_partial_initial_state_and_wrong_shapes_are_named():
@@ -383,6 +393,7 @@ def test_gpu_bf16_precision(shape, chunk):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # about 110 s on an H200 (kernel builds for two head shapes)
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_deterministic_and_split_bitwise():
     x = make_inputs(2, 4, 1024, 128, 256, dtype=torch.bfloat16, device="cuda", seed=3)
@@ -523,6 +534,7 @@ def test_packed_bad_input_is_named():
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # about 110 s on an H200 (kernel builds for two head shapes)
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_gpu_prompt_then_steps_equal_the_whole_sequence(dtype):

@@ -197,6 +197,14 @@ def test_bf16_fast_gate_gradients_stay_selectable(monkeypatch):
     assert fast_errors["fgate"] > 1.5e-2 > 1e-2 > errors["fgate"], (fast_errors, errors)
 
 
+@pytest.mark.parametrize("value", ["False", "True", 0, 1, None])
+def test_fast_gate_gradients_switch_takes_only_a_bool(value):
+    before = compileops.mlstm.fast_gate_gradients()
+    with pytest.raises(TypeError, match="takes True or False"):
+        compileops.mlstm.set_fast_gate_gradients(value)
+    assert compileops.mlstm.fast_gate_gradients() == before
+
+
 def test_bf16_parallel_form_keeps_the_older_sums(monkeypatch):
     """The parallel form's gradients do not depend on the setting (it takes the older sums
     either way)."""

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from ... import _launch
 from ..._launch import cdiv
+from .cast import cast_as_torch
 from .config import BackwardTiles, device_options
 
 # How the fill programs find untouched rows (the kernel's FILL).
@@ -177,7 +178,7 @@ def _sum_runs(
         acc += g.to(acc_dtype)
     written = is_start & (is_long == 0)  # short runs, and the padding row (zeros)
     tl.store(out_ptr + row.to(tl.int64)[:, None] * dim + cols[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=written[:, None] & col_ok[None, :])
+             cast_as_torch(acc, out_ptr.dtype.element_ty), mask=written[:, None] & col_ok[None, :])
 
     long_start = tl.max(tl.where(is_long, pos, -1), axis=0)
     if long_start >= 0:
@@ -187,7 +188,7 @@ def _sum_runs(
             col_off, col_ok, stride_g_row, acc_dtype, BLOCK_COL, TILE,
         )
         tl.store(out_ptr + long_row.to(tl.int64) * dim + cols,
-                 long_acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+                 cast_as_torch(long_acc, out_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit

@@ -11,6 +11,7 @@ import triton.language as tl
 from ... import _launch
 from ..._launch import cdiv
 from .. import checks
+from .cast import cast_as_torch
 from .config import ForwardConfig, device_options
 
 
@@ -46,7 +47,7 @@ def gather_rows_tile(
     src = weight_ptr + ids[:, None] * stride_w_row + cols[None, :].to(tl.int64) * stride_w_col
     rows = tl.load(src, mask=mask)  # [BLOCK_TOK, BLOCK_COL]
     dst = out_ptr + toks[:, None].to(tl.int64) * dim + cols[None, :]
-    tl.store(dst, rows.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, cast_as_torch(rows, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
