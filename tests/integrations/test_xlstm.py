@@ -697,6 +697,7 @@ def test_compiles_fullgraph_for_training_and_decoding():
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # about 85 s on an H200: the longest test of the quick tier
 def test_gpu_training_generation_and_compile_match_native():
     """On CUDA, fp32 (no TF32), head dims 64 / 128: a training step's loss and gradients
     within 1e-4 of the native code's, the same 32 greedy tokens, and the Inductor-compiled
