@@ -23,6 +23,12 @@ Three more on request (``--impls``), for the forms users write:
   (Hugging Face's and torchtitan's form on compileops' products; compiled, the gate/up
   half becomes the pair kernel and the product ``row_scale=``, ``lowerings/user_patterns.py``).
 
+``--epilogue`` adds one more operation users write after the down projection, the same
+code for every layer, the anchor included: ``bias`` (a per-expert bias gathered per row,
+``y + b[expert]``, as GPT-OSS writes it), ``residual`` (``y + xs``, the permuted input rows) or
+``cast`` (the output to fp32, ``.float()``, and the combined output back with
+``.type_as(x)``).
+
 With ``--fp8 rowwise`` (or ``blockwise``) two more, both in e4m3 (or, where ``--impls`` names
 fp8 layers, those):
 
@@ -121,6 +127,9 @@ def _supports_recompute() -> bool:
     return "recompute" in inspect.signature(compileops.grouped_linear_swiglu).parameters
 
 
+#: What ``--epilogue`` adds after the down projection, in every layer alike.
+EPILOGUES = ("none", "bias", "residual", "cast")
+
 #: The layers whose gate and up weights are two parameters.
 TWO_WEIGHT_IMPLS = ("compileops-pair", "compileops-user-two-weights")
 
@@ -130,9 +139,11 @@ class MoELayer(torch.nn.Module):
 
     def __init__(self, shape: Shape, impl: str, skew: float, device, dtype=torch.bfloat16,
                  *, uninitialised: bool = False, fp8: str = "rowwise",
-                 fp8_fast_accum: bool = False):
+                 fp8_fast_accum: bool = False, epilogue: str = "none"):
         super().__init__()
-        self.shape, self.impl, self.fp8 = shape, impl, fp8
+        if epilogue not in EPILOGUES:
+            raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+        self.shape, self.impl, self.fp8, self.epilogue = shape, impl, fp8, epilogue
         self.fp8_fast_accum = fp8_fast_accum
         d, h, e = shape.dim, shape.hidden, shape.experts
         gen = torch.Generator(device="cpu").manual_seed(0)
@@ -151,6 +162,8 @@ class MoELayer(torch.nn.Module):
         else:
             self.gate_up = torch.nn.Parameter(gate_up)
         self.down = torch.nn.Parameter(uniform(e, d, h, fan_in=h))  # [G, D, H]
+        if epilogue == "bias":
+            self.down_bias = torch.nn.Parameter(uniform(e, d, fan_in=h))  # [G, D]
         self.register_buffer("router_bias",
                              -skew * torch.log1p(torch.arange(e, dtype=torch.float32)).to(device))
 
@@ -193,7 +206,14 @@ class MoELayer(torch.nn.Module):
             kwargs = {"recompute": True} if self.impl == "compileops-recompute" else {}
             h = compileops.grouped_linear_swiglu(xs, self.gate_up, offsets, **kwargs)
             y = compileops.grouped_linear(h, self.down, offsets, row_scale=p_sorted)
-        return unpermute_and_combine(y, order, torch.ones_like(probs), order_is_permutation=True)
+        if self.epilogue == "bias":
+            y = y + self.down_bias[ids.reshape(-1)[order]]
+        elif self.epilogue == "residual":
+            y = y + xs
+        elif self.epilogue == "cast":
+            y = y.float()
+        out = unpermute_and_combine(y, order, torch.ones_like(probs), order_is_permutation=True)
+        return out.type_as(x)  # a no-op but for "cast"
 
 
     def _torchao_fp8_experts(self, xs, offsets):
@@ -320,6 +340,9 @@ def main() -> None:
                              "torchao-fp8 (rowwise; CUDA), unless --impls names fp8 layers")
     parser.add_argument("--fp8-fast-accum", action="store_true",
                         help="the compileops fp8 layers with fp8_fast_accum=True (rowwise)")
+    parser.add_argument("--epilogue", choices=EPILOGUES, default="none",
+                        help="one more user-written operation after the down projection, "
+                             "in every layer: a per-expert bias, a residual, or an fp32 cast")
     parser.add_argument("--csv", default=os.path.join(out_dir(), "moe_layer.csv"))
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on CPU (Triton interpreter): checks the script")
@@ -358,7 +381,8 @@ def main() -> None:
                 # One compile per (shape, mode, impl); the routings only change a buffer.
                 torch._dynamo.reset()
                 layer = MoELayer(shape, impl, 0.0, device, fp8=args.fp8 or "rowwise",
-                                 fp8_fast_accum=args.fp8_fast_accum)
+                                 fp8_fast_accum=args.fp8_fast_accum,
+                                 epilogue=args.epilogue)
                 compiled = torch.compile(layer, fullgraph=True, dynamic=mode == "dynamic")
                 for routing in args.routing:
                     set_routing(layer, routing)
@@ -376,6 +400,8 @@ def main() -> None:
                     accum = ", fast accum" if args.fp8_fast_accum else ""
                     label = (f"{impl} ({args.fp8}{accum})" if impl.startswith("compileops-fp8")
                              else impl)
+                    if args.epilogue != "none":
+                        note += f"; epilogue {args.epilogue}"
                     r = Result(shape.name, routing, mode, label, fw_ms, fwbw_ms, peak, note, name)
                     results.append(r)
                     tflops = 3 * gemm_flops(shape) / (fwbw_ms * 1e-3) / 1e12

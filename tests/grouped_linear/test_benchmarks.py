@@ -197,3 +197,38 @@ def test_mjagged_store_variants_are_the_sweeps():
                   MJAGGED_STORE_VARIANTS.items() if p == product}
         assert listed == {c for c, _ in sweep_configs(kind) if c.tma_store}, product
 
+
+
+# --epilogue: the same user-written operation after the down projection in every layer, so the
+# anchor and compileops time the same work; each one changes the output (it is not dropped).
+_EPILOGUE_CHECK = """
+import torch, compileops
+from benchmarks.bench_moe_layer import EPILOGUES, SMOKE_SHAPES, MoELayer
+shape = SMOKE_SHAPES["tiny"]
+x = torch.randn(shape.tokens, shape.dim, generator=torch.Generator().manual_seed(3)).bfloat16()
+plain = {}
+with compileops.use_backend("reference"):
+    for epilogue in EPILOGUES:
+        anchor, ours = (MoELayer(shape, impl, 0.0, "cpu", epilogue=epilogue)
+                        for impl in ("grouped_mm", "compileops-user-mul"))
+        a, b = anchor(x), ours(x)
+        assert a.dtype == b.dtype == x.dtype, epilogue
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+        plain[epilogue] = a
+for epilogue in ("bias", "residual"):
+    assert not torch.equal(plain[epilogue], plain["none"]), epilogue
+try:
+    MoELayer(shape, "grouped_mm", 0.0, "cpu", epilogue="gelu")
+except ValueError as e:
+    assert "epilogue must be one of" in str(e)
+else:
+    raise AssertionError("an unknown epilogue was accepted")
+print("ok")
+"""
+
+
+def test_moe_layer_benchmark_epilogues_are_the_same_code_in_every_layer():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _EPILOGUE_CHECK], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
