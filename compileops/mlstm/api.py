@@ -8,6 +8,7 @@ import torch
 
 from compileops._library import require_tensors
 from compileops.mlstm.checks import (
+    check_chunk,
     MAX_KERNEL_HEAD_DIM,
     check_cu_seqlens,
     check_gates_floating,
@@ -17,7 +18,7 @@ from compileops.mlstm.checks import (
     check_kernel,
 )
 from compileops.mlstm import documents
-from compileops.mlstm.chunkwise import check_chunk, mlstm_chunkwise_op
+from compileops.mlstm.chunkwise import mlstm_chunkwise_op
 from compileops.mlstm.op import mlstm_parallel_op
 from compileops.mlstm.gates import log_forget_op
 from compileops.mlstm.reference import gate_dtype, multihead_layernorm

@@ -17,6 +17,17 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 MAX_KERNEL_HEAD_DIM = 256
 KERNELS = ("auto", "parallel", "chunkwise")
 
+#: The largest ``chunk_size``. Within a chunk the work is the parallel form's, quadratic in
+#: the chunk, and the Triton kernels hold a chunk's gates in one block: a larger chunk runs
+#: slower than ``kernel="parallel"`` and, from 2**20 rows, past Triton's block limit.
+MAX_CHUNK = 4096
+
+
+def check_chunk(chunk: int) -> None:
+    if chunk < 16 or chunk > MAX_CHUNK or chunk & (chunk - 1):
+        raise ValueError(f"chunk_size must be a power of two from 16 to {MAX_CHUNK}, got "
+                         f"{chunk} (for one chunk over a long row, use kernel=\"parallel\")")
+
 
 def check_inputs(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, igate: torch.Tensor,

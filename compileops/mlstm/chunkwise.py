@@ -38,6 +38,7 @@ from compileops._library import custom_op, require
 from compileops.mlstm import recurrent, reference
 from compileops.mlstm.reference import LOG2E
 from compileops.mlstm.checks import (
+    check_chunk,
     check_backward_grad,
     check_inputs,
     check_kernel_head_dims,
@@ -46,18 +47,6 @@ from compileops.mlstm.checks import (
 from compileops.mlstm.gates import _chunked
 from compileops.mlstm.op import _dense, _out_shape
 
-
-
-#: The largest ``chunk_size``. Within a chunk the work is the parallel form's, quadratic in
-#: the chunk, and the Triton kernels hold a chunk's gates in one block: a larger chunk runs
-#: slower than ``kernel="parallel"`` and, from 2**20 rows, past Triton's block limit.
-MAX_CHUNK = 4096
-
-
-def check_chunk(chunk: int) -> None:
-    if chunk < 16 or chunk > MAX_CHUNK or chunk & (chunk - 1):
-        raise ValueError(f"chunk_size must be a power of two from 16 to {MAX_CHUNK}, got "
-                         f"{chunk} (for one chunk over a long row, use kernel=\"parallel\")")
 
 
 def check_state(q: torch.Tensor, v: torch.Tensor, c0, n0, m0) -> None:

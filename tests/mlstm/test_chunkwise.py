@@ -9,6 +9,7 @@ import torch
 
 import compileops
 from compileops.mlstm import chunkwise
+from compileops.mlstm.checks import MAX_CHUNK
 from compileops.mlstm.api import AUTO_PARALLEL_MAX_SEQ, AUTO_PARALLEL_MAX_SEQ_INFERENCE, \
     choose_kernel
 from compileops.mlstm.gates import log_forget_op
@@ -207,7 +208,7 @@ def test_chunk_size_must_be_a_power_of_two_from_16_to_4096(bad, backend):
 
 def test_the_largest_chunk_size_runs():
     x = make_inputs(1, 1, 20, 8, 8)
-    out = chunk_out(x, chunk_size=chunkwise.MAX_CHUNK)
+    out = chunk_out(x, chunk_size=MAX_CHUNK)
     assert torch.equal(out, chunk_out(x, chunk_size=32))  # one chunk either way
 
 
