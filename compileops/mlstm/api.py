@@ -324,11 +324,17 @@ def mlstm(
     ``igate = -Inf``; in the recurrent step a closed forget gate too); on the Triton kernels
     a cell that an Inf in v reaches may be NaN where the exact sum is +-Inf. Their cost on
     finite inputs: one check per query tile (1-2% of fw+bw on an H200); a tile whose rows
-    came out non-finite runs its key loop a second time. One known limit remains,
-    on the Triton kernels in 16-bit: the rows of a tile are rounded against gate references
-    shared by the tile, so a later gate in the tile (a non-finite one included, or a sequence
-    cut inside it) can move an earlier row's 16-bit output by its last bit, and the fp32
-    normaliser of the states by a few units of its last place.
+    came out non-finite runs its key loop a second time. Known limits: on the Triton kernels
+    in 16-bit, the rows of a tile are rounded against gate references shared by the tile, so
+    a later gate in the tile (a non-finite one included, or a sequence cut inside it) can
+    move an earlier row's 16-bit output by a few units of its last place (up to 20 bf16
+    units in one case measured, within the bf16 error bound above), and the fp32 normaliser
+    of the states by a few units of its last place; in fp64 on the Triton kernels such a gate
+    moves earlier rows of its tile by a few units of their last place too (fp32 keeps its
+    bits). A closed input gate (``igate = -Inf``) at the first row of a sequence or document,
+    with no state carried in, gives NaN in that row on both backends and in every form,
+    where the limit is 0 (nothing has entered the cell; a finite gate such as -1e4 gives
+    it). Both are known bugs (``tests/mlstm/test_causality.py``).
 
     ``kernel``: ``"parallel"`` (tiles over the causal ``S x S`` square: quadratic in S),
     ``"chunkwise"`` (the parallel kernels within chunks of ``chunk_size`` rows, default 128, a

@@ -100,7 +100,8 @@ def mlstm_parallel(
     every column of h non-finite (``q_t``: row t's only), a non-finite ``v_t[d]`` column d
     (as NaN), a NaN gate, ``igate = +inf`` or ``fgate = -inf`` every column; the limits that
     are numbers (``igate = -inf``, a closed input gate; ``fgate = +inf``, an open forget
-    gate) give numbers.
+    gate) give numbers, but for a known bug: ``igate = -inf`` at the first row gives NaN
+    there (``m`` is -inf, and the weights ``exp(-inf - m)`` are NaN).
     """
     h, b, m = cell(q, k, v, igate, fgate, eps)
     n = torch.maximum(b.abs(), torch.exp(-m))
