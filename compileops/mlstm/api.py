@@ -21,7 +21,7 @@ from compileops.mlstm import documents
 from compileops.mlstm.chunkwise import mlstm_chunkwise_op
 from compileops.mlstm.op import mlstm_parallel_op
 from compileops.mlstm.gates import log_forget_op
-from compileops.mlstm.reference import gate_dtype, multihead_layernorm
+from compileops.mlstm.reference import floor_input_gate, gate_dtype, multihead_layernorm
 
 
 def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
@@ -143,7 +143,7 @@ def mlstm_with_stats(
     norm = (norm_weight, norm_bias, float(norm_eps), bool(residual_weight))
     if form == "parallel":
         logf = log_forget_op(fgate.to(acc))
-        igate_acc = igate.to(acc)
+        igate_acc = floor_input_gate(igate.to(acc))
 
         def parallel_cell(v_cols, _, fuse_norm):
             out, _, m_log2, b = mlstm_parallel_op(
@@ -154,7 +154,7 @@ def mlstm_with_stats(
         out, m_log2, b, last = _by_value_slices(parallel_cell, v, None, norm)
     else:
         c0, n0, m0 = initial_state if initial_state is not None else (None, None, None)
-        rows = (q, k, v, igate.to(acc), fgate.to(acc))
+        rows = (q, k, v, floor_input_gate(igate.to(acc)), fgate.to(acc))
         one_row = q.shape[-2] == 1
         if one_row:
             # Triton compiles a separate variant for a length of exactly 1, which rounds
@@ -233,7 +233,8 @@ def _packed_documents(q, k, v, igate, fgate, norm_weight, norm_bias, normed, nor
     acc = gate_dtype(q.dtype)
     lay = documents.layout(cu_seqlens, q.shape[-2], chunk)
     q_l, k_l, v_l = (documents.to_layout(t, lay, dim=2) for t in (q, k, v))
-    igate_l = documents.to_layout(igate.to(acc), lay, dim=-1, pad="input_gate")
+    igate_l = documents.to_layout(floor_input_gate(igate.to(acc)), lay, dim=-1,
+                                   pad="input_gate")
     fgate_l = documents.to_layout(fgate.to(acc), lay, dim=-1, pad="forget_gate")
     logf = log_forget_op(fgate_l, chunk)
     norm = (norm_weight, norm_bias, norm_eps, residual_weight)
@@ -318,23 +319,23 @@ def mlstm(
     Causality (tests/mlstm/test_causality.py): a NaN or Inf at position t (in q, k, v or a
     gate) never reaches an output before t, on both backends and in every form (parallel,
     chunkwise, with a state, packed documents, the recurrent step): those rows stay finite
-    and keep the bits they have with that value finite, but for the one limit named at the
-    end of this paragraph. The outputs it reaches are non-finite, except for the
+    and keep the bits they have with that value finite. The outputs it reaches are
+    non-finite, except for the
     limits that are numbers (an open forget gate, ``fgate = +Inf``; a closed input gate,
     ``igate = -Inf``; in the recurrent step a closed forget gate too); on the Triton kernels
     a cell that an Inf in v reaches may be NaN where the exact sum is +-Inf. Their cost on
     finite inputs: one check per query tile (1-2% of fw+bw on an H200); a tile whose rows
-    came out non-finite runs its key loop a second time. Known limits: on the Triton kernels
+    came out non-finite runs its key loop a second time. Known limit: on the Triton kernels
     in 16-bit, the rows of a tile are rounded against gate references shared by the tile, so
     a later gate in the tile (a non-finite one included, or a sequence cut inside it) can
     move an earlier row's 16-bit output by a few units of its last place (up to 20 bf16
     units in one case measured, within the bf16 error bound above), and the fp32 normaliser
-    of the states by a few units of its last place; in fp64 on the Triton kernels such a gate
-    moves earlier rows of its tile by a few units of their last place too (fp32 keeps its
-    bits). A closed input gate (``igate = -Inf``) at the first row of a sequence or document,
-    with no state carried in, gives NaN in that row on both backends and in every form,
-    where the limit is 0 (nothing has entered the cell; a finite gate such as -1e4 gives
-    it). Both are known bugs (``tests/mlstm/test_causality.py``).
+    of the states by a few units of its last place; fp32 and fp64 keep their bits.
+    A closed input gate before anything has entered the cell (``igate = -Inf`` at the first
+    rows of a sequence or document, no state carried in) gives ``h = 0`` there, its limit:
+    input gates below ``-1e30`` count as ``-1e30`` (``reference.floor_input_gate``), which
+    changes no output and no gradient, only the stabiliser ``m`` reported for such rows
+    (about -1e30 instead of ``-inf``).
 
     ``kernel``: ``"parallel"`` (tiles over the causal ``S x S`` square: quadratic in S),
     ``"chunkwise"`` (the parallel kernels within chunks of ``chunk_size`` rows, default 128, a

@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from compileops.mlstm import reference
 from compileops.mlstm.reference import gate_dtype, masked_product
 from compileops.mlstm.checks import check_cu_seqlens_layout, check_cu_seqlens_values
 
@@ -83,7 +84,8 @@ def step_reference(
     fgate [B, NH]``, ``state = (C, n, m)`` (None: the empty state) -> ``(h [B, NH, DV],
     (C, n, m))``, all in the accumulation dtype (the module docstring's math)."""
     acc = gate_dtype(q.dtype)
-    return step_from_log_gates(q, k, v, igate.to(acc), F.logsigmoid(fgate.to(acc)), state, eps)
+    return step_from_log_gates(q, k, v, reference.floor_input_gate(igate.to(acc)),
+                               F.logsigmoid(fgate.to(acc)), state, eps)
 
 
 def recurrent_reference(
@@ -170,7 +172,8 @@ def parallel_reference_with_state(
                        for a, b in zip(bounds, bounds[1:])], dim=-1)
     pos = torch.arange(seq, device=device)
     live = (pos[None, :] <= pos[:, None]) & (doc[None, :] == doc[:, None])  # [S, S]
-    log_d = log_f[..., :, None] - log_f[..., None, :] + igate.to(acc)[..., None, :]
+    log_d = (log_f[..., :, None] - log_f[..., None, :]
+             + reference.floor_input_gate(igate.to(acc))[..., None, :])
     log_d = log_d.masked_fill(~live, float("-inf"))  # [B, NH, S, S]
 
     # The initial state's column, and what it contributes to each row: q . C0, q . n0.

@@ -25,6 +25,23 @@ def gate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def floor_input_gate(igate: torch.Tensor) -> torch.Tensor:
+    """``igate`` with every value below ``-1e30`` (``-inf``: a closed input gate) raised to
+    ``-1e30``, the floor of the pad rows of packed documents.
+
+    Why: a row before which every input gate is ``-inf`` (a closed gate at the first row of a
+    sequence or document) has nothing in its cell and the stabiliser ``m = -inf``, so its
+    weights ``exp(logD - m)`` would be ``exp(-inf - -inf)``, NaN. With the floor ``m`` is
+    finite, ``exp(-m)`` overflows to ``inf``, and ``h = 0``: the limit of ``igate -> -inf``.
+    Exact for every other input: a floored term weighs ``exp(-1e30 + ...) = 0`` against any
+    row whose ``exp(-m)`` is finite, and a row whose ``exp(-m)`` overflows has ``h = 0``
+    either way; its gradient is 0, as the weight it multiplies is. What moves is the
+    stabiliser reported for such rows, ``m`` (about -1e30 where it was lower or ``-inf``),
+    and a state's ``(C, n, m)`` there, whose ``C exp(m)`` is still 0. NaN stays NaN.
+    A literal: a module-level float becomes a symbolic input under ``dynamic=True``."""
+    return igate.clamp(min=-1e30)
+
+
 def log_forget_cumsum(fgate: torch.Tensor) -> torch.Tensor:
     """``F_t = sum_{tau<=t} log sigmoid(fgate_tau)`` ``[B, NH, S]`` in the accumulation dtype."""
     return torch.cumsum(F.logsigmoid(fgate.to(gate_dtype(fgate.dtype))), dim=-1)
@@ -38,7 +55,8 @@ def cell(
     the signed row sum ``b = sum_j C_ij`` (``n = max(|b|, exp(-m))``), which the backward's
     normaliser term needs."""
     acc = gate_dtype(q.dtype)
-    return cell_from_log_gates(q, k, v, igate.to(acc), log_forget_cumsum(fgate.to(acc)), eps)
+    return cell_from_log_gates(q, k, v, floor_input_gate(igate.to(acc)),
+                               log_forget_cumsum(fgate.to(acc)), eps)
 
 
 def cell_from_log_gates(
@@ -100,8 +118,8 @@ def mlstm_parallel(
     every column of h non-finite (``q_t``: row t's only), a non-finite ``v_t[d]`` column d
     (as NaN), a NaN gate, ``igate = +inf`` or ``fgate = -inf`` every column; the limits that
     are numbers (``igate = -inf``, a closed input gate; ``fgate = +inf``, an open forget
-    gate) give numbers, but for a known bug: ``igate = -inf`` at the first row gives NaN
-    there (``m`` is -inf, and the weights ``exp(-inf - m)`` are NaN).
+    gate) give numbers: ``igate = -inf`` before anything entered the cell gives ``h = 0``
+    (:func:`floor_input_gate`).
     """
     h, b, m = cell(q, k, v, igate, fgate, eps)
     n = torch.maximum(b.abs(), torch.exp(-m))

@@ -276,7 +276,11 @@ def _step_backward(grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf, c, n,
     d_z = -(dh * h).sum(-1) / z
     live = row_sum.abs() > floor
     d_row = torch.where(live, d_z * torch.sign(row_sum), torch.zeros_like(d_z))
-    d_m_new = grad_m.to(acc) + torch.where(live, torch.zeros_like(d_z), -d_z * floor)
+    # Through the floor branch, -d_z * floor = (dh . h) * floor / z. Where floor overflows
+    # (m' below about -88 in fp32: an input gate far below 0 before anything entered), h is 0
+    # and floor / z is 1, so the term is dh . h; -d_z * floor would be 0 * inf, NaN.
+    through_floor = torch.where(torch.isinf(floor), (dh * h).sum(-1), -d_z * floor)
+    d_m_new = grad_m.to(acc) + torch.where(live, torch.zeros_like(d_z), through_floor)
     d_c_new = grad_c.to(acc) + scale * qa[..., :, None] * d_num[..., None, :]
     d_n_new = grad_n.to(acc) + scale * d_row[..., None] * qa
     dq = scale * (c_new @ d_num[..., None]).squeeze(-1) + scale * d_row[..., None] * n_new
@@ -359,8 +363,8 @@ def mlstm_step(
     normed = norm_weight is not None or norm_bias is not None
     acc = reference.gate_dtype(q.dtype)
     out, c_new, n_new, m_new = mlstm_step_op(
-        q, k, v, igate.to(acc), F.logsigmoid(fgate.to(acc)), c, n, m, norm_weight, norm_bias,
-        normed, float(norm_eps), float(eps), bool(residual_weight))
+        q, k, v, reference.floor_input_gate(igate.to(acc)), F.logsigmoid(fgate.to(acc)), c, n,
+        m, norm_weight, norm_bias, normed, float(norm_eps), float(eps), bool(residual_weight))
     return out, (c_new, n_new, m_new)
 
 

@@ -60,16 +60,20 @@ class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[2, 2, 40, 16]", primals_2: "f32[2, 2, 40, 16]", primals_3: "f32[2, 2, 40, 32]", primals_4: "f32[2, 2, 40]", primals_5: "f32[2, 2, 40]", primals_6: "f32[64]"):
         mlstm_log_forget: "f32[2, 2, 40]" = torch.ops.compileops.mlstm_log_forget.default(primals_5)
 
-        mlstm_parallel = torch.ops.compileops.mlstm_parallel.default(primals_1, primals_2, primals_3, primals_4, mlstm_log_forget, primals_6, None, True, 1e-06, 1e-06, False, True)
+        clamp: "f32[2, 2, 40]" = torch.ops.aten.clamp.default(primals_4, -1e+30)
+
+        mlstm_parallel = torch.ops.compileops.mlstm_parallel.default(primals_1, primals_2, primals_3, clamp, mlstm_log_forget, primals_6, None, True, 1e-06, 1e-06, False, True)
         getitem: "f32[2, 40, 64]" = mlstm_parallel[0]
         getitem_1: "f32[2, 2, 40, 32]" = mlstm_parallel[1]
         getitem_2: "f32[2, 2, 40]" = mlstm_parallel[2]
         getitem_3: "f32[2, 2, 40]" = mlstm_parallel[3];  mlstm_parallel = None
-        return (getitem, primals_1, primals_2, primals_3, primals_4, primals_5, primals_6, mlstm_log_forget, getitem_1, getitem_2, getitem_3)""")
+
+        ge: "b8[2, 2, 40]" = torch.ops.aten.ge.Scalar(primals_4, -1e+30);  primals_4 = None
+        return (getitem, primals_1, primals_2, primals_3, primals_5, primals_6, mlstm_log_forget, clamp, getitem_1, getitem_2, getitem_3, ge)""")
         self.assertSnapshot(bw, """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[2, 2, 40, 16]", primals_2: "f32[2, 2, 40, 16]", primals_3: "f32[2, 2, 40, 32]", primals_4: "f32[2, 2, 40]", primals_5: "f32[2, 2, 40]", primals_6: "f32[64]", mlstm_log_forget: "f32[2, 2, 40]", getitem_1: "f32[2, 2, 40, 32]", getitem_2: "f32[2, 2, 40]", getitem_3: "f32[2, 2, 40]", tangents_1: "f32[2, 40, 64]"):
-        mlstm_parallel_backward = torch.ops.compileops.mlstm_parallel_backward.default(tangents_1, primals_1, primals_2, primals_3, primals_4, mlstm_log_forget, primals_6, getitem_1, getitem_2, getitem_3, True, 1e-06, 1e-06, False);  tangents_1 = primals_1 = primals_2 = primals_3 = primals_4 = mlstm_log_forget = primals_6 = getitem_1 = getitem_2 = getitem_3 = None
+    def forward(self, primals_1: "f32[2, 2, 40, 16]", primals_2: "f32[2, 2, 40, 16]", primals_3: "f32[2, 2, 40, 32]", primals_5: "f32[2, 2, 40]", primals_6: "f32[64]", mlstm_log_forget: "f32[2, 2, 40]", clamp: "f32[2, 2, 40]", getitem_1: "f32[2, 2, 40, 32]", getitem_2: "f32[2, 2, 40]", getitem_3: "f32[2, 2, 40]", ge: "b8[2, 2, 40]", tangents_1: "f32[2, 40, 64]"):
+        mlstm_parallel_backward = torch.ops.compileops.mlstm_parallel_backward.default(tangents_1, primals_1, primals_2, primals_3, clamp, mlstm_log_forget, primals_6, getitem_1, getitem_2, getitem_3, True, 1e-06, 1e-06, False);  tangents_1 = primals_1 = primals_2 = primals_3 = clamp = mlstm_log_forget = primals_6 = getitem_1 = getitem_2 = getitem_3 = None
         getitem_4: "f32[2, 2, 40, 16]" = mlstm_parallel_backward[0]
         getitem_5: "f32[2, 2, 40, 16]" = mlstm_parallel_backward[1]
         getitem_6: "f32[2, 2, 40, 32]" = mlstm_parallel_backward[2]
@@ -77,8 +81,11 @@ class GraphModule(torch.nn.Module):
         getitem_8: "f32[2, 2, 40]" = mlstm_parallel_backward[4]
         getitem_9: "f32[64]" = mlstm_parallel_backward[5];  mlstm_parallel_backward = None
 
+        scalar_tensor: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+        where: "f32[2, 2, 40]" = torch.ops.aten.where.self(ge, getitem_7, scalar_tensor);  ge = getitem_7 = scalar_tensor = None
+
         mlstm_log_forget_backward: "f32[2, 2, 40]" = torch.ops.compileops.mlstm_log_forget_backward.default(getitem_8, primals_5);  getitem_8 = primals_5 = None
-        return (getitem_4, getitem_5, getitem_6, getitem_7, mlstm_log_forget_backward, getitem_9)""")
+        return (getitem_4, getitem_5, getitem_6, where, mlstm_log_forget_backward, getitem_9)""")
 
     def test_chunkwise_aot_graphs(self):
         """The chunkwise form with a state in and out: the chunk-restarted forget sums, the
@@ -101,9 +108,11 @@ class GraphModule(torch.nn.Module):
         self.assertSnapshot(fw, """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[2, 2, 40, 16]", primals_2: "f32[2, 2, 40, 16]", primals_3: "f32[2, 2, 40, 32]", primals_4: "f32[2, 2, 40]", primals_5: "f32[2, 2, 40]", primals_6: "f32[64]", primals_7: "f32[2, 2, 16, 32]", primals_8: "f32[2, 2, 16]", primals_9: "f32[2, 2]"):
+        clamp: "f32[2, 2, 40]" = torch.ops.aten.clamp.default(primals_4, -1e+30)
+
         mlstm_log_forget: "f32[2, 2, 40]" = torch.ops.compileops.mlstm_log_forget.default(primals_5, 16)
 
-        mlstm_chunkwise = torch.ops.compileops.mlstm_chunkwise.default(primals_1, primals_2, primals_3, primals_4, mlstm_log_forget, primals_6, None, primals_7, primals_8, primals_9, 16, True, 1e-06, 1e-06, False, True)
+        mlstm_chunkwise = torch.ops.compileops.mlstm_chunkwise.default(primals_1, primals_2, primals_3, clamp, mlstm_log_forget, primals_6, None, primals_7, primals_8, primals_9, 16, True, 1e-06, 1e-06, False, True)
         getitem: "f32[2, 40, 64]" = mlstm_chunkwise[0]
         getitem_1: "f32[2, 2, 40, 32]" = mlstm_chunkwise[1]
         getitem_2: "f32[2, 2, 40]" = mlstm_chunkwise[2]
@@ -118,11 +127,13 @@ class GraphModule(torch.nn.Module):
         detach_1: "f32[2, 2, 16]" = torch.ops.aten.detach.default(getitem_8)
         detach_2: "f32[2, 2, 16, 32]" = torch.ops.aten.detach.default(detach);  detach = None
         detach_3: "f32[2, 2, 16]" = torch.ops.aten.detach.default(detach_1);  detach_1 = None
-        return (getitem, getitem_7, getitem_8, getitem_9, primals_1, primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, primals_9, mlstm_log_forget, getitem_1, getitem_2, getitem_3, getitem_4, getitem_5, getitem_6, detach_2, detach_3)""")
+
+        ge: "b8[2, 2, 40]" = torch.ops.aten.ge.Scalar(primals_4, -1e+30);  primals_4 = None
+        return (getitem, getitem_7, getitem_8, getitem_9, primals_1, primals_2, primals_3, primals_5, primals_6, primals_7, primals_8, primals_9, clamp, mlstm_log_forget, getitem_1, getitem_2, getitem_3, getitem_4, getitem_5, getitem_6, detach_2, detach_3, ge)""")
         self.assertSnapshot(bw, """\
 class GraphModule(torch.nn.Module):
-    def forward(self, primals_1: "f32[2, 2, 40, 16]", primals_2: "f32[2, 2, 40, 16]", primals_3: "f32[2, 2, 40, 32]", primals_4: "f32[2, 2, 40]", primals_5: "f32[2, 2, 40]", primals_6: "f32[64]", primals_7: "f32[2, 2, 16, 32]", primals_8: "f32[2, 2, 16]", primals_9: "f32[2, 2]", mlstm_log_forget: "f32[2, 2, 40]", getitem_1: "f32[2, 2, 40, 32]", getitem_2: "f32[2, 2, 40]", getitem_3: "f32[2, 2, 40]", getitem_4: "f32[4, 3, 16, 32]", getitem_5: "f32[4, 4, 16]", getitem_6: "f32[4, 4]", detach_2: "f32[2, 2, 16, 32]", detach_3: "f32[2, 2, 16]", tangents_1: "f32[2, 40, 64]", tangents_2: "f32[2, 2, 16, 32]", tangents_3: "f32[2, 2, 16]", tangents_4: "f32[2, 2]"):
-        mlstm_chunkwise_backward = torch.ops.compileops.mlstm_chunkwise_backward.default(tangents_1, tangents_2, tangents_3, tangents_4, primals_1, primals_2, primals_3, primals_4, mlstm_log_forget, primals_6, primals_7, primals_8, primals_9, getitem_1, getitem_2, getitem_3, getitem_4, getitem_5, getitem_6, detach_2, detach_3, 16, True, 1e-06, 1e-06, False);  tangents_1 = tangents_2 = tangents_3 = tangents_4 = primals_1 = primals_2 = primals_3 = primals_4 = mlstm_log_forget = primals_6 = primals_7 = primals_8 = primals_9 = getitem_1 = getitem_2 = getitem_3 = getitem_4 = getitem_5 = getitem_6 = detach_2 = detach_3 = None
+    def forward(self, primals_1: "f32[2, 2, 40, 16]", primals_2: "f32[2, 2, 40, 16]", primals_3: "f32[2, 2, 40, 32]", primals_5: "f32[2, 2, 40]", primals_6: "f32[64]", primals_7: "f32[2, 2, 16, 32]", primals_8: "f32[2, 2, 16]", primals_9: "f32[2, 2]", clamp: "f32[2, 2, 40]", mlstm_log_forget: "f32[2, 2, 40]", getitem_1: "f32[2, 2, 40, 32]", getitem_2: "f32[2, 2, 40]", getitem_3: "f32[2, 2, 40]", getitem_4: "f32[4, 3, 16, 32]", getitem_5: "f32[4, 4, 16]", getitem_6: "f32[4, 4]", detach_2: "f32[2, 2, 16, 32]", detach_3: "f32[2, 2, 16]", ge: "b8[2, 2, 40]", tangents_1: "f32[2, 40, 64]", tangents_2: "f32[2, 2, 16, 32]", tangents_3: "f32[2, 2, 16]", tangents_4: "f32[2, 2]"):
+        mlstm_chunkwise_backward = torch.ops.compileops.mlstm_chunkwise_backward.default(tangents_1, tangents_2, tangents_3, tangents_4, primals_1, primals_2, primals_3, clamp, mlstm_log_forget, primals_6, primals_7, primals_8, primals_9, getitem_1, getitem_2, getitem_3, getitem_4, getitem_5, getitem_6, detach_2, detach_3, 16, True, 1e-06, 1e-06, False);  tangents_1 = tangents_2 = tangents_3 = tangents_4 = primals_1 = primals_2 = primals_3 = clamp = mlstm_log_forget = primals_6 = primals_7 = primals_8 = primals_9 = getitem_1 = getitem_2 = getitem_3 = getitem_4 = getitem_5 = getitem_6 = detach_2 = detach_3 = None
         getitem_10: "f32[2, 2, 40, 16]" = mlstm_chunkwise_backward[0]
         getitem_11: "f32[2, 2, 40, 16]" = mlstm_chunkwise_backward[1]
         getitem_12: "f32[2, 2, 40, 32]" = mlstm_chunkwise_backward[2]
@@ -134,13 +145,18 @@ class GraphModule(torch.nn.Module):
         getitem_19: "f32[2, 2]" = mlstm_chunkwise_backward[9];  mlstm_chunkwise_backward = None
 
         mlstm_log_forget_backward: "f32[2, 2, 40]" = torch.ops.compileops.mlstm_log_forget_backward.default(getitem_14, primals_5, 16);  getitem_14 = primals_5 = None
-        return (getitem_10, getitem_11, getitem_12, getitem_13, mlstm_log_forget_backward, getitem_15, getitem_17, getitem_18, getitem_19)""")
+
+        scalar_tensor: "f32[]" = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+        where: "f32[2, 2, 40]" = torch.ops.aten.where.self(ge, getitem_13, scalar_tensor);  ge = getitem_13 = scalar_tensor = None
+        return (getitem_10, getitem_11, getitem_12, where, mlstm_log_forget_backward, getitem_15, getitem_17, getitem_18, getitem_19)""")
 
     def test_template_fuses_the_output_gate(self):
         args = _inputs()
         with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
             code = _compat.get_code(torch.compile(gated_block, fullgraph=True), *args)
-        self.assertSnapshot("\n".join(_kernel_names(code)), """triton_tem_fused_mlstm_parallel_mul_sigmoid""")
+        self.assertSnapshot("\n".join(_kernel_names(code)), """\
+triton_poi_fused_clamp_mlstm_parallel
+triton_tem_fused_clamp_mlstm_parallel_mul_sigmoid""")
 
 
 def test_template_matches_eager_kernels_under_the_interpreter():

@@ -37,10 +37,11 @@ from compileops.mlstm.kernels.stabiliser import column_terms
 
 #: The widest spread of a query tile's column terms (``high - low``, log2 units) that runs
 #: the one-loop form; fp16's tighter bound keeps the column-scaled scores it feeds the second
-#: MMA above its subnormals. fp32 inputs never take it: factorising the diagonal tiles rounds
+#: MMA above its subnormals. 16-bit inputs only: factorising the diagonal tiles rounds
 #: each exponent at the magnitude of the forget-gate sum, not of its differences, which cost
-#: fp32's gradients their 1e-5 bound (dq 1.14e-5 on an H100 at S = 256); 16-bit inputs round
-#: far more than that, and fp64 far less.
+#: fp32's gradients their 1e-5 bound (dq 1.14e-5 on an H100 at S = 256), and its reference
+#: (the tile's last row's running max) lets a later gate of the tile move the earlier rows'
+#: last bits, which fp32 and fp64 promise not to do (16-bit rounds far more than that).
 ONE_LOOP_SPREAD = tl.constexpr(64.0)
 ONE_LOOP_SPREAD_FP16 = tl.constexpr(8.0)
 #: No row: above every row index (the careful pass's first non-finite v row, none yet).
@@ -203,8 +204,11 @@ def _accumulate(q_ptr, k_ptr, v_ptr, igate_ptr, logf_ptr, term_ptr, colmax_ptr, 
     # Otherwise (gates that jump inside one tile: strong forgetting, a spike of the input
     # gate) two loops: left of the diagonal with ref = before (>= those columns: factors
     # <= 1), then the diagonal tiles with the exact exponential.
-    if v_base.dtype.element_ty == tl.float32:
-        one_loop = False  # fp32 inputs keep the exact diagonal tiles (ONE_LOOP_SPREAD)
+    if v_base.dtype.element_ty == tl.float32 or v_base.dtype.element_ty == tl.float64:
+        # fp32 and fp64 inputs keep the exact diagonal tiles (ONE_LOOP_SPREAD); for them the
+        # one-loop form would also break causality's bits: `high` is the tile's last row's,
+        # so a later gate of the tile would move the reference of the rows before it.
+        one_loop = False
     elif v_base.dtype.element_ty == tl.float16:
         one_loop = high - low <= ONE_LOOP_SPREAD_FP16
     else:
@@ -241,8 +245,8 @@ def _key_loops(acc, row_sum, row_factor, one_loop, q, k_base, v_base, igate_ptr,
     the one-loop form when ``one_loop`` (16-bit inputs only), else the two-loop form.
     ``CAREFUL`` (the rare second pass): the masked tiles' second MMA is
     :func:`_careful_pv`'s, the loops unpipelined; the arithmetic is the fast pass's."""
-    if v_base.dtype.element_ty == tl.float32:
-        # fp32 inputs keep the exact diagonal tiles (ONE_LOOP_SPREAD)
+    if v_base.dtype.element_ty == tl.float32 or v_base.dtype.element_ty == tl.float64:
+        # fp32 and fp64 inputs keep the exact diagonal tiles (ONE_LOOP_SPREAD)
         acc, row_sum = _left_then_diagonal(
             acc, row_sum, row_factor, q, k_base, v_base, igate_ptr, logf_ptr, term_ptr,
             gate_off, rows, logf_i, row_max, col_ref, window, start_m, seq_len, scale,
