@@ -273,13 +273,14 @@ def _step_backward(grad_out, grad_c, grad_n, grad_m, q, k, v, igate, logf, c, n,
         dh = grad_out.to(acc)
         dweight, dbias = q.new_empty((0,), dtype=acc), q.new_empty((0,), dtype=acc)
     d_num = dh / z[..., None]
-    d_z = -(dh * h).sum(-1) / z
+    dh_dot_h = (dh * h).sum(-1)
+    d_z = -dh_dot_h / z
     live = row_sum.abs() > floor
     d_row = torch.where(live, d_z * torch.sign(row_sum), torch.zeros_like(d_z))
     # Through the floor branch, -d_z * floor = (dh . h) * floor / z. Where floor overflows
     # (m' below about -88 in fp32: an input gate far below 0 before anything entered), h is 0
     # and floor / z is 1, so the term is dh . h; -d_z * floor would be 0 * inf, NaN.
-    through_floor = torch.where(torch.isinf(floor), (dh * h).sum(-1), -d_z * floor)
+    through_floor = torch.where(torch.isinf(floor), dh_dot_h, -d_z * floor)
     d_m_new = grad_m.to(acc) + torch.where(live, torch.zeros_like(d_z), through_floor)
     d_c_new = grad_c.to(acc) + scale * qa[..., :, None] * d_num[..., None, :]
     d_n_new = grad_n.to(acc) + scale * d_row[..., None] * qa

@@ -393,8 +393,8 @@ def test_every_input_gate_closed_gives_zeros(backend, form):
 @pytest.mark.parametrize("form", ["parallel", "chunkwise"])
 def test_fp64_rows_before_a_later_gate_keep_their_bits(form, gate, value):
     """fp64 on the Triton kernels, as fp32: a gate at T, however far from the others, leaves
-    the rows of T's tile before it bitwise as they were (the kernels' one-loop form, whose
-    reference is the tile's last row's, is 16-bit only)."""
+    every row before it bitwise as it was, those of T's own tile included (the kernels'
+    one-loop form, whose reference is the tile's last row's, is 16-bit only)."""
     kwargs = {"chunk_size": CHUNK} if form == "chunkwise" else {}
     x = _inputs(torch.float64)
     got = _with_bad(x, gate, value, T)
@@ -409,7 +409,7 @@ def test_fp64_rows_before_a_later_gate_keep_their_bits(form, gate, value):
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", ["parallel", "chunkwise", "step"])
 def test_gpu_closed_input_gate_before_anything_entered_is_the_limit(form):
-    """The CUDA kernels and their tiles (64 or 128 rows): bf16, TFLA's head; a closed input
+    """The CUDA kernels and their tiles (64 or 128 rows): bf16, DQK = DV = 128; a closed input
     gate at the first rows gives zeros there, finite outputs and gradients, bitwise those of
     a gate of -1e4."""
     seq = STEP_S if form == "step" else 256
