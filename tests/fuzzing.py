@@ -597,14 +597,27 @@ def summation_bound(want: torch.Tensor, abs_sum: torch.Tensor, terms, *,
 # Tests from properties
 
 
+#: The GPU fuzz tests run as this many cases per device, each with its share of the long
+#: profile's examples and its own random seed. Every new random shape builds its kernels
+#: (the head dims are compile-time constants), and one case of 200 mLSTM examples outlasted
+#: ten minutes on one worker; eight shards spread that cost over a GPU tier's eight
+#: pytest-xdist workers (the built kernels land in one shared on-disk cache).
+GPU_FUZZ_SHARDS = 8
+
+
 def gpu_variant(test):
     """The GPU variant of a ``@given`` property test taking ``device``: marked ``gpu`` and
-    ``slow``, ``device`` parametrized over the visible CUDA devices, run under the "long"
-    profile (thousands of examples: the quick GPU tier leaves it out)."""
+    ``slow``, ``device`` parametrized over the visible CUDA devices, each ``GPU_FUZZ_SHARDS``
+    times (ids ``cuda-0``, ``cuda-1``, ...), run under the "long" profile with its examples
+    divided between the shards (thousands in all: the quick GPU tier leaves it out)."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 1
     devices = ["cuda"] if count <= 1 else [f"cuda:{i}" for i in range(count)]
-    test = settings(parent=settings.get_profile("long"))(test)
-    test = pytest.mark.parametrize("device", devices)(test)
+    long = settings.get_profile("long")
+    per_shard = max(1, -(-long.max_examples // GPU_FUZZ_SHARDS))
+    test = settings(parent=long, max_examples=per_shard)(test)
+    cases = [(d, i) for d in devices for i in range(GPU_FUZZ_SHARDS)]
+    test = pytest.mark.parametrize("device", [d for d, _ in cases],
+                                   ids=[f"{d}-{i}" for d, i in cases])(test)
     return pytest.mark.slow(pytest.mark.gpu(test))
 
 
