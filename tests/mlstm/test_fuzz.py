@@ -5,6 +5,7 @@ no input (or memory around it) is written. Shared strategies: ``tests/fuzzing.py
 import math
 
 import hypothesis.strategies as st
+import pytest
 import torch
 from hypothesis import given
 
@@ -16,6 +17,17 @@ from tests.fuzzing import Example, assert_normwise, float_dtypes, gpu_variant, o
 # than one rounding; fp32 runs IEEE dots under the interpreter.
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 8e-2,
              torch.float16: 2e-2}
+# fp64 on the CUDA kernels is held to the contract the ``compileops.mlstm`` docstring states
+# for fp64 and fp32 (1e-5 relative on short rows), not to fp64's roundoff: compiled for a
+# GPU, the kernels reach fp32's level there (the first GPU fuzz run measured output errors
+# of 4.7e-9 to 3.2e-8), where the interpreter's fp64 stays within 1e-9.
+CUDA_FP64_TOLERANCE = 1e-5
+
+
+def tolerance(dtype: torch.dtype, backend: str, on_cpu: bool) -> float:
+    if dtype == torch.float64 and backend == "triton" and not on_cpu:
+        return CUDA_FP64_TOLERANCE
+    return TOLERANCE[dtype]
 
 
 def oracle_mlstm(q, k, v, igate, fgate, weight, bias, eps, norm_eps, residual, normed):
@@ -46,17 +58,57 @@ def oracle_mlstm(q, k, v, igate, fgate, weight, bias, eps, norm_eps, residual, n
     return y
 
 
-def check_gradient(got, want, overall: float, tol: float, what: str) -> None:
-    """``||got - want|| <= tol * max(||want||, overall / 10)``: normwise, with a floor at the
-    whole gradient's size. Some gradients are small only through cancellation (at S=1 the
-    cell's output does not depend on q except through eps; a diagonal dlogD term enters
-    dfgate twice with opposite signs), and in low precision their residue is a rounding of the
-    cancelling terms, not of the small result."""
-    want = want.detach().double()
-    diff = float(torch.linalg.vector_norm(got.detach().cpu().double() - want))
-    bound = tol * max(float(torch.linalg.vector_norm(want)), overall / 10)
-    assert bool(torch.isfinite(got).all()), f"{what} is not finite"
-    assert diff <= bound, f"{what}: error {diff:.3e} above {bound:.3e}"
+#: Unit roundoff of the 16-bit dtypes and of fp32.
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+FP32_UNIT_ROUNDOFF = 2.0**-24
+#: How far past ``condition * unit roundoff`` a 16-bit result may be (see ``conditioned``).
+CONDITIONED_SLACK = 4.0
+
+
+def relative_errors(out, grads, want, want_grads) -> dict[str, float]:
+    """Normwise errors: the output's ``||got - want|| / ||want||``, each gradient's
+    ``||got - want|| / max(||want||, overall / 10)``, a floor at the whole gradient's size.
+    Some gradients are small only through cancellation (at S=1 the cell's output does not
+    depend on q except through eps; a diagonal dlogD term enters dfgate twice with opposite
+    signs), and in low precision their residue is a rounding of the cancelling terms, not
+    of the small result. NaN or inf anywhere fails here."""
+    def norm(t):
+        return float(torch.linalg.vector_norm(t.detach().cpu().double()))
+
+    def error(key, got, ref, scale):
+        assert bool(torch.isfinite(got).all()), f"{key} is not finite"
+        diff = norm(got.detach().cpu().double() - ref.detach().double())
+        return diff / scale if scale else (0.0 if diff == 0 else math.inf)
+
+    overall = math.sqrt(sum(norm(g) ** 2 for g in want_grads.values()))
+    errors = {"out": error("out", out, want, norm(want))}
+    for name, got in grads.items():
+        errors[f"d{name}"] = error(f"d{name}", got, want_grads[name], max(norm(want_grads[name]),
+                                                              overall / 10))
+    return errors
+
+
+def conditioned(errors: dict[str, float], tol: float, dtype: torch.dtype, probe) -> None:
+    """Every error within ``tol``; for a 16-bit dtype, past it only as far as the result's
+    conditioning explains. The kernels round their MMAs' operands to the input dtype, so
+    their error grows with how much the result amplifies roundings of intermediates; inputs
+    the same at every position, tiny head dims or a norm over four values can amplify them a
+    thousandfold (the GPU fuzz found such draws). ``probe()`` runs the same backend in fp32
+    on the same rounded inputs and returns its errors; an fp32 error ``e32`` means a
+    condition of about ``e32 / 2**-24``, and the 16-bit error may then reach
+    ``CONDITIONED_SLACK * condition * unit roundoff``. A well-conditioned draw keeps ``tol``."""
+    over = {k: e for k, e in errors.items() if not e <= tol}
+    if not over:
+        return
+    assert dtype in UNIT_ROUNDOFF, ", ".join(f"{k}: error {e:.3e} above {tol:.1e}"
+                                             for k, e in over.items())
+    fp32 = probe()
+    for key, err in over.items():
+        condition = fp32[key] / FP32_UNIT_ROUNDOFF
+        allowed = max(tol, CONDITIONED_SLACK * condition * UNIT_ROUNDOFF[dtype])
+        assert err <= allowed, (
+            f"{key}: error {err:.3e} above {tol:.1e}, and above {allowed:.3e}, what its "
+            f"conditioning allows (fp32 error {fp32[key]:.3e} on the same inputs)")
 
 
 def check_mlstm(data, device) -> None:
@@ -90,28 +142,35 @@ def check_mlstm(data, device) -> None:
     want = oracle_mlstm(*(leaves.get(n) for n in named), eps, 1e-6, residual, normed)
     want_grads = dict(zip(leaves, oracle_grads(want, list(leaves.values()), grad_out)))
 
-    for backend in ex.backends():
-        if backend == "triton" and dtype == torch.float64 and not ex.on_cpu:
-            continue  # fp64 on the GPU kernels is not a supported configuration
+    def run(backend, inputs):
+        """Output and gradients of ``inputs`` on ``backend``; no input is written."""
         args = {n: t.detach().requires_grad_() if t is not None else None
-                for n, t in named.items()}
+                for n, t in inputs.items()}
         with use(backend):
             out = compileops.mlstm(args["q"], args["k"], args["v"], args["igate"],
                                    args["fgate"], norm_weight=args["weight"],
                                    norm_bias=args["bias"], eps=eps,
                                    residual_weight=residual)
             snapshot.check(f"{backend} forward")
-            assert out.shape == out_shape and out.dtype == dtype
-            assert_normwise(out, want, TOLERANCE[dtype], f"{backend} out")
+            grads = {}
             if out.numel():
-                grads = torch.autograd.grad(out, [args[n] for n in leaves], grad_out)
+                got = torch.autograd.grad(out, [args[n] for n in leaves],
+                                          grad_out.to(out.dtype))
                 snapshot.check(f"{backend} backward")
-                overall = math.sqrt(sum(float(torch.linalg.vector_norm(g.double())) ** 2
-                                        for g in want_grads.values()))
-                for name, got in zip(leaves, grads):
-                    assert got.dtype == named[name].dtype, f"{backend} d{name} dtype"
-                    check_gradient(got, want_grads[name], overall, TOLERANCE[dtype],
-                                   f"{backend} d{name}")
+                grads = dict(zip(leaves, got))
+        return out, grads
+
+    for backend in ex.backends():
+        out, grads = run(backend, named)
+        assert out.shape == out_shape and out.dtype == dtype
+        assert all(g.dtype == named[n].dtype for n, g in grads.items()), f"{backend} dtypes"
+
+        def probe(backend=backend):
+            upcast = {n: t.float() if t is not None else None for n, t in named.items()}
+            return relative_errors(*run(backend, upcast), want, want_grads)
+
+        conditioned(relative_errors(out, grads, want, want_grads),
+                    tolerance(dtype, backend, ex.on_cpu), dtype, probe)
 
 
 @given(data=st.data())
@@ -123,3 +182,75 @@ def test_mlstm(data):
 @given(data=st.data())
 def test_mlstm_gpu(data, device):
     check_mlstm(data, device)
+
+
+def test_only_conditioning_measured_in_fp32_widens_a_16_bit_tolerance():
+    """The 16-bit allowance past the tolerance comes only from an fp32 run that shows the
+    draw amplifies roundings; a well-conditioned draw keeps the plain tolerance, and fp32 or
+    fp64 never get the allowance."""
+    def probe_with(error):
+        return lambda: {"out": error, "dq": error}
+
+    within = {"out": 1e-3, "dq": 5e-2}
+    conditioned(within, 8e-2, torch.bfloat16, probe_with(math.nan))  # never probed
+    past = {"out": 1e-3, "dq": 0.5}
+    with pytest.raises(AssertionError, match="dq: error 5.000e-01 above 8.0e-02"):
+        conditioned(past, 8e-2, torch.bfloat16, probe_with(1e-7))  # condition ~1.7
+    conditioned(past, 8e-2, torch.bfloat16, probe_with(3e-5))  # condition ~500
+    with pytest.raises(AssertionError, match="dq: error"):
+        conditioned(past, 1e-4, torch.float32, probe_with(3e-5))
+
+
+class ScriptedDraws:
+    """Stands in for hypothesis' ``data``: each labelled draw returns a recorded value."""
+
+    def __init__(self, values: dict):
+        self.values = values
+
+    def draw(self, strategy, label=None):
+        return self.values[label]
+
+
+#: Draws of the GPU fuzz whose 16-bit gradients missed the plain tolerance: v the same at
+#: every position, or DQK 1 with the gates the same at every position, under a norm.
+ILL_CONDITIONED_DRAWS = {
+    "fp16-v-constant": dict(
+        seed=174, B=2, NH=8, S=15, DQK=28, DV=13, dtype=torch.float16, normed=True,
+        weight=False, bias=True, eps=1e-6, **{
+            "q layout": "sliced", "k layout": "offset", "v layout": "expanded",
+            "v expanded dim": 2, "igate layout": "expanded", "igate expanded dim": 2,
+            "fgate layout": "contiguous", "bias layout": "contiguous",
+            "grad_out layout": "sliced"}),
+    "bf16-dqk1-gates-constant": dict(
+        seed=3052231557, B=7, NH=1, S=12, DQK=1, DV=33, dtype=torch.bfloat16, normed=True,
+        weight=False, bias=True, eps=1e-6, **{
+            "q layout": "offset", "k layout": "transposed", "v layout": "contiguous",
+            "igate layout": "expanded", "igate expanded dim": 2, "fgate layout": "expanded",
+            "fgate expanded dim": 2, "bias layout": "expanded", "bias expanded dim": 0,
+            "grad_out layout": "offset"}),
+    "bf16-dv4-v-constant": dict(
+        seed=77679, B=5, NH=6, S=10, DQK=2, DV=3, dtype=torch.bfloat16, normed=True,
+        weight=False, bias=True, eps=1e-3, **{
+            "q layout": "contiguous", "k layout": "sliced", "v layout": "expanded",
+            "v expanded dim": 2, "igate layout": "transposed", "fgate layout": "offset",
+            "bias layout": "transposed", "grad_out layout": "sliced"}),
+}
+
+
+@pytest.mark.parametrize("name", list(ILL_CONDITIONED_DRAWS))
+def test_ill_conditioned_16_bit_draws_are_judged_by_their_conditioning(name, monkeypatch):
+    """Each recorded draw misses the plain 16-bit tolerance on the Triton kernels (so it is
+    a real test of the conditioning rule), and passes once that rule weighs it."""
+    import tests.mlstm.test_fuzz as fuzz
+
+    draws = ScriptedDraws(ILL_CONDITIONED_DRAWS[name])
+    missed = []
+    real = fuzz.conditioned
+
+    def recording(errors, tol, dtype, probe):
+        missed.extend(k for k, e in errors.items() if e > tol)
+        real(errors, tol, dtype, probe)
+
+    monkeypatch.setattr(fuzz, "conditioned", recording)
+    check_mlstm(draws, "cpu")
+    assert missed, "the draw no longer misses the plain tolerance: pick another"
