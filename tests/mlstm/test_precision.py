@@ -16,10 +16,10 @@ N(0, 1), input gates at N(-1, 2^2)). Plain fp32 autograd of the reference on the
 cumsum accumulates in fp64) gave output errors up to 3.4e-5 and gradient errors up to 5.3e-5
 at the same length (B 1, NH 2).
 
-Under the interpreter a parallel case takes 70-120 s and a chunkwise one about 20, so the CPU
-runs each form on the two distributions that gave it its largest errors (forget gates at
-N(0, 1) for the parallel form; at N(-1, 1) and N(0, 1) for the chunkwise one); the GPU test
-runs all four, at S = 1024 and 4096.
+Under the interpreter a parallel case takes 70-130 s and a chunkwise one 20-70, so the CPU
+runs each form on the distribution that gave it its largest errors (forget gates at N(0, 1)
+with input gates at N(-1, 2^2) for the parallel form; forget gates at N(-1, 1), raw and
+normed, for the chunkwise one); the GPU test runs all four, at S = 1024 and 4096.
 """
 import pytest
 import torch
@@ -44,7 +44,7 @@ GATES = [(-1.0, 2.0, 3.0, 1.0), (0.0, 1.0, -1.0, 1.0), (0.0, 1.0, 0.0, 1.0),
          (-1.0, 2.0, 0.0, 1.0)]
 GATE_IDS = ["ig-1x2_fg3", "ig0_fg-1", "ig0_fg0", "ig-1x2_fg0"]
 #: The CPU's cases of each form (see the module docstring).
-CPU_GATES = {"parallel": ["ig0_fg0", "ig-1x2_fg0"], "chunkwise": ["ig0_fg-1", "ig-1x2_fg0"]}
+CPU_GATES = {"parallel": ["ig-1x2_fg0"], "chunkwise": ["ig0_fg-1"]}
 
 
 def cpu_gates(form):
