@@ -318,11 +318,10 @@ def mlstm(
     intermediates can leave most of it rounding residue: property fuzzing on an H200 found q,
     k, v and gate gradients up to 4.8e-2 (fp16) and 4.9e-1 (bf16) off, relative to their size
     or a tenth of the whole gradient's, where the reference backend, which computes in fp32,
-    stayed within 2.2e-4 and 2.0e-3 on the same draws. On CUDA, fp64 inputs run the kernels
-    with their scalar arguments (``1 / sqrt(DQK)``, ``eps``) in fp32, as Triton passes Python
-    floats, so they are held to the fp32 contract above (about 3e-8 relative measured at
-    S <= 76), not to fp64's roundoff: for fp64 accuracy (gradient checks), use the reference
-    backend. The Triton kernels are deterministic and batch-invariant bitwise, forward and
+    stayed within 2.2e-4 and 2.0e-3 on the same draws. On CUDA the fp64 kernels derive
+    ``1 / sqrt(DQK)`` in fp64, but ``eps`` and ``norm_eps`` reach them rounded to fp32 (Triton
+    passes Python floats as fp32), and they are held only to the fp32 contract above: for
+    fp64's own accuracy (gradient checks), use the reference backend. The Triton kernels are deterministic and batch-invariant bitwise, forward and
     backward; the reference backend runs torch's own matmuls, whose bits may
     change with the batch size (by about 1e-6 in fp32).
 

@@ -32,6 +32,7 @@ from compileops.mlstm.kernels.common import (
     accumulation_dtype,
     column_term_max,
     head_major_tile,
+    head_scale,
     input_precision,
     load_tile,
     mma,
@@ -110,6 +111,7 @@ def mlstm_dq_kernel(
     num_tiles = tl.cdiv(seq_len, BLOCK_M)
     bh, tile = head_major_tile(num_tiles)
     start_m = (num_tiles - 1 - tile) * BLOCK_M
+    scale = head_scale(scale, DQK, ACC)
     window = (start_m // chunk_len) * chunk_len
     batch64 = (bh // num_heads).to(tl.int64)
     head64 = (bh % num_heads).to(tl.int64)
@@ -298,6 +300,7 @@ def mlstm_dkv_kernel(
     (:func:`.chunkwise.chunk_boundaries`)."""
     bh, tile = head_major_tile(tl.cdiv(seq_len, BLOCK_N))
     start_n = tile * BLOCK_N
+    scale = head_scale(scale, DQK, ACC)
     batch64 = (bh // num_heads).to(tl.int64)
     head64 = (bh % num_heads).to(tl.int64)
     gate_off = bh.to(tl.int64) * seq_len

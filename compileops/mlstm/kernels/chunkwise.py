@@ -34,6 +34,7 @@ from compileops.mlstm.kernels.common import (
     LOG2E,
     accumulation_dtype,
     head_major_tile,
+    head_scale,
     input_precision,
     load_tile,
     mma,
@@ -155,6 +156,7 @@ def chunk_state_grads_kernel(
     gradients pair with. Its cost, only with ``EXACT_INITIAL``: a second ``[SUB, DQK]``
     product per sub-block (sm90, TFLA's head: 4.5 KB of spills a thread against 3.0; not
     timed)."""
+    scale = head_scale(scale, DQK, ACC)
     bh, pv = head_major_tile(tl.cdiv(DV, BLOCK_V))
     batch64 = (bh // num_heads).to(tl.int64)
     head64 = (bh % num_heads).to(tl.int64)

@@ -21,6 +21,17 @@ def mma(a, b, acc, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def head_scale(scale, DQK: tl.constexpr, ACC: tl.constexpr):
+    """``1 / sqrt(DQK)`` in ``ACC``. Triton passes a Python float argument as fp32, so the
+    launcher's ``scale`` arrives rounded to fp32; fp64 kernels derive it again in fp64
+    (correctly rounded, as Python's ``1.0 / math.sqrt(DQK)``), fp32 and 16-bit kernels keep
+    the argument (the same bits, and the same compiled code, as before this helper)."""
+    if ACC == tl.float64:
+        scale = 1.0 / tl.sqrt(tl.full((), DQK, dtype=ACC))
+    return scale
+
+
+@triton.jit
 def load_tile(base, rows, row_stride, cols, col_stride, n_rows, N_COLS: tl.constexpr,
               BLOCK_COLS: tl.constexpr, CHECK_ROWS: tl.constexpr):
     """``[len(rows), BLOCK_COLS]`` tile of a row-major view at ``base``; rows at or past

@@ -27,6 +27,7 @@ from compileops.mlstm.kernels.common import (
     LOG2E,
     accumulation_dtype,
     head_major_tile,
+    head_scale,
     input_precision,
     load_tile,
     mma,
@@ -88,6 +89,7 @@ def mlstm_forward_tile(
     """
     head = bh % num_heads
     gate_off = bh.to(tl.int64) * seq_len
+    scale = head_scale(scale, DQK, ACC)
 
     rows = start_m + tl.arange(0, BLOCK_M)
     row_ok = rows < seq_len
