@@ -21,6 +21,7 @@ try:
 except Exception:  # pragma: no cover
     pytest.skip("triton's NVIDIA backend is not installed", allow_module_level=True)
 
+from tests.compiled_main import run_main  # noqa: E402
 from tests.grouped_linear._helpers import MJAGGED_STORE_VARIANTS, mjagged_store_config  # noqa: E402
 
 TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
@@ -314,13 +315,7 @@ def summarize(ttgir):
 
 @pytest.fixture(scope="module")
 def compiled():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_main(__file__)
 
 
 @pytest.mark.parametrize("case", list(CASES) + ["wgrad-fp16", "wgrad-bf16-tma"])

@@ -4,12 +4,11 @@ fp64 outputs on CUDA were off by as much); the kernels derive it again in fp64
 (:func:`compileops.mlstm.kernels.common.head_scale`). The interpreter keeps Python floats
 in fp64, so this is checked in the code compiled for sm90 (compiling needs no GPU)."""
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
+
+from tests.compiled_main import run_main
 
 triton = pytest.importorskip("triton")
 try:
@@ -71,13 +70,7 @@ def _main():  # runs in a subprocess without TRITON_INTERPRET (the compiler need
 
 @pytest.fixture(scope="module")
 def widened():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_main(__file__)
 
 
 @pytest.mark.parametrize("kernel", ["forward", "dq", "dkv", "state_grads"])
