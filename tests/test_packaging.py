@@ -80,9 +80,10 @@ def test_installed_wheel_works_outside_the_source_tree(wheel, tmp_path):
     """The wheel installed on its own (torch and friends from this environment), run from a
     directory that is not the checkout: every module of the package imports from the
     installed copy (an integration may fail with an ImportError that names the third-party
-    library it needs, when that library is missing), and the grouped-linear template (a packaged .jinja file) generates Triton
-    code. (``python -m compileops``, each family's compiled demo, is the README's first
-    command; running it again here cost a minute and a half of the suite.)"""
+    library it needs, when that library is missing), and the grouped-linear template (a
+    packaged .jinja file) generates Triton code. (``python -m compileops``, each family's
+    compiled demo, is the README's first command; running it again here cost a minute and a
+    half of the suite.)"""
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
                     str(site), str(wheel)], check=True, capture_output=True, timeout=300)

@@ -311,8 +311,9 @@ def mlstm(
     8192. The parallel form, and the chunkwise form with
     ``compileops.mlstm.set_fast_gate_gradients(True)``, sum each kernel's own rounding:
     parallel within 1.5e-2 at S = 1024 and 9.5e-2 at 8192, chunkwise-fast 7.5e-2 and
-    1.1e-1. So ``"auto"`` trains 16-bit rows longer than 512 chunkwise. fp16 within a relative L2 error of 1e-3 for the output and 4e-3
-    for the gradients. These 16-bit bounds hold for inputs that vary along the sequence;
+    1.1e-1. So ``"auto"`` trains 16-bit rows longer than 512 chunkwise. fp16 within a
+    relative L2 error of 1e-3 for the output and 4e-3 for the gradients. These 16-bit
+    bounds hold for inputs that vary along the sequence;
     where a gradient is small only through cancellation (v, or the gates, the same at every
     position, tiny head dims, a norm that undoes the cell's scale), the kernels' 16-bit
     intermediates can leave most of it rounding residue: property fuzzing on an H200 found q,
@@ -321,9 +322,10 @@ def mlstm(
     stayed within 2.2e-4 and 2.0e-3 on the same draws. On CUDA the fp64 kernels derive
     ``1 / sqrt(DQK)`` in fp64, but ``eps`` and ``norm_eps`` reach them rounded to fp32 (Triton
     passes Python floats as fp32), and they are held only to the fp32 contract above: for
-    fp64's own accuracy (gradient checks), use the reference backend. The Triton kernels are deterministic and batch-invariant bitwise, forward and
-    backward; the reference backend runs torch's own matmuls, whose bits may
-    change with the batch size (by about 1e-6 in fp32).
+    fp64's own accuracy (gradient checks), use the reference backend. The Triton kernels are
+    deterministic and batch-invariant bitwise, forward and backward; the reference backend
+    runs torch's own matmuls, whose bits may change with the batch size (by about 1e-6 in
+    fp32).
 
     Causality (tests/mlstm/test_causality.py): a NaN or Inf at position t (in q, k, v or a
     gate) never reaches an output before t, on both backends and in every form (parallel,

@@ -28,13 +28,14 @@ def _compile_ttir(fn, dtype: str, constexprs: dict) -> str:
               "dh_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "cstate_ptr", "dcstate_ptr", "dc_ptr",
               "dc_last_ptr")
     acc = tl.float64 if dtype == "fp64" else tl.float32
+    acc_name = "fp64" if dtype == "fp64" else "fp32"
     signature, consts = {}, {}
     for name in fn.arg_names:
         if name in constexprs or name == "ACC":
             signature[name] = "constexpr"
             consts[name] = acc if name == "ACC" else constexprs[name]
         elif name.endswith("_ptr"):
-            signature[name] = f"*{dtype}" if name in inputs else f"*{'fp64' if dtype == 'fp64' else 'fp32'}"
+            signature[name] = f"*{dtype}" if name in inputs else f"*{acc_name}"
         elif name in ("scale", "eps", "norm_eps"):
             signature[name] = "fp32"
         else:
