@@ -379,11 +379,14 @@ class Example:
         self.inputs[name] = t
         return t
 
-    def floats(self, name: str, shape, dtype: torch.dtype, *, scale: float = 1.0) -> torch.Tensor:
+    def floats(self, name: str, shape, dtype: torch.dtype, *, scale: float = 1.0,
+               expandable: Optional[Sequence[int]] = None) -> torch.Tensor:
         """A float input with normal values times ``scale``, in a drawn layout (an
-        "expanded" one repeats a slice of the values along a drawn dim)."""
+        "expanded" one repeats a slice of the values along a drawn dim, one of
+        ``expandable``, by default any)."""
         values = (torch.randn(tuple(shape), generator=self.gen, dtype=torch.float64) * scale)
-        return self._place(name, values.to(dtype), range(len(shape)))
+        dims = range(len(shape)) if expandable is None else expandable
+        return self._place(name, values.to(dtype), dims)
 
     def uniform(self, name: str, shape, dtype: torch.dtype, low: float,
                 high: float) -> torch.Tensor:

@@ -321,8 +321,9 @@ def mlstm(
     or a tenth of the whole gradient's, where the reference backend, which computes in fp32,
     stayed within 2.2e-4 and 2.0e-3 on the same draws. On CUDA the fp64 kernels derive
     ``1 / sqrt(DQK)`` in fp64, but ``eps`` and ``norm_eps`` reach them rounded to fp32 (Triton
-    passes Python floats as fp32), and they are held only to the fp32 contract above: for
-    fp64's own accuracy (gradient checks), use the reference backend. The Triton kernels are
+    passes Python floats as fp32): on an H200 they stayed within 2.0e-9 relative (output and
+    every gradient; DQK 1-100, S up to 130) and are tested to 1e-8, not to fp64's roundoff.
+    For fp64's own accuracy (gradient checks), use the reference backend. The Triton kernels are
     deterministic and batch-invariant bitwise, forward and backward; the reference backend
     runs torch's own matmuls, whose bits may change with the batch size (by about 1e-6 in
     fp32).
