@@ -54,14 +54,16 @@ def forward_mode(ctx):
 
 def swiglu_derivative(preact: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """``d swiglu / d preact`` times ``grad [M, H]``: ``[M, 2H]`` (gate, then up) in grad's dtype,
-    computed in fp32 (fp64 for fp64). Plain pointwise torch ops, so Inductor fuses them into one kernel."""
+    computed in fp32 (fp64 for fp64). Plain pointwise torch ops, so Inductor fuses them into one kernel.
+    Each half is rounded before the concatenation (the same bits as rounding the whole), so a
+    compiled backward writes the ``[M, 2H]`` buffer in grad's dtype, never an fp32 one."""
     acc = reference.compute_dtype(preact.dtype)
     gate, up = preact.to(acc).chunk(2, dim=-1)
     sig = torch.sigmoid(gate)
     g = grad.to(acc)
     d_gate = g * up * sig * (1 + gate * (1 - sig))
     d_up = g * gate * sig
-    return torch.cat([d_gate, d_up], dim=-1).to(grad.dtype)
+    return torch.cat([d_gate.to(grad.dtype), d_up.to(grad.dtype)], dim=-1)
 
 
 @custom_op("grouped_linear_dx")
