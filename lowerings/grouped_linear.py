@@ -371,18 +371,37 @@ def _log_decision(op_name: str, x, weight, spec, configs, errors, *, built: bool
 # The lowerings
 
 
+@dataclasses.dataclass(frozen=True)
+class Fp8Operands:
+    """What makes a template product a rowwise fp8 one: x ``[M, K]`` and the weight ``[G, N,
+    K]`` reach :func:`_lower` already in e4m3, with these fp32 scales (IR nodes): ``x_scale
+    [M]`` per row, ``weight_scale [G, N]`` per output channel. ``out_dtype``: the product's
+    (the unquantised x's dtype); ``fast_accum``: the MMA sums over the whole K loop."""
+
+    x_scale: object
+    weight_scale: object
+    out_dtype: torch.dtype
+    fast_accum: bool
+
+
 def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: bool = False,
-           save_preact: bool = False, row_scale=None, second_weight=None):
+           save_preact: bool = False, row_scale=None, second_weight=None,
+           fp8: Fp8Operands | None = None):
     """The template for one of the M-jagged ops. ``save_preact`` (the training SwiGLU op):
     the template also writes the pre-activations ``[M, 2H]`` into a buffer passed as a
     mutated input, and the lowering returns ``(out, preact)``. ``row_scale`` (the row-scaled
-    op): an ``[M]`` input in x's dtype, each output row times its scale. ``second_weight``
-    (the gate/up pair ops): the up weight, with the gate weight's shape; both are made
-    contiguous, so the template addresses them with one set of strides."""
+    op): an ``[M]`` input in the output's dtype, each output row times its scale.
+    ``second_weight`` (the gate/up pair ops): the up weight, with the gate weight's shape;
+    both are made contiguous, so the template addresses them with one set of strides.
+    ``fp8`` (the rowwise fp8 ops, :mod:`.grouped_linear_fp8`): x and the weight in e4m3 with
+    their scales; template configs only (the eager op takes unquantised operands), and None
+    comes back when no config could be built, for the caller's extern call."""
     op = getattr(torch.ops.compileops, op_name).default
     device = x.get_device()
     pair = second_weight is not None
     no_template = _why_no_template(device, x.get_dtype())
+    if no_template is not None and fp8 is not None:
+        return None  # the caller checks first; its operands are not the op's
     if no_template is not None:
         # No Triton template (C++ backend), or fp64 (the reference backend's dtype): the op
         # itself, as an extern call.
@@ -397,7 +416,12 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
     # The template (as the eager kernel) reads offsets[g] at OFFS + g and the row scale at
     # SCALE + i: make them dense.
     offsets = _compat.require_contiguous(offsets)
-    extra_inputs = [bias] if bias is not None else []
+    extra_inputs = []
+    if fp8 is not None:
+        extra_inputs += [_compat.require_contiguous(fp8.x_scale),
+                         _compat.require_contiguous(fp8.weight_scale)]
+    if bias is not None:
+        extra_inputs.append(bias)
     if row_scale is not None:
         extra_inputs.append(_compat.require_contiguous(row_scale))
     weights = [weight]
@@ -417,8 +441,9 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
     # tests/grouped_linear/test_gpu.py), a miscompile not reproduced under the interpreter.
     groups = _compat.specialize(groups, what="the number of groups G")
     n_out = weight.get_size()[2] if dx else (n // 2 if swiglu and not pair else n)
-    dtype = x.get_dtype()
-    layout = _compat.fixed_layout(device, dtype, [m, n_out], [n_out, 1])
+    dtype = x.get_dtype()  # the operands' (e4m3 for fp8): it picks the config and TMA rule
+    out_dtype = fp8.out_dtype if fp8 is not None else dtype
+    layout = _compat.fixed_layout(device, out_dtype, [m, n_out], [n_out, 1])
     m_hint = _compat.size_hint(m)
     g_hint, n_hint, k_hint = (_compat.size_hint(s) for s in (groups, n_out, k))
     tma_ok, aligned_rows = _strides_aligned(x, weight, dtype)
@@ -455,11 +480,13 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
         G_BLOCK=kernels.group_block(g_hint),
         TF32=kernels.input_precision(dtype) == "tf32",
         INTERPRETER_DOT=device.type == "cpu",
+        FP8=fp8 is not None,
+        FP8_FAST_ACCUM=fp8 is not None and fp8.fast_accum,
     )
     extra = {}
     if save_preact:
         # The extern choices have no second output: template configs only.
-        preact = _compat.empty_buffer(device, dtype, [m, 2 * n if pair else n])
+        preact = _compat.empty_buffer(device, out_dtype, [m, 2 * n if pair else n])
         nodes = [*nodes, preact]
         extra = dict(mutated_inputs=[preact])
     choices: list = []
@@ -475,7 +502,9 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
             errors.append((cfg, tma, error))
     plain = bias is None and not swiglu and row_scale is None
     grouped_mm = autotune and _grouped_mm_applies(device, spec, dtype, plain, g_hint)
-    eager_op = not save_preact and (autotune or not choices)
+    # The extern choices take the op's own arguments: neither has the pre-activations' second
+    # output, nor takes e4m3 operands with their scales.
+    eager_op = not save_preact and fp8 is None and (autotune or not choices)
     externs = (" + the eager op" if eager_op else "") + (" + torch._grouped_mm" if grouped_mm
                                                            else "")
     recording = _decision_sinks.get()
@@ -485,7 +514,7 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
                              autotune, int(eager_op) + int(grouped_mm)))
         for other in also_for:
             _, other_configs, other_autotune = plan(other)
-            other_extern = (int(not save_preact and other_autotune)
+            other_extern = (int(not save_preact and fp8 is None and other_autotune)
                             + int(other_autotune and _grouped_mm_applies(
                                 device, other, dtype, plain, g_hint)))
             sink.append(Decision(op_name, m_hint, n_hint, k_hint, g_hint, other.name,
@@ -497,6 +526,8 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
                       why_config=_why_config(spec, m_hint, g_hint, n_hint, dtype, swiglu))
     input_gen_fns = {len(weights) + 1: lambda node: skewed_offsets(g_hint, m_hint,
                                                                    node.get_device())}
+    if fp8 is not None and not choices:
+        return None
     if save_preact:
         if not choices:  # the template could not be built: the op itself, as an extern call
             if pair:

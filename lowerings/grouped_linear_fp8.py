@@ -1,15 +1,39 @@
-"""Inductor lowering of the fp8 grouped linear ops: extern calls of the ops themselves, with
-the weight cache told which tensor's version counter to follow.
+"""Inductor lowering of the fp8 grouped linear ops.
 
-Inductor passes a view of a graph input (``w.transpose(1, 2)``, ``w[:, :H]``) to an extern
-call as a tensor rebuilt over the input's storage (``reinterpret_tensor``), whose version
-counter is its own and never moves when the parameter is written in place. With
-``cache_weight`` (``cache_fp8_weights=True``) the cache would then keep serving the copies
-of the weights from before ``w.mul_(2)``, ``copy_`` or ``load_state_dict``. So, for each fp8
-op with ``cache_weight``:
+**Rowwise scaling, where Triton is generated for the device: templates.** The four products
+(``grouped_linear_fp8``, ``grouped_linear_row_scaled_fp8``,
+``grouped_linear_swiglu_fp8_with_preact`` and ``grouped_linear_fp8_dx``) become the
+grouped-linear template (:func:`.grouped_linear._lower` with :class:`.grouped_linear.Fp8Operands`),
+which calls the eager kernel's ``@triton.jit`` bodies on e4m3 operands and applies the row
+and column scales in its epilogue, so a compiled fp8 step runs no Python of ours for the
+products:
 
-* the weight is a graph input, or a strided view of one: the op gets that input as its
-  ``weight_base``, and the cache checks the input's version (the parameter's own counter);
+* the activation (x, or dY for dX) is quantised per row as Inductor IR
+  (:mod:`.fp8_quantize`): one kernel fused with whatever produces the rows (the SwiGLU
+  derivative, a gather, a cast). The SwiGLU product cannot write e4m3 h itself: a row's
+  scale needs the amax over all its N tiles, which other programs compute, so h leaves in
+  16 bits and its quantisation is the down projection's fused IR kernel;
+* the weight, without ``cache_weight``: quantised as IR too (per output channel for the
+  forward, per input channel, written as ``W_g^T``, for dX);
+* the weight with ``cache_weight``: an extern call of ``compileops::fp8_weight_rowwise``,
+  which returns the cached e4m3 copy (a dictionary lookup; quantised once per weight
+  version) and is the only Python left in the step.
+
+Templates are the forward's output ``[M, N]`` in x's dtype, so pointwise consumers fuse as
+their epilogue, as with bf16. dW stays the bf16 extern product. Blockwise scaling, the
+reference backend, batch-invariant mode and the C++ backend keep the extern call of the op
+(its eager kernels or reference), as do shapes the template cannot build.
+
+**The weight cache and compiled graphs.** Inductor passes a view of a graph input
+(``w.transpose(1, 2)``, ``w[:, :H]``) to an extern call as a tensor rebuilt over the input's
+storage (``reinterpret_tensor``), whose version counter is its own and never moves when the
+parameter is written in place. With ``cache_weight`` (``cache_fp8_weights=True``) the cache
+would then keep serving the copies of the weights from before ``w.mul_(2)``, ``copy_`` or
+``load_state_dict``. So, for each fp8 op with ``cache_weight``:
+
+* the weight is a graph input, or a strided view of one: the weight's extern call gets that
+  input as its ``weight_base``, and the cache checks the input's version (the parameter's
+  own counter);
 * the weight is computed inside the graph (a cast, a concatenation): nothing tracks writes to
   it, so ``cache_weight`` is turned off for that call (quantised every call) and a warning
   says so;
@@ -18,8 +42,6 @@ op with ``cache_weight``:
   AOTAutograd raises its version before the graph runs, while its values change only at the
   write, so a copy made before the write would be stored under the new version. The cache is
   turned off for that call too, with a warning.
-
-The products stay the eager Triton kernels (called through the op).
 """
 from __future__ import annotations
 
@@ -27,8 +49,10 @@ import warnings
 
 import torch
 
-from compileops import _log
+from compileops import _log, backends
 from compileops.lowerings import _compat
+from compileops.lowerings import fp8_quantize
+from compileops.lowerings import grouped_linear as bf16_lowering
 
 logger = _log.get_logger("grouped_linear")
 
@@ -50,36 +74,94 @@ def _arguments(op: torch._ops.OpOverload, args, kwargs) -> list:
     return values
 
 
+def _cache_base(name: str, weight, cache_weight: bool, weight_base):
+    """``(cache_weight, weight_base)`` as the call may use them (module docstring)."""
+    if not cache_weight or weight_base is not None:
+        return cache_weight, weight_base
+    base = _compat.graph_input_behind(weight)
+    if base is None:
+        warnings.warn(
+            f"cache_fp8_weights=True: the weight of compileops::{name} is computed "
+            "inside the compiled graph (not a parameter or a view of one), so writes "
+            "to it cannot be tracked; it is quantised on every call instead of "
+            "cached. Pass the parameter (or a view of it) to cache its fp8 copy.",
+            stacklevel=3)
+        return False, None
+    if _compat.graph_input_written(base):
+        warnings.warn(
+            f"cache_fp8_weights=True: the compiled graph that calls compileops::{name} "
+            "also writes its weight in place, so the weight's version counter does "
+            "not say which values the call sees; it is quantised on every call of "
+            "this graph instead of cached. Write the weight outside the compiled "
+            "function to keep the cache.", stacklevel=3)
+        return False, None
+    logger.debug("%s: the weight cache follows graph input %s", name, base.get_name())
+    return True, base
+
+
+def _why_extern(x, scaling: str, name: str) -> str | None:
+    """None when the rowwise template applies, else why the op stays an extern call."""
+    from compileops.modes import is_batch_invariant
+
+    if scaling != "rowwise":
+        return f"{scaling} scaling has no template (its block scales apply per K step)"
+    device = x.get_device()
+    why = bf16_lowering._why_no_template(device, x.get_dtype())
+    if why is not None:
+        return why
+    if backends.select(name, device) != "triton":
+        return "the reference backend is selected"
+    if is_batch_invariant():
+        return "batch-invariant mode keeps the eager kernels' one code path"
+    if 0 in (_compat.size_hint(s) for s in x.get_size()):
+        return "an empty operand"
+    return None
+
+
+def _quantised_weight(weight, transposed: bool, cache_weight: bool, weight_base):
+    """``(q, scale)`` of the weight for the forward (``[G, N, K]``, ``[G, N]``) or dX
+    (``[G, K, N]``, ``[G, K]``): the cache's copy through an extern call, else IR."""
+    if cache_weight:
+        op = torch.ops.compileops.fp8_weight_rowwise.default
+        q, scale = _compat.fallback(op)(weight, transposed, True, weight_base)
+        return q, scale
+    if transposed:
+        return fp8_quantize.quantise_weight_columns(weight)
+    return fp8_quantize.quantise_rows(weight)
+
+
+def _template(name: str, values: list, cache_weight: bool, weight_base):
+    """The template lowering of a rowwise fp8 op, or None (no config could be built)."""
+    x, weight, offsets = values[:3]
+    row_scale = values[3] if name == "grouped_linear_row_scaled_fp8" else None
+    fast_accum = values[-2]
+    transposed = name == "grouped_linear_fp8_dx"
+    w_q, w_scale = _quantised_weight(weight, transposed, cache_weight, weight_base)
+    x_q, x_scale = fp8_quantize.quantise_rows(x)
+    fp8 = bf16_lowering.Fp8Operands(x_scale, w_scale, x.get_dtype(), bool(fast_accum))
+    swiglu = name == "grouped_linear_swiglu_fp8_with_preact"
+    # dX = dY_g @ W_g is the forward product over the transposed copy W_g^T [G, K, N].
+    return bf16_lowering._lower(name, swiglu, x_q, w_q, offsets, row_scale=row_scale,
+                                save_preact=swiglu, fp8=fp8)
+
+
 def _lowering(op: torch._ops.OpOverload):
     names = [argument.name for argument in op._schema.arguments]
-    weight_at, cache_at, base_at = (names.index(n) for n in
-                                    ("weight", "cache_weight", "weight_base"))
+    weight_at, cache_at, base_at, scaling_at = (
+        names.index(n) for n in ("weight", "cache_weight", "weight_base", "scaling"))
     name = op._schema.name.split("::")[-1]
 
     def lower(*args, **kwargs):
         values = _arguments(op, args, kwargs)
-        if values[cache_at] and values[base_at] is None:
-            base = _compat.graph_input_behind(values[weight_at])
-            if base is None:
-                warnings.warn(
-                    f"cache_fp8_weights=True: the weight of compileops::{name} is computed "
-                    "inside the compiled graph (not a parameter or a view of one), so writes "
-                    "to it cannot be tracked; it is quantised on every call instead of "
-                    "cached. Pass the parameter (or a view of it) to cache its fp8 copy.",
-                    stacklevel=2)
-                values[cache_at] = False
-            elif _compat.graph_input_written(base):
-                warnings.warn(
-                    f"cache_fp8_weights=True: the compiled graph that calls compileops::{name} "
-                    "also writes its weight in place, so the weight's version counter does "
-                    "not say which values the call sees; it is quantised on every call of "
-                    "this graph instead of cached. Write the weight outside the compiled "
-                    "function to keep the cache.", stacklevel=2)
-                values[cache_at] = False
-            else:
-                values[base_at] = base
-                logger.debug("%s: the weight cache follows graph input %s", name,
-                             base.get_name())
+        values[cache_at], values[base_at] = _cache_base(
+            name, values[weight_at], values[cache_at], values[base_at])
+        why = _why_extern(values[0], values[scaling_at], name)
+        if why is None:
+            lowered = _template(name, values, values[cache_at], values[base_at])
+            if lowered is not None:
+                return lowered
+            why = "the template could not be built"
+        logger.info("%s: extern call of the eager op: %s", name, why)
         return _compat.fallback(op)(*values)
 
     return lower

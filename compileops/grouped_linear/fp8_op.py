@@ -61,6 +61,12 @@ The weight is quantised on every call (unless ``cache_weight``: :mod:`.fp8_cache
 rowwise scaling once for the forward and once, per input channel, for dX. At the MoE bench
 layers on an H200 that costs about as much as the fp8 products save, so the layer is not yet
 faster than bf16 without the cache (benchmarks/RESULTS.md, fp8).
+
+Compiled, the rowwise ops become Inductor templates over e4m3 operands that share the eager
+kernel's ``@triton.jit`` bodies, with the activations' (and uncached weights') quantisation
+as fused Inductor kernels and a cached weight read through
+``compileops::fp8_weight_rowwise`` (``compileops/lowerings/grouped_linear_fp8.py``): the same
+bits as these ops. Blockwise scaling stays a call of the op.
 """
 from __future__ import annotations
 
@@ -146,6 +152,31 @@ def _quantised_weight(weight, scaling, transposed, cache_weight, weight_base):
     if not cache_weight:
         return quantise()
     return fp8_cache.quantised_weight(weight, layout, quantise, base=weight_base)
+
+
+@custom_op("fp8_weight_rowwise")
+def fp8_weight_rowwise_op(weight: torch.Tensor, transposed: bool, cache_weight: bool = False,
+                          weight_base: Optional[torch.Tensor] = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight ``[G, N, K]`` quantised rowwise for one fp8 product: ``(q [G, N, K]`` e4m3,
+    ``scale [G, N]`` fp32) for the forward, one scale per output channel; ``transposed``
+    (dX): ``(q [G, K, N], scale [G, K])``, one per input channel, written as ``W_g^T``.
+    ``cache_weight``: taken from :mod:`.fp8_cache` while the weight is unchanged
+    (``weight_base``: the ops' own). The compiled fp8 products call it for a cached weight;
+    the returned tensors may be the cache's: read them, never write them."""
+    torch._check_value(weight.dim() == 3,
+                       lambda: f"weight must be [G, N, K], got shape {tuple(weight.shape)}")
+    return _quantised_weight(weight, "rowwise", transposed, cache_weight, weight_base)
+
+
+@fp8_weight_rowwise_op.register_fake
+def _fp8_weight_rowwise_fake(weight, transposed, cache_weight=False, weight_base=None):
+    torch._check_value(weight.dim() == 3,
+                       lambda: f"weight must be [G, N, K], got shape {tuple(weight.shape)}")
+    groups, n, k = weight.shape
+    rows, cols = (k, n) if transposed else (n, k)
+    return (weight.new_empty((groups, rows, cols), dtype=fp8_rule.E4M3),
+            weight.new_empty((groups, rows), dtype=torch.float32))
 
 
 def _product(x, weight, offsets, scaling, *, transposed=False, swiglu=False, preact=None,

@@ -91,10 +91,12 @@ cpp_fused_mul_unsqueeze
 torch.ops.compileops.grouped_linear_swiglu.default""")
 
     def test_fp8_expert_kernels_fw_bw(self):
-        # fp8="rowwise": the products are our ops, called from the compiled graph (Inductor
-        # sees them as extern calls; inside each, our Triton kernels quantise the activation
-        # and the weight, then run the fp8 GEMM); the router scaling, the SwiGLU derivative
-        # and the bf16 dW around them.
+        # fp8="rowwise": the products are templates (each kernel named once). Forward: the
+        # gate/up weight's and x's quantisation (a fused reduction and cast each), then the
+        # SwiGLU template with the router scaling as its epilogue. Backward: the SwiGLU
+        # derivative (with the probability's gradient), dY's quantisation and the weight's
+        # for dX (per input channel, written transposed), the dX template, and dW in bf16
+        # (extern) from the unquantised x.
         x, w, offs, _, p = make([5, 0, 11, 3])
         x, w, p = (t.to(torch.bfloat16).requires_grad_() for t in (x, w, p))
 
@@ -103,10 +105,46 @@ torch.ops.compileops.grouped_linear_swiglu.default""")
 
         kernels = inductor_kernels(expert, x, w, offs, p, triton=True, backward=True)
         self.assertSnapshot(kernels, """\
-triton_poi_fused_mul_unsqueeze
-torch.ops.compileops.grouped_linear_swiglu_fp8_with_preact.default
+triton_per_fused_grouped_linear_swiglu_fp8_with_preact
+triton_tem_fused_grouped_linear_swiglu_fp8_with_preact_mul_unsqueeze
 # backward
 triton_per_fused__to_copy_add_mul_rsub_sigmoid_split_sum_unsqueeze
-triton_poi_fused__to_copy
-torch.ops.compileops.grouped_linear_fp8_dx.default
+triton_per_fused_grouped_linear_fp8_dx
+triton_tem_fused_grouped_linear_fp8_dx
+torch.ops.compileops.grouped_linear_wgrad.default""")
+
+    def test_fp8_moe_step_launches(self):
+        # The MoE experts as the benchmark layer runs them in fp8 (cached weights, fast
+        # accumulation, the router probability in the down projection's epilogue), forward
+        # and backward: every launch of one compiled step. The cached weights are the only
+        # extern calls before each product (a dictionary lookup each); no product runs
+        # Python.
+        x, w, offs, _, p = make([5, 0, 11, 3], k=32, n=32)
+        x, w, p = (t.to(torch.bfloat16).requires_grad_() for t in (x, w, p))
+        down = (w[:, :, :16].detach().clone() * 0.5).requires_grad_()
+
+        def experts(x, w, down, offs, p):
+            h = compileops.grouped_linear_swiglu(x, w, offs, fp8="rowwise",
+                                                 cache_fp8_weights=True, fp8_fast_accum=True)
+            return compileops.grouped_linear(h, down, offs, row_scale=p, fp8="rowwise",
+                                             cache_fp8_weights=True, fp8_fast_accum=True)
+
+        kernels = inductor_kernels(experts, x, w, down, offs, p, triton=True, backward=True,
+                                   launches=True)
+        self.assertSnapshot(kernels, """\
+torch.ops.compileops.fp8_weight_rowwise.default
+triton_per_fused_grouped_linear_swiglu_fp8_with_preact
+triton_tem_fused_grouped_linear_swiglu_fp8_with_preact
+torch.ops.compileops.fp8_weight_rowwise.default
+triton_per_fused_grouped_linear_row_scaled_fp8
+triton_tem_fused_grouped_linear_row_scaled_fp8
+# backward
+torch.ops.compileops.fp8_weight_rowwise.default
+triton_per_fused_grouped_linear_fp8_dx
+triton_tem_fused_grouped_linear_fp8_dx
+triton_per_fused__to_copy_add_grouped_linear_wgrad_mul_rsub_sigmoid_split_sum_unsqueeze
+torch.ops.compileops.grouped_linear_wgrad.default
+torch.ops.compileops.fp8_weight_rowwise.default
+triton_per_fused_grouped_linear_fp8_dx
+triton_tem_fused_grouped_linear_fp8_dx
 torch.ops.compileops.grouped_linear_wgrad.default""")

@@ -172,9 +172,10 @@ torch.ops.compileops.grouped_linear_wgrad.default
 torch.ops.compileops.grouped_linear_wgrad.default""")
 
     def test_fp8_layer_launches(self):
-        # fp8 rowwise, the expert layer as users write it: each product is one of our ops,
-        # an extern call whose own kernels (quantising the activation and the weight, the
-        # fp8 GEMM) run inside it, with Inductor's kernels around them.
+        # fp8 rowwise, the expert layer as users write it: each product is a template that
+        # reads e4m3 operands, each operand quantised by one fused kernel (the weights every
+        # call, uncached), and the user's `* p` fuses as the down projection's epilogue;
+        # backward, the probability's gradient fuses with dY's quantisation.
         x, _, w1, w3, w2, offsets, p, _ = _inputs(torch.bfloat16)
 
         def layer(x, w13, w2, offsets, p):
@@ -183,14 +184,19 @@ torch.ops.compileops.grouped_linear_wgrad.default""")
 
         w13 = torch.cat([w1, w3], dim=1)
         self.assertSnapshot(_kernels(layer, x, w13, w2, offsets, p), """\
-torch.ops.compileops.grouped_linear_swiglu_fp8_with_preact.default
-torch.ops.compileops.grouped_linear_fp8.default
-triton_poi_fused_mul_unsqueeze
+triton_per_fused_grouped_linear_swiglu_fp8_with_preact
+triton_per_fused_grouped_linear_swiglu_fp8_with_preact
+triton_tem_fused_grouped_linear_swiglu_fp8_with_preact
+triton_per_fused_grouped_linear_fp8
+triton_per_fused_grouped_linear_fp8
+triton_tem_fused_grouped_linear_fp8_mul_unsqueeze
 # backward
-triton_per_fused__to_copy_mul_sum_unsqueeze
-torch.ops.compileops.grouped_linear_fp8_dx.default
+triton_per_fused__to_copy_grouped_linear_fp8_dx_mul_sum_unsqueeze
+triton_per_fused_grouped_linear_fp8_dx
+triton_tem_fused_grouped_linear_fp8_dx
 torch.ops.compileops.grouped_linear_wgrad.default
 triton_poi_fused__to_copy_add_mul_rsub_sigmoid_split
-triton_poi_fused__to_copy
-torch.ops.compileops.grouped_linear_fp8_dx.default
+triton_per_fused_grouped_linear_fp8_dx
+triton_per_fused_grouped_linear_fp8_dx
+triton_tem_fused_grouped_linear_fp8_dx
 torch.ops.compileops.grouped_linear_wgrad.default""")

@@ -1,0 +1,134 @@
+"""Rowwise e4m3 quantisation as Inductor IR: a row-amax reduction and a pointwise
+scale-and-cast, which Inductor fuses with each other and with whatever produces the rows (a
+permutation gather, the SwiGLU derivative of the backward, a cast), so a compiled fp8
+product reads its e4m3 operand from one fused kernel and runs no Python.
+
+The rule is :mod:`compileops.grouped_linear.fp8`'s, bit for bit as the Triton quantisers of
+``compileops/grouped_linear/kernels/fp8.py`` compute it:
+
+* ``scale = amax / 448`` and ``inverse = 448 / amax`` correctly rounded. Triton's ``/`` on
+  fp32 is an approximate division, and not every supported torch has Inductor's ``div_rn``;
+  both quotients are taken in fp64 and rounded once to fp32, which is the correctly rounded
+  fp32 quotient (a quotient of two 24-bit numbers computed to 53 bits rounds to 24 bits
+  without a double-rounding error, 53 >= 2 * 24 + 2). One division per row;
+* scale 1 below ``MIN_AMAX`` (the row's values come back as zeros), a NaN row stays NaN
+  (Inductor's max reduction keeps a NaN, as ``torch.amax`` does);
+* ``q = e4m3(clamp(x * inverse, -448, 448))``, rounded onto the e4m3 grid in fp32 with ties
+  to even before the cast (the kernels' ``round_to_e4m3_grid``: Triton's interpreter casts
+  some values to e4m3 wrongly, so the CPU tests would otherwise test another rule). Here the
+  grid step's power of two multiplies instead of dividing: the same exact result.
+
+Shapes: ``x [R..., K]`` quantised along its last dim to ``(q [R..., K]`` e4m3, ``scale
+[R...]`` fp32), or, for the dX product's weight, ``w [G, N, K]`` along N, written
+transposed: ``(q [G, K, N], scale [G, K])``.
+"""
+from __future__ import annotations
+
+import torch
+
+from compileops.grouped_linear.fp8 import E4M3, E4M3_MAX, MIN_AMAX
+from compileops.lowerings import _compat
+
+#: 1.5 * 2^23: adding and subtracting it rounds an fp32 below 2^22 in magnitude to an
+#: integer, ties to even (the kernels' ``round_to_e4m3_grid``).
+_ROUNDING_MAGIC = 12582912.0
+
+
+def _round_to_e4m3_grid(ops, v):
+    """fp32 ``v`` (``|v| <= 448`` or NaN) rounded to the nearest e4m3 value, ties to even."""
+    i32, f32 = torch.int32, torch.float32
+
+    def c(value, dtype=i32):
+        return ops.constant(value, dtype)
+
+    bits = ops.to_dtype_bitcast(v, i32, f32)
+    exponent = ops.sub(ops.bitwise_and(ops.bitwise_right_shift(bits, c(23)), c(0xFF)), c(127))
+    # e4m3: 3 mantissa bits, smallest normal 2^-6, so the grid step of v's binade is
+    # 2^(max(e, -6) - 3); |v| <= 448 keeps that exponent in [-9, 5].
+    step_exponent = ops.sub(ops.maximum(exponent, c(-6)), c(3))
+    step = ops.to_dtype_bitcast(
+        ops.bitwise_left_shift(ops.add(step_exponent, c(127)), c(23)), f32, i32)
+    inverse_step = ops.to_dtype_bitcast(
+        ops.bitwise_left_shift(ops.sub(c(127), step_exponent), c(23)), f32, i32)
+    steps = ops.mul(v, inverse_step)  # exact: a power of two
+    magic = c(_ROUNDING_MAGIC, f32)
+    rounded = ops.sub(ops.add(steps, magic), magic)
+    # v * 0 keeps the sign of a value that rounds to zero, as the cast has it.
+    return ops.where(ops.eq(rounded, c(0.0, f32)), ops.mul(v, c(0.0, f32)),
+                     ops.mul(rounded, step))
+
+
+def _scale_and_inverse(ops, amax):
+    """``(scale, inverse)`` of a row with largest magnitude ``amax`` (fp32): correctly
+    rounded ``amax / 448`` and ``448 / amax``, both 1 below ``MIN_AMAX``."""
+    f32, f64 = torch.float32, torch.float64
+    flushed = ops.lt(amax, ops.constant(MIN_AMAX, f32))
+    one = ops.constant(1.0, f32)
+    wide = ops.to_dtype(amax, f64)
+    e4m3_max = ops.constant(E4M3_MAX, f64)
+    scale = ops.to_dtype(ops.truediv(wide, e4m3_max), f32)
+    inverse = ops.to_dtype(ops.truediv(e4m3_max, wide), f32)
+    return ops.where(flushed, one, scale), ops.where(flushed, one, inverse)
+
+
+def _quantise(ops, value, inverse):
+    scaled = ops.mul(ops.to_dtype(value, torch.float32), inverse)
+    bound = ops.constant(E4M3_MAX, torch.float32)
+    clamped = ops.minimum(ops.maximum(scaled, ops.neg(bound)), bound)
+    clamped = ops.where(ops.ne(scaled, scaled), scaled, clamped)  # a NaN stays NaN
+    return ops.to_dtype(_round_to_e4m3_grid(ops, clamped), E4M3)
+
+
+def _row_amax(x, dim: int):
+    """``max |x|`` along ``dim`` in fp32 (an Inductor reduction, NaN kept)."""
+    ops = _compat.ops()
+    load = x.make_loader()
+    magnitude = _compat.pointwise(
+        device=x.get_device(), dtype=torch.float32,
+        inner_fn=lambda idx: ops.abs(ops.to_dtype(load(idx), torch.float32)),
+        ranges=x.get_size())
+    return _compat.aten_lowering(torch.ops.aten.amax.default)(magnitude, [dim])
+
+
+def quantise_rows(x):
+    """``x [R..., K]`` (IR, 16- or 32-bit) -> ``(q [R..., K]`` e4m3, ``scale [R...]`` fp32),
+    both contiguous buffers, one scale per row of K."""
+    ops = _compat.ops()
+    device, size = x.get_device(), list(x.get_size())
+    amax = _row_amax(x, len(size) - 1)
+    load_x, load_amax = x.make_loader(), amax.make_loader()
+
+    def q_at(idx):
+        _, inverse = _scale_and_inverse(ops, load_amax(idx[:-1]))
+        return _quantise(ops, load_x(idx), inverse)
+
+    def scale_at(idx):
+        return _scale_and_inverse(ops, load_amax(idx))[0]
+
+    q = _compat.pointwise(device=device, dtype=E4M3, inner_fn=q_at, ranges=size)
+    scale = _compat.pointwise(device=device, dtype=torch.float32, inner_fn=scale_at,
+                              ranges=size[:-1])
+    return _compat.require_contiguous(q), _compat.require_contiguous(scale)
+
+
+def quantise_weight_columns(weight):
+    """``weight [G, N, K]`` (IR) -> ``(q [G, K, N]`` e4m3, ``scale [G, K]`` fp32): one scale
+    per input channel over N, written as ``W_g^T`` for the dX product ``dY_g @ W_g``."""
+    ops = _compat.ops()
+    device = weight.get_device()
+    groups, n, k = weight.get_size()
+    amax = _row_amax(weight, 1)  # [G, K]
+    load_w, load_amax = weight.make_loader(), amax.make_loader()
+
+    def q_at(idx):
+        g, kk, nn = idx
+        _, inverse = _scale_and_inverse(ops, load_amax([g, kk]))
+        return _quantise(ops, load_w([g, nn, kk]), inverse)
+
+    def scale_at(idx):
+        return _scale_and_inverse(ops, load_amax(idx))[0]
+
+    q = _compat.pointwise(device=device, dtype=E4M3, inner_fn=q_at, ranges=[groups, k, n])
+    scale = _compat.pointwise(device=device, dtype=torch.float32, inner_fn=scale_at,
+                              ranges=[groups, k])
+    return _compat.require_contiguous(q), _compat.require_contiguous(scale)

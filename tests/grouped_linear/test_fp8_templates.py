@@ -1,0 +1,227 @@
+"""The rowwise fp8 ops compiled as Inductor templates (on CPU tensors: Triton generated for
+the CPU and run under the interpreter; on a GPU: compiled): the eager ops' bits, forward, dX
+and dW; the quantisation as fused IR kernels, bit for bit the Triton quantisers on the
+values where rounding is hardest; no extern call of the fp8 products left in the step, and
+the weight cache's copies reached through their one lookup. Kernel lists:
+test_snapshots.py."""
+import contextlib
+import os
+import re
+
+import pytest
+import torch
+
+import compileops
+from compileops.grouped_linear import clear_fp8_weight_cache
+from compileops.lowerings import _compat
+
+interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="templates run on CPU tensors under the interpreter")
+
+SPLITS = [10, 0, 15, 11]  # an empty group, and 4 rows past the last group
+M = sum(SPLITS) + 4
+FP8_PRODUCTS = ("grouped_linear_fp8", "grouped_linear_fp8_dx", "grouped_linear_row_scaled_fp8",
+                "grouped_linear_swiglu_fp8_with_preact")
+
+
+@pytest.fixture(autouse=True)
+def empty_cache():
+    clear_fp8_weight_cache()
+    yield
+    clear_fp8_weight_cache()
+
+
+def _offsets():
+    return torch.cumsum(torch.tensor(SPLITS), 0).to(torch.int32)
+
+
+def _leaves(dtype, k=72, n=32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, k, generator=gen).to(dtype).requires_grad_()
+    w = (torch.randn(len(SPLITS), n, k, generator=gen) / k ** 0.5).to(dtype).requires_grad_()
+    dy = torch.randn(M, n, generator=gen).to(dtype)
+    return x, w, dy
+
+
+def _eager_and_compiled(fn, x, w, dy, *, dynamic=False):
+    """``((y, dx, dw) eager, (y, dx, dw) compiled, generated code)``: the compiled step runs
+    the templates (for CPU tensors, through Triton code generation for the CPU)."""
+    def step(run):
+        x.grad = w.grad = None
+        y = run(x, w)
+        y.backward(dy)
+        return y.detach(), x.grad.clone(), w.grad.clone()
+
+    eager = step(fn)
+    codegen = (contextlib.nullcontext() if x.is_cuda else _compat.triton_codegen_on_cpu())
+    with _compat.fresh_inductor_cache(), codegen:
+        compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic)
+        got, sources = _compat.run_and_get_code(lambda: step(compiled))
+    return eager, got, "\n".join(sources)
+
+
+def _extern_calls(code: str) -> set:
+    return set(re.findall(r"torch\.ops\.compileops\.(\w+)\.default\(", code))
+
+
+CASES = [  # (dtype, cache_fp8_weights, fp8_fast_accum, dynamic)
+    (torch.bfloat16, False, False, False),
+    (torch.float32, True, False, True),
+    (torch.bfloat16, True, True, False),
+]
+
+
+@interpreter
+@pytest.mark.parametrize("dtype,cache,fast,dynamic", CASES,
+                         ids=["bf16", "fp32-cached-dynamic", "bf16-cached-fast"])
+def test_the_templates_give_the_eager_ops_bits(dtype, cache, fast, dynamic):
+    """One fp8 product forward and backward: y and dX (both fp8 products) and dW (bf16, from
+    the unquantised x) equal the eager op's bitwise: the same kernel bodies and tiles on the
+    same e4m3 operands, which the IR quantisers made with the eager quantisers' bits."""
+    x, w, dy = _leaves(dtype)
+    offsets = _offsets()
+
+    def layer(x, w):
+        return compileops.grouped_linear(x, w, offsets, fp8="rowwise", cache_fp8_weights=cache,
+                                         fp8_fast_accum=fast)
+
+    eager, got, code = _eager_and_compiled(layer, x, w, dy, dynamic=dynamic)
+    for what, a, b in zip(("y", "dx", "dw"), got, eager):
+        assert torch.equal(a, b), what
+    assert "def triton_tem_fused_grouped_linear_fp8" in code
+    assert "def triton_tem_fused_grouped_linear_fp8_dx" in code
+    externs = _extern_calls(code)
+    assert not externs & set(FP8_PRODUCTS), externs
+    # The weight: its cached copies through one lookup each (forward and dX), else IR.
+    assert ("fp8_weight_rowwise" in externs) == cache
+
+
+@interpreter
+def test_the_expert_layer_compiles_to_templates_with_the_eager_forward():
+    """SwiGLU (with its pre-activations), a user's epilogue, and the down projection times
+    the router probability: the forward bitwise; the gradients to fp32 rounding (Inductor
+    fuses the SwiGLU derivative, dY of the gate/up dX, into one kernel of its own)."""
+    x, w, dy = _leaves(torch.float32)
+    offsets = _offsets()
+    p = torch.rand(M, generator=torch.Generator().manual_seed(5))
+
+    def layer(x, w):
+        h = compileops.grouped_linear_swiglu(x, w, offsets, fp8="rowwise").relu() * 2
+        return compileops.grouped_linear(h, w[:, :, :16], offsets, row_scale=p, fp8="rowwise")
+
+    eager, got, code = _eager_and_compiled(layer, x, w, dy)
+    assert torch.equal(got[0], eager[0])
+    for a, b in zip(got[1:], eager[1:]):
+        assert ((a - b).norm() / b.norm()).item() <= 1e-5
+    assert not _extern_calls(code) & set(FP8_PRODUCTS)
+    assert "def triton_tem_fused_grouped_linear_swiglu_fp8_with_preact" in code
+    assert "def triton_tem_fused_grouped_linear_row_scaled_fp8" in code
+
+
+def _hard_rows(k: int) -> torch.Tensor:
+    """Rows where the quantisation is easy to get wrong: values on e4m3 ties and just off
+    them (amax 448, so the inverse is 1), values that round up into the next binade, e4m3
+    subnormals, signed zeros, a row below the scale floor, an all-zero row, NaN and inf rows,
+    huge and fp32-subnormal magnitudes, then random rows."""
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(M, k, generator=gen)
+    ties = torch.tensor([448.0, 30.5, 31.5, 15.75, 0.005859375, -0.001953125 * 1.5, 1.0625,
+                         -1.1875, 240.0, 232.0, 0.0, -0.0, 31.9, 15.99, 0.0009765625,
+                         -0.0029296875])
+    rows[0, :len(ties)] = ties
+    rows[0, len(ties):] = 0.0
+    rows[1] = ties.repeat(k // len(ties) + 1)[:k] * 1.0000001
+    rows[2] *= 1e-37  # below MIN_AMAX: scale 1, zeros
+    rows[3] = 0.0
+    rows[4, 5] = float("nan")
+    rows[5, 7] = float("inf")
+    rows[6] *= 1e30
+    rows[7] *= 1e-39  # fp32 subnormals
+    rows[8] = torch.linspace(-448.0, 448.0, k)
+    return rows
+
+
+@interpreter
+def test_the_ir_quantisation_has_the_quantisers_bits_on_hard_values():
+    """x and dY full of hard rows; one expert's weight below the scale floor: the compiled
+    product's output and dX equal the eager ones bit for bit (NaN where eager has NaN)."""
+    k, n = 48, 40
+    gen = torch.Generator().manual_seed(4)
+    x = _hard_rows(k).requires_grad_()
+    w = torch.randn(len(SPLITS), n, k, generator=gen) / k ** 0.5
+    w[2] *= 1e-38
+    w = w.requires_grad_()
+    dy = _hard_rows(n)
+    offsets = _offsets()
+
+    def layer(x, w):
+        return compileops.grouped_linear(x, w, offsets, fp8="rowwise")
+
+    eager, got, code = _eager_and_compiled(layer, x, w, dy)
+    for what, a, b in zip(("y", "dx"), got[:2], eager[:2]):
+        assert torch.equal(a.isnan(), b.isnan()), what
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()), what
+    assert not _extern_calls(code) & set(FP8_PRODUCTS)
+
+
+@interpreter
+def test_blockwise_and_the_reference_backend_stay_extern_calls():
+    x, w, dy = _leaves(torch.float32, k=144, n=16)
+    offsets = _offsets()
+
+    def blockwise(x, w):
+        return compileops.grouped_linear(x, w, offsets, fp8="blockwise")
+
+    eager, got, code = _eager_and_compiled(blockwise, x, w, dy)
+    assert "grouped_linear_fp8" in _extern_calls(code)
+    assert torch.equal(got[0], eager[0])
+
+    def rowwise(x, w):
+        return compileops.grouped_linear(x, w, offsets, fp8="rowwise")
+
+    with compileops.use_backend("reference"):
+        eager, got, code = _eager_and_compiled(rowwise, x, w, dy)
+    assert "grouped_linear_fp8" in _extern_calls(code)
+    assert torch.equal(got[0], eager[0])
+
+
+GPU_SPLITS = [700, 0, 1300, 260, 1, 900, 511, 333]  # skewed, an empty and a 1-row group
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache,fast,dynamic", [(False, False, False), (True, True, False),
+                                                (True, True, True)],
+                         ids=["default", "cached-fast", "cached-fast-dynamic"])
+def test_on_the_gpu_the_templates_give_the_eager_ops_bits(cache, fast, dynamic):
+    """bf16 on CUDA at a size with TMA loads and the GPU tile configs: the SwiGLU product
+    with the router probability in the down projection's epilogue, forward bitwise; then
+    the plain product forward and backward (y, dX, dW) bitwise."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    gen = torch.Generator().manual_seed(7)
+    m, d, h = sum(GPU_SPLITS) + 5, 512, 384
+    offsets = torch.cumsum(torch.tensor(GPU_SPLITS), 0).to(torch.int32).cuda()
+    x = torch.randn(m, d, generator=gen).bfloat16().cuda().requires_grad_()
+    gate_up = (torch.randn(len(GPU_SPLITS), 2 * h, d, generator=gen) / d ** 0.5)
+    gate_up = gate_up.bfloat16().cuda().requires_grad_()
+    down = (torch.randn(len(GPU_SPLITS), d, h, generator=gen) / h ** 0.5)
+    down = down.bfloat16().cuda().requires_grad_()
+    p = torch.rand(m, generator=gen).bfloat16().cuda()
+    options = dict(fp8="rowwise", cache_fp8_weights=cache, fp8_fast_accum=fast)
+
+    def experts(x, gate_up):
+        hidden = compileops.grouped_linear_swiglu(x, gate_up, offsets, **options)
+        return compileops.grouped_linear(hidden, down, offsets, row_scale=p, **options)
+
+    dy = torch.randn(m, d, generator=gen).bfloat16().cuda()
+    eager, got, code = _eager_and_compiled(experts, x, gate_up, dy, dynamic=dynamic)
+    assert torch.equal(got[0], eager[0])
+    assert not _extern_calls(code) & set(FP8_PRODUCTS)
+
+    def plain(x, gate_up):
+        return compileops.grouped_linear(x, gate_up, offsets, **options)
+
+    dy = torch.randn(m, 2 * h, generator=gen).bfloat16().cuda()
+    eager, got, code = _eager_and_compiled(plain, x, gate_up, dy, dynamic=dynamic)
+    for what, a, b in zip(("y", "dx", "dw"), got, eager):
+        assert torch.equal(a, b), what
