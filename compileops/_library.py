@@ -15,9 +15,10 @@ NAMESPACE = "compileops"
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def custom_op(name: str) -> Callable:
-    """Declare ``compileops::<name>`` as a functional custom op."""
-    return torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())
+def custom_op(name: str, *, tags: tuple = ()) -> Callable:
+    """Declare ``compileops::<name>`` as a functional custom op (with ``tags``, e.g.
+    ``torch.Tag.cudagraph_unsafe``)."""
+    return torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=(), tags=tags)
 
 
 def require(cond, message: Callable[[], str]) -> None:

@@ -96,6 +96,15 @@ from compileops.modes import BATCH_INVARIANT
 #: The ``fp8`` recipes of :func:`compileops.grouped_linear` and friends (None: no fp8).
 RECIPES = ("rowwise", "blockwise")
 
+#: Every fp8 op may read the weight cache (:mod:`.fp8_cache`), a Python lookup whose answer
+#: changes when the weight does. A CUDA graph replays the kernels it captured without that
+#: Python: a captured step would keep reading the e4m3 copy of the weights from the
+#: capture, stale after the first optimizer step. So the ops are ``cudagraph_unsafe``:
+#: Inductor's CUDA graphs (``mode="reduce-overhead"``) leave out the lookups (with graph
+#: partitioning, the default, only them: the compiled fp8 products and quantisation kernels
+#: stay in the graph), or the whole graph without partitioning.
+_CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,)
+
 
 def check_recipe(fp8, bias=None, fast_accum=False, **unsupported) -> None:
     """A clear error for an unknown recipe, or for what the fp8 path does not take yet."""
@@ -154,7 +163,7 @@ def _quantised_weight(weight, scaling, transposed, cache_weight, weight_base):
     return fp8_cache.quantised_weight(weight, layout, quantise, base=weight_base)
 
 
-@custom_op("fp8_weight_rowwise")
+@custom_op("fp8_weight_rowwise", tags=_CUDAGRAPH_UNSAFE)
 def fp8_weight_rowwise_op(weight: torch.Tensor, transposed: bool, cache_weight: bool = False,
                           weight_base: Optional[torch.Tensor] = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,7 +204,7 @@ def _product(x, weight, offsets, scaling, *, transposed=False, swiglu=False, pre
                                         fast_accum=fast_accum)
 
 
-@custom_op("grouped_linear_fp8")
+@custom_op("grouped_linear_fp8", tags=_CUDAGRAPH_UNSAFE)
 def grouped_linear_fp8_op(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
                           scaling: str, cache_weight: bool = False, fast_accum: bool = False,
                           weight_base: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -219,7 +228,7 @@ def _grouped_linear_fp8_fake(x, weight, offsets, scaling, cache_weight=False,
     return x.new_empty((x.shape[0], weight.shape[1]))
 
 
-@custom_op("grouped_linear_fp8_dx")
+@custom_op("grouped_linear_fp8_dx", tags=_CUDAGRAPH_UNSAFE)
 def grouped_linear_fp8_dx_op(grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
                              scaling: str, cache_weight: bool = False, fast_accum: bool = False,
                              weight_base: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -267,7 +276,7 @@ def _grouped_linear_fp8_backward(ctx, grad):
 backends.register_autograd(grouped_linear_fp8_op, _grouped_linear_fp8_backward, _setup_context)
 
 
-@custom_op("grouped_linear_row_scaled_fp8")
+@custom_op("grouped_linear_row_scaled_fp8", tags=_CUDAGRAPH_UNSAFE)
 def grouped_linear_row_scaled_fp8_op(x: torch.Tensor, weight: torch.Tensor,
                                      offsets: torch.Tensor, row_scale: torch.Tensor,
                                      scaling: str, cache_weight: bool = False,
@@ -320,7 +329,7 @@ backends.register_autograd(grouped_linear_row_scaled_fp8_op,
                            _grouped_linear_row_scaled_fp8_backward, _setup_row_scaled_context)
 
 
-@custom_op("grouped_linear_swiglu_fp8_with_preact")
+@custom_op("grouped_linear_swiglu_fp8_with_preact", tags=_CUDAGRAPH_UNSAFE)
 def grouped_linear_swiglu_fp8_with_preact_op(
     x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, scaling: str,
     cache_weight: bool = False, fast_accum: bool = False,

@@ -272,3 +272,39 @@ def test_module_and_load_state_dict(backend):
         got = compiled(x, splits)
         want = compileops.grouped_linear_splits(x, state["weight"], splits, fp8="rowwise")
     assert torch.equal(got, want) and not torch.equal(got, before)
+
+
+def test_every_fp8_op_keeps_out_of_cuda_graphs():
+    """A CUDA graph replays its kernels without the cache's Python lookup, so a captured
+    step would read the weights' e4m3 copies from the capture: every fp8 op (and the
+    compiled products' weight lookup) is tagged for Inductor to leave out of CUDA graphs."""
+    names = ("fp8_weight_rowwise", "grouped_linear_fp8", "grouped_linear_fp8_dx",
+             "grouped_linear_row_scaled_fp8", "grouped_linear_swiglu_fp8_with_preact")
+    for name in names:
+        op = getattr(torch.ops.compileops, name).default
+        assert torch.Tag.cudagraph_unsafe in op.tags, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
+def test_reduce_overhead_sees_every_weight_change(scaling):
+    """mode="reduce-overhead" (CUDA graphs) with the cache: after each change of the weight
+    the compiled step equals the eager one (rowwise: the template's bits)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    gen = torch.Generator().manual_seed(2)
+    w = torch.nn.Parameter((torch.randn(len(SPLITS), N, K, generator=gen) / K ** 0.5).cuda())
+    x = torch.randn(sum(SPLITS) + 4, K, generator=gen).cuda()
+    offsets = _offsets().cuda()
+
+    def layer(x):
+        return compileops.grouped_linear(x, w, offsets, fp8=scaling, cache_fp8_weights=True)
+
+    compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for step in range(4):
+            for _ in range(3):  # warm-up and capture
+                got = compiled(x).clone()
+            want = layer(x)
+            assert torch.equal(got, want), f"stale after change {step}"
+            w.mul_(1.5)
