@@ -6,10 +6,11 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import compileops
-from compileops.grouped_linear import reference
+from compileops.grouped_linear import clear_fp8_weight_cache, reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SWEEP = os.path.join(ROOT, "benchmarks", "tuning", "sweep_grouped_linear.py")
@@ -139,3 +140,12 @@ def record_triton_launches(monkeypatch) -> list:
 
     monkeypatch.setattr(InterpretedFunction, "run", recording_run)
     return names
+
+
+@pytest.fixture
+def empty_fp8_cache():
+    """The fp8 weight cache empty before and after the test (import it into a test module
+    with ``pytestmark = pytest.mark.usefixtures("empty_fp8_cache")``)."""
+    clear_fp8_weight_cache()
+    yield
+    clear_fp8_weight_cache()

@@ -14,25 +14,21 @@ import pytest
 import torch
 
 import compileops
-from compileops.grouped_linear import cached_fp8_weight_bytes, clear_fp8_weight_cache
+from compileops.grouped_linear import cached_fp8_weight_bytes
 from compileops.lowerings import _compat
+from tests.grouped_linear._helpers import empty_fp8_cache  # noqa: F401  (a fixture)
+from tests.grouped_linear._helpers import offsets_of
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and
-                                not torch.cuda.is_available(),
-                                reason="the fp8 kernels run on a GPU or under the interpreter")
+pytestmark = [pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and
+                                 not torch.cuda.is_available(),
+                                 reason="the fp8 kernels run on a GPU or under the interpreter"),
+              pytest.mark.usefixtures("empty_fp8_cache")]
 SPLITS = [6, 0, 9, 5]
 K, N = 40, 24
 
 
-@pytest.fixture(autouse=True)
-def empty_cache():
-    clear_fp8_weight_cache()
-    yield
-    clear_fp8_weight_cache()
-
-
 def _offsets():
-    return torch.cumsum(torch.tensor(SPLITS), 0).to(torch.int32)
+    return offsets_of(SPLITS)
 
 
 # How the layer reaches its weight from the parameter (stored as the layout says).

@@ -12,8 +12,11 @@ import pytest
 import torch
 
 import compileops
-from compileops.grouped_linear import clear_fp8_weight_cache
 from compileops.lowerings import _compat
+from tests.grouped_linear._helpers import empty_fp8_cache  # noqa: F401  (a fixture)
+from tests.grouped_linear._helpers import offsets_of
+
+pytestmark = pytest.mark.usefixtures("empty_fp8_cache")
 
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="templates run on CPU tensors under the interpreter")
@@ -24,15 +27,8 @@ FP8_PRODUCTS = ("grouped_linear_fp8", "grouped_linear_fp8_dx", "grouped_linear_r
                 "grouped_linear_swiglu_fp8_with_preact")
 
 
-@pytest.fixture(autouse=True)
-def empty_cache():
-    clear_fp8_weight_cache()
-    yield
-    clear_fp8_weight_cache()
-
-
 def _offsets():
-    return torch.cumsum(torch.tensor(SPLITS), 0).to(torch.int32)
+    return offsets_of(SPLITS)
 
 
 def _leaves(dtype, k=72, n=32, seed=0):
@@ -200,7 +196,7 @@ def test_on_the_gpu_the_templates_give_the_eager_ops_bits(cache, fast, dynamic):
         pytest.skip("no CUDA device")
     gen = torch.Generator().manual_seed(7)
     m, d, h = sum(GPU_SPLITS) + 5, 512, 384
-    offsets = torch.cumsum(torch.tensor(GPU_SPLITS), 0).to(torch.int32).cuda()
+    offsets = offsets_of(GPU_SPLITS).cuda()
     x = torch.randn(m, d, generator=gen).bfloat16().cuda().requires_grad_()
     gate_up = (torch.randn(len(GPU_SPLITS), 2 * h, d, generator=gen) / d ** 0.5)
     gate_up = gate_up.bfloat16().cuda().requires_grad_()
