@@ -32,6 +32,10 @@ Each lowering logs what it chose and why on ``compileops.grouped_linear`` (``COM
 
 ``grouped_linear_dx`` (the backward's ``dY_g @ W_g``) uses the same template with W's axes
 swapped, so consumers of dX (e.g. a residual-gradient add, a cast) fuse too.
+
+The rowwise fp8 ops use the same template over e4m3 operands (:class:`Fp8Operands`, the
+scales applied in its epilogue); their quantisation and weight cache are
+:mod:`.grouped_linear_fp8`'s.
 ``grouped_linear_wgrad`` (dW and db) is not lowered: it stays an extern call to our
 persistent K-jagged kernel (a [G, N, K] product has no pointwise neighbours worth fusing).
 """
