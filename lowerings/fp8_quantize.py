@@ -18,6 +18,12 @@ The rule is :mod:`compileops.grouped_linear.fp8`'s, bit for bit as the Triton qu
   some values to e4m3 wrongly, so the CPU tests would otherwise test another rule). Here the
   grid step's power of two multiplies instead of dividing: the same exact result.
 
+Why the rule is written here again rather than shared with the Triton quantisers (the one
+place where kernel math is): Inductor generates its fused kernels from IR and cannot call a
+``@triton.jit`` body inside them; fusing the quantisation into its producers is the point.
+``tests/grouped_linear/test_fp8_templates.py`` holds the two to the same bits on the values
+where rounding is hardest.
+
 Shapes: ``x [R..., K]`` quantised along its last dim to ``(q [R..., K]`` e4m3, ``scale
 [R...]`` fp32), or, for the dX product's weight, ``w [G, N, K]`` along N, written
 transposed: ``(q [G, K, N], scale [G, K])``.
