@@ -175,6 +175,10 @@ def fp8_weight_rowwise_op(weight: torch.Tensor, transposed: bool, cache_weight: 
     the returned tensors may be the cache's: read them, never write them."""
     torch._check_value(weight.dim() == 3,
                        lambda: f"weight must be [G, N, K], got shape {tuple(weight.shape)}")
+    if not use_triton("fp8_weight_rowwise", weight):
+        # The rule itself, in torch (the kernels' bits): a device without our kernels.
+        q, scale = fp8_rule.quantize_rowwise(weight.transpose(1, 2) if transposed else weight)
+        return q.contiguous(), scale
     return _quantised_weight(weight, "rowwise", transposed, cache_weight, weight_base)
 
 

@@ -9,6 +9,7 @@ import compileops
 from compileops.grouped_linear import fp8, reference
 from compileops.grouped_linear.fp8_op import (
     RECIPES,
+    fp8_weight_rowwise_op,
     grouped_linear_fp8_dx_op,
     grouped_linear_fp8_op,
     grouped_linear_row_scaled_fp8_op,
@@ -186,6 +187,23 @@ def test_opcheck(scaling):
     torch.library.opcheck(grouped_linear_swiglu_fp8_with_preact_op, (x, w, offs, scaling))
     grad = torch.randn(40, 48)
     torch.library.opcheck(grouped_linear_fp8_dx_op, (grad, w.detach(), offs, scaling))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_the_compiled_products_weight_lookup(transposed, backend):
+    """``fp8_weight_rowwise`` (the compiled products' weight): opcheck, and the quantisers'
+    bits in the layout each product reads (dX's written ``[G, K, N]``)."""
+    from compileops.grouped_linear.kernels import fp8 as fp8_kernels
+
+    _, w, _ = _inputs(grad=False)
+    with compileops.use_backend(backend):
+        torch.library.opcheck(fp8_weight_rowwise_op, (w, transposed))
+        q, scale = fp8_weight_rowwise_op(w, transposed)
+    want_q, want_scale = fp8_kernels.quantize_weight_rowwise(w, transpose=transposed)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scale, want_scale)
+    assert q.shape == ((4, 200, 48) if transposed else (4, 48, 200))
 
 
 @pytest.mark.parametrize("scaling", RECIPES)
