@@ -130,39 +130,37 @@ def _quantised_weight(weight, transposed: bool, cache_weight: bool, weight_base)
     return fp8_quantize.quantise_rows(weight)
 
 
-def _template(name: str, values: list, cache_weight: bool, weight_base):
-    """The template lowering of a rowwise fp8 op, or None (no config could be built)."""
-    x, weight, offsets = values[:3]
-    row_scale = values[3] if name == "grouped_linear_row_scaled_fp8" else None
-    fast_accum = values[-2]
+def _template(name: str, args: dict):
+    """The template lowering of a rowwise fp8 op (``args``: its arguments by name), or None
+    (no config could be built)."""
     transposed = name == "grouped_linear_fp8_dx"
-    w_q, w_scale = _quantised_weight(weight, transposed, cache_weight, weight_base)
+    w_q, w_scale = _quantised_weight(args["weight"], transposed, args["cache_weight"],
+                                     args["weight_base"])
+    x = args["grad"] if transposed else args["x"]
     x_q, x_scale = fp8_quantize.quantise_rows(x)
-    fp8 = bf16_lowering.Fp8Operands(x_scale, w_scale, x.get_dtype(), bool(fast_accum))
+    fp8 = bf16_lowering.Fp8Operands(x_scale, w_scale, x.get_dtype(), bool(args["fast_accum"]))
     swiglu = name == "grouped_linear_swiglu_fp8_with_preact"
     # dX = dY_g @ W_g is the forward product over the transposed copy W_g^T [G, K, N].
-    return bf16_lowering._lower(name, swiglu, x_q, w_q, offsets, row_scale=row_scale,
-                                save_preact=swiglu, fp8=fp8)
+    return bf16_lowering._lower(name, swiglu, x_q, w_q, args["offsets"],
+                                row_scale=args.get("row_scale"), save_preact=swiglu, fp8=fp8)
 
 
 def _lowering(op: torch._ops.OpOverload):
     names = [argument.name for argument in op._schema.arguments]
-    weight_at, cache_at, base_at, scaling_at = (
-        names.index(n) for n in ("weight", "cache_weight", "weight_base", "scaling"))
     name = op._schema.name.split("::")[-1]
 
     def lower(*args, **kwargs):
-        values = _arguments(op, args, kwargs)
-        values[cache_at], values[base_at] = _cache_base(
-            name, values[weight_at], values[cache_at], values[base_at])
-        why = _why_extern(values[0], values[scaling_at], name)
+        named = dict(zip(names, _arguments(op, args, kwargs)))
+        named["cache_weight"], named["weight_base"] = _cache_base(
+            name, named["weight"], named["cache_weight"], named["weight_base"])
+        why = _why_extern(named[names[0]], named["scaling"], name)
         if why is None:
-            lowered = _template(name, values, values[cache_at], values[base_at])
+            lowered = _template(name, named)
             if lowered is not None:
                 return lowered
             why = "the template could not be built"
         logger.info("%s: extern call of the eager op: %s", name, why)
-        return _compat.fallback(op)(*values)
+        return _compat.fallback(op)(*(named[n] for n in names))
 
     return lower
 

@@ -163,6 +163,11 @@ def _quantised_weight(weight, scaling, transposed, cache_weight, weight_base):
     return fp8_cache.quantised_weight(weight, layout, quantise, base=weight_base)
 
 
+def _check_weight_dims(weight) -> None:
+    torch._check_value(weight.dim() == 3,
+                       lambda: f"weight must be [G, N, K], got shape {tuple(weight.shape)}")
+
+
 @custom_op("fp8_weight_rowwise", tags=_CUDAGRAPH_UNSAFE)
 def fp8_weight_rowwise_op(weight: torch.Tensor, transposed: bool, cache_weight: bool = False,
                           weight_base: Optional[torch.Tensor] = None
@@ -173,8 +178,7 @@ def fp8_weight_rowwise_op(weight: torch.Tensor, transposed: bool, cache_weight: 
     ``cache_weight``: taken from :mod:`.fp8_cache` while the weight is unchanged
     (``weight_base``: the ops' own). The compiled fp8 products call it for a cached weight;
     the returned tensors may be the cache's: read them, never write them."""
-    torch._check_value(weight.dim() == 3,
-                       lambda: f"weight must be [G, N, K], got shape {tuple(weight.shape)}")
+    _check_weight_dims(weight)
     if not use_triton("fp8_weight_rowwise", weight):
         # The rule itself, in torch (the kernels' bits): a device without our kernels.
         q, scale = fp8_rule.quantize_rowwise(weight.transpose(1, 2) if transposed else weight)
@@ -184,8 +188,7 @@ def fp8_weight_rowwise_op(weight: torch.Tensor, transposed: bool, cache_weight: 
 
 @fp8_weight_rowwise_op.register_fake
 def _fp8_weight_rowwise_fake(weight, transposed, cache_weight=False, weight_base=None):
-    torch._check_value(weight.dim() == 3,
-                       lambda: f"weight must be [G, N, K], got shape {tuple(weight.shape)}")
+    _check_weight_dims(weight)
     groups, n, k = weight.shape
     rows, cols = (k, n) if transposed else (n, k)
     return (weight.new_empty((groups, rows, cols), dtype=fp8_rule.E4M3),
