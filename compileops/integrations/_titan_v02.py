@@ -5,26 +5,46 @@ integration (``compileops/integrations/torchtitan.py``).
 An ``MoE`` becomes a :class:`CompileopsMoE`: torchtitan's ``__init__`` (router, reorderer,
 ``GroupedExperts`` with ``w1``, ``w2``, ``w3``, shared experts, load-balancing buffers), and a
 forward that runs the experts on compileops kernels, with the router scores in the down
-projection's epilogue unless ``score_before_experts`` asks for them on the input.
+projection's epilogue unless ``score_before_experts`` asks for them on the input. Its
+``GroupedExperts`` becomes a :class:`CompileopsGroupedExperts`, which serves expert
+parallelism: there torchtitan's ``ExpertParallel`` sends the routed rows to the ranks that
+hold their experts through hooks on the experts module, so the MoE keeps torchtitan's own
+forward around it and only the experts' products run on compileops.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-from torchtitan.models.moe.moe import MoE
+from torchtitan.models.moe.moe import GroupedExperts, MoE
 from torchtitan.protocols.model_converter import (
     _registry_model_converter_cls,
     register_model_converter,
 )
 
-from compileops.integrations._titan_experts import Options, experts_forward, refuse_unservable
+from compileops.integrations._titan_experts import (
+    Options,
+    experts_forward,
+    local_tensor,
+    refuse_unservable,
+)
+
+
+def _mesh_names(w: torch.Tensor) -> tuple:
+    mesh = getattr(w, "device_mesh", None)
+    return tuple(getattr(mesh, "mesh_dim_names", None) or ())
 
 
 def _expert_parallel(w: torch.Tensor) -> bool:
-    mesh = getattr(w, "device_mesh", None)
-    names = getattr(mesh, "mesh_dim_names", None) or ()
-    return "ep" in names or "etp" in names or "tp" in names
+    """Whether torchtitan's expert parallelism shards this expert weight (a DTensor on a mesh
+    with an ``"ep"`` dim: its ``ExpertParallel``, FSDP's sharding on top of it included)."""
+    return "ep" in _mesh_names(w)
+
+
+def _tensor_parallel(w: torch.Tensor) -> bool:
+    """Whether tensor parallelism shards this expert weight (``"tp"`` or ``"etp"``), which the
+    converted experts do not serve."""
+    return any(name in _mesh_names(w) for name in ("tp", "etp"))
 
 
 def moe_body(x: torch.Tensor, scores_sorted: torch.Tensor, token_indices_sorted: torch.Tensor,
@@ -65,7 +85,7 @@ class CompileopsMoE(MoE):
     way when the job compiles the model (``compileops_compile_backend``: the backend's name,
     None: not compiled). The module keeps the name, not the compiled function, so that it
     pickles (``torch.save``) and deep-copies; layers with the same backend share one
-    compiled function (:func:`compiled_body`).
+    compiled function (:func:`compiled`).
 
     The products run in bf16 as torchtitan's grouped-GEMM experts do, or, where its experts
     run their for-loop (``use_grouped_mm=False``, which torchtitan sets itself for some
@@ -78,6 +98,16 @@ class CompileopsMoE(MoE):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[B, L, D]`` -> ``[B, L, D]``, as ``MoE.forward``."""
+        weights = (self.experts.w1, self.experts.w2, self.experts.w3)
+        if any(_tensor_parallel(w) for w in weights):
+            raise NotImplementedError(
+                "compileops' torchtitan 0.2 MoE does not serve tensor parallelism on the "
+                "experts (expert_tensor_parallel_degree or tensor_parallel_degree > 1 "
+                "without expert parallelism); expert parallelism and FSDP are served")
+        if any(_expert_parallel(w) for w in weights):
+            # The routed rows travel between ranks in hooks on the experts module, which
+            # torchtitan's forward calls: keep it; the experts compute on compileops.
+            return MoE.forward(self, x)
         bs, slen, dim = x.shape
         x = x.view(-1, dim)
         top_scores, expert_ids, num_tokens_per_expert = self.router(x, self.expert_bias)
@@ -86,13 +116,7 @@ class CompileopsMoE(MoE):
         scores_sorted, token_indices_sorted, num_tokens_per_expert = self.reorderer(
             top_scores, expert_ids)
         experts = self.experts
-        for w in (experts.w1, experts.w2, experts.w3):
-            if _expert_parallel(w):
-                raise NotImplementedError(
-                    "compileops' torchtitan 0.2 MoE runs without expert or tensor "
-                    "parallelism on the experts (their dispatch hooks sit on the experts "
-                    "module); use torchtitan 0.3 for expert parallelism")
-        out_experts = compiled_body(self.compileops_compile_backend)(
+        out_experts = compiled(moe_body, self.compileops_compile_backend)(
             x, scores_sorted, token_indices_sorted, num_tokens_per_expert, experts.w1,
             experts.w2, experts.w3, self.router.top_k, bool(self.score_before_experts),
             self.compileops_options, experts_compute_dtype(experts))
@@ -101,17 +125,44 @@ class CompileopsMoE(MoE):
         return out_experts.reshape(bs, slen, dim)
 
 
-_compiled_bodies: dict = {}
+_compiled: dict = {}
 
 
-def compiled_body(backend: Optional[str]):
-    """:func:`moe_body`, compiled ``fullgraph=True`` with ``backend`` (one function per
-    backend, shared by every layer: the same graph for each), or as it is for None."""
+def compiled(fn, backend: Optional[str]):
+    """``fn`` (:func:`moe_body` or :func:`.experts_forward`) compiled ``fullgraph=True`` with
+    ``backend``, one compiled function per function and backend, shared by every layer (the
+    same graph for each); ``fn`` itself for None."""
     if backend is None:
-        return moe_body
-    if backend not in _compiled_bodies:
-        _compiled_bodies[backend] = torch.compile(moe_body, backend=backend, fullgraph=True)
-    return _compiled_bodies[backend]
+        return fn
+    if (fn, backend) not in _compiled:
+        _compiled[fn, backend] = torch.compile(fn, backend=backend, fullgraph=True)
+    return _compiled[fn, backend]
+
+
+class CompileopsGroupedExperts(GroupedExperts):
+    """torchtitan 0.2's ``GroupedExperts`` (same parameters) computing on compileops grouped
+    GEMMs: x ``[R, D]`` grouped by local expert, num_tokens_per_expert ``[E_local]`` -> ``[R,
+    D]``.
+
+    Called where expert parallelism is applied (:meth:`CompileopsMoE.forward`): torchtitan's
+    ``ExpertParallel`` hooks hand it the rows this rank's experts received, padded per expert
+    to torchtitan's alignment with zero rows, and take its output back to the tokens' ranks;
+    the router scores are applied by torchtitan's ``MoE.forward``, before or after the
+    experts as ``score_before_experts`` says. As torchtitan compiles its experts function
+    under expert parallelism, the compiled products see the row count as dynamic (it changes
+    at every step), so they compile once."""
+
+    compileops_options = Options()
+    compileops_compile_backend: Optional[str] = None
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = (local_tensor(w) for w in (self.w1, self.w2, self.w3))
+        backend = self.compileops_compile_backend
+        if backend is not None:
+            torch._dynamo.mark_dynamic(x, 0)
+        return compiled(experts_forward, backend)(
+            x, w1, w2, w3, num_tokens_per_expert, None, self.compileops_options,
+            experts_compute_dtype(self))
 
 
 def experts_compute_dtype(experts) -> Optional[torch.dtype]:
@@ -131,9 +182,9 @@ def _problem(name: str, module) -> Optional[str]:
     for w in (module.experts.w1, module.experts.w2, module.experts.w3):
         if not isinstance(w, torch.Tensor) or w.dim() != 3:
             return f"{name}.experts: w1/w2/w3 are not 3-D tensors (converted by another converter?)"
-        if _expert_parallel(w):
-            return (f"{name}.experts: expert or tensor parallelism is applied; convert before "
-                    "parallelizing, and without expert parallelism (torchtitan 0.3 has it)")
+        if _expert_parallel(w) or _tensor_parallel(w):
+            return (f"{name}.experts: expert or tensor parallelism is applied already; "
+                    "convert before parallelizing (the converter does)")
     if getattr(module.experts, "_forward_pre_hooks", None) or \
             getattr(module.experts, "_forward_hooks", None):
         return (f"{name}.experts has forward hooks (expert parallelism's dispatch?), which "
@@ -150,9 +201,11 @@ def apply_v02(model: torch.nn.Module, options: Options,
     report = {"experts": [], "scores": {}, "compute": {}}
     for name, module in found:
         module.__class__ = CompileopsMoE
-        module.compileops_options = options
-        if compile_backend is not None:
-            module.compileops_compile_backend = compile_backend
+        module.experts.__class__ = CompileopsGroupedExperts
+        for converted in (module, module.experts):
+            converted.compileops_options = options
+            if compile_backend is not None:
+                converted.compileops_compile_backend = compile_backend
         report["experts"].append(f"{name}.experts")
         report["scores"][name] = "before experts" if module.score_before_experts else "epilogue"
         dtype = experts_compute_dtype(module.experts)
@@ -170,14 +223,15 @@ class CompileopsMoEConverter:
     gate_up: str = "concatenated"
 
     def __init__(self, job_config, parallel_dims):
-        if getattr(parallel_dims, "ep_enabled", False) or getattr(parallel_dims, "etp", 1) > 1:
+        if getattr(parallel_dims, "etp", 1) > 1 or getattr(parallel_dims, "tp", 1) > 1:
             raise ValueError(
-                "compileops' torchtitan 0.2 converter runs without expert parallelism "
-                f"(expert_parallel_degree={getattr(parallel_dims, 'ep', '?')}); use "
-                "torchtitan 0.3 for expert parallelism")
+                "compileops' torchtitan 0.2 converter serves FSDP and expert parallelism, "
+                "not tensor parallelism (tensor_parallel_degree="
+                f"{getattr(parallel_dims, 'tp', '?')}, expert_tensor_parallel_degree="
+                f"{getattr(parallel_dims, 'etp', '?')})")
         self.options = Options(self.fp8, gate_up=self.gate_up)
         compile_config = job_config.compile
-        # As torchtitan 0.2 compiles its experts function (compiled_body).
+        # As torchtitan 0.2 compiles its experts function (compiled).
         self.compile_backend = (compile_config.backend if compile_config.enable
                                 and "model" in compile_config.components else None)
 

@@ -40,8 +40,13 @@ scores travel to the experts' ranks in one more all-to-all of one float per rout
 combine then sums the scaled rows), per-block ``torch.compile(fullgraph=True)``, selective
 and full activation checkpointing. With its other dispatchers (DeepEP, HybridEP, the padded
 torchao one) the GEMMs run on compileops and the dispatcher keeps scaling the rows in its
-combine. torchtitan 0.2: one device and FSDP2; expert parallelism is refused (its dispatch hooks
-sit on the experts module, whose work the converted MoE does itself).
+combine. torchtitan 0.2: FSDP2, and expert parallelism through its ``ExpertParallel`` (set by
+``expert_parallel_degree``), with its compile and activation checkpointing. Under expert
+parallelism the tokens travel to the experts' ranks in hooks on the experts module, so the MoE
+keeps torchtitan 0.2's own forward around the converted experts module: the grouped GEMMs run
+on compileops, and torchtitan applies the router scores and gathers the rows (the epilogue
+form needs the scores on the experts' rank, which 0.2's dispatch does not send). Tensor
+parallelism on the experts is refused with either release's 0.2 layout.
 """
 from __future__ import annotations
 
@@ -113,8 +118,9 @@ def apply(model: torch.nn.Module, *, fp8: Optional[Literal["rowwise"]] = None,
     torchtitan's trainer.
 
     Raises ``NotImplementedError`` listing every experts module it cannot serve (another
-    experts class, experts converted by another converter, a module already parallelized,
-    torchtitan 0.2's expert parallelism), before changing anything.
+    experts class, experts converted by another converter, a module already parallelized: with
+    torchtitan 0.2, convert before its expert parallelism, as its converters run), before
+    changing anything.
 
     Returns ``{"experts": [names], "scores": {moe name: "epilogue" | "before experts" |
     "combine"}, "fp8": fp8, "layout": "0.3" | "0.2"}``; ``"scores"`` says where each MoE's

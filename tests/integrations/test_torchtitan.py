@@ -41,13 +41,10 @@ if titan.LAYOUT != "0.3":
 
 from tests.gloo import run_ranks  # noqa: E402
 from tests.integrations import titan_harness as harness  # noqa: E402
+from tests.integrations.titan_harness import assert_close_runs, relative_l2  # noqa: E402
 
 U = 2.0 ** -8
 STEPS = harness.STEPS
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _run(world: int, configs: dict) -> dict:
@@ -88,21 +85,9 @@ def four_ranks() -> dict:
     })
 
 
-def _assert_close_runs(got: dict, want: dict, *, grad_rtol, loss_rtol=2.0 ** -12, what=""):
-    assert len(got["losses"]) == len(want["losses"]) == STEPS
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]),
-                               rtol=loss_rtol, atol=0, msg=lambda m: f"{what} losses: {m}")
-    assert got["grads"].keys() == want["grads"].keys()
-    for name in want["grads"]:
-        for step in range(STEPS):
-            rel = _rel(got["grads"][name][step], want["grads"][name][step])
-            assert rel <= grad_rtol, \
-                f"{what}: {name} step {step}: relative L2 {rel:.3g} > {grad_rtol:.3g}"
-
-
 def test_single_rank_converted_matches_torchtitan():
     res = single_rank()
-    _assert_close_runs(res["bf16"], res["titan"], grad_rtol=4 * U, what="bf16 vs torchtitan")
+    assert_close_runs(res["bf16"], res["titan"], grad_rtol=4 * U, what="bf16 vs torchtitan")
     # The losses move (the runs compare training, not five copies of the first step).
     assert abs(res["titan"]["losses"][-1] - res["titan"]["losses"][0]) > 1e-3
 
@@ -111,7 +96,7 @@ def test_single_rank_fp8_trains_like_torchtitan():
     # fp8 rowwise: each e4m3 product has a relative error of about 3.7e-2 (fp8_op's
     # docstring); a gradient passes through at most three of them.
     res = single_rank()
-    _assert_close_runs(res["fp8"], res["titan"], grad_rtol=3 * 4e-2, loss_rtol=4e-2 / 8,
+    assert_close_runs(res["fp8"], res["titan"], grad_rtol=3 * 4e-2, loss_rtol=4e-2 / 8,
                        what="fp8 vs torchtitan")
 
 
@@ -121,12 +106,12 @@ def test_single_rank_fp8_trains_like_torchtitan():
 def test_mesh_matches_torchtitan_and_single_rank(name, ranks):
     res = (two_ranks if ranks == 2 else four_ranks)()
     titan_run, mine = res[f"{name}/titan"], res[f"{name}/bf16"]
-    _assert_close_runs(mine, titan_run, grad_rtol=4 * U, what=f"{name}: bf16 vs torchtitan")
+    assert_close_runs(mine, titan_run, grad_rtol=4 * U, what=f"{name}: bf16 vs torchtitan")
     if name == "ep4-compiled":  # one sequence length: compare with runs of the same batches
         return
     single = single_rank()
     for path, run in (("titan", titan_run), ("bf16", mine)):
-        _assert_close_runs(run, single[path], grad_rtol=2 * U,
+        assert_close_runs(run, single[path], grad_rtol=2 * U,
                            what=f"{name}/{path} vs one process")
 
 
@@ -157,7 +142,7 @@ def test_triton_kernels_in_the_loop():
     want = single_rank()["bf16"]
     assert abs(got["losses"][0] - want["losses"][0]) <= 2.0 ** -12 * abs(want["losses"][0])
     for name, grads in want["grads"].items():
-        rel = _rel(got["grads"][name][0], grads[0])
+        rel = relative_l2(got["grads"][name][0], grads[0])
         assert rel <= 4 * U, (name, rel)
 
 
@@ -283,7 +268,7 @@ def test_gate_up_pair_reaches_the_experts_and_gives_the_same_bits():
         outs.append((out.detach(), {n: p.grad for n, p in model.named_parameters()}))
     assert torch.equal(outs[0][0], outs[1][0])
     for name, grad in outs[0][1].items():
-        assert _rel(grad.float(), outs[1][1][name].float()) <= 2 * U, name
+        assert relative_l2(grad.float(), outs[1][1][name].float()) <= 2 * U, name
 
 
 def test_apply_refuses_a_parallelized_model():

@@ -1,6 +1,6 @@
 """compileops inside torchtitan 0.2 (``torchtitan.models.moe``, the layout that runs on torch
 2.11): the ``"compileops_moe"`` converters and ``apply()`` on a tiny Qwen3 MoE, in one CPU
-process (torchtitan 0.2's parallelisms need a GPU mesh; its expert parallelism is refused).
+process (its parallelisms on gloo ranks: test_torchtitan_v02_mesh.py).
 
 torchtitan 0.2's router counts tokens with ``torch.histc`` on integer expert ids, which torch
 has on CUDA only: the tests count them on float ids (the same counts, in the ids' dtype).
@@ -101,7 +101,7 @@ def test_compiled_body_does_not_recompile_as_token_counts_change():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
-def test_converters_are_registered_and_refuse_expert_parallelism():
+def test_converters_are_registered_and_refuse_tensor_parallelism():
     from torchtitan.distributed import ParallelDims
     from torchtitan.protocols.model_converter import _registry_model_converter_cls
 
@@ -115,10 +115,14 @@ def test_converters_are_registered_and_refuse_expert_parallelism():
         class compile:  # noqa: N801 - the job config's section
             enable, components, backend = False, [], "inductor"
 
-    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=2, etp=1,
-                        world_size=2)
-    with pytest.raises(ValueError, match="without expert parallelism"):
-        fp8(Job, dims)
+    for tp, etp in ((2, 1), (2, 2)):
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=tp, pp=1, ep=1, etp=etp,
+                            world_size=2)
+        with pytest.raises(ValueError, match="not tensor parallelism"):
+            fp8(Job, dims)
+    # expert parallelism is served (tests/integrations/test_torchtitan_v02_mesh.py)
+    fp8(Job, ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=2, etp=1,
+                          world_size=2))
     single = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1,
                           world_size=1)
     model = _model()

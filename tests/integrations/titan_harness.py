@@ -80,8 +80,9 @@ def initial_state() -> dict:
 
 
 def clean_name(name: str) -> str:
-    """A parameter's name without the activation-checkpoint wrapper's part."""
-    return name.replace("_checkpoint_wrapped_module.", "")
+    """A parameter's name without the parts that wrappers add: activation checkpointing's
+    and ``torch.compile``'s (torchtitan 0.2 compiles submodules in place)."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
 def load_parameters(model, state: dict) -> None:
@@ -152,7 +153,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def train(rank: int, world: int, *, ep: int = 1, convert: Optional[str] = None,
           compile: Optional[str] = None, ac: Optional[str] = None,
           backend: Optional[str] = "reference", steps: int = STEPS,
-          seq_lens=SEQ_LENS) -> dict:
+          seq_lens=SEQ_LENS, builder=None) -> dict:
     """``steps`` SGD steps of one model; returns the loss of each step and, on rank 0, the
     full gradients (``{name: [one tensor per step]}``) and Dynamo's count of compiled graphs
     after each step.
@@ -160,14 +161,15 @@ def train(rank: int, world: int, *, ep: int = 1, convert: Optional[str] = None,
     ``compile``: None, or the backend of torchtitan's per-block ``torch.compile``
     (``"inductor"``, ``"aot_eager"``). ``backend``: the compileops backend of the converted
     ops (``"reference"``: their PyTorch ground truth, the same ops, autograd and graphs;
-    None: the default, the Triton kernels under the interpreter).
+    None: the default, the Triton kernels under the interpreter). ``builder``: the function
+    that builds the parallelized model, :func:`build`'s signature (None: :func:`build`).
     """
     import compileops
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     torch._inductor.config.compile_threads = 1  # the ranks share the machine's cores
-    model, dims = build(world, ep=ep, convert=convert, compile=compile, ac=ac)
+    model, _ = (builder or build)(world, ep=ep, convert=convert, compile=compile, ac=ac)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     per_rank = BATCH // world
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
@@ -194,10 +196,11 @@ def train(rank: int, world: int, *, ep: int = 1, convert: Optional[str] = None,
     return out
 
 
-def train_configs(rank: int, world: int, configs: dict) -> dict:
+def train_configs(rank: int, world: int, configs: dict, builder=None) -> dict:
     """:func:`train` for each ``{name: kwargs}`` of ``configs``, one after the other in the
     same process group: ``{name: result}``."""
-    return {name: train(rank, world, **kwargs) for name, kwargs in configs.items()}
+    return {name: train(rank, world, builder=builder, **kwargs)
+            for name, kwargs in configs.items()}
 
 
 class _nothing:
@@ -206,3 +209,21 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def assert_close_runs(got: dict, want: dict, *, grad_rtol, loss_rtol=2.0 ** -12, what=""):
+    """Two :func:`train` results: the losses of every step within ``loss_rtol``, every
+    parameter's gradient at every step within ``grad_rtol`` relative L2."""
+    assert len(got["losses"]) == len(want["losses"]) == STEPS
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]),
+                               rtol=loss_rtol, atol=0, msg=lambda m: f"{what} losses: {m}")
+    assert got["grads"].keys() == want["grads"].keys()
+    for name in want["grads"]:
+        for step in range(STEPS):
+            rel = relative_l2(got["grads"][name][step], want["grads"][name][step])
+            assert rel <= grad_rtol, \
+                f"{what}: {name} step {step}: relative L2 {rel:.3g} > {grad_rtol:.3g}"

@@ -1,0 +1,149 @@
+"""Train torchtitan 0.2's Qwen3 MoE (``torchtitan.models.moe``, the layout that runs on torch
+2.11), cut to a tiny size, on CPU gloo ranks with torchtitan's own ``parallelize_qwen3``
+(expert parallelism, FSDP2, its per-block compile, activation checkpointing): its own experts
+path, or converted by the ``"compileops_moe"`` / ``"compileops_moe_fp8"`` converters, called
+as torchtitan's trainer calls them (on the model before ``parallelize_qwen3``).
+
+The changes torchtitan 0.2 needs to run on CPU over gloo live here, never in the integration:
+
+* ``torchtitan.distributed.parallel_dims.device_type = "cpu"`` (torchtitan builds its meshes
+  on CUDA when it sees no accelerator);
+* the expert-parallel token permutation (``generate_permute_indices``) with its CPU
+  implementation (``use_cpu=True``): its Triton kernel needs a GPU;
+* the router's ``torch.histc`` of integer expert ids, which torch has on CUDA only, counted on
+  float ids (the same counts);
+* ``set_force_sum_reduction_for_comms(True)`` on every FSDP module: gloo has no PREMUL_SUM.
+
+The model is ``titan_harness``'s tiny Qwen3 MoE in torchtitan 0.2's terms, and
+:func:`train_configs` runs that harness's training loop on it in each rank
+(``tests.gloo.run_ranks``): the same weights, batches, SGD steps and results.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from tests.integrations import titan_harness
+from tests.integrations.titan_harness import SIZES, load_parameters
+
+
+def model_args(score_before_experts: bool = False):
+    """torchtitan 0.2's arguments for ``titan_harness``'s tiny Qwen3 MoE (:data:`SIZES`)."""
+    from torchtitan.models.moe import MoEArgs
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+
+    s = SIZES
+    return Qwen3ModelArgs(
+        vocab_size=s["vocab"], max_seq_len=32, head_dim=s["head_dim"], dim=s["dim"],
+        n_layers=s["layers"], n_heads=s["heads"], n_kv_heads=s["kv_heads"], hidden_dim=64,
+        moe_enabled=True, moe_inter_dim=s["hidden"],
+        moe_args=MoEArgs(num_experts=s["experts"], num_shared_experts=0, top_k=s["top_k"],
+                         score_func="softmax",
+                         route_norm=True, score_before_experts=score_before_experts,
+                         use_grouped_mm=True))
+
+
+def count_on_cpu() -> None:
+    """The router's ``torch.histc`` of integer expert ids, counted on float ids (torch has the
+    integer one on CUDA only)."""
+    histc = torch.histc
+    if getattr(histc, "counts_on_float_ids", False):
+        return
+
+    def float_histc(t, *args, **kwargs):
+        if t.is_floating_point():
+            return histc(t, *args, **kwargs)
+        return histc(t.float(), *args, **kwargs).to(t.dtype)
+
+    float_histc.counts_on_float_ids = True
+    torch.histc = float_histc
+
+
+def initial_state() -> dict:
+    """The parameters every run starts from, by name: torchtitan's init, seeded."""
+    from torchtitan.models.qwen3.model.model import Qwen3Model
+
+    torch.manual_seed(0)
+    model = Qwen3Model(model_args())
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def build(world: int, *, ep: int = 1, convert: Optional[str] = None,
+          compile: Optional[str] = None, ac: Optional[str] = None):
+    """``(model, parallel dims)``: the model parallelized by torchtitan 0.2's
+    ``parallelize_qwen3`` on ``world`` gloo ranks (FSDP2 over every rank; with ``ep`` > 1
+    expert parallelism), weights loaded. ``convert``: None, ``"bf16"`` or ``"fp8"`` (the
+    registered converter, before parallelizing, as torchtitan's trainer runs converters);
+    ``compile``: None or torchtitan's compile backend; ``ac``: None, ``"selective"`` or
+    ``"full"`` activation checkpointing."""
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    import torchtitan.models.moe.kernels as moe_kernels
+    import torchtitan.models.moe.utils as moe_utils
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config import JobConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.qwen3.infra.parallelize import parallelize_qwen3
+    from torchtitan.models.qwen3.model.model import Qwen3Model
+
+    parallel_dims_module.device_type = "cpu"  # torchtitan assumes CUDA without an accelerator
+    moe_utils.generate_permute_indices = functools.partial(
+        moe_kernels.generate_permute_indices, use_cpu=True)
+    count_on_cpu()
+    job = JobConfig()
+    job.parallelism.expert_parallel_degree = ep
+    job.compile.enable = compile is not None
+    job.compile.components = ["model"]
+    job.compile.backend = compile or "inductor"
+    job.training.mixed_precision_param = "float32"
+    job.activation_checkpoint.mode = ac or "none"
+    dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=ep, etp=1,
+                        world_size=world)
+    dims.build_mesh()
+    with torch.device("meta"):
+        model = Qwen3Model(model_args())
+    if convert is not None:
+        import compileops.integrations.torchtitan  # noqa: F401  (registers the converters)
+        from torchtitan.protocols.model_converter import _registry_model_converter_cls
+
+        name = {"bf16": "compileops_moe", "fp8": "compileops_moe_fp8"}[convert]
+        _registry_model_converter_cls[name](job, dims).convert(model)
+    model = parallelize_qwen3(model, dims, job)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):  # gloo has no PREMUL_SUM
+            module.set_force_sum_reduction_for_comms(True)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    load_parameters(model, initial_state())
+    return model, dims
+
+
+def train_configs(rank: int, world: int, configs: dict) -> dict:
+    """``titan_harness.train`` (the same loop, batches and results) for each ``{name: kwargs}``
+    of ``configs`` on torchtitan 0.2 models (:func:`build`), in one process group. Each
+    result also counts the calls of the converted experts module's forward on this rank
+    (``experts_calls``): the expert-parallel path's, which torchtitan's ``MoE.forward``
+    makes through the dispatch hooks."""
+    from compileops.integrations import _titan_v02
+
+    calls = [0]
+    forward = _titan_v02.CompileopsGroupedExperts.forward
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return forward(self, *args, **kwargs)
+
+    _titan_v02.CompileopsGroupedExperts.forward = counted
+    results = {}
+    try:
+        for name, kwargs in configs.items():
+            calls[0] = 0
+            results[name] = titan_harness.train(rank, world, builder=build, **kwargs)
+            results[name]["experts_calls"] = calls[0]
+    finally:
+        _titan_v02.CompileopsGroupedExperts.forward = forward
+    return results
