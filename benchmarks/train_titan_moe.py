@@ -1,4 +1,5 @@
-"""MoE training in torchtitan's own trainer (``torchtitan.train``, its real loop) on one GPU:
+"""MoE training in torchtitan's own trainer (``torchtitan.train``, its real loop) on one GPU or
+several (``--gpus``, ``--ep``):
 torchtitan's experts against compileops', bf16 and fp8, at two expert shapes.
 
 For each shape (``benchmarks/titan_moe_spec.py``: Qwen3-30B-A3B's experts, width 2048, 128
@@ -16,7 +17,8 @@ it runs, alternating, in this order:
 ``--impls`` can add ``compileops-bf16-pair`` (``--model.converters compileops_moe_pair``: bf16
 with the gate and up products reading w1 and w3 where they are, ``gate_up="pair"``).
 
-Each run is ``torchrun --standalone --nproc_per_node 1 -m torchtitan.train`` with
+Each run is ``torchrun --standalone --nproc_per_node <--gpus> -m torchtitan.train`` (FSDP2 over
+the GPUs, expert parallelism of degree ``--ep``) with
 ``benchmarks/titan_moe.toml`` (compile on, synthetic data, AdamW), its log kept in
 ``--out``. From torchtitan's per-step log line it takes the loss, the tokens per second and
 the peak reserved memory; it writes every step to ``titan_moe_steps.csv``, and per run the
@@ -104,15 +106,23 @@ def estimate_s(shape: str, layers: int, steps: int, tokens_per_step: int, tflops
     return compile_s + 1.1 * steps * flops / (tflops * 1e12)
 
 
+def command(shape: str, impl: str, args, out: Path) -> list[str]:
+    """The torchrun command of one run: ``args.gpus`` processes (one per GPU), FSDP2 over all
+    of them (torchtitan's ``data_parallel_shard_degree = -1``) and expert parallelism of
+    degree ``args.ep``."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+            str(args.gpus), "-m", "torchtitan.train", "--job.config_file", str(TOML),
+            "--model.flavor", shape, "--training.steps", str(args.steps),
+            "--training.local_batch_size", str(args.batch), "--training.seq_len", str(args.seq),
+            "--training.dtype", args.param_dtype,
+            "--parallelism.expert_parallel_degree", str(args.ep),
+            "--job.dump_folder", str(out / f"{shape}-{impl}"),
+            *(IMPLS[impl] if IMPLS[impl] is not None else _titan_fp8_args())]
+
+
 def run_one(shape: str, impl: str, args, out: Path) -> tuple[list[dict], str]:
     layers = args.layers or SHAPES[shape][4]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "1", "-m", "torchtitan.train", "--job.config_file", str(TOML),
-           "--model.flavor", shape, "--training.steps", str(args.steps),
-           "--training.local_batch_size", str(args.batch), "--training.seq_len", str(args.seq),
-           "--training.dtype", args.param_dtype,
-           "--job.dump_folder", str(out / f"{shape}-{impl}"),
-           *(IMPLS[impl] if IMPLS[impl] is not None else _titan_fp8_args())]
+    cmd = command(shape, impl, args, out)
     env = dict(os.environ, COMPILEOPS_TITAN_LAYERS=str(layers),
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
                                                         os.environ.get("PYTHONPATH")])))
@@ -239,6 +249,12 @@ def main(argv=None) -> int:
                         "bf16 autocast on one GPU) or bfloat16 (weights and optimizer state "
                         "in bf16; the only way compileops' fp8 weight cache can hit on one "
                         "GPU, where torchtitan applies no FSDP)")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="processes, one per GPU (FSDP2 over all of them); torchtitan's tps "
+                        "and memory are per GPU")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert parallelism degree (torchtitan's expert_parallel_degree; "
+                        "it must divide --gpus)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--out", type=Path, default=Path("titan_moe_results"))
     p.add_argument("--estimate", action="store_true")
@@ -248,6 +264,8 @@ def main(argv=None) -> int:
     p.add_argument("--assumed-tflops", type=float, default=300.0)
     p.add_argument("--compile-s", type=float, default=60.0)
     args = p.parse_args(argv)
+    if args.gpus < 1 or args.ep < 1 or args.gpus % args.ep:
+        p.error(f"--ep {args.ep} must divide --gpus {args.gpus} (both at least 1)")
 
     tokens = args.batch * args.seq
     if args.estimate:

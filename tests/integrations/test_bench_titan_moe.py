@@ -95,3 +95,21 @@ def test_tables_rebuild_from_run_logs(tmp_path):
     table = (out / "titan_moe.md").read_text()
     row = next(line for line in table.splitlines() if "| compileops-bf16 |" in line)
     assert "| 1.500x |" in row and "| 60 |" in row
+
+
+def test_command_runs_one_process_per_gpu_with_the_expert_parallel_degree(tmp_path):
+    import argparse
+
+    args = argparse.Namespace(gpus=4, ep=2, steps=10, batch=2, seq=128,
+                              param_dtype="float32")
+    cmd = bench.command("qwen3-30b-a3b-experts", "compileops-bf16", args, tmp_path)
+    assert cmd[cmd.index("--nproc_per_node") + 1] == "4"
+    assert cmd[cmd.index("--parallelism.expert_parallel_degree") + 1] == "2"
+    assert cmd[-2:] == ["--model.converters", "compileops_moe"]
+
+
+@pytest.mark.parametrize("gpus, ep", [(4, 3), (2, 0), (0, 1)])
+def test_an_expert_parallel_degree_that_does_not_divide_the_gpus_is_refused(gpus, ep, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--gpus", str(gpus), "--ep", str(ep), "--estimate"])
+    assert "must divide" in capsys.readouterr().err
