@@ -45,14 +45,15 @@ def _fresh_dynamo():
 
 # The test modules that exercise code whose behaviour depends on the torch and triton
 # versions: the Inductor lowerings and their private API, the graph snapshots, the Triton
-# kernels (under the interpreter, and compiled for sm90), the cached launch path, and the
-# package as installed. `pytest -m compat` runs them alone (the README's command for testing
-# another supported torch).
+# kernels (under the interpreter, and compiled for sm90), the cached launch path, the
+# package as installed, and the torchtitan 0.2 integration (the torchtitan release of the
+# oldest supported torch; skipped with torchtitan 0.3). `pytest -m compat` runs them alone
+# (the README's command for testing another supported torch).
 COMPAT_MODULES = (
     "test_compile.py", "test_snapshots.py", "test_kernels.py", "test_kernels_wgrad.py",
     "test_codegen_sm90.py", "test_launch.py", "test_import.py", "test_packaging.py",
     "test_export.py", "test_logging.py", "test_snapshot_helper.py", "test_compat.py",
-    "test_user_pattern_snapshots.py",
+    "test_user_pattern_snapshots.py", "test_torchtitan_v02.py", "test_torchtitan_v02_mesh.py",
 )
 
 
