@@ -1,4 +1,5 @@
-"""Data-parallel training of the MoE example model with FSDP2 (``fully_shard``) and
+"""Data-parallel training of the MoE example model (or, with ``--model hf-xlstm``, of
+transformers' xLSTM on compileops' mLSTM ops) with FSDP2 (``fully_shard``) and
 ``torch.compile``, one process per device.
 
 The model: ``compileops.nn.Embedding`` -> ``--layers`` pre-norm residual blocks around
@@ -23,6 +24,12 @@ Compilation (``--compile``):
   function marked as skipped ... skipping FSDP hooks");
 * ``none``: eager.
 
+``--model hf-xlstm`` trains transformers' ``xLSTMForCausalLM`` instead (built from a config,
+``--layers`` blocks of width ``--dim``; no download) on compileops' mLSTM ops through
+``compileops.integrations.transformers.apply`` (the ``hf`` extra), sharded and compiled the
+same way (units: the embedding, each block, the output norm, the LM head); ``--anchor native``
+runs transformers' own xLSTM code in the same model.
+
 ``--anchor grouped_mm`` swaps the two grouped products for ``torch._grouped_mm`` in the same
 model (same parameters, state dict and routing; SwiGLU and the probability scaling as plain
 ops), for a throughput comparison. ``--compare-single`` then trains the unsharded model on
@@ -44,6 +51,7 @@ only under a fixed workspace configuration. 2 x H200, benchmarks/RESULTS.md.
     torchrun --nproc-per-node 2 examples/fsdp2_moe.py --device cpu     # gloo, small shapes
     torchrun --nproc-per-node 8 examples/fsdp2_moe.py                   # CUDA, nccl, bf16
     torchrun --nproc-per-node 8 examples/fsdp2_moe.py --anchor grouped_mm
+    torchrun --nproc-per-node 2 examples/fsdp2_moe.py --model hf-xlstm --check-grads
 
 It runs one process per device, so it needs ``torchrun`` (plain ``python`` says so and exits).
 The default shapes depend on the device: on CUDA the model above (dim 2048, 64 experts,
@@ -177,12 +185,77 @@ class MoEModel(torch.nn.Module):
         return self.head(x, labels)
 
 
-def build(args, device, dtype) -> MoEModel:
+class HFxLSTMModel(torch.nn.Module):
+    """``--model hf-xlstm``: transformers' ``xLSTMForCausalLM`` (from a config: ``--layers``
+    blocks of width ``--dim`` with ``--xlstm-heads`` heads, vocabulary ``--vocab``; no
+    download) on compileops' mLSTM ops through :func:`compileops.integrations.transformers.apply`
+    (``--anchor native``: transformers' own xLSTM code). ids, labels ``[B, S]`` -> the mean
+    loss, with :class:`MoEModel`'s ``units()`` (the embedding, each block, the output norm and
+    the LM head) and ``capture``."""
+
+    def __init__(self, args, dtype):
+        super().__init__()
+        from transformers import xLSTMConfig, xLSTMForCausalLM
+
+        config = xLSTMConfig(vocab_size=args.vocab, hidden_size=args.dim,
+                             num_hidden_layers=args.layers, num_heads=args.xlstm_heads,
+                             use_cache=False)
+        self.lm = xLSTMForCausalLM(config).to(dtype)
+        if args.anchor != "native":
+            import compileops.integrations.transformers as cit
+
+            cit.apply(self.lm)
+        backbone = self.lm.backbone
+        self.capture = None
+        backbone.embeddings.register_forward_hook(self._capture_output("d_embedding_out"))
+        for i, block in enumerate(backbone.blocks):
+            if i:
+                block.register_forward_pre_hook(self._capture_input(f"d_block{i}_in"))
+            block.register_forward_pre_hook(self._record_alignment(i))
+        # Upstream of every block: the output norm's and the head's gradient alone.
+        backbone.out_norm.register_forward_pre_hook(self._capture_input("d_head_in"))
+
+    def _capture_output(self, name: str):
+        def hook(_module, _inputs, output):
+            if self.capture is not None and output.requires_grad:
+                output.register_hook(lambda g: self.capture.setdefault(name, g.detach().clone()))
+        return hook
+
+    def _capture_input(self, name: str):
+        def hook(_module, inputs):
+            x = inputs[0]
+            if self.capture is not None and x.requires_grad:
+                x.register_hook(lambda g: self.capture.setdefault(name, g.detach().clone()))
+        return hook
+
+    def _record_alignment(self, index: int):
+        def hook(module, _inputs):
+            if self.capture is not None:
+                seen = self.capture.setdefault("alignment", {})
+                for name, p in module.named_parameters():
+                    seen.setdefault(f"blocks.{index}.{name}", p.data_ptr() % 256)
+        return hook
+
+    def units(self) -> list[torch.nn.Module]:
+        """The modules that are sharded (and compiled) one by one."""
+        backbone = self.lm.backbone
+        return [backbone.embeddings, *backbone.blocks, backbone.out_norm, self.lm.lm_head]
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.lm(input_ids=ids, use_cache=False).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.reshape(-1))
+
+
+#: ``--model``: the model each rank trains.
+MODELS = {"moe": MoEModel, "hf-xlstm": HFxLSTMModel}
+
+
+def build(args, device, dtype) -> torch.nn.Module:
     torch.manual_seed(args.seed)  # every rank and the single-device run start alike
-    return MoEModel(args, dtype).to(device)
+    return MODELS[args.model](args, dtype).to(device)
 
 
-def compile_model(model: MoEModel, mode: str):
+def compile_model(model: torch.nn.Module, mode: str):
     if mode == "blocks":
         for unit in model.units():
             unit.forward = torch.compile(unit.forward, fullgraph=True)
@@ -215,7 +288,7 @@ def train_sharded(args, device, dtype, rank: int, world: int) -> list[float]:
     for unit in model.units():
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    if rank == 0:
+    if rank == 0 and args.model == "moe":
         w = model.layers[0].moe.gate_up.weight
         print(f"layers.0.moe.gate_up.weight [E, 2H, D]: {type(w).__name__} {list(w.shape)} "
               f"{list(w.placements)} -> local {list(w.to_local().shape)} on rank 0 "
@@ -382,8 +455,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true",
                    help="the small shapes (a model of a few kB) on CUDA too; the default on CPU")
     p.add_argument("--compile", choices=["blocks", "model", "none"], default="blocks")
-    p.add_argument("--anchor", choices=["compileops", "grouped_mm"], default="compileops",
-                   help="grouped_mm: the experts on torch._grouped_mm instead")
+    p.add_argument("--model", choices=list(MODELS), default="moe",
+                   help="moe: the MoE model above; hf-xlstm: transformers' xLSTMForCausalLM "
+                   "on compileops' mLSTM ops (the hf extra)")
+    p.add_argument("--anchor", choices=["compileops", "grouped_mm", "native"],
+                   default="compileops",
+                   help="grouped_mm (moe): the experts on torch._grouped_mm instead; native "
+                   "(hf-xlstm): transformers' own xLSTM code")
     p.add_argument("--compare-single", action="store_true",
                    help="also train the unsharded model on rank 0 and compare the losses")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
@@ -427,6 +505,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available on this machine")
+    anchors = {"moe": ("compileops", "grouped_mm"), "hf-xlstm": ("compileops", "native")}
+    if args.anchor not in anchors[args.model]:
+        p.error(f"--anchor {args.anchor} applies to another --model than {args.model} "
+                f"(its anchors: {', '.join(anchors[args.model])})")
     if args.trace_ops and (not args.check_grads or args.compile != "none"):
         p.error("--trace-ops needs --check-grads and --compile none (dispatch modes see eager "
                 "ops only)")
@@ -480,7 +562,8 @@ def main(argv=None) -> None:
     try:
         if rank == 0:
             print(f"world {world} on {device.type} ({dist.get_backend()}), {dtype}, "
-                  f"anchor={args.anchor}, compile={args.compile}", flush=True)
+                  f"model={args.model}, anchor={args.anchor}, compile={args.compile}",
+                  flush=True)
         losses, step0 = train_sharded(args, device, dtype, rank, world)
         if args.check_grads:
             torch._dynamo.reset()

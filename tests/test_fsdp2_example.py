@@ -1,8 +1,9 @@
 """``examples/fsdp2_moe.py`` under ``torchrun --nproc-per-node 2`` on CPU (gloo), tiny sizes,
-with an mLSTM layer in each block: it trains, each rank's first step equals one process on
-the same shard bitwise (loss and the gradients entering, between and leaving the blocks),
-the sharded loss curve equals the unsharded one, and ``--trace-ops`` finds no op that
-differs. The two-GPU NCCL run is in benchmarks/RESULTS.md.
+with an mLSTM layer in each block, and with ``--model hf-xlstm`` (transformers' xLSTM on
+compileops' mLSTM ops): it trains, each rank's first step equals one process on the same
+shard bitwise (loss and the gradients entering, between and leaving the blocks), the sharded
+loss curve equals the unsharded one, and ``--trace-ops`` finds no op that differs (and sees
+the compileops ops run). The two-GPU NCCL run of the MoE model is in benchmarks/RESULTS.md.
 
 Also: run without torchrun, the example exits with one line saying how to launch it (not
 ``init_process_group``'s "RANK expected" traceback); on CPU its sizes default to the small
@@ -15,6 +16,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.gloo import free_port
@@ -22,20 +24,24 @@ from tests.gloo import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run_example(*flags: str) -> str:
+def _run_example(*flags: str, model: str = "moe") -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    model_flags = ["--xlstm"] if model == "moe" else ["--model", model]
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
          os.path.join(ROOT, "examples", "fsdp2_moe.py"), "--device", "cpu", "--tiny",
-         "--xlstm", "--check-grads", *flags],
+         *model_flags, "--check-grads", *flags],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     return run.stdout
 
 
-def test_fsdp2_example_on_two_cpu_processes():
-    out = _run_example("--steps", "3", "--compare-single")
+@pytest.mark.parametrize("model", ["moe", "hf-xlstm"])
+def test_fsdp2_example_on_two_cpu_processes(model):
+    if model == "hf-xlstm":
+        pytest.importorskip("transformers", minversion="5.7")
+    out = _run_example("--steps", "3", "--compare-single", model=model)
     assert "0 graph breaks" in out, out
     checks = [line for line in out.splitlines() if "against one GPU on its shard" in line]
     assert len(checks) == 2, out
@@ -61,6 +67,24 @@ def test_fsdp2_example_op_trace_finds_no_divergence_on_cpu():
     for line in traces:
         assert "no op differs on equal inputs" in line, line
         assert "compileops::grouped_linear_dx" in line and "compileops::mlstm" in line, line
+
+
+def test_fsdp2_example_runs_transformers_xlstm_on_compileops_ops():
+    pytest.importorskip("transformers", minversion="5.7")
+    out = _run_example("--steps", "1", "--compile", "none", "--trace-ops", model="hf-xlstm")
+    traces = [line for line in out.splitlines() if "op trace, sharded against single" in line]
+    assert len(traces) == 2, out
+    for line in traces:
+        assert "no op differs on equal inputs" in line, line
+        assert "compileops::mlstm" in line, line
+
+
+def test_fsdp2_example_refuses_an_anchor_of_the_other_model(capsys):
+    example = _example_module()
+    for argv in (["--model", "hf-xlstm", "--anchor", "grouped_mm"], ["--anchor", "native"]):
+        with pytest.raises(SystemExit):
+            example.parse_args(["--device", "cpu", *argv])
+        assert "applies to another --model" in capsys.readouterr().err
 
 
 def _example_module():
