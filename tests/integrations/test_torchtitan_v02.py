@@ -3,7 +3,8 @@
 process (its parallelisms on gloo ranks: test_torchtitan_v02_mesh.py).
 
 torchtitan 0.2's router counts tokens with ``torch.histc`` on integer expert ids, which torch
-has on CUDA only: the tests count them on float ids (the same counts, in the ids' dtype).
+has on CUDA only: the tests count them on float ids (the same counts, in the ids' dtype;
+``titan_v02_harness.histc_of_float_ids``), on the harness's tiny model.
 
 Tolerances as in test_torchtitan.py: the two paths round the experts' intermediates to bf16
 (u = 2^-8) at different places, a gradient's relative L2 difference <= 4u.
@@ -21,35 +22,21 @@ if titan.LAYOUT != "0.2":
     pytest.skip("torchtitan 0.2's MoE layout (torchtitan.models.moe)", allow_module_level=True)
 
 import compileops  # noqa: E402
+from tests.integrations import titan_v02_harness as harness  # noqa: E402
 
 U = 2.0 ** -8
 
 
 @pytest.fixture(autouse=True)
 def _histc_on_cpu(monkeypatch):
-    histc = torch.histc
-
-    def float_histc(t, *args, **kwargs):
-        if t.is_floating_point():
-            return histc(t, *args, **kwargs)
-        return histc(t.float(), *args, **kwargs).to(t.dtype)  # integer counts, as on CUDA
-
-    monkeypatch.setattr(torch, "histc", float_histc)
+    monkeypatch.setattr(torch, "histc", harness.histc_of_float_ids(torch.histc))
 
 
 def _model(score_before_experts: bool = False, use_grouped_mm: bool = True):
-    from torchtitan.models.moe import MoEArgs
     from torchtitan.models.qwen3 import Qwen3Model
-    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
 
-    args = Qwen3ModelArgs(
-        vocab_size=64, max_seq_len=32, head_dim=16, dim=32, n_layers=2, n_heads=2,
-        n_kv_heads=1, hidden_dim=64, moe_enabled=True, moe_inter_dim=16,
-        moe_args=MoEArgs(num_experts=8, num_shared_experts=0, top_k=2, score_func="softmax",
-                         route_norm=True, score_before_experts=score_before_experts,
-                         use_grouped_mm=use_grouped_mm))
     torch.manual_seed(0)
-    model = Qwen3Model(args)
+    model = Qwen3Model(harness.model_args(score_before_experts, use_grouped_mm))
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device("cpu"))
     return model
@@ -92,6 +79,7 @@ def test_compiled_body_does_not_recompile_as_token_counts_change():
     theirs = _model()
     mine = copy.deepcopy(theirs)
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # other tests of this process compiled too
     apply_v02(mine, Options(), compile_backend="aot_eager")  # as the converter does
     gen = torch.Generator().manual_seed(2)
     for _ in range(3):

@@ -29,7 +29,7 @@ from tests.integrations import titan_harness
 from tests.integrations.titan_harness import SIZES, load_parameters
 
 
-def model_args(score_before_experts: bool = False):
+def model_args(score_before_experts: bool = False, use_grouped_mm: bool = True):
     """torchtitan 0.2's arguments for ``titan_harness``'s tiny Qwen3 MoE (:data:`SIZES`)."""
     from torchtitan.models.moe import MoEArgs
     from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
@@ -42,23 +42,26 @@ def model_args(score_before_experts: bool = False):
         moe_args=MoEArgs(num_experts=s["experts"], num_shared_experts=0, top_k=s["top_k"],
                          score_func="softmax",
                          route_norm=True, score_before_experts=score_before_experts,
-                         use_grouped_mm=True))
+                         use_grouped_mm=use_grouped_mm))
 
 
-def count_on_cpu() -> None:
-    """The router's ``torch.histc`` of integer expert ids, counted on float ids (torch has the
-    integer one on CUDA only)."""
-    histc = torch.histc
-    if getattr(histc, "counts_on_float_ids", False):
-        return
-
+def histc_of_float_ids(histc):
+    """``histc`` for torchtitan 0.2's router, which counts integer expert ids with
+    ``torch.histc``: torch has that on CUDA only, so integer ids are counted as floats (the
+    same counts, returned in the ids' dtype, as on CUDA)."""
     def float_histc(t, *args, **kwargs):
         if t.is_floating_point():
             return histc(t, *args, **kwargs)
         return histc(t.float(), *args, **kwargs).to(t.dtype)
 
-    float_histc.counts_on_float_ids = True
-    torch.histc = float_histc
+    float_histc.counts_float_ids = True
+    return float_histc
+
+
+def count_on_cpu() -> None:
+    """:func:`histc_of_float_ids` as ``torch.histc`` in this (rank's) process."""
+    if not getattr(torch.histc, "counts_float_ids", False):
+        torch.histc = histc_of_float_ids(torch.histc)
 
 
 def initial_state() -> dict:
