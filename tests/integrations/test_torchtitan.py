@@ -41,22 +41,18 @@ if titan.LAYOUT != "0.3":
 
 from tests.gloo import run_ranks  # noqa: E402
 from tests.integrations import titan_harness as harness  # noqa: E402
-from tests.integrations.titan_harness import assert_close_runs, relative_l2  # noqa: E402
+from tests.integrations.titan_harness import (  # noqa: E402
+    assert_close_runs,
+    relative_l2,
+    run_on_ranks,
+)
 
 U = 2.0 ** -8
 STEPS = harness.STEPS
 
 
 def _run(world: int, configs: dict) -> dict:
-    results, codes = run_ranks(functools.partial(harness.train_configs, configs=configs), world,
-                               timeout_s=1500, group_timeout_s=600)
-    errors = {r: v["error"] for r, v in results.items() if "error" in v}
-    assert not errors, "\n".join(f"rank {r}:\n{e}" for r, e in errors.items())
-    assert codes == [0] * world, codes
-    for name in configs:  # every rank saw the same global losses
-        for rank in range(1, world):
-            assert results[rank][name]["losses"] == results[0][name]["losses"], name
-    return results[0]
+    return run_on_ranks(world, configs)
 
 
 @functools.lru_cache(maxsize=None)

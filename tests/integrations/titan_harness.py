@@ -111,7 +111,6 @@ def build(world: int, *, ep: int = 1, convert: Optional[str] = None,
     """The model, parallelized by torchtitan's ``parallelize_qwen3`` on ``world`` gloo ranks
     (FSDP2 over every rank; with ``ep`` > 1 expert parallelism), weights loaded."""
     import torchtitan.distributed.parallel_dims as parallel_dims_module
-    from torch.distributed.fsdp import FSDPModule
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
@@ -136,14 +135,22 @@ def build(world: int, *, ep: int = 1, convert: Optional[str] = None,
         compile_config=CompileConfig(enable=compile is not None, components=["model"],
                                      backend=compile or "inductor"),
         ac_config=ac_config, dump_folder="/tmp")
+    materialize(model, initial_state())
+    return model, dims
+
+
+def materialize(model, state: dict) -> None:
+    """A model parallelized on the meta device, made real on the CPU with ``state``'s weights
+    (each rank its shards), its FSDP modules reducing by sums (gloo has no PREMUL_SUM)."""
+    from torch.distributed.fsdp import FSDPModule
+
     for module in model.modules():
-        if isinstance(module, FSDPModule):  # gloo has no PREMUL_SUM
+        if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-    load_parameters(model, initial_state())
-    return model, dims
+    load_parameters(model, state)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -209,6 +216,25 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def run_on_ranks(world: int, configs: dict, train_configs_fn=None) -> dict:
+    """``train_configs_fn`` (default :func:`train_configs`) on ``world`` gloo ranks: rank 0's
+    results, after checking that no rank failed and that every rank saw the same losses."""
+    import functools
+
+    from tests.gloo import run_ranks
+
+    results, codes = run_ranks(
+        functools.partial(train_configs_fn or train_configs, configs=configs), world,
+        timeout_s=1500, group_timeout_s=600)
+    errors = {r: v["error"] for r, v in results.items() if "error" in v}
+    assert not errors, "\n".join(f"rank {r}:\n{e}" for r, e in errors.items())
+    assert codes == [0] * world, codes
+    for name in configs:  # every rank saw the same global losses
+        for rank in range(1, world):
+            assert results[rank][name]["losses"] == results[0][name]["losses"], name
+    return results[0]
 
 
 def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from tests.integrations import titan_harness
-from tests.integrations.titan_harness import SIZES, load_parameters
+from tests.integrations.titan_harness import SIZES
 
 
 def model_args(score_before_experts: bool = False, use_grouped_mm: bool = True):
@@ -86,7 +86,6 @@ def build(world: int, *, ep: int = 1, convert: Optional[str] = None,
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     import torchtitan.models.moe.kernels as moe_kernels
     import torchtitan.models.moe.utils as moe_utils
-    from torch.distributed.fsdp import FSDPModule
     from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.models.qwen3.infra.parallelize import parallelize_qwen3
@@ -115,13 +114,7 @@ def build(world: int, *, ep: int = 1, convert: Optional[str] = None,
         name = {"bf16": "compileops_moe", "fp8": "compileops_moe_fp8"}[convert]
         _registry_model_converter_cls[name](job, dims).convert(model)
     model = parallelize_qwen3(model, dims, job)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):  # gloo has no PREMUL_SUM
-            module.set_force_sum_reduction_for_comms(True)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    load_parameters(model, initial_state())
+    titan_harness.materialize(model, initial_state())
     return model, dims
 
 
