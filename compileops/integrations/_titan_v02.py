@@ -101,9 +101,9 @@ class CompileopsMoE(MoE):
         weights = (self.experts.w1, self.experts.w2, self.experts.w3)
         if any(_tensor_parallel(w) for w in weights):
             raise NotImplementedError(
-                "compileops' torchtitan 0.2 MoE does not serve tensor parallelism on the "
-                "experts (expert_tensor_parallel_degree or tensor_parallel_degree > 1 "
-                "without expert parallelism); expert parallelism and FSDP are served")
+                "compileops' torchtitan 0.2 MoE does not serve tensor parallelism "
+                "(tensor_parallel_degree or expert_tensor_parallel_degree > 1); expert "
+                "parallelism and FSDP are served")
         if any(_expert_parallel(w) for w in weights):
             # The routed rows travel between ranks in hooks on the experts module, which
             # torchtitan's forward calls: keep it; the experts compute on compileops.
@@ -172,23 +172,29 @@ def experts_compute_dtype(experts) -> Optional[torch.dtype]:
 
 
 def _problem(name: str, module) -> Optional[str]:
-    if isinstance(module, CompileopsMoE):
-        return None
-    if type(module) is not MoE:
+    """Why ``apply()`` cannot serve this MoE, or None. A converted one (``apply()`` again, to
+    change the options) is served unless it was parallelized since."""
+    converted = isinstance(module, CompileopsMoE)
+    if not converted and type(module) is not MoE:
         return (f"{name} ({type(module).__name__}): not torchtitan's MoE (DeepEP and other "
                 "MoE variants have their own dispatch)")
-    if type(module.experts).__name__ != "GroupedExperts" or not hasattr(module.experts, "w1"):
-        return f"{name}.experts ({type(module.experts).__name__}): not torchtitan's GroupedExperts"
-    for w in (module.experts.w1, module.experts.w2, module.experts.w3):
-        if not isinstance(w, torch.Tensor) or w.dim() != 3:
-            return f"{name}.experts: w1/w2/w3 are not 3-D tensors (converted by another converter?)"
-        if _expert_parallel(w) or _tensor_parallel(w):
-            return (f"{name}.experts: expert or tensor parallelism is applied already; "
-                    "convert before parallelizing (the converter does)")
-    if getattr(module.experts, "_forward_pre_hooks", None) or \
-            getattr(module.experts, "_forward_hooks", None):
-        return (f"{name}.experts has forward hooks (expert parallelism's dispatch?), which "
-                "the converted MoE would not run")
+    experts = module.experts
+    weights = [getattr(experts, w, None) for w in ("w1", "w2", "w3")]
+    # Parallelism first: torchtitan 0.2 wraps expert-parallel experts in FSDP, whose class
+    # (FSDPGroupedExperts) would otherwise be reported as another experts class.
+    if any(isinstance(w, torch.Tensor) and (_expert_parallel(w) or _tensor_parallel(w))
+           for w in weights):
+        return (f"{name}.experts: expert or tensor parallelism is applied already; "
+                "convert before parallelizing (the converter does)")
+    if getattr(experts, "_forward_pre_hooks", None) or getattr(experts, "_forward_hooks", None):
+        return (f"{name}.experts has forward hooks (expert parallelism's dispatch, FSDP?): "
+                "convert before parallelizing")
+    if converted:
+        return None
+    if type(experts).__name__ != "GroupedExperts" or weights[0] is None:
+        return f"{name}.experts ({type(experts).__name__}): not torchtitan's GroupedExperts"
+    if any(not isinstance(w, torch.Tensor) or w.dim() != 3 for w in weights):
+        return f"{name}.experts: w1/w2/w3 are not 3-D tensors (converted by another converter?)"
     return None
 
 
@@ -201,7 +207,8 @@ def apply_v02(model: torch.nn.Module, options: Options,
     report = {"experts": [], "scores": {}, "compute": {}}
     for name, module in found:
         module.__class__ = CompileopsMoE
-        module.experts.__class__ = CompileopsGroupedExperts
+        if not isinstance(module.experts, CompileopsGroupedExperts):
+            module.experts.__class__ = CompileopsGroupedExperts
         for converted in (module, module.experts):
             converted.compileops_options = options
             if compile_backend is not None:

@@ -46,7 +46,8 @@ parallelism the tokens travel to the experts' ranks in hooks on the experts modu
 keeps torchtitan 0.2's own forward around the converted experts module: the grouped GEMMs run
 on compileops, and torchtitan applies the router scores and gathers the rows (the epilogue
 form needs the scores on the experts' rank, which 0.2's dispatch does not send). Tensor
-parallelism on the experts is refused with either release's 0.2 layout.
+parallelism (``tensor_parallel_degree`` or ``expert_tensor_parallel_degree`` > 1) is refused
+with torchtitan 0.2.
 """
 from __future__ import annotations
 
@@ -126,6 +127,9 @@ def apply(model: torch.nn.Module, *, fp8: Optional[Literal["rowwise"]] = None,
     "combine"}, "fp8": fp8, "layout": "0.3" | "0.2"}``; ``"scores"`` says where each MoE's
     router scores are applied: in the down projection's kernel, on the experts' input
     (torchtitan 0.2's ``score_before_experts``), or by torchtitan's dispatcher in its combine.
+    With torchtitan 0.2, expert parallelism applied afterwards moves ``"epilogue"`` scores to
+    torchtitan's own ``MoE.forward``, after the experts (the module docstring's
+    Parallelism).
     With torchtitan 0.2 it also holds ``"compute": {experts name: "bf16" | "the parameters'
     dtype (torchtitan's use_grouped_mm=False)"}``: the products run in bf16 as torchtitan's
     grouped-GEMM experts do, or in the parameters' dtype where its experts run their for-loop

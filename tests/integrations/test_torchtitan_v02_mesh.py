@@ -22,6 +22,7 @@ import compileops.integrations.torchtitan as titan  # noqa: E402  (must import: 
 if titan.LAYOUT != "0.2":
     pytest.skip("these tests drive torchtitan 0.2's parallelize_qwen3", allow_module_level=True)
 
+from tests.gloo import run_ranks  # noqa: E402
 from tests.integrations import titan_v02_harness as harness  # noqa: E402
 from tests.integrations.titan_harness import assert_close_runs, run_on_ranks  # noqa: E402
 
@@ -71,6 +72,9 @@ def test_expert_parallel_mesh_matches_torchtitan_and_single_rank(name, ranks):
     per_step = {"ep2": 2, "ep2-compiled-sac": 3, "ep2xfsdp4-full-ac": 4, "ep4-compiled": 2}
     assert mine["experts_calls"] == per_step[name] * harness.titan_harness.STEPS
     assert titan_run["experts_calls"] == 0
+    if "compiled" not in name:  # and they computed on compileops' grouped GEMMs
+        assert mine["down_projections"] == mine["experts_calls"]
+        assert titan_run["down_projections"] == 0
     assert_close_runs(mine, titan_run, grad_rtol=4 * U, what=f"{name}: bf16 vs torchtitan")
     if name == "ep4-compiled":  # one sequence length: compare with runs of the same batches
         return
@@ -100,3 +104,16 @@ def test_compiled_expert_parallel_does_not_recompile(name, ranks):
         # blocks), never after it.
         warm = 3 if ranks == 2 else 1
         assert len(set(graphs[warm - 1:])) == 1, (path, graphs)
+
+
+def test_apply_refuses_a_model_parallelized_already_before_changing_anything():
+    results, codes = run_ranks(harness.refusals, 2, timeout_s=600, group_timeout_s=300)
+    assert codes == [0, 0], results
+    for rank in (0, 1):
+        out = results[rank]
+        assert "error" not in out, out
+        for case, (error, experts_class, moe_class, fp8) in out.items():
+            assert error is not None and "parallelism is applied already" in error, (case, error)
+        # Nothing changed: FSDP's experts classes and the converted options stay.
+        assert out["unconverted"][1:3] == ("FSDPGroupedExperts", "MoE"), out
+        assert out["converted"][1:] == ("FSDPCompileopsGroupedExperts", "CompileopsMoE", None), out

@@ -121,25 +121,54 @@ def build(world: int, *, ep: int = 1, convert: Optional[str] = None,
 def train_configs(rank: int, world: int, configs: dict) -> dict:
     """``titan_harness.train`` (the same loop, batches and results) for each ``{name: kwargs}``
     of ``configs`` on torchtitan 0.2 models (:func:`build`), in one process group. Each
-    result also counts the calls of the converted experts module's forward on this rank
-    (``experts_calls``): the expert-parallel path's, which torchtitan's ``MoE.forward``
-    makes through the dispatch hooks."""
-    from compileops.integrations import _titan_v02
+    result also counts, on this rank, the calls of the converted experts module's forward
+    (``experts_calls``: the expert-parallel path's, which torchtitan's ``MoE.forward`` makes
+    through the dispatch hooks) and, in runs not compiled, of compileops' down projection
+    (``down_projections``: the experts computed on compileops' grouped GEMMs)."""
+    from compileops.integrations import _titan_experts, _titan_v02
 
-    calls = [0]
-    forward = _titan_v02.CompileopsGroupedExperts.forward
+    calls = {"experts": 0, "down": 0}
+    forward, down = _titan_v02.CompileopsGroupedExperts.forward, _titan_experts.grouped_linear
 
-    def counted(self, *args, **kwargs):
-        calls[0] += 1
+    def counted_forward(self, *args, **kwargs):
+        calls["experts"] += 1
         return forward(self, *args, **kwargs)
 
-    _titan_v02.CompileopsGroupedExperts.forward = counted
+    def counted_down(*args, **kwargs):
+        calls["down"] += 1
+        return down(*args, **kwargs)
+
+    _titan_v02.CompileopsGroupedExperts.forward = counted_forward
     results = {}
     try:
         for name, kwargs in configs.items():
-            calls[0] = 0
+            calls.update(experts=0, down=0)
+            # Compiled runs trace the experts once: only eager calls count.
+            _titan_experts.grouped_linear = down if kwargs.get("compile") else counted_down
             results[name] = titan_harness.train(rank, world, builder=build, **kwargs)
-            results[name]["experts_calls"] = calls[0]
+            results[name]["experts_calls"] = calls["experts"]
+            results[name]["down_projections"] = calls["down"]
     finally:
         _titan_v02.CompileopsGroupedExperts.forward = forward
+        _titan_experts.grouped_linear = down
     return results
+
+
+def refusals(rank: int, world: int) -> dict:
+    """``apply()`` on a model that torchtitan parallelized with expert parallelism 2 (``world``
+    ranks), converted before or not: ``{case: (error message or None, the experts' class
+    name and the MoE's class name after the call)}``."""
+    import compileops.integrations.torchtitan as titan
+
+    out = {}
+    for case, convert in (("unconverted", None), ("converted", "bf16")):
+        model, _ = build(world, ep=2, convert=convert)
+        try:
+            titan.apply(model, fp8="rowwise")
+            error = None
+        except NotImplementedError as e:
+            error = str(e)
+        moe = model.layers["0"].moe
+        out[case] = (error, type(moe.experts).__name__, type(moe).__name__,
+                     moe.experts.compileops_options.fp8 if convert else None)
+    return out
