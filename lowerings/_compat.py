@@ -478,3 +478,55 @@ def statically_equal(a, b) -> bool:
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     return bool(statically_known_true(a == b))
+
+
+# Inductor keeps a whole row in registers (a persistent reduction, the row read once) only
+# up to this many elements along an inner reduction (``InductorChoices.
+# should_use_persistent_reduction``, the same in torch 2.11 to 2.15); a wider row is reduced
+# in a loop, and a pointwise consumer fused after that loop reads the row a second time.
+PERSISTENT_ROW_LIMIT = 1024
+
+
+def inner_row_max(*, device, inner_fn: Callable, ranges: Sequence, row_width) -> Any:
+    """The max over ``row_width`` of ``inner_fn(index, [j])`` (fp32), marked as a reduction
+    along contiguous rows: Inductor infers that only when every load is contiguous, which
+    a row read in several parts is not, and would otherwise keep a loop (and read the row
+    twice) for any but a few rows."""
+    from torch._inductor.ir import Reduction
+    from torch._inductor.runtime.hints import ReductionHint
+
+    result = Reduction.create(device=device, dst_dtype=torch.float32,
+                              src_dtype=torch.float32, inner_fn=inner_fn, ranges=list(ranges),
+                              reduction_ranges=[row_width], reduction_type="max",
+                              reduction_hint=ReductionHint.INNER)
+    result.realize()  # as Inductor's own reductions: a loader reads the reduced buffer
+    return result
+
+
+def concat_parts(parts: Sequence, dim: int) -> Any:
+    """One contiguous buffer whose slices along ``dim`` are ``parts`` (pointwise IR of one
+    dtype and device), each part computed straight into its slice (no copy), so each stays a
+    node of its own size and can fuse with a reduction over that size.
+
+    This is the tail of ``ConcatKernel.create``, without its head: torch 2.11's reads the
+    arguments of the ``aten.cat`` node being lowered, and here no such node exists."""
+    from torch._inductor.ir import (ConcatKernel, FixedLayout, FlexibleLayout, SliceView,
+                                    StorageBox, TensorBox)
+    from torch._inductor.virtualized import V
+
+    size = list(parts[0].get_size())
+    size[dim] = sum(part.get_size()[dim] for part in parts)
+    layout = FixedLayout(parts[0].get_device(), parts[0].get_dtype(), size,
+                         FlexibleLayout.contiguous_strides(size))
+    kernel = ConcatKernel(name=None, layout=layout, inputs=[])
+    storage = StorageBox(kernel)
+    start = 0
+    for part in parts:
+        end = start + part.get_size()[dim]
+        kernel.inputs.append(ConcatKernel.realize_into(
+            part, SliceView.create(storage, dim, start, end, clamp=False)))
+        start = end
+    kernel.name = V.graph.register_buffer(kernel)
+    kernel.inputs = ConcatKernel.unwrap_storage(kernel.inputs)
+    V.graph.register_operation(kernel)
+    return TensorBox(storage)

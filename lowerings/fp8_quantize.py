@@ -96,22 +96,81 @@ def _row_amax(x, dim: int):
     return _compat.aten_lowering(torch.ops.aten.amax.default)(magnitude, [dim])
 
 
+#: At most this many parts per row (each part one more load per reduction step).
+_MAX_ROW_PARTS = 8
+
+
+def row_parts(width) -> int:
+    """In how many equal parts :func:`quantise_rows` reads a row of ``width`` elements: the
+    fewest (at most ``_MAX_ROW_PARTS``) that bring a part within Inductor's persistent
+    reduction limit, so the row's amax and its quantisation are one pass over the row; 1
+    (the whole row, in a loop when wide) when no such split exists or the width is dynamic."""
+    if not _compat.is_static(width) or int(width) <= _compat.PERSISTENT_ROW_LIMIT:
+        return 1
+    width = int(width)
+    for parts in range(2, _MAX_ROW_PARTS + 1):
+        if width % parts == 0 and width // parts <= _compat.PERSISTENT_ROW_LIMIT:
+            return parts
+    return 1
+
+
+def _split_row_amax(x, parts: int):
+    """``max |x|`` along the last dim of ``x [R..., K]``, reduced over ``K / parts`` steps
+    that each read ``parts`` elements (``x[..., p * K / parts + j]``): the same maximum (a max
+    is exact in any order, and a NaN anywhere still gives NaN), in a reduction short enough
+    to keep the row in registers."""
+    ops = _compat.ops()
+    load = x.make_loader()
+    size = list(x.get_size())
+    part = int(size[-1]) // parts
+
+    def magnitude_at(rows, reduction_index):
+        (j,) = reduction_index
+        values = [ops.abs(ops.to_dtype(load([*rows, p * part + j]), torch.float32))
+                  for p in range(parts)]
+        largest = values[0]
+        for value in values[1:]:
+            largest = ops.maximum(largest, value)
+        return largest
+
+    return _compat.inner_row_max(device=x.get_device(), inner_fn=magnitude_at,
+                                 ranges=size[:-1], row_width=part)
+
+
 def quantise_rows(x):
     """``x [R..., K]`` (IR, 16- or 32-bit) -> ``(q [R..., K]`` e4m3, ``scale [R...]`` fp32),
-    both contiguous buffers, one scale per row of K."""
+    both contiguous buffers, one scale per row of K.
+
+    A row wider than Inductor's persistent-reduction limit is read in :func:`row_parts`
+    parts: the amax reduces over one part's width, and each part of ``q`` is its own
+    pointwise node of that width, written into its slice of ``q``; Inductor then fuses the
+    amax and every part's quantisation (and a pointwise producer of the rows, such as the
+    permutation's gather) into one persistent kernel that reads each row once, where a
+    looped reduction over the whole row reads it twice. Rows that are a concatenation's
+    buffer (the SwiGLU derivative's two halves) are read from it: Inductor does not fuse
+    across a concatenation, so their producer stays a kernel of its own."""
     ops = _compat.ops()
     device, size = x.get_device(), list(x.get_size())
-    amax = _row_amax(x, len(size) - 1)
+    parts = row_parts(size[-1])
+    amax = _row_amax(x, len(size) - 1) if parts == 1 else _split_row_amax(x, parts)
     load_x, load_amax = x.make_loader(), amax.make_loader()
+    part = size[-1] if parts == 1 else int(size[-1]) // parts
 
-    def q_at(idx):
-        _, inverse = _scale_and_inverse(ops, load_amax(idx[:-1]))
-        return _quantise(ops, load_x(idx), inverse)
+    def q_of_part(first):
+        def q_at(idx):
+            *rows, j = idx
+            _, inverse = _scale_and_inverse(ops, load_amax(rows))
+            return _quantise(ops, load_x([*rows, first + j]), inverse)
+        return _compat.pointwise(device=device, dtype=E4M3, inner_fn=q_at,
+                                 ranges=[*size[:-1], part])
 
     def scale_at(idx):
         return _scale_and_inverse(ops, load_amax(idx))[0]
 
-    q = _compat.pointwise(device=device, dtype=E4M3, inner_fn=q_at, ranges=size)
+    if parts == 1:
+        q = q_of_part(0)
+    else:
+        q = _compat.concat_parts([q_of_part(p * part) for p in range(parts)], len(size) - 1)
     scale = _compat.pointwise(device=device, dtype=torch.float32, inner_fn=scale_at,
                               ranges=size[:-1])
     return _compat.require_contiguous(q), _compat.require_contiguous(scale)

@@ -134,13 +134,20 @@ def _hard_rows(k: int) -> torch.Tensor:
     rows[6] *= 1e30
     rows[7] *= 1e-39  # fp32 subnormals
     rows[8] = torch.linspace(-448.0, 448.0, k)
+    rows[9, k - 1] = float("nan")  # in the last part of a row read in parts
+    rows[10, k // 2] = -float("inf")
     return rows
 
 
 @interpreter
-def test_the_ir_quantisation_has_the_quantisers_bits_on_hard_values():
+@pytest.mark.parametrize("row_limit", [None, 16], ids=["whole-rows", "rows-in-parts"])
+def test_the_ir_quantisation_has_the_quantisers_bits_on_hard_values(row_limit, monkeypatch):
     """x and dY full of hard rows; one expert's weight below the scale floor: the compiled
-    product's output and dX equal the eager ones bit for bit (NaN where eager has NaN)."""
+    product's output and dX equal the eager ones bit for bit (NaN where eager has NaN).
+    ``rows-in-parts`` lowers Inductor's persistent-reduction limit (as a row wider than it
+    is read) so the rows are quantised in parts: x's 48 in 3 parts, dY's 40 in 4."""
+    if row_limit is not None:
+        monkeypatch.setattr(_compat, "PERSISTENT_ROW_LIMIT", row_limit)
     k, n = 48, 40
     gen = torch.Generator().manual_seed(4)
     x = _hard_rows(k).requires_grad_()
@@ -158,6 +165,9 @@ def test_the_ir_quantisation_has_the_quantisers_bits_on_hard_values():
         assert torch.equal(a.isnan(), b.isnan()), what
         assert torch.equal(a.nan_to_num(), b.nan_to_num()), what
     assert not _extern_calls(code) & set(FP8_PRODUCTS)
+    # The reductions over one part of a row: x's (16 of 48) and dY's (10 of 40).
+    parts = {"r0_numel = 16", "r0_numel = 10"}
+    assert all(p in code for p in parts) == (row_limit is not None), code
 
 
 @interpreter
@@ -221,3 +231,27 @@ def test_on_the_gpu_the_templates_give_the_eager_ops_bits(cache, fast, dynamic):
     eager, got, code = _eager_and_compiled(plain, x, gate_up, dy, dynamic=dynamic)
     for what, a, b in zip(("y", "dx", "dw"), got, eager):
         assert torch.equal(a, b), what
+
+
+@interpreter
+def test_wide_rows_are_quantised_in_one_pass():
+    """4096 gathered rows of 2048 (twice the row Inductor keeps in registers): their
+    quantisation, fused with the gather, is one persistent reduction over half a row that
+    reads both halves at each step, not a loop that reads every row twice (compiled only:
+    the kernels' names and sizes)."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(4096, 2048, generator=gen).to(torch.bfloat16)
+    w = torch.randn(2, 32, 2048, generator=gen).to(torch.bfloat16)
+    index = torch.randperm(4096, generator=gen)
+    offsets = offsets_of([1000, 3096])
+
+    def layer(x, index, w):
+        return compileops.grouped_linear(x[index], w, offsets, fp8="rowwise",
+                                         cache_fp8_weights=True)
+
+    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
+        code = "\n".join(_compat.get_code(torch.compile(layer, fullgraph=True), x, index, w))
+    kernels = re.findall(r"def (triton_\w+)\(", code)
+    quantisers = [k for k in kernels if "_tem_" not in k]
+    assert quantisers and all(k.startswith("triton_per_") for k in quantisers), kernels
+    assert "r0_numel = 1024" in code
