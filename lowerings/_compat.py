@@ -503,6 +503,31 @@ def inner_row_max(*, device, inner_fn: Callable, ranges: Sequence, row_width) ->
     return result
 
 
+def concatenated_inputs(node, dim: int) -> list | None:
+    """``[(start, buffer), ...]``: the buffers a realized concatenation along ``dim`` is
+    written from, each with its offset along ``dim``, when ``node`` (a ``TensorBox``) is
+    such a concatenation (Inductor's ``ConcatKernel``: each input computed straight into its
+    slice); else None. A consumer that loads from these buffers rather than from the
+    concatenation can fuse with the kernels that compute them, which Inductor does not do
+    across the concatenation itself."""
+    from torch._inductor.ir import ConcatKernel
+
+    storage = getattr(node, "data", None)
+    kernel = getattr(storage, "data", None)
+    if not isinstance(kernel, ConcatKernel) or not kernel.inputs:
+        return None
+    starts, start = [], 0
+    for buffer in kernel.inputs:
+        size = buffer.get_size()
+        if len(size) != len(node.get_size()) or not is_static(size[dim]):
+            return None
+        starts.append((start, buffer))
+        start += int(size[dim])
+    if not is_static(node.get_size()[dim]) or start != int(node.get_size()[dim]):
+        return None
+    return starts
+
+
 def concat_parts(parts: Sequence, dim: int) -> Any:
     """One contiguous buffer whose slices along ``dim`` are ``parts`` (pointwise IR of one
     dtype and device), each part computed straight into its slice (no copy), so each stays a

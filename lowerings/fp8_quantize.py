@@ -100,41 +100,66 @@ def _row_amax(x, dim: int):
 _MAX_ROW_PARTS = 8
 
 
-def row_parts(width) -> int:
+def row_parts(width, boundaries=()) -> int:
     """In how many equal parts :func:`quantise_rows` reads a row of ``width`` elements: the
     fewest (at most ``_MAX_ROW_PARTS``) that bring a part within Inductor's persistent
-    reduction limit, so the row's amax and its quantisation are one pass over the row; 1
-    (the whole row, in a loop when wide) when no such split exists or the width is dynamic."""
+    reduction limit, so the row's amax and its quantisation are one pass over the row,
+    preferring a split whose parts each lie inside one piece of a concatenated row (pieces
+    starting at ``boundaries``); 1 (the whole row, in a loop when wide) when no split exists
+    or the width is dynamic."""
     if not _compat.is_static(width) or int(width) <= _compat.PERSISTENT_ROW_LIMIT:
         return 1
     width = int(width)
-    for parts in range(2, _MAX_ROW_PARTS + 1):
-        if width % parts == 0 and width // parts <= _compat.PERSISTENT_ROW_LIMIT:
-            return parts
-    return 1
+    fitting = [parts for parts in range(2, _MAX_ROW_PARTS + 1)
+               if width % parts == 0 and width // parts <= _compat.PERSISTENT_ROW_LIMIT]
+    aligned = [parts for parts in fitting
+               if all(start % (width // parts) == 0 for start in boundaries)]
+    return (aligned or fitting or [1])[0]
 
 
-def _split_row_amax(x, parts: int):
-    """``max |x|`` along the last dim of ``x [R..., K]``, reduced over ``K / parts`` steps
-    that each read ``parts`` elements (``x[..., p * K / parts + j]``): the same maximum (a max
-    is exact in any order, and a NaN anywhere still gives NaN), in a reduction short enough
-    to keep the row in registers."""
-    ops = _compat.ops()
-    load = x.make_loader()
+def _part_loaders(x, parts: int, pieces: list) -> list:
+    """One loader per part of the rows of ``x [R..., K]`` (``load(rows + [j])`` for ``j`` in
+    the part): where the part lies inside one of the concatenation's ``pieces`` (``[(start,
+    buffer)]``, :func:`._compat.concatenated_inputs`), from the buffer that piece was
+    computed into, else from ``x``. A part that is a whole piece then fuses with the piece's
+    producer (the SwiGLU derivative's two halves at Qwen3-30B-A3B's H = 768: derivative and
+    quantisation in one kernel)."""
     size = list(x.get_size())
     part = int(size[-1]) // parts
+    load_x = x.make_loader()
+
+    def from_x(first):
+        return lambda idx: load_x([*idx[:-1], first + idx[-1]])
+
+    def from_piece(first):
+        for start, buffer in pieces:
+            width = int(buffer.get_size()[-1])
+            if start <= first and first + part <= start + width:
+                load = buffer.make_loader()
+                return lambda idx: load([*idx[:-1], first - start + idx[-1]])
+        return None
+
+    return [from_piece(p * part) or from_x(p * part) for p in range(parts)]
+
+
+def _split_row_amax(loaders: list, x):
+    """``max |x|`` along the last dim of ``x [R..., K]``, reduced over one part's width with
+    every part's element at each step: the same maximum as over the whole row (a max is
+    exact in any order, and a NaN anywhere still gives NaN), in a reduction short enough to
+    keep the row in registers."""
+    ops = _compat.ops()
+    size = list(x.get_size())
 
     def magnitude_at(rows, reduction_index):
-        (j,) = reduction_index
-        values = [ops.abs(ops.to_dtype(load([*rows, p * part + j]), torch.float32))
-                  for p in range(parts)]
+        values = [ops.abs(ops.to_dtype(load([*rows, *reduction_index]), torch.float32))
+                  for load in loaders]
         largest = values[0]
         for value in values[1:]:
             largest = ops.maximum(largest, value)
         return largest
 
     return _compat.inner_row_max(device=x.get_device(), inner_fn=magnitude_at,
-                                 ranges=size[:-1], row_width=part)
+                                 ranges=size[:-1], row_width=int(size[-1]) // len(loaders))
 
 
 def quantise_rows(x):
@@ -143,34 +168,36 @@ def quantise_rows(x):
 
     A row wider than Inductor's persistent-reduction limit is read in :func:`row_parts`
     parts: the amax reduces over one part's width, and each part of ``q`` is its own
-    pointwise node of that width, written into its slice of ``q``; Inductor then fuses the
-    amax and every part's quantisation (and a pointwise producer of the rows, such as the
-    permutation's gather) into one persistent kernel that reads each row once, where a
-    looped reduction over the whole row reads it twice. Rows that are a concatenation's
-    buffer (the SwiGLU derivative's two halves) are read from it: Inductor does not fuse
-    across a concatenation, so their producer stays a kernel of its own."""
+    pointwise node of that width, written into its slice of ``q``. Inductor then fuses the
+    amax, every part's quantisation and the producer of the rows (a gather, a cast; the
+    pieces of a concatenation, such as the SwiGLU derivative's two halves, read where they
+    were computed) into one persistent kernel that reads each row once, where a looped
+    reduction over the whole row reads it twice."""
     ops = _compat.ops()
     device, size = x.get_device(), list(x.get_size())
-    parts = row_parts(size[-1])
-    amax = _row_amax(x, len(size) - 1) if parts == 1 else _split_row_amax(x, parts)
-    load_x, load_amax = x.make_loader(), amax.make_loader()
+    pieces = _compat.concatenated_inputs(x, len(size) - 1) or []
+    parts = row_parts(size[-1], [start for start, _ in pieces])
+    if parts == 1:
+        loaders = [x.make_loader()]
+        amax = _row_amax(x, len(size) - 1)
+    else:
+        loaders = _part_loaders(x, parts, pieces)
+        amax = _split_row_amax(loaders, x)
     part = size[-1] if parts == 1 else int(size[-1]) // parts
+    load_amax = amax.make_loader()
 
-    def q_of_part(first):
+    def q_of_part(load):
         def q_at(idx):
-            *rows, j = idx
-            _, inverse = _scale_and_inverse(ops, load_amax(rows))
-            return _quantise(ops, load_x([*rows, first + j]), inverse)
+            _, inverse = _scale_and_inverse(ops, load_amax(idx[:-1]))
+            return _quantise(ops, load(idx), inverse)
         return _compat.pointwise(device=device, dtype=E4M3, inner_fn=q_at,
                                  ranges=[*size[:-1], part])
 
     def scale_at(idx):
         return _scale_and_inverse(ops, load_amax(idx))[0]
 
-    if parts == 1:
-        q = q_of_part(0)
-    else:
-        q = _compat.concat_parts([q_of_part(p * part) for p in range(parts)], len(size) - 1)
+    q_parts = [q_of_part(load) for load in loaders]
+    q = q_parts[0] if parts == 1 else _compat.concat_parts(q_parts, len(size) - 1)
     scale = _compat.pointwise(device=device, dtype=torch.float32, inner_fn=scale_at,
                               ranges=size[:-1])
     return _compat.require_contiguous(q), _compat.require_contiguous(scale)

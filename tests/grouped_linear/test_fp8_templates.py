@@ -255,3 +255,50 @@ def test_wide_rows_are_quantised_in_one_pass():
     quantisers = [k for k in kernels if "_tem_" not in k]
     assert quantisers and all(k.startswith("triton_per_") for k in quantisers), kernels
     assert "r0_numel = 1024" in code
+
+
+@interpreter
+@pytest.mark.parametrize("pieces", [(16, 16), (24, 24), (20, 28)],
+                         ids=["parts-are-pieces", "parts-inside-pieces", "a-part-across-pieces"])
+def test_a_concatenated_dy_is_quantised_where_its_pieces_are_computed(pieces, monkeypatch):
+    """dY of a gate/up product made as the SwiGLU derivative makes it, two pieces
+    concatenated, and quantised in parts (the persistent-reduction limit lowered to 16): the
+    compiled dX equals the eager op's on the same dY bit for bit (hard values, NaN where
+    eager has NaN).
+
+    * pieces of 16: 2 parts, each a piece, read where the pieces are computed, so the
+      pieces' producer fuses into the quantisation's one persistent kernel (the SwiGLU
+      derivative at Qwen3-30B-A3B's H = 768);
+    * pieces of 24: 4 parts of 12, two inside each piece (not the fewest, 3 of 16, which
+      would cross the pieces' border), read from the pieces at their offsets;
+    * pieces of 20 and 28: no split fits them; the crossing part is read from the
+      concatenation."""
+    monkeypatch.setattr(_compat, "PERSISTENT_ROW_LIMIT", 16)
+    first, second = pieces
+    gen = torch.Generator().manual_seed(7)
+    # bf16 pieces from exact operations: Triton's interpreter stores fp32 into bf16 without
+    # rounding to nearest, so a rounding producer would differ from eager before any fp8.
+    u = _hard_rows(first).to(torch.bfloat16)
+    v = _hard_rows(second).flip(0).to(torch.bfloat16)
+    w = torch.randn(len(SPLITS), 32, first + second, generator=gen) / (first + second) ** 0.5
+    w = w.to(torch.bfloat16).transpose(1, 2).contiguous()  # [G, 2H, K]: dX's weight
+    offsets = _offsets()
+
+    def dx(u, v, w):
+        dy = torch.cat([u * 2, -v], dim=-1)
+        return torch.ops.compileops.grouped_linear_fp8_dx(dy, w, offsets, "rowwise")
+
+    eager = dx(u, v, w)
+    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
+        got, sources = _compat.run_and_get_code(torch.compile(dx, fullgraph=True), u, v, w)
+    assert torch.equal(got.isnan(), eager.isnan())
+    assert torch.equal(got.nan_to_num(), eager.nan_to_num())
+    code = "\n".join(sources)
+    assert not _extern_calls(code) & set(FP8_PRODUCTS)
+    kernels = re.findall(r"def (triton_\w+)\(", code)
+    fused = [k for k in kernels
+             if k.startswith("triton_per_") and "neg" in k and "mul" in k
+             and "grouped_linear_fp8_dx" in k]
+    assert bool(fused) == (pieces == (16, 16)), kernels
+    part = {(16, 16): 16, (24, 24): 12, (20, 28): 16}[pieces]
+    assert f"r0_numel = {part}\n" in code
