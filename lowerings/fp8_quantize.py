@@ -106,7 +106,9 @@ def row_parts(width, boundaries=()) -> int:
     reduction limit, so the row's amax and its quantisation are one pass over the row,
     preferring a split whose parts each lie inside one piece of a concatenated row (pieces
     starting at ``boundaries``); 1 (the whole row, in a loop when wide) when no split exists
-    or the width is dynamic."""
+    or the width is symbolic. (Under ``dynamic=True`` the width is still static when it is a
+    parameter's dimension, as the products' K and N are: torch.compile keeps parameters'
+    shapes static, and the ops' shape checks tie the rows' width to them.)"""
     if not _compat.is_static(width) or int(width) <= _compat.PERSISTENT_ROW_LIMIT:
         return 1
     width = int(width)
@@ -117,15 +119,13 @@ def row_parts(width, boundaries=()) -> int:
     return (aligned or fitting or [1])[0]
 
 
-def _part_loaders(x, parts: int, pieces: list) -> list:
+def _part_loaders(x, part: int, parts: int, pieces: list) -> list:
     """One loader per part of the rows of ``x [R..., K]`` (``load(rows + [j])`` for ``j`` in
     the part): where the part lies inside one of the concatenation's ``pieces`` (``[(start,
     buffer)]``, :func:`._compat.concatenated_inputs`), from the buffer that piece was
     computed into, else from ``x``. A part that is a whole piece then fuses with the piece's
     producer (the SwiGLU derivative's two halves at Qwen3-30B-A3B's H = 768: derivative and
-    quantisation in one kernel)."""
-    size = list(x.get_size())
-    part = int(size[-1]) // parts
+    quantisation in one kernel). ``part``: the parts' width."""
     load_x = x.make_loader()
 
     def from_x(first):
@@ -142,7 +142,7 @@ def _part_loaders(x, parts: int, pieces: list) -> list:
     return [from_piece(p * part) or from_x(p * part) for p in range(parts)]
 
 
-def _split_row_amax(loaders: list, x):
+def _split_row_amax(loaders: list, x, part: int):
     """``max |x|`` along the last dim of ``x [R..., K]``, reduced over one part's width with
     every part's element at each step: the same maximum as over the whole row (a max is
     exact in any order, and a NaN anywhere still gives NaN), in a reduction short enough to
@@ -159,7 +159,7 @@ def _split_row_amax(loaders: list, x):
         return largest
 
     return _compat.inner_row_max(device=x.get_device(), inner_fn=magnitude_at,
-                                 ranges=size[:-1], row_width=int(size[-1]) // len(loaders))
+                                 ranges=size[:-1], row_width=part)
 
 
 def quantise_rows(x):
@@ -178,12 +178,13 @@ def quantise_rows(x):
     pieces = _compat.concatenated_inputs(x, len(size) - 1) or []
     parts = row_parts(size[-1], [start for start, _ in pieces])
     if parts == 1:
+        part = size[-1]
         loaders = [x.make_loader()]
         amax = _row_amax(x, len(size) - 1)
     else:
-        loaders = _part_loaders(x, parts, pieces)
-        amax = _split_row_amax(loaders, x)
-    part = size[-1] if parts == 1 else int(size[-1]) // parts
+        part = int(size[-1]) // parts
+        loaders = _part_loaders(x, part, parts, pieces)
+        amax = _split_row_amax(loaders, x, part)
     load_amax = amax.make_loader()
 
     def q_of_part(load):

@@ -234,14 +234,17 @@ def test_on_the_gpu_the_templates_give_the_eager_ops_bits(cache, fast, dynamic):
 
 
 @interpreter
-def test_wide_rows_are_quantised_in_one_pass():
-    """4096 gathered rows of 2048 (twice the row Inductor keeps in registers): their
-    quantisation, fused with the gather, is one persistent reduction over half a row that
-    reads both halves at each step, not a loop that reads every row twice (compiled only:
-    the kernels' names and sizes)."""
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_wide_rows_are_quantised_in_one_pass(dynamic):
+    """4096 gathered rows of 2048 (twice the row Inductor keeps in registers), forward and
+    backward: every quantisation of rows (x, fused with the gather; dY, 2048 wide too) is
+    one persistent reduction over half a row that reads both halves at each step, not a
+    loop that reads every row twice (lowered only: the kernels' names and sizes). With
+    ``dynamic=True`` too: the weight is a parameter, whose shape torch.compile keeps static,
+    and the rows' width is tied to it."""
     gen = torch.Generator().manual_seed(6)
-    x = torch.randn(4096, 2048, generator=gen).to(torch.bfloat16)
-    w = torch.randn(2, 32, 2048, generator=gen).to(torch.bfloat16)
+    x = torch.randn(4096, 2048, generator=gen).to(torch.bfloat16).requires_grad_()
+    w = torch.nn.Parameter(torch.randn(2, 2048, 2048, generator=gen).to(torch.bfloat16))
     index = torch.randperm(4096, generator=gen)
     offsets = offsets_of([1000, 3096])
 
@@ -249,12 +252,16 @@ def test_wide_rows_are_quantised_in_one_pass():
         return compileops.grouped_linear(x[index], w, offsets, fp8="rowwise",
                                          cache_fp8_weights=True)
 
-    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
-        code = "\n".join(_compat.get_code(torch.compile(layer, fullgraph=True), x, index, w))
-    kernels = re.findall(r"def (triton_\w+)\(", code)
-    quantisers = [k for k in kernels if "_tem_" not in k]
-    assert quantisers and all(k.startswith("triton_per_") for k in quantisers), kernels
-    assert "r0_numel = 1024" in code
+    sources = []
+    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu(), \
+            _compat.lower_only(sources), pytest.raises(_compat.LoweredOnly):
+        torch.compile(layer, fullgraph=True, dynamic=dynamic)(x, index, w)
+    forward, backward = sources
+    for code in (forward, backward):
+        quantisers = [k for k in re.findall(r"def (triton_\w+)\(", code)
+                      if "grouped_linear_fp8" in k and "_tem_" not in k]
+        assert quantisers and all(k.startswith("triton_per_") for k in quantisers), quantisers
+        assert "r0_numel = 1024" in code
 
 
 @interpreter
