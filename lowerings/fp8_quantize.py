@@ -100,7 +100,7 @@ def _row_amax(x, dim: int):
 _MAX_ROW_PARTS = 8
 
 
-def row_parts(width, boundaries=()) -> int:
+def _row_parts(width, boundaries=()) -> int:
     """In how many equal parts :func:`quantise_rows` reads a row of ``width`` elements: the
     fewest (at most ``_MAX_ROW_PARTS``) that bring a part within Inductor's persistent
     reduction limit, so the row's amax and its quantisation are one pass over the row,
@@ -166,7 +166,7 @@ def quantise_rows(x):
     """``x [R..., K]`` (IR, 16- or 32-bit) -> ``(q [R..., K]`` e4m3, ``scale [R...]`` fp32),
     both contiguous buffers, one scale per row of K.
 
-    A row wider than Inductor's persistent-reduction limit is read in :func:`row_parts`
+    A row wider than Inductor's persistent-reduction limit is read in :func:`_row_parts`
     parts: the amax reduces over one part's width, and each part of ``q`` is its own
     pointwise node of that width, written into its slice of ``q``. Inductor then fuses the
     amax, every part's quantisation and the producer of the rows (a gather, a cast; the
@@ -176,7 +176,7 @@ def quantise_rows(x):
     ops = _compat.ops()
     device, size = x.get_device(), list(x.get_size())
     pieces = _compat.concatenated_inputs(x, len(size) - 1) or []
-    parts = row_parts(size[-1], [start for start, _ in pieces])
+    parts = _row_parts(size[-1], [start for start, _ in pieces])
     if parts == 1:
         part = size[-1]
         loaders = [x.make_loader()]
