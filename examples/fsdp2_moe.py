@@ -104,6 +104,19 @@ class GroupedMMMoELayer(MoELayer):
         return unpermute_and_combine(y, order, torch.ones_like(probs), order_is_permutation=True)
 
 
+def record_alignment(model: torch.nn.Module, prefix: str):
+    """A forward pre-hook for a block: while ``model.capture`` is a dict, it records each of
+    the block's parameters' address modulo 256 as the forward sees it (FSDP2's all-gathered
+    views, or the unsharded model's own tensors), under ``"alignment"`` and
+    ``prefix.<name>``."""
+    def hook(module, _inputs):
+        if model.capture is not None:
+            seen = model.capture.setdefault("alignment", {})
+            for name, p in module.named_parameters():
+                seen.setdefault(f"{prefix}.{name}", p.data_ptr() % 256)
+    return hook
+
+
 class Block(torch.nn.Module):
     """``x + moe(rmsnorm(x))`` on ``x [T, D]``; with ``--xlstm``, first ``x +
     mLSTMLayer(rmsnorm(x))`` over the ``[B, S, D]`` view of the same tokens."""
@@ -155,15 +168,7 @@ class MoEModel(torch.nn.Module):
         #: saw it (FSDP2's all-gathered views, or the unsharded model's own tensors).
         self.capture = None
         for i, layer in enumerate(self.layers):
-            layer.register_forward_pre_hook(self._record_alignment(i))
-
-    def _record_alignment(self, index: int):
-        def hook(module, _inputs):
-            if self.capture is not None:
-                seen = self.capture.setdefault("alignment", {})
-                for name, p in module.named_parameters():
-                    seen.setdefault(f"layers.{index}.{name}", p.data_ptr() % 256)
-        return hook
+            layer.register_forward_pre_hook(record_alignment(self, f"layers.{i}"))
 
     def units(self) -> list[torch.nn.Module]:
         """The modules that are sharded (and compiled) one by one."""
@@ -211,7 +216,7 @@ class HFxLSTMModel(torch.nn.Module):
         for i, block in enumerate(backbone.blocks):
             if i:
                 block.register_forward_pre_hook(self._capture_input(f"d_block{i}_in"))
-            block.register_forward_pre_hook(self._record_alignment(i))
+            block.register_forward_pre_hook(record_alignment(self, f"blocks.{i}"))
         # Upstream of every block: the output norm's and the head's gradient alone.
         backbone.out_norm.register_forward_pre_hook(self._capture_input("d_head_in"))
 
@@ -226,14 +231,6 @@ class HFxLSTMModel(torch.nn.Module):
             x = inputs[0]
             if self.capture is not None and x.requires_grad:
                 x.register_hook(lambda g: self.capture.setdefault(name, g.detach().clone()))
-        return hook
-
-    def _record_alignment(self, index: int):
-        def hook(module, _inputs):
-            if self.capture is not None:
-                seen = self.capture.setdefault("alignment", {})
-                for name, p in module.named_parameters():
-                    seen.setdefault(f"blocks.{index}.{name}", p.data_ptr() % 256)
         return hook
 
     def units(self) -> list[torch.nn.Module]:

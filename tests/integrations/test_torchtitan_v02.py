@@ -32,14 +32,7 @@ def _histc_on_cpu(monkeypatch):
     monkeypatch.setattr(torch, "histc", harness.histc_of_float_ids(torch.histc))
 
 
-def _model(score_before_experts: bool = False, use_grouped_mm: bool = True):
-    from torchtitan.models.qwen3 import Qwen3Model
-
-    torch.manual_seed(0)
-    model = Qwen3Model(harness.model_args(score_before_experts, use_grouped_mm))
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"))
-    return model
+_model = harness.tiny_model
 
 
 def _step(model, tokens):

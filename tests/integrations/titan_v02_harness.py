@@ -64,15 +64,20 @@ def count_on_cpu() -> None:
         torch.histc = histc_of_float_ids(torch.histc)
 
 
-def initial_state() -> dict:
-    """The parameters every run starts from, by name: torchtitan's init, seeded."""
+def tiny_model(score_before_experts: bool = False, use_grouped_mm: bool = True):
+    """The tiny model on the CPU with torchtitan's init, seeded (every call the same)."""
     from torchtitan.models.qwen3.model.model import Qwen3Model
 
     torch.manual_seed(0)
-    model = Qwen3Model(model_args())
+    model = Qwen3Model(model_args(score_before_experts, use_grouped_mm))
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device("cpu"))
-    return {k: v.detach().clone() for k, v in model.named_parameters()}
+    return model
+
+
+def initial_state() -> dict:
+    """The parameters every run starts from, by name: :func:`tiny_model`'s."""
+    return {k: v.detach().clone() for k, v in tiny_model().named_parameters()}
 
 
 def build(world: int, *, ep: int = 1, convert: Optional[str] = None,
