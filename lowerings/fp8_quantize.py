@@ -25,8 +25,8 @@ place where kernel math is): Inductor generates its fused kernels from IR and ca
 where rounding is hardest.
 
 Shapes: ``x [R..., K]`` quantised along its last dim to ``(q [R..., K]`` e4m3, ``scale
-[R...]`` fp32), or, for the dX product's weight, ``w [G, N, K]`` along N, written
-transposed: ``(q [G, K, N], scale [G, K])``.
+[R...]`` fp32): activations, dY times the weight's scales (dX), and the weight ``[G, N, K]``
+per output channel.
 """
 from __future__ import annotations
 
@@ -162,9 +162,34 @@ def _split_row_amax(loaders: list, x, part: int):
                                  ranges=size[:-1], row_width=part)
 
 
-def quantise_rows(x):
+def _times_group_scales(loader, first: int, column_scale):
+    """``loader`` (a part's, its columns starting at ``first``) with each value, in fp32,
+    times ``scale[g(row), column]``: ``column_scale = (scale [G, N] IR, row_group [R] IR
+    int: the group of each row, G past the last group, G)``."""
+    if column_scale is None:
+        return loader
+    ops = _compat.ops()
+    scale, row_group, groups = column_scale
+    load_scale, load_group = scale.make_loader(), row_group.make_loader()
+
+    def scaled(idx):
+        # Rows past the last offset (group G) take the last group's scales: their dX is
+        # zero whatever they hold.
+        group_id = ops.minimum(load_group([idx[0]]),
+                               ops.constant(groups - 1, row_group.get_dtype()))
+        group = _compat.indirect_index(group_id, groups)
+        value = ops.to_dtype(loader(idx), torch.float32)
+        return ops.mul(value, load_scale([group, first + idx[-1]]))
+
+    return scaled
+
+
+def quantise_rows(x, column_scale=None):
     """``x [R..., K]`` (IR, 16- or 32-bit) -> ``(q [R..., K]`` e4m3, ``scale [R...]`` fp32),
-    both contiguous buffers, one scale per row of K.
+    both contiguous buffers, one scale per row of K. ``column_scale``: ``(s [G, K], group
+    [R], G)`` for a 2-D ``x``: the rows quantised are ``x[r] * s[group[r]]`` in fp32 (dX's
+    operand, :func:`compileops.grouped_linear.fp8.scale_gradient_rows`), computed in the
+    same kernel.
 
     A row wider than Inductor's persistent-reduction limit is read in :func:`_row_parts`
     parts: the amax reduces over one part's width, and each part of ``q`` is its own
@@ -179,11 +204,15 @@ def quantise_rows(x):
     parts = _row_parts(size[-1], [start for start, _ in pieces])
     if parts == 1:
         part = size[-1]
-        loaders = [x.make_loader()]
-        amax = _row_amax(x, len(size) - 1)
+        loaders = [_times_group_scales(x.make_loader(), 0, column_scale)]
+        if column_scale is None:
+            amax = _row_amax(x, len(size) - 1)
+        else:
+            amax = _split_row_amax(loaders, x, part)
     else:
         part = int(size[-1]) // parts
-        loaders = _part_loaders(x, part, parts, pieces)
+        loaders = [_times_group_scales(load, p * part, column_scale)
+                   for p, load in enumerate(_part_loaders(x, part, parts, pieces))]
         amax = _split_row_amax(loaders, x, part)
     load_amax = amax.make_loader()
 
@@ -201,27 +230,4 @@ def quantise_rows(x):
     q = q_parts[0] if parts == 1 else _compat.concat_parts(q_parts, len(size) - 1)
     scale = _compat.pointwise(device=device, dtype=torch.float32, inner_fn=scale_at,
                               ranges=size[:-1])
-    return _compat.require_contiguous(q), _compat.require_contiguous(scale)
-
-
-def quantise_weight_columns(weight):
-    """``weight [G, N, K]`` (IR) -> ``(q [G, K, N]`` e4m3, ``scale [G, K]`` fp32): one scale
-    per input channel over N, written as ``W_g^T`` for the dX product ``dY_g @ W_g``."""
-    ops = _compat.ops()
-    device = weight.get_device()
-    groups, n, k = weight.get_size()
-    amax = _row_amax(weight, 1)  # [G, K]
-    load_w, load_amax = weight.make_loader(), amax.make_loader()
-
-    def q_at(idx):
-        g, kk, nn = idx
-        _, inverse = _scale_and_inverse(ops, load_amax([g, kk]))
-        return _quantise(ops, load_w([g, nn, kk]), inverse)
-
-    def scale_at(idx):
-        return _scale_and_inverse(ops, load_amax(idx))[0]
-
-    q = _compat.pointwise(device=device, dtype=E4M3, inner_fn=q_at, ranges=[groups, k, n])
-    scale = _compat.pointwise(device=device, dtype=torch.float32, inner_fn=scale_at,
-                              ranges=[groups, k])
     return _compat.require_contiguous(q), _compat.require_contiguous(scale)

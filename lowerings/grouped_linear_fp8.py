@@ -1,23 +1,30 @@
 """Inductor lowering of the fp8 grouped linear ops.
 
-**Rowwise scaling, where Triton is generated for the device: templates.** The four products
-(``grouped_linear_fp8``, ``grouped_linear_row_scaled_fp8``,
-``grouped_linear_swiglu_fp8_with_preact`` and ``grouped_linear_fp8_dx``) become the
-grouped-linear template (:func:`.grouped_linear._lower` with :class:`.grouped_linear.Fp8Operands`),
-which calls the eager kernel's ``@triton.jit`` bodies on e4m3 operands and applies the row
-and column scales in its epilogue, so a compiled fp8 step runs no Python of ours for the
-products:
+**Rowwise scaling, where Triton is generated for the device: templates.** The three
+forward products (``grouped_linear_fp8``, ``grouped_linear_row_scaled_fp8``,
+``grouped_linear_swiglu_fp8_with_preact``) and dX from the forward's weight copy
+(``grouped_linear_fp8_dx_from_copy``) become the grouped-linear template
+(:func:`.grouped_linear._lower` with :class:`.grouped_linear.Fp8Operands`), which calls the
+eager kernel's ``@triton.jit`` bodies on e4m3 operands and applies the row and column scales
+in its epilogue, so a compiled fp8 step runs no Python of ours for the products:
 
-* the activation (x, or dY for dX) is quantised per row as Inductor IR
-  (:mod:`.fp8_quantize`): one kernel fused with whatever produces the rows (the SwiGLU
-  derivative, a gather, a cast). The SwiGLU product cannot write e4m3 h itself: a row's
-  scale needs the amax over all its N tiles, which other programs compute, so h leaves in
-  16 bits and its quantisation is the down projection's fused IR kernel;
-* the weight, without ``cache_weight``: quantised as IR too (per output channel for the
-  forward, per input channel, written as ``W_g^T``, for dX);
+* the activation (x; for dX, dY times the weight copy's scales of each row's group) is
+  quantised per row as Inductor IR (:mod:`.fp8_quantize`): one kernel fused with whatever
+  produces the rows (the SwiGLU derivative, a gather, a cast). The SwiGLU product cannot
+  write e4m3 h itself: a row's scale needs the amax over all its N tiles, which other
+  programs compute, so h leaves in 16 bits and its quantisation is the down projection's
+  fused IR kernel;
+* the weight, without ``cache_weight``: ``compileops::fp8_weight_rowwise`` in the graph
+  (:func:`compileops.grouped_linear` calls it and passes the copy to the forward op),
+  lowered to IR fused with whatever produces the weight (a cast of fp32 masters). The
+  backward reads that saved copy and transposes it for dX, instead of quantising the
+  weight again;
 * the weight with ``cache_weight``: an extern call of ``compileops::fp8_weight_rowwise``,
   which returns the cached e4m3 copy (a dictionary lookup; quantised once per weight
-  version) and is the only Python left in the step.
+  version; for dX the cached transposed copy) and is the only Python left in the step.
+
+``grouped_linear_fp8_dx`` (dX from the weight itself, for direct callers) stays an extern
+call.
 
 Templates are the forward's output ``[M, N]`` in x's dtype, so pointwise consumers fuse as
 their epilogue, as with bf16. dW stays the bf16 extern product. Blockwise scaling, the
@@ -118,31 +125,30 @@ def _why_extern(x, scaling: str, name: str) -> str | None:
     return None
 
 
-def _quantised_weight(weight, transposed: bool, cache_weight: bool, weight_base):
-    """``(q, scale)`` of the weight for the forward (``[G, N, K]``, ``[G, N]``) or dX
-    (``[G, K, N]``, ``[G, K]``): the cache's copy through an extern call, else IR."""
-    if cache_weight:
-        op = torch.ops.compileops.fp8_weight_rowwise.default
-        q, scale = _compat.fallback(op)(weight, transposed, True, weight_base)
-        return q, scale
-    if transposed:
-        return fp8_quantize.quantise_weight_columns(weight)
-    return fp8_quantize.quantise_rows(weight)
-
-
 def _template(name: str, args: dict):
-    """The template lowering of a rowwise fp8 op (``args``: its arguments by name), or None
-    (no config could be built)."""
-    transposed = name == "grouped_linear_fp8_dx"
-    w_q, w_scale = _quantised_weight(args["weight"], transposed, args["cache_weight"],
-                                     args["weight_base"])
-    x = args["grad"] if transposed else args["x"]
+    """The template lowering of a rowwise fp8 forward op (``args``: its arguments by name),
+    or None (no config could be built). The weight's copy is the op's ``weight_q`` and
+    ``weight_scale`` when the caller made it (``fp8_weight_rowwise``, lowered below), else
+    the cache's through an extern call, else quantised here as IR."""
+    if args["weight_q"] is not None:
+        w_q, w_scale = args["weight_q"], args["weight_scale"]
+    elif args["cache_weight"]:
+        w_q, w_scale = _weight_lookup(args["weight"], False, args["weight_base"])
+    else:
+        w_q, w_scale = fp8_quantize.quantise_rows(args["weight"])
+    x = args["x"]
     x_q, x_scale = fp8_quantize.quantise_rows(x)
     fp8 = bf16_lowering.Fp8Operands(x_scale, w_scale, x.get_dtype(), bool(args["fast_accum"]))
     swiglu = name == "grouped_linear_swiglu_fp8_with_preact"
-    # dX = dY_g @ W_g is the forward product over the transposed copy W_g^T [G, K, N].
     return bf16_lowering._lower(name, swiglu, x_q, w_q, args["offsets"],
                                 row_scale=args.get("row_scale"), save_preact=swiglu, fp8=fp8)
+
+
+def _weight_lookup(weight, transposed: bool, weight_base):
+    """The cache's ``(q, scale)`` of ``weight``: an extern call of ``fp8_weight_rowwise``."""
+    op = torch.ops.compileops.fp8_weight_rowwise.default
+    q, scale = _compat.fallback(op)(weight, transposed, True, weight_base)
+    return q, scale
 
 
 def _lowering(op: torch._ops.OpOverload):
@@ -154,6 +160,9 @@ def _lowering(op: torch._ops.OpOverload):
         named["cache_weight"], named["weight_base"] = _cache_base(
             name, named["weight"], named["cache_weight"], named["weight_base"])
         why = _why_extern(named[names[0]], named["scaling"], name)
+        if why is None and name == "grouped_linear_fp8_dx":
+            why = ("dX from the weight itself; the layers' backward reads the forward's copy "
+                   "through grouped_linear_fp8_dx_from_copy, a template")
         if why is None:
             lowered = _template(name, named)
             if lowered is not None:
@@ -165,9 +174,59 @@ def _lowering(op: torch._ops.OpOverload):
     return lower
 
 
+def _lower_weight_copy(weight, transposed, cache_weight=False, weight_base=None):
+    """``fp8_weight_rowwise``: the forward's uncached copy as a fused IR kernel (with
+    whatever produces the weight: a cast of fp32 masters), else an extern call of the op
+    (the cache's lookup, with its ``weight_base`` as the products' own)."""
+    name = "fp8_weight_rowwise"
+    cache_weight, weight_base = _cache_base(name, weight, cache_weight, weight_base)
+    if not cache_weight and not transposed and _why_extern(weight, "rowwise", name) is None:
+        return fp8_quantize.quantise_rows(weight)
+    op = torch.ops.compileops.fp8_weight_rowwise.default
+    return _compat.fallback(op)(weight, transposed, cache_weight, weight_base)
+
+
+def _row_groups(offsets, rows):
+    """``[rows]`` int64 IR: each row's group, ``searchsorted(offsets, row, right=True)`` (G
+    for rows past the last offset), as :func:`compileops.grouped_linear.reference.row_groups`."""
+    iota = _compat.aten_lowering(torch.ops.prims.iota.default)(
+        rows, start=0, step=1, dtype=offsets.get_dtype(), device=offsets.get_device(),
+        requires_grad=False)
+    return _compat.aten_lowering(torch.ops.aten.searchsorted.Tensor)(offsets, iota, right=True)
+
+
+def _lower_dx_from_copy(grad, weight_q_t, weight_scale, offsets, fast_accum=False):
+    """``grouped_linear_fp8_dx_from_copy``: the template over dY's rows times the weight's
+    scales, quantised as IR in one kernel with whatever computed dY (the SwiGLU
+    derivative's halves read where they are computed), with unit weight scales."""
+    name = "grouped_linear_fp8_dx_from_copy"
+    why = _why_extern(grad, "rowwise", name)
+    if why is None:
+        groups, k, _ = weight_q_t.get_size()
+        groups = _compat.specialize(groups, what="the number of groups G")
+        row_groups = _row_groups(offsets, grad.get_size()[0])
+        x_q, x_scale = fp8_quantize.quantise_rows(grad, (weight_scale, row_groups, groups))
+        ops = _compat.ops()
+        unit = _compat.pointwise(device=weight_q_t.get_device(), dtype=torch.float32,
+                                 inner_fn=lambda idx: ops.constant(1.0, torch.float32),
+                                 ranges=[groups, k])
+        fp8 = bf16_lowering.Fp8Operands(x_scale, unit, grad.get_dtype(), bool(fast_accum))
+        lowered = bf16_lowering._lower(name, False, x_q, weight_q_t, offsets, fp8=fp8)
+        if lowered is not None:
+            return lowered
+        why = "the template could not be built"
+    logger.info("%s: extern call of the eager op: %s", name, why)
+    op = torch.ops.compileops.grouped_linear_fp8_dx_from_copy.default
+    return _compat.fallback(op)(grad, weight_q_t, weight_scale, offsets, fast_accum)
+
+
 def register() -> None:
     import compileops.grouped_linear.fp8_op  # noqa: F401  (the ops must exist before lowering)
 
     for name in FP8_OPS:
         op = getattr(torch.ops.compileops, name).default
         _compat.register_lowering(op, _lowering(op))
+    _compat.register_lowering(torch.ops.compileops.fp8_weight_rowwise.default,
+                              _lower_weight_copy)
+    _compat.register_lowering(torch.ops.compileops.grouped_linear_fp8_dx_from_copy.default,
+                              _lower_dx_from_copy)

@@ -139,11 +139,17 @@ def main() -> int:
         for scaling in a.scalings:
             if scaling == "rowwise":
                 wq, ws = k8.quantize_weight_rowwise(w, transpose=transposed)
-                aq = k8.quantize_rowwise(a_in)
+                # dX: dY times the forward copy's scales, quantised per row; unit weight
+                # scales (compileops.grouped_linear.fp8, "dX from the forward's weight copy").
+                a_q_in = (fp8_rule.scale_gradient_rows(a_in, ws, offs) if transposed
+                          else a_in)
+                aq = k8.quantize_rowwise(a_q_in)
                 strides = (wq.stride(0), wq.stride(2), wq.stride(1))
                 n_out = wq.shape[1] // (2 if stage == "swiglu" else 1)
-                launch = dict(b_strides=strides, n_out=n_out, fp8_scales=(aq[1], ws), b_kn=False)
-                quant_ms = timed_ms(lambda: k8.quantize_rowwise(a_in), dev)
+                w_scales = torch.ones(wq.shape[:2], device=dev) if transposed else ws
+                launch = dict(b_strides=strides, n_out=n_out, fp8_scales=(aq[1], w_scales),
+                              b_kn=False)
+                quant_ms = timed_ms(lambda: k8.quantize_rowwise(a_q_in), dev)
             else:
                 wq, ws = k8.quantize_blockwise(w, fp8_rule.WEIGHT_BLOCK)
                 aq = k8.quantize_blockwise(a_in, fp8_rule.ACTIVATION_BLOCK)

@@ -17,6 +17,7 @@ from compileops.grouped_linear.checks import (
 )
 from compileops.grouped_linear.fp8_op import (
     check_recipe,
+    forward_weight_copy,
     grouped_linear_fp8_op,
     grouped_linear_row_scaled_fp8_op,
     grouped_linear_swiglu_fp8_with_preact_op,
@@ -92,9 +93,12 @@ def grouped_linear(x, weight, offsets, bias=None, *, row_scale=None, fp8=None,
             check_row_scale(x, row_scale)
             return grouped_linear_row_scaled_fp8_op(x, weight, offsets, row_scale.to(x.dtype),
                                                     fp8, bool(cache_fp8_weights),
-                                                    bool(fp8_fast_accum))
+                                                    bool(fp8_fast_accum), None,
+                                                    *forward_weight_copy(
+                                                        x, weight, fp8, cache_fp8_weights))
         return grouped_linear_fp8_op(x, weight, offsets, fp8, bool(cache_fp8_weights),
-                                     bool(fp8_fast_accum))
+                                     bool(fp8_fast_accum), None,
+                                     *forward_weight_copy(x, weight, fp8, cache_fp8_weights))
     check_fp8_options(cache_fp8_weights, fp8_fast_accum)
     if row_scale is not None:
         return row_scaled_grouped_linear(x, weight, offsets, bias, row_scale)
@@ -184,9 +188,9 @@ def grouped_linear_swiglu(x, weight, offsets, bias=None, *, up_weight=None, reco
         return _swiglu_pair(x, weight, up_weight, offsets, bias, recompute, fp8)
     if fp8 is not None:
         check_recipe(fp8, bias, fast_accum=fp8_fast_accum, recompute=recompute)
-        return grouped_linear_swiglu_fp8_with_preact_op(x, weight, offsets, fp8,
-                                                        bool(cache_fp8_weights),
-                                                        bool(fp8_fast_accum))[0]
+        return grouped_linear_swiglu_fp8_with_preact_op(
+            x, weight, offsets, fp8, bool(cache_fp8_weights), bool(fp8_fast_accum), None,
+            *forward_weight_copy(x, weight, fp8, cache_fp8_weights))[0]
     check_fp8_options(cache_fp8_weights, fp8_fast_accum)
     if recompute or not _needs_grad(x, weight, bias):
         return grouped_linear_swiglu_op(x, weight, offsets, bias)

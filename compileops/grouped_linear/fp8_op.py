@@ -2,10 +2,11 @@
 
 Two scalings, each a string argument ``scaling`` of the ops:
 
-* ``"rowwise"``: one fp32 scale per row of each operand along the product's reduction dim:
-  per token for x (and dY), per output channel for the forward's weight, per input channel
-  for dX's (a second quantisation of the weight, along N, written as ``W_g^T`` by one
-  column-wise kernel);
+* ``"rowwise"``: one fp32 scale per row of each operand along the forward product's
+  reduction dim: per token for x, per output channel for the weight. dX reuses the forward's
+  e4m3 weight copy (transposed): the weight's scales multiply dY's rows, which are then
+  quantised per token (:mod:`compileops.grouped_linear.fp8`, "dX from the forward's weight
+  copy");
 * ``"blockwise"`` (DeepSeek-V3's): x and dY in ``1 x 128`` blocks along the reduction dim,
   the weight in ``128 x 128`` blocks, one quantisation for both products (a square block's
   scale is its transpose's); the scales are applied per 128-wide K step, inside the loop.
@@ -23,7 +24,14 @@ The ops:
   scaling) -> (silu(gate) * up [M, H], preact [M, 2H])``, the pre-activations written beside
   the output for the backward.
 
-Autograd: dX through ``grouped_linear_fp8_dx``; ``dW = dY_g^T X_g`` stays in x's dtype
+The three forward ops take the weight's rowwise copy as ``weight_q [G, N, K]`` and
+``weight_scale [G, N]`` when the caller made it (:func:`compileops.grouped_linear` does,
+through ``compileops::fp8_weight_rowwise``): compiled, the copy is then a tensor of the
+graph, which the backward reads for dX instead of quantising the weight again. Without them
+the op quantises the weight itself.
+
+Autograd: dX through ``grouped_linear_fp8_dx_from_copy`` (rowwise) or
+``grouped_linear_fp8_dx`` (blockwise); ``dW = dY_g^T X_g`` stays in x's dtype
 (``compileops::grouped_linear_wgrad``, from the saved unquantised x): a reduction over a
 group's tokens, whose fp8 form needs per-group scales along M.
 
@@ -57,10 +65,9 @@ parameter is written in place; the lowering passes the graph input the view was 
 and the cache checks that tensor's version. None: ``weight``'s own (eager views share their
 base's counter).
 
-The weight is quantised on every call (unless ``cache_weight``: :mod:`.fp8_cache`): with
-rowwise scaling once for the forward and once, per input channel, for dX. At the MoE bench
-layers on an H200 that costs about as much as the fp8 products save, so the layer is not yet
-faster than bf16 without the cache (benchmarks/RESULTS.md, fp8).
+The weight is quantised once per forward (unless ``cache_weight``: :mod:`.fp8_cache`); the
+backward transposes that e4m3 copy for dX (1 byte read and written per weight element,
+where a second quantisation read the 16- or 32-bit weight twice).
 
 Compiled, the rowwise ops become Inductor templates over e4m3 operands that share the eager
 kernel's ``@triton.jit`` bodies, with the activations' (and uncached weights') quantisation
@@ -86,10 +93,13 @@ from compileops.grouped_linear.backward_ops import (
     use_triton,
 )
 from compileops.grouped_linear.checks import (
+    check_dim,
     check_forward_args,
     check_offsets_eagerly,
     check_row_scaled_args,
+    check_same_device,
 )
+from compileops.grouped_linear.reference import grouped_linear_forward
 from compileops.grouped_linear.scaled import row_scaled_backward
 from compileops.modes import BATCH_INVARIANT
 
@@ -145,9 +155,10 @@ def _kernels():
 
 
 def _quantised_weight(weight, scaling, transposed, cache_weight, weight_base):
-    """The weight's e4m3 copy and scales for the product (``transposed``: dX's), made now or
-    taken from :mod:`compileops.grouped_linear.fp8_cache` (``cache_weight``; ``weight_base``:
-    the tensor whose version counter follows writes to ``weight``, see the ops). Blockwise has
+    """The weight's e4m3 copy and scales for the product (``transposed``: dX's, the rowwise
+    copy written as ``W_g^T``), made now or taken from
+    :mod:`compileops.grouped_linear.fp8_cache` (``cache_weight``; ``weight_base``: the
+    tensor whose version counter follows writes to ``weight``, see the ops). Blockwise has
     one layout for both products (a square block's scale is its transpose's)."""
     k = _kernels()
     if scaling == "blockwise":
@@ -172,17 +183,18 @@ def _check_weight_dims(weight) -> None:
 def fp8_weight_rowwise_op(weight: torch.Tensor, transposed: bool, cache_weight: bool = False,
                           weight_base: Optional[torch.Tensor] = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weight ``[G, N, K]`` quantised rowwise for one fp8 product: ``(q [G, N, K]`` e4m3,
-    ``scale [G, N]`` fp32) for the forward, one scale per output channel; ``transposed``
-    (dX): ``(q [G, K, N], scale [G, K])``, one per input channel, written as ``W_g^T``.
+    """The weight ``[G, N, K]`` quantised rowwise, one scale per output channel: ``(q [G, N,
+    K]`` e4m3, ``scale [G, N]`` fp32) for the forward; ``transposed`` (dX): the same values
+    written as ``W_g^T``, ``q [G, K, N]``, with the same ``scale [G, N]``.
     ``cache_weight``: taken from :mod:`.fp8_cache` while the weight is unchanged
-    (``weight_base``: the ops' own). The compiled fp8 products call it for a cached weight;
-    the returned tensors may be the cache's: read them, never write them."""
+    (``weight_base``: the ops' own). :func:`compileops.grouped_linear` passes the forward's
+    copy to the fp8 products; compiled, an uncached copy is a fused Inductor kernel. The
+    returned tensors may be the cache's: read them, never write them. Not differentiable."""
     _check_weight_dims(weight)
     if not use_triton("fp8_weight_rowwise", weight):
         # The rule itself, in torch (the kernels' bits): a device without our kernels.
-        q, scale = fp8_rule.quantize_rowwise(weight.transpose(1, 2) if transposed else weight)
-        return q.contiguous(), scale
+        q, scale = fp8_rule.quantize_rowwise(weight)
+        return (q.transpose(1, 2) if transposed else q).contiguous(), scale
     return _quantised_weight(weight, "rowwise", transposed, cache_weight, weight_base)
 
 
@@ -192,47 +204,155 @@ def _fp8_weight_rowwise_fake(weight, transposed, cache_weight=False, weight_base
     groups, n, k = weight.shape
     rows, cols = (k, n) if transposed else (n, k)
     return (weight.new_empty((groups, rows, cols), dtype=fp8_rule.E4M3),
-            weight.new_empty((groups, rows), dtype=torch.float32))
+            weight.new_empty((groups, n), dtype=torch.float32))
 
 
-def _product(x, weight, offsets, scaling, *, transposed=False, swiglu=False, preact=None,
-             cache_weight=False, weight_base=None, row_scale=None, fast_accum=False):
-    """The Triton fp8 product ``x W_g^T`` (``transposed``: ``x W_g``) in x's dtype;
-    ``row_scale [M]`` (x's dtype) multiplies each rounded row of the forward's;
-    ``fast_accum`` (rowwise): the MMA accumulates over the whole K loop."""
+def _weight_copy_setup(ctx, inputs, output) -> None:
+    ctx.mark_non_differentiable(*output)
+
+
+def _weight_copy_backward(ctx, grad_q, grad_scale):
+    return None, None, None, None
+
+
+fp8_weight_rowwise_op.register_autograd(_weight_copy_backward, setup_context=_weight_copy_setup)
+
+
+def _check_weight_copy(weight, weight_q, weight_scale, scaling) -> None:
+    """A forward op's ``weight_q``/``weight_scale``: both or neither, rowwise, the weight's
+    rowwise copy's shapes and dtypes."""
+    torch._check_value((weight_q is None) == (weight_scale is None),
+                       lambda: "pass weight_q and weight_scale together, or neither")
+    if weight_q is None:
+        return
+    torch._check_value(scaling == "rowwise",
+                       lambda: f"weight_q applies to rowwise scaling, got {scaling!r}")
+    groups, n, k = weight.shape
+    torch._check_value(
+        weight_q.dtype == fp8_rule.E4M3 and tuple(weight_q.shape) == (groups, n, k),
+        lambda: f"weight_q must be e4m3 {[groups, n, k]}, got {weight_q.dtype} "
+                f"{list(weight_q.shape)}")
+    torch._check_value(
+        weight_scale.dtype == torch.float32 and tuple(weight_scale.shape) == (groups, n),
+        lambda: f"weight_scale must be fp32 {[groups, n]}, got {weight_scale.dtype} "
+                f"{list(weight_scale.shape)}")
+
+
+def _product(x, weight, offsets, scaling, *, swiglu=False, preact=None, cache_weight=False,
+             weight_base=None, row_scale=None, fast_accum=False, weight_copy=None):
+    """The Triton fp8 forward product ``x W_g^T`` in x's dtype; ``row_scale [M]`` (x's
+    dtype) multiplies each rounded row; ``fast_accum`` (rowwise): the MMA accumulates over
+    the whole K loop; ``weight_copy``: the weight's rowwise ``(q, scale)`` if made already."""
     k = _kernels()
-    wq, ws = _quantised_weight(weight, scaling, transposed, cache_weight, weight_base)
+    wq, ws = weight_copy or _quantised_weight(weight, scaling, False, cache_weight,
+                                              weight_base)
     if scaling == "blockwise":
         return k.grouped_linear_fp8_blockwise(x, wq, ws, offsets, out_dtype=x.dtype,
-                                              swiglu=swiglu, transposed=transposed,
-                                              preact=preact, row_scale=row_scale)
+                                              swiglu=swiglu, preact=preact,
+                                              row_scale=row_scale)
     return k.grouped_linear_fp8_rowwise(x, wq, ws, offsets, out_dtype=x.dtype, swiglu=swiglu,
                                         preact=preact, row_scale=row_scale,
                                         fast_accum=fast_accum)
 
 
+def _copy_or_none(weight_q, weight_scale):
+    return None if weight_q is None else (weight_q, weight_scale)
+
+
+def _forward_reference(x, weight, offsets, scaling, weight_q=None, weight_scale=None):
+    """The reference's forward in fp32, from the given rowwise copy if any (the same values
+    as quantising ``weight``)."""
+    if weight_q is None:
+        return _reference(x, weight, offsets, scaling)
+    return grouped_linear_forward(fp8_rule.dequantize(*fp8_rule.quantize_rowwise(x.float())),
+                                  fp8_rule.dequantize(weight_q, weight_scale), offsets)
+
+
 @custom_op("grouped_linear_fp8", tags=_CUDAGRAPH_UNSAFE)
 def grouped_linear_fp8_op(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
                           scaling: str, cache_weight: bool = False, fast_accum: bool = False,
-                          weight_base: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          weight_base: Optional[torch.Tensor] = None,
+                          weight_q: Optional[torch.Tensor] = None,
+                          weight_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x ``[M, K]``, weight ``[G, N, K]``, offsets int32 ``[G]`` -> ``[M, N]`` in x's dtype,
     fp8 with ``scaling`` (module docstring); rows past ``offsets[-1]`` are zeros.
     ``cache_weight``: the weight's e4m3 copy from :mod:`.fp8_cache`; ``weight_base``: the
     module docstring's. ``fast_accum`` (rowwise): the MMA accumulates over the whole K
-    loop, in the forward and dX."""
+    loop, in the forward and dX. ``weight_q``, ``weight_scale``: the weight's rowwise copy
+    (``fp8_weight_rowwise``), used instead of quantising ``weight``."""
     _check(x, weight, offsets, scaling, fast_accum=fast_accum)
+    _check_weight_copy(weight, weight_q, weight_scale, scaling)
     check_offsets_eagerly(offsets, x.shape[0])
     if use_triton("grouped_linear_fp8", x):
         return _product(x, weight, offsets, scaling, cache_weight=cache_weight,
-                        weight_base=weight_base, fast_accum=fast_accum)
-    return _reference(x, weight, offsets, scaling).to(x.dtype)
+                        weight_base=weight_base, fast_accum=fast_accum,
+                        weight_copy=_copy_or_none(weight_q, weight_scale))
+    return _forward_reference(x, weight, offsets, scaling, weight_q,
+                              weight_scale).to(x.dtype)
 
 
 @grouped_linear_fp8_op.register_fake
 def _grouped_linear_fp8_fake(x, weight, offsets, scaling, cache_weight=False,
-                             fast_accum=False, weight_base=None):
+                             fast_accum=False, weight_base=None, weight_q=None,
+                             weight_scale=None):
     _check(x, weight, offsets, scaling, fast_accum=fast_accum)
+    _check_weight_copy(weight, weight_q, weight_scale, scaling)
     return x.new_empty((x.shape[0], weight.shape[1]))
+
+
+def _check_from_copy(grad, weight_q_t, weight_scale, offsets) -> None:
+    """``grad [M, N]`` (16- or 32-bit), e4m3 ``weight_q_t [G, K, N]``, fp32 ``weight_scale
+    [G, N]``, int32 ``offsets [G]``."""
+    check_dim(grad, 2, "grad", "[M, N]")
+    check_dim(weight_q_t, 3, "weight_q_t", "[G, K, N]")
+    check_dim(offsets, 1, "offsets", "[G] (cumulative end row of each group)")
+    torch._check_type(grad.dtype in (torch.bfloat16, torch.float16, torch.float32),
+                      lambda: f"grad must be bf16, fp16 or fp32, got {grad.dtype}")
+    torch._check_type(weight_q_t.dtype == fp8_rule.E4M3,
+                      lambda: f"weight_q_t must be e4m3, got {weight_q_t.dtype}")
+    torch._check_type(offsets.dtype == torch.int32,
+                      lambda: f"offsets must be int32, got {offsets.dtype}")
+    groups, _, n = weight_q_t.shape
+    torch._check_value(offsets.shape[0] == groups,
+                       lambda: f"{offsets.shape[0]} offsets for {groups} groups")
+    torch._check_value(grad.shape[1] == n,
+                       lambda: f"mismatched N: grad {tuple(grad.shape)}, weight_q_t [G, K, N] "
+                               f"{tuple(weight_q_t.shape)}")
+    torch._check_value(
+        weight_scale.dtype == torch.float32 and tuple(weight_scale.shape) == (groups, n),
+        lambda: f"weight_scale must be fp32 {[groups, n]}, got {weight_scale.dtype} "
+                f"{list(weight_scale.shape)}")
+    check_same_device([("grad", grad), ("weight_q_t", weight_q_t),
+                       ("weight_scale", weight_scale), ("offsets", offsets)])
+
+
+@custom_op("grouped_linear_fp8_dx_from_copy", tags=_CUDAGRAPH_UNSAFE)
+def grouped_linear_fp8_dx_from_copy_op(grad: torch.Tensor, weight_q_t: torch.Tensor,
+                                       weight_scale: torch.Tensor, offsets: torch.Tensor,
+                                       fast_accum: bool = False) -> torch.Tensor:
+    """Rowwise fp8 ``dX [M, K] = grad_g @ W_g`` in grad's dtype from the forward's weight
+    copy: ``weight_q_t [G, K, N]`` e4m3 (``fp8_weight_rowwise(weight, True)``, the copy
+    transposed) and its per-output-channel ``weight_scale [G, N]``. ``grad [M, N]`` times
+    its group's scales (:func:`compileops.grouped_linear.fp8.scale_gradient_rows`) is
+    quantised per row; rows past ``offsets[-1]`` are zeros. ``fast_accum``: as the
+    forward's. Not differentiable."""
+    _check_from_copy(grad, weight_q_t, weight_scale, offsets)
+    check_offsets_eagerly(offsets, grad.shape[0])
+    scaled = fp8_rule.scale_gradient_rows(grad, weight_scale, offsets)
+    if use_triton("grouped_linear_fp8_dx_from_copy", grad):
+        groups, k, _ = weight_q_t.shape
+        unit = torch.ones((groups, k), dtype=torch.float32, device=weight_q_t.device)
+        return _kernels().grouped_linear_fp8_rowwise(scaled, weight_q_t, unit, offsets,
+                                                     out_dtype=grad.dtype,
+                                                     fast_accum=fast_accum)
+    return fp8_rule.prescaled_dx_reference(scaled, weight_q_t, offsets).to(grad.dtype)
+
+
+@grouped_linear_fp8_dx_from_copy_op.register_fake
+def _grouped_linear_fp8_dx_from_copy_fake(grad, weight_q_t, weight_scale, offsets,
+                                          fast_accum=False):
+    _check_from_copy(grad, weight_q_t, weight_scale, offsets)
+    return grad.new_empty((grad.shape[0], weight_q_t.shape[1]))
 
 
 @custom_op("grouped_linear_fp8_dx", tags=_CUDAGRAPH_UNSAFE)
@@ -240,14 +360,22 @@ def grouped_linear_fp8_dx_op(grad: torch.Tensor, weight: torch.Tensor, offsets: 
                              scaling: str, cache_weight: bool = False, fast_accum: bool = False,
                              weight_base: Optional[torch.Tensor] = None) -> torch.Tensor:
     """grad ``[M, N]`` -> ``dX [M, K] = grad_g @ W_g`` in grad's dtype, fp8 with
-    ``scaling``: grad quantised along N, the weight as the module docstring says."""
+    ``scaling``: rowwise from the weight's forward copy (module docstring), blockwise from
+    its block copy. Compiled, an extern call (the layers' backward is
+    ``grouped_linear_fp8_dx_from_copy``, a template)."""
     _check(grad, weight.transpose(1, 2), offsets, scaling, fast_accum=fast_accum)
     check_offsets_eagerly(offsets, grad.shape[0])
-    if use_triton("grouped_linear_fp8_dx", grad):
-        return _product(grad, weight, offsets, scaling, transposed=True,
-                        cache_weight=cache_weight, weight_base=weight_base,
-                        fast_accum=fast_accum)
-    return _reference(grad, weight.transpose(1, 2), offsets, scaling).to(grad.dtype)
+    if not use_triton("grouped_linear_fp8_dx", grad):
+        return fp8_rule.grouped_linear_dx_reference(grad, weight, offsets,
+                                                    scaling).to(grad.dtype)
+    if scaling == "rowwise":
+        weight_q_t, weight_scale = _quantised_weight(weight, scaling, True, cache_weight,
+                                                     weight_base)
+        return grouped_linear_fp8_dx_from_copy_op(grad, weight_q_t, weight_scale, offsets,
+                                                  fast_accum)
+    wq, ws = _quantised_weight(weight, scaling, True, cache_weight, weight_base)
+    return _kernels().grouped_linear_fp8_blockwise(grad, wq, ws, offsets, out_dtype=grad.dtype,
+                                                   transposed=True)
 
 
 @grouped_linear_fp8_dx_op.register_fake
@@ -257,27 +385,56 @@ def _grouped_linear_fp8_dx_fake(grad, weight, offsets, scaling, cache_weight=Fal
     return grad.new_empty((grad.shape[0], weight.shape[2]))
 
 
-def _fp8_linear_backward(ctx, grad, x, weight, offsets):
+def _fp8_dx(ctx, grad, weight, offsets, weight_copy):
+    """dX of a forward op: rowwise from the forward's weight copy (the cache's transposed
+    one; else the copy saved by the forward, transposed here: torch ops, 1 byte per weight
+    element each way; else, the op called without a copy, made now), blockwise through
+    ``grouped_linear_fp8_dx``."""
+    if ctx.scaling != "rowwise":
+        return grouped_linear_fp8_dx_op(grad, weight, offsets, ctx.scaling, ctx.cache_weight,
+                                        ctx.fast_accum)
+    if ctx.cache_weight or weight_copy is None:
+        weight_q_t, weight_scale = fp8_weight_rowwise_op(weight, True, ctx.cache_weight)
+    else:
+        weight_q, weight_scale = weight_copy
+        weight_q_t = weight_q.transpose(1, 2).contiguous()
+    return grouped_linear_fp8_dx_from_copy_op(grad, weight_q_t, weight_scale, offsets,
+                                              ctx.fast_accum)
+
+
+def _fp8_linear_backward(ctx, grad, x, weight, offsets, weight_copy):
     """dX in fp8, dW in x's dtype."""
     dx = dw = None
     if ctx.needs_input_grad[0]:
-        dx = grouped_linear_fp8_dx_op(grad, weight, offsets, ctx.scaling, ctx.cache_weight,
-                                      ctx.fast_accum)
+        dx = _fp8_dx(ctx, grad, weight, offsets, weight_copy)
     if ctx.needs_input_grad[1]:
         dw, _ = grouped_linear_wgrad_op(grad, x, offsets, weight.dtype, grad.dtype, False)
-    return dx, dw, None, None, None, None, None
+    return dx, dw
+
+
+def _keep_options(ctx, scaling, cache_weight, fast_accum, weight_q) -> None:
+    ctx.scaling, ctx.cache_weight, ctx.fast_accum = scaling, cache_weight, fast_accum
+    ctx.has_weight_copy = weight_q is not None
+
+
+def _saved_copy(ctx, saved):
+    """The forward's weight copy from the tail of ``saved``, or None."""
+    return tuple(saved[-2:]) if ctx.has_weight_copy else None
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, offsets, scaling, cache_weight, fast_accum, _ = inputs
-    keep_for_backward(ctx, (x, weight, offsets, None))
-    ctx.scaling, ctx.cache_weight, ctx.fast_accum = scaling, cache_weight, fast_accum
+    x, weight, offsets, scaling, cache_weight, fast_accum, _, weight_q, weight_scale = inputs
+    keep_for_backward(ctx, (x, weight, offsets, None),
+                      *((weight_q, weight_scale) if weight_q is not None else ()))
+    _keep_options(ctx, scaling, cache_weight, fast_accum, weight_q)
 
 
 def _grouped_linear_fp8_backward(ctx, grad):
     with forward_mode(ctx):
-        x, weight, offsets, _ = ctx.saved_tensors
-        return _fp8_linear_backward(ctx, grad, x, weight, offsets)
+        saved = ctx.saved_tensors
+        x, weight, offsets = saved[:3]
+        dx, dw = _fp8_linear_backward(ctx, grad, x, weight, offsets, _saved_copy(ctx, saved))
+        return dx, dw, None, None, None, None, None, None, None
 
 
 backends.register_autograd(grouped_linear_fp8_op, _grouped_linear_fp8_backward, _setup_context)
@@ -288,48 +445,56 @@ def grouped_linear_row_scaled_fp8_op(x: torch.Tensor, weight: torch.Tensor,
                                      offsets: torch.Tensor, row_scale: torch.Tensor,
                                      scaling: str, cache_weight: bool = False,
                                      fast_accum: bool = False,
-                                     weight_base: Optional[torch.Tensor] = None
+                                     weight_base: Optional[torch.Tensor] = None,
+                                     weight_q: Optional[torch.Tensor] = None,
+                                     weight_scale: Optional[torch.Tensor] = None,
                                      ) -> torch.Tensor:
     """``grouped_linear_fp8`` with row i of the output, rounded to x's dtype, times
     ``row_scale[i]`` (``[M]`` in x's dtype) and rounded again: the MoE down projection times
     the router probability, in the product's epilogue."""
     _check(x, weight, offsets, scaling, fast_accum=fast_accum)
     check_row_scaled_args(x, weight, offsets, row_scale)
+    _check_weight_copy(weight, weight_q, weight_scale, scaling)
     check_offsets_eagerly(offsets, x.shape[0])
     if use_triton("grouped_linear_row_scaled_fp8", x):
         return _product(x, weight, offsets, scaling, cache_weight=cache_weight,
                         weight_base=weight_base, row_scale=row_scale.contiguous(),
-                        fast_accum=fast_accum)
-    y = _reference(x, weight, offsets, scaling).to(x.dtype)
+                        fast_accum=fast_accum,
+                        weight_copy=_copy_or_none(weight_q, weight_scale))
+    y = _forward_reference(x, weight, offsets, scaling, weight_q, weight_scale).to(x.dtype)
     return (y.float() * row_scale.float()[:, None]).to(x.dtype)
 
 
 @grouped_linear_row_scaled_fp8_op.register_fake
 def _grouped_linear_row_scaled_fp8_fake(x, weight, offsets, row_scale, scaling,
                                         cache_weight=False, fast_accum=False,
-                                        weight_base=None):
+                                        weight_base=None, weight_q=None, weight_scale=None):
     _check(x, weight, offsets, scaling, fast_accum=fast_accum)
     check_row_scaled_args(x, weight, offsets, row_scale)
+    _check_weight_copy(weight, weight_q, weight_scale, scaling)
     return x.new_empty((x.shape[0], weight.shape[1]))
 
 
 def _setup_row_scaled_context(ctx, inputs, output) -> None:
-    x, weight, offsets, row_scale, scaling, cache_weight, fast_accum, _ = inputs
-    ctx.save_for_backward(x, weight, offsets, row_scale)
+    (x, weight, offsets, row_scale, scaling, cache_weight, fast_accum, _, weight_q,
+     weight_scale) = inputs
+    copy = (weight_q, weight_scale) if weight_q is not None else ()
+    ctx.save_for_backward(x, weight, offsets, row_scale, *copy)
     ctx.batch_invariant = BATCH_INVARIANT.enabled()
-    ctx.scaling, ctx.cache_weight, ctx.fast_accum = scaling, cache_weight, fast_accum
+    _keep_options(ctx, scaling, cache_weight, fast_accum, weight_q)
 
 
 def _grouped_linear_row_scaled_fp8_backward(ctx, grad):
     """dX in fp8 (unscaled, then times the row scale), the scale's gradient as a sum over K
     of that fp8 dX with x, dW in x's dtype (:func:`.scaled.row_scaled_backward`)."""
     with forward_mode(ctx):
-        x, weight, offsets, row_scale = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        x, weight, offsets, row_scale = saved[:4]
+        copy = _saved_copy(ctx, saved)
         dx, dw, _, ds = row_scaled_backward(
             grad, x, weight, offsets, row_scale, ctx.needs_input_grad[:4],
-            lambda: grouped_linear_fp8_dx_op(grad, weight, offsets, ctx.scaling,
-                                             ctx.cache_weight, ctx.fast_accum))
-    return dx, dw, None, ds, None, None, None, None
+            lambda: _fp8_dx(ctx, grad, weight, offsets, copy))
+    return dx, dw, None, ds, None, None, None, None, None, None
 
 
 backends.register_autograd(grouped_linear_row_scaled_fp8_op,
@@ -340,19 +505,22 @@ backends.register_autograd(grouped_linear_row_scaled_fp8_op,
 def grouped_linear_swiglu_fp8_with_preact_op(
     x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, scaling: str,
     cache_weight: bool = False, fast_accum: bool = False,
-    weight_base: Optional[torch.Tensor] = None,
+    weight_base: Optional[torch.Tensor] = None, weight_q: Optional[torch.Tensor] = None,
+    weight_scale: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """weight ``[G, 2H, K]`` (gate rows first) -> ``(silu(gate) * up [M, H], preact [M,
-    2H])``, fp8 with ``scaling``; ``preact`` in x's dtype, for the backward."""
+    2H])``, fp8 with ``scaling``; ``preact`` in x's dtype, for the backward. ``weight_q``,
+    ``weight_scale``: as ``grouped_linear_fp8``'s."""
     _check(x, weight, offsets, scaling, swiglu=True, fast_accum=fast_accum)
+    _check_weight_copy(weight, weight_q, weight_scale, scaling)
     check_offsets_eagerly(offsets, x.shape[0])
     if use_triton("grouped_linear_swiglu_fp8_with_preact", x):
         preact = x.new_empty((x.shape[0], weight.shape[1]))
         out = _product(x, weight, offsets, scaling, swiglu=True, preact=preact,
                        cache_weight=cache_weight, weight_base=weight_base,
-                       fast_accum=fast_accum)
+                       fast_accum=fast_accum, weight_copy=_copy_or_none(weight_q, weight_scale))
         return out, preact
-    pre = _reference(x, weight, offsets, scaling)
+    pre = _forward_reference(x, weight, offsets, scaling, weight_q, weight_scale)
     gate, up = pre.chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(x.dtype), pre.to(x.dtype)
 
@@ -360,24 +528,43 @@ def grouped_linear_swiglu_fp8_with_preact_op(
 @grouped_linear_swiglu_fp8_with_preact_op.register_fake
 def _grouped_linear_swiglu_fp8_with_preact_fake(x, weight, offsets, scaling,
                                                 cache_weight=False, fast_accum=False,
-                                                weight_base=None):
+                                                weight_base=None, weight_q=None,
+                                                weight_scale=None):
     _check(x, weight, offsets, scaling, swiglu=True, fast_accum=fast_accum)
+    _check_weight_copy(weight, weight_q, weight_scale, scaling)
     return (x.new_empty((x.shape[0], weight.shape[1] // 2)),
             x.new_empty((x.shape[0], weight.shape[1])))
 
 
 def _setup_preact_context(ctx, inputs, output) -> None:
-    x, weight, offsets, scaling, cache_weight, fast_accum, _ = inputs
-    keep_for_backward(ctx, (x, weight, offsets, None), output[1])
-    ctx.scaling, ctx.cache_weight, ctx.fast_accum = scaling, cache_weight, fast_accum
+    x, weight, offsets, scaling, cache_weight, fast_accum, _, weight_q, weight_scale = inputs
+    copy = (weight_q, weight_scale) if weight_q is not None else ()
+    keep_for_backward(ctx, (x, weight, offsets, None), output[1], *copy)
+    _keep_options(ctx, scaling, cache_weight, fast_accum, weight_q)
     ctx.mark_non_differentiable(output[1])
 
 
 def _swiglu_fp8_backward(ctx, grad, _grad_preact):
     with forward_mode(ctx):
-        x, weight, offsets, _, preact = ctx.saved_tensors
-        return _fp8_linear_backward(ctx, swiglu_derivative(preact, grad), x, weight, offsets)
+        saved = ctx.saved_tensors
+        x, weight, offsets, _, preact = saved[:5]
+        dx, dw = _fp8_linear_backward(ctx, swiglu_derivative(preact, grad), x, weight,
+                                      offsets, _saved_copy(ctx, saved))
+        return dx, dw, None, None, None, None, None, None, None
 
 
 backends.register_autograd(grouped_linear_swiglu_fp8_with_preact_op, _swiglu_fp8_backward,
                            _setup_preact_context)
+
+
+def forward_weight_copy(x, weight, scaling, cache_weight):
+    """``(weight_q, weight_scale)`` for a forward op's arguments: the rowwise copy made by
+    ``fp8_weight_rowwise`` (so that, compiled, the backward reads it for dX instead of
+    quantising the weight again); ``(None, None)`` for blockwise scaling, and for arguments
+    the op refuses, so that the op itself raises its error."""
+    usable = (scaling == "rowwise" and weight.dim() == 3 and weight.dtype == x.dtype
+              and weight.dtype in (torch.bfloat16, torch.float16, torch.float32)
+              and weight.device == x.device)
+    if not usable:
+        return None, None
+    return fp8_weight_rowwise_op(weight, False, bool(cache_weight))

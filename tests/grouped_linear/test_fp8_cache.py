@@ -16,8 +16,7 @@ from tests.grouped_linear._helpers import record_triton_launches
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="counts the interpreter's Triton launches")
 SPLITS = [6, 0, 9, 5]  # an empty group, and 4 rows past the last group
-WEIGHT_QUANTISERS = {"rowwise_quantize_kernel", "columnwise_quantize_kernel",
-                     "blockwise_quantize_kernel"}
+WEIGHT_QUANTISERS = {"rowwise_quantize_kernel", "blockwise_quantize_kernel"}
 
 
 @pytest.fixture(autouse=True)

@@ -60,44 +60,45 @@ def test_rowwise_quantisation_of_strided_inputs_and_weights(device):
     want_q, want_scale = fp8.quantize_rowwise(x.cpu())
     assert torch.equal(_bits(q.cpu()), _bits(want_q)) and torch.equal(scale.cpu(), want_scale)
     w = _wide_range(3 * 20, 36, torch.bfloat16, device, seed=2).reshape(3, 20, 36)
+    want_q, want_scale = fp8.quantize_rowwise(w.cpu())
     for transpose in (False, True):
         q, scale = fp8_kernels.quantize_weight_rowwise(w, transpose=transpose)
-        ref = w.transpose(1, 2) if transpose else w
-        want_q, want_scale = fp8.quantize_rowwise(ref.cpu())
-        assert q.shape == ref.shape and scale.shape == ref.shape[:2]
+        if transpose:  # dX's: the forward's copy written as W_g^T
+            assert q.shape == (3, 36, 20) and q.is_contiguous()
+            q = q.transpose(1, 2)
+        assert q.shape == w.shape and scale.shape == w.shape[:2]
         assert torch.equal(_bits(q.cpu()), _bits(want_q))
         assert torch.equal(scale.cpu(), want_scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_transposed_weight_quantisation_is_the_rule_on_w_transposed(device, dtype):
-    """dX's weight, ``W_g^T`` rowwise, written by the column-wise kernel without a transposed
-    copy: bit for bit the rule on ``w.transpose(1, 2)``, for a strided weight too; a NaN in
-    the first N chunk keeps its column NaN, an all-zero column gets scale 1; w unchanged."""
+def test_transposed_weight_copy_is_the_forward_copy_transposed(device, dtype):
+    """dX's weight: the forward's rowwise copy (one scale per output channel) written as
+    ``W_g^T``, contiguous, bit for bit, for a strided weight too; a NaN keeps its channel
+    NaN, an all-zero channel gets scale 1; w unchanged."""
     gen = torch.Generator().manual_seed(4)
     decades = 4 if dtype == torch.float16 else 6
     w = (torch.randn(3, 70, 45, generator=gen)
          * torch.logspace(-decades, decades, 45)[None, None, :]).to(dtype).to(device)
     w[1, 2, 5] = float("nan")
-    w[2, :, 9] = 0
+    w[2, 9, :] = 0
     before = w.clone()
     for weight in (w, w.transpose(1, 2).contiguous().transpose(1, 2)):  # two stride orders
         q, scale = fp8_kernels.quantize_weight_rowwise(weight, transpose=True)
-        want_q, want_scale = fp8.quantize_rowwise(weight.transpose(1, 2).cpu())
-        assert q.shape == (3, 45, 70) and q.is_contiguous() and scale.shape == (3, 45)
+        want_q, want_scale = fp8.quantize_rowwise(weight.cpu())
+        assert q.shape == (3, 45, 70) and q.is_contiguous() and scale.shape == (3, 70)
         finite = ~want_scale.isnan()
-        # Codes of finite columns bit for bit. A NaN column's codes are NaN in the rule; the
-        # interpreter's fp32-to-e4m3 cast does not keep NaN, so that column is held to its
+        # Codes of finite channels bit for bit. A NaN channel's codes are NaN in the rule; the
+        # interpreter's fp32-to-e4m3 cast does not keep NaN, so that channel is held to its
         # meaning instead: every dequantised value NaN.
-        assert torch.equal(_bits(q.cpu())[finite], _bits(want_q)[finite])
+        assert torch.equal(_bits(q.transpose(1, 2).cpu())[finite], _bits(want_q)[finite])
         assert torch.equal(scale.cpu()[finite], want_scale[finite])
-        assert scale[1, 5].isnan() and scale[2, 9].item() == 1.0
-        assert fp8.dequantize(q.cpu(), scale.cpu())[1, 5].isnan().all()
+        assert scale[1, 2].isnan() and scale[2, 9].item() == 1.0
+        assert fp8.dequantize(q.transpose(1, 2).cpu(), scale.cpu())[1, 2].isnan().all()
     assert torch.equal(w.nan_to_num(7.0), before.nan_to_num(7.0))
     empty = torch.zeros(2, 0, 8, dtype=dtype, device=device)
     q, scale = fp8_kernels.quantize_weight_rowwise(empty, transpose=True)
-    want_q, want_scale = fp8.quantize_rowwise(empty.transpose(1, 2).cpu())
-    assert q.shape == (2, 8, 0) and torch.equal(scale.cpu(), want_scale)
+    assert q.shape == (2, 8, 0) and scale.shape == (2, 0)
 
 
 def test_non_finite_values_poison_their_row_only(device):

@@ -11,6 +11,7 @@ from compileops.grouped_linear.fp8_op import (
     RECIPES,
     fp8_weight_rowwise_op,
     grouped_linear_fp8_dx_op,
+    grouped_linear_fp8_dx_from_copy_op,
     grouped_linear_fp8_op,
     grouped_linear_row_scaled_fp8_op,
     grouped_linear_swiglu_fp8_with_preact_op,
@@ -47,8 +48,8 @@ def _rel(a, b):
 
 
 def _expected(x, w, offs, dy, scaling, swiglu=False):
-    """(y, dx, dw) as the recipe defines them: the fp8 reference for the forward and for dX
-    (on ``dY`` and ``W_g^T``), dW from the unquantised x in fp32."""
+    """(y, dx, dw) as the recipe defines them: the fp8 references for the forward and for dX
+    (rowwise: from the forward's weight copy), dW from the unquantised x in fp32."""
     xd, wd = x.detach(), w.detach()
     pre = fp8.grouped_linear_reference(xd.float(), wd.float(), offs, scaling)
     if swiglu:
@@ -58,7 +59,7 @@ def _expected(x, w, offs, dy, scaling, swiglu=False):
             dy.float())[0].to(x.dtype)
     else:
         y, dpre = pre, dy
-    dx = fp8.grouped_linear_reference(dpre.float(), wd.float().transpose(1, 2), offs, scaling)
+    dx = fp8.grouped_linear_dx_reference(dpre.float(), wd.float(), offs, scaling)
     dw = reference.grouped_linear_wgrad(dpre.float(), xd.float(), offs, torch.float32,
                                         torch.float32, False)[0]
     return y, dx, dw
@@ -187,6 +188,20 @@ def test_opcheck(scaling):
     torch.library.opcheck(grouped_linear_swiglu_fp8_with_preact_op, (x, w, offs, scaling))
     grad = torch.randn(40, 48)
     torch.library.opcheck(grouped_linear_fp8_dx_op, (grad, w.detach(), offs, scaling))
+    if scaling == "rowwise":
+        weight_q_t, weight_scale = fp8_weight_rowwise_op(w.detach(), True)
+        # Not test_schema with an e4m3 argument: its aliasing check multiplies every tensor
+        # argument, which torch has no e4m3 kernel for.
+        no_schema = ("test_faketensor", "test_autograd_registration",
+                     "test_aot_dispatch_dynamic")
+        torch.library.opcheck(grouped_linear_fp8_dx_from_copy_op,
+                              (grad, weight_q_t, weight_scale, offs, False),
+                              test_utils=no_schema)
+        # With the weight's copy passed in, as grouped_linear does.
+        torch.library.opcheck(grouped_linear_fp8_op,
+                              (x, w, offs, scaling, False, False, None,
+                               *fp8_weight_rowwise_op(w.detach(), False)),
+                              test_utils=no_schema)
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -204,6 +219,11 @@ def test_the_compiled_products_weight_lookup(transposed, backend):
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(scale, want_scale)
     assert q.shape == ((4, 200, 48) if transposed else (4, 48, 200))
+    assert scale.shape == (4, 48)  # per output channel in both layouts
+    if transposed:  # the forward's copy, transposed
+        forward_q, forward_scale = fp8_weight_rowwise_op(w, False)
+        assert torch.equal(q.view(torch.uint8), forward_q.transpose(1, 2).view(torch.uint8))
+        assert torch.equal(scale, forward_scale)
 
 
 @pytest.mark.parametrize("scaling", RECIPES)
@@ -283,11 +303,11 @@ def test_kernel_launches_per_layer_step(scaling, monkeypatch):
     quantise = {"rowwise": "rowwise_quantize_kernel", "blockwise": "blockwise_quantize_kernel"}
     q = quantise[scaling]
     assert forward == [q, q, "mjagged_gemm_kernel"], forward
-    # dX: the weight per input channel (rowwise: W_g^T written by the column-wise kernel;
-    # blockwise: its square blocks again), dY (after the SwiGLU derivative), the GEMM; dW
-    # in the inputs' dtype.
-    weight_t = "columnwise_quantize_kernel" if scaling == "rowwise" else q
-    assert launched == [weight_t, q, "mjagged_gemm_kernel", "kjagged_gemm_kernel"], launched
+    # dX: rowwise, the forward's weight copy (saved) and dY times its scales (after the
+    # SwiGLU derivative), quantised; blockwise, the weight's square blocks again, then dY;
+    # then the GEMM; dW in the inputs' dtype.
+    dx_quantisers = [q] if scaling == "rowwise" else [q, q]
+    assert launched == [*dx_quantisers, "mjagged_gemm_kernel", "kjagged_gemm_kernel"], launched
 
 
 # ---------------------------------------------------------------------------------------

@@ -23,8 +23,8 @@ interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 SPLITS = [10, 0, 15, 11]  # an empty group, and 4 rows past the last group
 M = sum(SPLITS) + 4
-FP8_PRODUCTS = ("grouped_linear_fp8", "grouped_linear_fp8_dx", "grouped_linear_row_scaled_fp8",
-                "grouped_linear_swiglu_fp8_with_preact")
+FP8_PRODUCTS = ("grouped_linear_fp8", "grouped_linear_fp8_dx", "grouped_linear_fp8_dx_from_copy",
+                "grouped_linear_row_scaled_fp8", "grouped_linear_swiglu_fp8_with_preact")
 
 
 def _offsets():
@@ -56,6 +56,13 @@ def _eager_and_compiled(fn, x, w, dy, *, dynamic=False):
     return eager, got, "\n".join(sources)
 
 
+def _kernel_bodies(code: str) -> list:
+    """``[(name, body)]`` of the generated Triton kernels."""
+    starts = [(m.group(1), m.start()) for m in re.finditer(r"def (triton_\w+)\(", code)]
+    ends = [start for _, start in starts[1:]] + [len(code)]
+    return [(name, code[start:end]) for (name, start), end in zip(starts, ends)]
+
+
 def _extern_calls(code: str) -> set:
     return set(re.findall(r"torch\.ops\.compileops\.(\w+)\.default\(", code))
 
@@ -85,10 +92,11 @@ def test_the_templates_give_the_eager_ops_bits(dtype, cache, fast, dynamic):
     for what, a, b in zip(("y", "dx", "dw"), got, eager):
         assert torch.equal(a, b), what
     assert "def triton_tem_fused_grouped_linear_fp8" in code
-    assert "def triton_tem_fused_grouped_linear_fp8_dx" in code
+    assert re.search(r"def triton_tem_fused\w*_grouped_linear_fp8_dx_from_copy", code)
     externs = _extern_calls(code)
     assert not externs & set(FP8_PRODUCTS), externs
-    # The weight: its cached copies through one lookup each (forward and dX), else IR.
+    # The weight: its cached copies through one lookup each (forward and dX), else IR in
+    # the forward only (dX reads the forward's copy).
     assert ("fp8_weight_rowwise" in externs) == cache
 
 
@@ -258,8 +266,8 @@ def test_wide_rows_are_quantised_in_one_pass(dynamic):
         torch.compile(layer, fullgraph=True, dynamic=dynamic)(x, index, w)
     forward, backward = sources
     for code in (forward, backward):
-        quantisers = [k for k in re.findall(r"def (triton_\w+)\(", code)
-                      if "grouped_linear_fp8" in k and "_tem_" not in k]
+        quantisers = [k for k, body in _kernel_bodies(code)
+                      if "grouped_linear_fp8" in k and "_tem_" not in k and "float8e4nv" in body]
         assert quantisers and all(k.startswith("triton_per_") for k in quantisers), quantisers
         assert "r0_numel = 1024" in code
 
@@ -291,13 +299,18 @@ def test_a_concatenated_dy_is_quantised_where_its_pieces_are_computed(pieces, mo
     w = w.to(torch.bfloat16).transpose(1, 2).contiguous()  # [G, 2H, K]: dX's weight
     offsets = _offsets()
 
-    def dx(u, v, w):
-        dy = torch.cat([u * 2, -v], dim=-1)
-        return torch.ops.compileops.grouped_linear_fp8_dx(dy, w, offsets, "rowwise")
+    # dX reads the forward's weight copy, transposed (as the layers' backward passes it).
+    weight_q_t, weight_scale = torch.ops.compileops.fp8_weight_rowwise(w, True)
 
-    eager = dx(u, v, w)
+    def dx(u, v, weight_q_t, weight_scale):
+        dy = torch.cat([u * 2, -v], dim=-1)
+        return torch.ops.compileops.grouped_linear_fp8_dx_from_copy(dy, weight_q_t,
+                                                                    weight_scale, offsets)
+
+    eager = dx(u, v, weight_q_t, weight_scale)
     with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
-        got, sources = _compat.run_and_get_code(torch.compile(dx, fullgraph=True), u, v, w)
+        got, sources = _compat.run_and_get_code(torch.compile(dx, fullgraph=True), u, v,
+                                                weight_q_t, weight_scale)
     assert torch.equal(got.isnan(), eager.isnan())
     assert torch.equal(got.nan_to_num(), eager.nan_to_num())
     code = "\n".join(sources)
@@ -305,7 +318,7 @@ def test_a_concatenated_dy_is_quantised_where_its_pieces_are_computed(pieces, mo
     kernels = re.findall(r"def (triton_\w+)\(", code)
     fused = [k for k in kernels
              if k.startswith("triton_per_") and "neg" in k and "mul" in k
-             and "grouped_linear_fp8_dx" in k]
+             and "grouped_linear_fp8_dx_from_copy" in k]
     assert bool(fused) == (pieces == (16, 16)), kernels
     part = {(16, 16): 16, (24, 24): 12, (20, 28): 16}[pieces]
     assert f"r0_numel = {part}\n" in code

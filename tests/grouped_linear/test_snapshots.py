@@ -105,12 +105,15 @@ torch.ops.compileops.grouped_linear_swiglu.default""")
 
         kernels = inductor_kernels(expert, x, w, offs, p, triton=True, backward=True)
         self.assertSnapshot(kernels, """\
+triton_per_fused_fp8_weight_rowwise
 triton_per_fused_grouped_linear_swiglu_fp8_with_preact
 triton_tem_fused_grouped_linear_swiglu_fp8_with_preact_mul_unsqueeze
+triton_poi_fused_clone_transpose
 # backward
 triton_per_fused__to_copy_add_mul_rsub_sigmoid_split_sum_unsqueeze
-triton_per_fused_grouped_linear_fp8_dx
-triton_tem_fused_grouped_linear_fp8_dx
+triton_per_fused_grouped_linear_fp8_dx_from_copy
+triton_poi_fused_grouped_linear_fp8_dx_from_copy
+triton_tem_fused_grouped_linear_fp8_dx_from_copy
 torch.ops.compileops.grouped_linear_wgrad.default""")
 
     def test_fp8_moe_step_launches(self):
@@ -138,13 +141,15 @@ triton_tem_fused_grouped_linear_swiglu_fp8_with_preact
 torch.ops.compileops.fp8_weight_rowwise.default
 triton_per_fused_grouped_linear_row_scaled_fp8
 triton_tem_fused_grouped_linear_row_scaled_fp8
-# backward
 torch.ops.compileops.fp8_weight_rowwise.default
-triton_per_fused_grouped_linear_fp8_dx
-triton_tem_fused_grouped_linear_fp8_dx
+torch.ops.compileops.fp8_weight_rowwise.default
+# backward
+triton_per_fused_grouped_linear_fp8_dx_from_copy
+triton_poi_fused_grouped_linear_fp8_dx_from_copy
+triton_tem_fused_grouped_linear_fp8_dx_from_copy
 triton_per_fused__to_copy_add_grouped_linear_wgrad_mul_rsub_sigmoid_split_sum_unsqueeze
 torch.ops.compileops.grouped_linear_wgrad.default
-torch.ops.compileops.fp8_weight_rowwise.default
-triton_per_fused_grouped_linear_fp8_dx
-triton_tem_fused_grouped_linear_fp8_dx
+triton_per_fused_grouped_linear_fp8_dx_from_copy
+triton_poi_fused_grouped_linear_fp8_dx_from_copy
+triton_tem_fused_grouped_linear_fp8_dx_from_copy
 torch.ops.compileops.grouped_linear_wgrad.default""")

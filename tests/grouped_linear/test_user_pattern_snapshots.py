@@ -184,19 +184,21 @@ torch.ops.compileops.grouped_linear_wgrad.default""")
 
         w13 = torch.cat([w1, w3], dim=1)
         self.assertSnapshot(_kernels(layer, x, w13, w2, offsets, p), """\
+triton_per_fused_fp8_weight_rowwise
 triton_per_fused_grouped_linear_swiglu_fp8_with_preact
-triton_per_fused_grouped_linear_swiglu_fp8_with_preact
+triton_per_fused_fp8_weight_rowwise
+triton_poi_fused_clone_transpose
 triton_tem_fused_grouped_linear_swiglu_fp8_with_preact
-triton_per_fused_grouped_linear_fp8
+triton_poi_fused_clone_transpose
 triton_per_fused_grouped_linear_fp8
 triton_tem_fused_grouped_linear_fp8_mul_unsqueeze
 # backward
-triton_per_fused__to_copy_grouped_linear_fp8_dx_mul_sum_unsqueeze
-triton_per_fused_grouped_linear_fp8_dx
-triton_tem_fused_grouped_linear_fp8_dx
+triton_per_fused__to_copy_grouped_linear_fp8_dx_from_copy_mul_sum_unsqueeze
+triton_poi_fused_grouped_linear_fp8_dx_from_copy
+triton_tem_fused_grouped_linear_fp8_dx_from_copy
 torch.ops.compileops.grouped_linear_wgrad.default
 triton_poi_fused__to_copy_add_mul_rsub_sigmoid_split
-triton_per_fused_grouped_linear_fp8_dx
-triton_per_fused_grouped_linear_fp8_dx
-triton_tem_fused_grouped_linear_fp8_dx
+triton_per_fused_grouped_linear_fp8_dx_from_copy
+triton_poi_fused_grouped_linear_fp8_dx_from_copy
+triton_tem_fused_grouped_linear_fp8_dx_from_copy
 torch.ops.compileops.grouped_linear_wgrad.default""")

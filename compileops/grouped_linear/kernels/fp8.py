@@ -137,43 +137,6 @@ def rowwise_quantize_kernel(
 
 
 @triton.jit
-def columnwise_quantize_kernel(
-    w_ptr, q_ptr, scale_ptr, N, K, stride_wg, stride_wn, stride_wk,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """Grid ``(G, cdiv(K, BLOCK_K))``: columns ``[pid1 * BLOCK_K, ...)`` of ``W_g [N, K]``
-    (``w [G, N, K]``, strides given), each quantised with one scale over its N entries, and
-    written transposed: ``q [G, K, N]`` e4m3 (contiguous) and ``scale [G, K]`` fp32. That is
-    the rowwise rule applied to ``W_g^T``, without a transposed copy of W. Two passes over N:
-    the columns' amax, then the quantised values; loads run along K and stores along N (the
-    compiler converts the tile's layout between them)."""
-    g = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    col_ok = cols < K
-    rows = tl.arange(0, BLOCK_N)
-    base = w_ptr + g * stride_wg + cols.to(tl.int64)[None, :] * stride_wk
-    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    nan_seen = tl.zeros((BLOCK_K,), dtype=tl.int32)
-    for n0 in range(0, N, BLOCK_N):
-        n = n0 + rows
-        mask = (n < N)[:, None] & col_ok[None, :]
-        x = tl.load(base + n.to(tl.int64)[:, None] * stride_wn, mask=mask,
-                    other=0.0).to(tl.float32)
-        chunk_amax, chunk_nans = amax_and_nans(x, 0)
-        amax, nan_seen = tl.maximum(amax, chunk_amax), tl.maximum(nan_seen, chunk_nans)
-    scale, inverse = scales_of(amax, nan_seen)
-    tl.store(scale_ptr + g * K + cols, scale, mask=col_ok)
-    out = q_ptr + g * K * N + cols.to(tl.int64)[None, :] * N
-    for n0 in range(0, N, BLOCK_N):
-        n = n0 + rows
-        mask = (n < N)[:, None] & col_ok[None, :]
-        x = tl.load(base + n.to(tl.int64)[:, None] * stride_wn, mask=mask,
-                    other=0.0).to(tl.float32)
-        q = quantize_to_e4m3(x, inverse[None, :])
-        tl.store(out + n[:, None], q.to(q_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def blockwise_quantize_kernel(
     x_ptr, q_ptr, scale_ptr, R, K, stride_xb, stride_xr, stride_xk, r_blocks, k_blocks,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PER_ROW: tl.constexpr,
@@ -283,29 +246,20 @@ def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_weight_rowwise(weight: torch.Tensor, *, transpose: bool = False
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weight ``[G, N, K]`` quantised for an M-jagged fp8 product, as ``(q, scale)``:
+    """The weight ``[G, N, K]`` quantised rowwise, one scale per output channel over K, as
+    ``(q, scale [G, N])``:
 
-    * ``transpose=False`` (the forward, ``x @ W_g^T``): one scale per output channel over K,
-      ``q [G, N, K]``, ``scale [G, N]``;
-    * ``transpose=True`` (dX, ``dY @ W_g``): one scale per input channel over N, ``q [G, K,
-      N]`` (contiguous, ``W_g^T``), ``scale [G, K]``.
+    * ``transpose=False`` (the forward, ``x @ W_g^T``): ``q [G, N, K]``;
+    * ``transpose=True`` (dX, ``(dY_g * scale_g) @ q_g``): the same values written as ``q_g^T``,
+      ``q [G, K, N]`` contiguous, so that dX's reduction over N runs along memory (e4m3
+      matrix products on Hopper read both operands along their reduction dim). dX carries
+      the scales on its gradient rows (:func:`compileops.grouped_linear.fp8.scale_gradient_rows`).
     """
     if weight.dim() != 3:
         raise ValueError(f"weight must be [G, N, K], got shape {tuple(weight.shape)}")
-    if not transpose:
-        return quantize_rowwise(weight)
-    _check_float(weight, "weight", 3)
-    groups, n, k = weight.shape
-    q = torch.empty((groups, k, n), dtype=E4M3, device=weight.device)
-    scale = torch.empty((groups, k), dtype=torch.float32, device=weight.device)
-    if n == 0:
-        scale.fill_(1.0)  # the rule's scale of an empty (all-zero) group
-    elif groups and k:
-        cpu = weight.device.type == "cpu"
-        block_n, block_k = (16, 16) if cpu else (64, 64)
-        columnwise_quantize_kernel[(groups, triton.cdiv(k, block_k))](
-            weight, q, scale, n, k, weight.stride(0), weight.stride(1), weight.stride(2),
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=1 if cpu else 4)
+    q, scale = quantize_rowwise(weight)
+    if transpose:
+        q = q.transpose(1, 2).contiguous()
     return q, scale
 
 
