@@ -57,7 +57,9 @@ def _run(world: int, configs: dict) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def single_rank() -> dict:
-    return _run(1, {"titan": {}, "bf16": {"convert": "bf16"}, "fp8": {"convert": "fp8"}})
+    return _run(1, {"titan": {"record_weights": True}, "bf16": {"convert": "bf16"},
+                    "fp8": {"convert": "fp8"}, "fp8-forced": {"convert": "fp8",
+                                                              "forced_by": "titan"}})
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,11 +91,22 @@ def test_single_rank_converted_matches_torchtitan():
 
 
 def test_single_rank_fp8_trains_like_torchtitan():
-    # fp8 rowwise: each e4m3 product has a relative error of about 3.7e-2 (fp8_op's
-    # docstring); a gradient passes through at most three of them.
+    """fp8 rowwise: each e4m3 product has a relative error of about 3.7e-2 (fp8_op's
+    docstring); a gradient passes through at most three of them. That bounds a step's
+    gradients from the same weights: every step starts from torchtitan's weights at that
+    step ("fp8-forced"). Trained on its own, the fp8 model's weights drift from
+    torchtitan's by fp8's error, and a token whose top-k choice is near a tie can switch
+    experts, which changes the router's and those experts' gradients by far more than a
+    product's error (measured: 0.31 at step 4 in one layer, where the forced step's
+    worst is 0.06): the free run is held to its losses."""
     res = single_rank()
-    assert_close_runs(res["fp8"], res["titan"], grad_rtol=3 * 4e-2, loss_rtol=4e-2 / 8,
-                       what="fp8 vs torchtitan")
+    assert_close_runs(res["fp8-forced"], res["titan"], grad_rtol=3 * 4e-2,
+                      loss_rtol=4e-2 / 8, what="fp8 (forced) vs torchtitan")
+    torch.testing.assert_close(torch.tensor(res["fp8"]["losses"]),
+                               torch.tensor(res["titan"]["losses"]), rtol=4e-2 / 8, atol=0)
+    # The forced run did follow torchtitan's weights: its step-0 gradients are the free run's.
+    for name, grads in res["fp8"]["grads"].items():
+        assert torch.equal(grads[0], res["fp8-forced"]["grads"][name][0]), name
 
 
 @pytest.mark.parametrize("name, ranks", [

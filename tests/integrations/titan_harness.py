@@ -160,7 +160,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def train(rank: int, world: int, *, ep: int = 1, convert: Optional[str] = None,
           compile: Optional[str] = None, ac: Optional[str] = None,
           backend: Optional[str] = "reference", steps: int = STEPS,
-          seq_lens=SEQ_LENS, builder=None) -> dict:
+          seq_lens=SEQ_LENS, builder=None, record_weights: bool = False,
+          forced_weights: Optional[list] = None) -> dict:
     """``steps`` SGD steps of one model; returns the loss of each step and, on rank 0, the
     full gradients (``{name: [one tensor per step]}``) and Dynamo's count of compiled graphs
     after each step.
@@ -170,7 +171,13 @@ def train(rank: int, world: int, *, ep: int = 1, convert: Optional[str] = None,
     ops (``"reference"``: their PyTorch ground truth, the same ops, autograd and graphs;
     None: the default, the Triton kernels under the interpreter). ``builder``: the function
     that builds the parallelized model, :func:`build`'s signature (None: :func:`build`).
+    ``record_weights`` (one process): the result's ``"weights"`` holds the full parameters
+    before each step; ``forced_weights``: such a list, loaded before each step, so that every
+    step's gradients come from the same weights as the recording run's (teacher forcing: a
+    step's error, free of the earlier steps' differences).
     """
+    if (record_weights or forced_weights is not None) and world != 1:
+        raise ValueError("record_weights and forced_weights run in one process")
     import compileops
 
     torch._dynamo.reset()
@@ -180,8 +187,12 @@ def train(rank: int, world: int, *, ep: int = 1, convert: Optional[str] = None,
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     per_rank = BATCH // world
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
-    out = {"losses": [], "grads": {}, "graphs": []}
-    for tokens, labels in batches(steps, seq_lens):
+    out = {"losses": [], "grads": {}, "graphs": [], "weights": []}
+    for step, (tokens, labels) in enumerate(batches(steps, seq_lens)):
+        if forced_weights is not None:
+            load_parameters(model, forced_weights[step])
+        if record_weights:
+            out["weights"].append({clean_name(n): _full(p) for n, p in model.named_parameters()})
         with compileops.backends.use_backend(backend) if backend else _nothing():
             logits = model(tokens[mine])
             # As torchtitan's trainer: the sum over this rank's tokens divided by the global
@@ -205,9 +216,17 @@ def train(rank: int, world: int, *, ep: int = 1, convert: Optional[str] = None,
 
 def train_configs(rank: int, world: int, configs: dict, builder=None) -> dict:
     """:func:`train` for each ``{name: kwargs}`` of ``configs``, one after the other in the
-    same process group: ``{name: result}``."""
-    return {name: train(rank, world, builder=builder, **kwargs)
-            for name, kwargs in configs.items()}
+    same process group: ``{name: result}``. A config with ``"forced_by": other`` starts each
+    step from the weights that the earlier config ``other`` (run with ``record_weights``)
+    had at that step."""
+    results = {}
+    for name, kwargs in configs.items():
+        kwargs = dict(kwargs)
+        leader = kwargs.pop("forced_by", None)
+        if leader is not None:
+            kwargs["forced_weights"] = results[leader]["weights"]
+        results[name] = train(rank, world, builder=builder, **kwargs)
+    return results
 
 
 class _nothing:
