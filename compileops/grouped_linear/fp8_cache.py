@@ -1,7 +1,7 @@
 """The fp8 grouped linear's weight cache (opt-in: ``cache_fp8_weights=True``).
 
-Without it each fp8 call quantises its weight again: with rowwise scaling once for the
-forward and once, per input channel, for dX. With it the e4m3 copy of a weight is made once
+Without it each fp8 forward quantises its weight again (with rowwise scaling the backward
+transposes that copy for dX). With it the e4m3 copy of a weight is made once
 per version of that weight and reused by every later call until the weight changes:
 micro-batches of one optimizer step, and the forward and backward of each, share one copy
 per layout.
@@ -36,7 +36,8 @@ in a list (``w.mul_(2)``, ``w[:, :4].mul_(2)``, ``w[0].zero_()``, ``torch._forea
 the version cannot tell the values before the write from those after it.
 
 **The cost.** Memory: each cached weight keeps its e4m3 copy and fp32 scales alive, one
-byte per element per layout (rowwise: two layouts, the forward's and dX's; blockwise: one),
+byte per element per layout (rowwise: two layouts, the forward's copy and its transpose for
+dX; blockwise: one),
 until the next optimizer step, or until the weight changes, or until the weight's storage is
 freed (the parameter deleted, or ``param.data = other``): a finaliser on the storage releases
 its copies then. Nothing else: a lookup is a dict access under a lock, on the host, no device
