@@ -201,9 +201,11 @@ def _lower_dx_from_copy(grad, weight_q_t, weight_scale, offsets, fast_accum=Fals
     derivative's halves read where they are computed), with unit weight scales."""
     name = "grouped_linear_fp8_dx_from_copy"
     why = _why_extern(grad, "rowwise", name)
+    groups, k, _ = weight_q_t.get_size()
+    groups = _compat.specialize(groups, what="the number of groups G")
+    if why is None and groups == 0:
+        why = "no groups"
     if why is None:
-        groups, k, _ = weight_q_t.get_size()
-        groups = _compat.specialize(groups, what="the number of groups G")
         row_groups = _row_groups(offsets, grad.get_size()[0])
         x_q, x_scale = fp8_quantize.quantise_rows(grad, (weight_scale, row_groups, groups))
         ops = _compat.ops()

@@ -172,6 +172,8 @@ def scale_gradient_rows(grad: torch.Tensor, weight_scale: torch.Tensor,
     group's scales (their dX is zero whatever they hold). Plain torch ops: compiled, they
     fuse into dX's row quantisation, so the product is never written out."""
     groups = weight_scale.shape[0]
+    if groups == 0:  # no group: every row's dX is zero
+        return grad.float() * 0
     group_of_row = row_groups(offsets, grad.shape[0]).clamp(max=groups - 1)
     return grad.float() * weight_scale.index_select(0, group_of_row.long())
 

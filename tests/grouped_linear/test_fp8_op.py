@@ -413,3 +413,17 @@ def test_fast_accum_on_the_gpu_is_deterministic_and_close_to_exact_sums():
     assert not torch.equal(runs[False][0], runs[True][0])
     assert _rel(runs[False][0], exact) <= 2.5e-3
     assert _rel(runs[True][0], exact) <= 5e-3
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_no_groups_give_zero_output_and_gradient(backend):
+    """G = 0 (every row belongs to no group): y and dX are zeros, dW empty, rowwise dX's
+    per-group weight scales included."""
+    x = torch.randn(5, 16, requires_grad=True)
+    w = torch.randn(0, 8, 16, requires_grad=True)
+    offsets = torch.zeros(0, dtype=torch.int32)
+    with compileops.use_backend(backend):
+        y = compileops.grouped_linear(x, w, offsets, fp8="rowwise")
+        y.backward(torch.ones_like(y))
+    assert y.shape == (5, 8) and not y.any()
+    assert x.grad.shape == (5, 16) and not x.grad.any() and w.grad.shape == (0, 8, 16)
