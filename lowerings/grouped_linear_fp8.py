@@ -132,23 +132,15 @@ def _template(name: str, args: dict):
     the cache's through an extern call, else quantised here as IR."""
     if args["weight_q"] is not None:
         w_q, w_scale = args["weight_q"], args["weight_scale"]
-    elif args["cache_weight"]:
-        w_q, w_scale = _weight_lookup(args["weight"], False, args["weight_base"])
     else:
-        w_q, w_scale = fp8_quantize.quantise_rows(args["weight"])
+        w_q, w_scale = _lower_weight_copy(args["weight"], False, args["cache_weight"],
+                                          args["weight_base"])
     x = args["x"]
     x_q, x_scale = fp8_quantize.quantise_rows(x)
     fp8 = bf16_lowering.Fp8Operands(x_scale, w_scale, x.get_dtype(), bool(args["fast_accum"]))
     swiglu = name == "grouped_linear_swiglu_fp8_with_preact"
     return bf16_lowering._lower(name, swiglu, x_q, w_q, args["offsets"],
                                 row_scale=args.get("row_scale"), save_preact=swiglu, fp8=fp8)
-
-
-def _weight_lookup(weight, transposed: bool, weight_base):
-    """The cache's ``(q, scale)`` of ``weight``: an extern call of ``fp8_weight_rowwise``."""
-    op = torch.ops.compileops.fp8_weight_rowwise.default
-    q, scale = _compat.fallback(op)(weight, transposed, True, weight_base)
-    return q, scale
 
 
 def _lowering(op: torch._ops.OpOverload):

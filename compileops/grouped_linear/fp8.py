@@ -173,7 +173,7 @@ def scale_gradient_rows(grad: torch.Tensor, weight_scale: torch.Tensor,
     fuse into dX's row quantisation, so the product is never written out."""
     groups = weight_scale.shape[0]
     if groups == 0:  # no group: every row's dX is zero
-        return grad.float() * 0
+        return torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
     group_of_row = row_groups(offsets, grad.shape[0]).clamp(max=groups - 1)
     return grad.float() * weight_scale.index_select(0, group_of_row.long())
 
