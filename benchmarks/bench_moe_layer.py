@@ -41,6 +41,9 @@ fp8 layers, those):
   of 16, so this layer first copies the sorted rows into groups padded to 16 (and gathers the
   output back): what a user of it has to add. Needs torchao and a CUDA device.
 
+``compileops-fp8-dw`` and ``compileops-fp8-cached-dw``: the same with ``fp8_weight_grad=True``
+(dW in e4m3 too, rowwise).
+
 ``--impls ... compileops-fp8-cached`` adds ``compileops-fp8`` with ``cache_fp8_weights=True``:
 no timed step changes the weights, so their e4m3 copies are made once and reused by every
 step, the limit of many micro-batches per optimizer step (with N micro-batches, add 1/N of
@@ -132,6 +135,9 @@ EPILOGUES = ("none", "bias", "residual", "cast")
 
 #: The layers whose gate and up weights are two parameters.
 TWO_WEIGHT_IMPLS = ("compileops-pair", "compileops-user-two-weights")
+#: compileops' fp8 layers: "-cached" with cache_fp8_weights=True, "-dw" with fp8_weight_grad=True
+COMPILEOPS_FP8_IMPLS = ("compileops-fp8", "compileops-fp8-cached", "compileops-fp8-dw",
+                        "compileops-fp8-cached-dw")
 
 
 class MoELayer(torch.nn.Module):
@@ -184,14 +190,12 @@ class MoELayer(torch.nn.Module):
             y = y * p_sorted[:, None].to(x.dtype)
         elif self.impl == "torchao-fp8":
             y = self._torchao_fp8_experts(xs, offsets) * p_sorted[:, None].to(x.dtype)
-        elif self.impl in ("compileops-fp8", "compileops-fp8-cached"):
-            cache = self.impl == "compileops-fp8-cached"
-            fast = self.fp8_fast_accum
-            h = compileops.grouped_linear_swiglu(xs, self.gate_up, offsets, fp8=self.fp8,
-                                                 cache_fp8_weights=cache, fp8_fast_accum=fast)
-            y = compileops.grouped_linear(h, self.down, offsets, row_scale=p_sorted,
-                                          fp8=self.fp8, cache_fp8_weights=cache,
-                                          fp8_fast_accum=fast)
+        elif self.impl in COMPILEOPS_FP8_IMPLS:
+            opts = dict(fp8=self.fp8, cache_fp8_weights="-cached" in self.impl,
+                        fp8_fast_accum=self.fp8_fast_accum,
+                        fp8_weight_grad=self.impl.endswith("-dw"))
+            h = compileops.grouped_linear_swiglu(xs, self.gate_up, offsets, **opts)
+            y = compileops.grouped_linear(h, self.down, offsets, row_scale=p_sorted, **opts)
         elif self.impl == "compileops-pair":
             h = compileops.grouped_linear_swiglu(xs, self.w_gate, offsets, up_weight=self.w_up)
             y = compileops.grouped_linear(h, self.down, offsets, row_scale=p_sorted)
@@ -394,7 +398,7 @@ def main() -> None:
                               f"{str(exc)[:300]}", flush=True)
                         fw_ms = fwbw_ms = peak = float("nan")
                         note = f"failed: {type(exc).__name__}"
-                    if impl == "compileops-fp8-cached":
+                    if impl.startswith("compileops-fp8-cached"):
                         note += (f"; fp8 weight copies {cached_fp8_weight_bytes() / 2**30:.2f}"
                                  " GiB held (made before the peak was taken)")
                     accum = ", fast accum" if args.fp8_fast_accum else ""

@@ -15,7 +15,9 @@ it runs, alternating, in this order:
   accumulation).
 
 ``--impls`` can add ``compileops-bf16-pair`` (``--model.converters compileops_moe_pair``: bf16
-with the gate and up products reading w1 and w3 where they are, ``gate_up="pair"``).
+with the gate and up products reading w1 and w3 where they are, ``gate_up="pair"``) and
+``compileops-fp8-dw`` (``--model.converters compileops_moe_fp8_dw``: ``compileops-fp8`` with
+the weight gradients in fp8 too).
 
 Each run is ``torchrun --standalone --nproc_per_node <--gpus> -m torchtitan.train`` (FSDP2 over
 the GPUs, expert parallelism of degree ``--ep``) with
@@ -67,6 +69,7 @@ IMPLS = {
     "titan-fp8": None,
     "compileops-fp8": ["--model.converters", "compileops_moe_fp8"],
     "compileops-bf16-pair": ["--model.converters", "compileops_moe_pair"],
+    "compileops-fp8-dw": ["--model.converters", "compileops_moe_fp8_dw"],
 }
 #: The runs made unless ``--impls`` names others: the four the comparison is about.
 DEFAULT_IMPLS = ["titan-bf16", "compileops-bf16", "titan-fp8", "compileops-fp8"]

@@ -36,6 +36,16 @@ of quantising the weight per input channel; with output channels of unequal magn
 weights or gradients skewed per channel), 0.81-0.94x, because each output channel keeps its
 own scale.
 
+**dW in fp8** (rowwise, opt-in: ``fp8_weight_grad=True``). ``dW_g = dY_g^T X_g`` reduces
+over the group's rows (tokens), so its scales must be constant along them: both operands are
+quantised with one scale per group and column, over that group's rows
+(:func:`quantize_group_columns`), written transposed (``[C, M]``: the reduction runs along
+memory, as Hopper's e4m3 products read their operands). Then ``dW_g[n, k] = s_dy[g, n] *
+s_x[g, k] * sum_r q_dy[n, r] q_x[k, r]`` (:func:`grouped_linear_wgrad_reference`). A column's
+scale spans all of its group's rows, so one large token shrinks the resolution of the whole
+column of that group: the error is that of quantising with the group's column amax, measured
+in :mod:`compileops.grouped_linear.fp8_op`.
+
 Why e4m3 for gradients too: with a scale per row or per tile, the dynamic range a format must
 cover is that of one group, which e4m3's 18 binades of normals and subnormals hold; its 3
 mantissa bits halve e5m2's rounding error.
@@ -50,7 +60,8 @@ from compileops.grouped_linear.reference import grouped_linear_forward, row_grou
 
 __all__ = ["ACTIVATION_BLOCK", "E4M3", "E4M3_MAX", "MIN_AMAX", "WEIGHT_BLOCK", "dequantize",
            "grouped_linear_dx_reference", "grouped_linear_reference",
-           "prescaled_dx_reference", "quantize_blockwise", "quantize_rowwise",
+           "grouped_linear_wgrad_reference", "prescaled_dx_reference",
+           "quantize_blockwise", "quantize_group_columns", "quantize_rowwise",
            "scale_gradient_rows"]
 
 E4M3 = torch.float8_e4m3fn
@@ -201,3 +212,45 @@ def grouped_linear_dx_reference(grad: torch.Tensor, weight: torch.Tensor,
         return grouped_linear_reference(grad.float(), weight.float().transpose(1, 2),
                                         offsets, scaling).float()
     raise ValueError(f"scaling must be 'rowwise' or 'blockwise', got {scaling!r}")
+
+
+def quantize_group_columns(x: torch.Tensor, offsets: torch.Tensor
+                           ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, C]``, offsets int ``[G]`` (cumulative end row of each group) -> ``(q_t [C, M]``
+    e4m3, ``scale [G, C]`` fp32): one scale per group and column, over the group's rows (the
+    rule of the module docstring per ``(group, column)``), the codes written transposed. Rows
+    of no group (past ``offsets[-1]``) get zero codes; an empty group's scales are 1. ``x``
+    is not modified."""
+    _check_float(x, "x", 2)
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, C], got shape {tuple(x.shape)}")
+    xf = x.float()
+    groups = offsets.shape[0]
+    group_of_row = row_groups(offsets, x.shape[0])  # G for rows of no group
+    magnitude = xf.abs()
+    # A masked amax per group (a NaN in the group stays NaN; rows elsewhere count as 0).
+    amax = torch.stack([torch.where((group_of_row == g)[:, None], magnitude, 0.0).amax(0)
+                        if x.shape[0] else xf.new_zeros(x.shape[1]) for g in range(groups)]
+                       ) if groups else xf.new_zeros((0, x.shape[1]))
+    # Each row quantised with its group's column amax; rows of no group with amax 0.
+    padded = torch.cat([amax, xf.new_zeros((1, x.shape[1]))])
+    q, _ = _quantize(xf, padded.index_select(0, group_of_row.long()))
+    q = torch.where((group_of_row < groups)[:, None], q.float(), 0.0).to(E4M3)
+    _, scale = _quantize(amax, amax)
+    return q.t().contiguous(), scale
+
+
+def grouped_linear_wgrad_reference(grad: torch.Tensor, x: torch.Tensor,
+                                   offsets: torch.Tensor) -> torch.Tensor:
+    """fp8 ``dW [G, N, K]`` in fp32 as the kernels compute it, for ``grad [M, N]`` and ``x [M,
+    K]``: both quantised per group and column (:func:`quantize_group_columns`), the e4m3
+    products of each group summed in fp32 (exact products; a kernel differs only in the
+    order of its sums), then times ``s_dy[g, n] * s_x[g, k]``. Empty groups give zeros."""
+    dy_q, dy_scale = quantize_group_columns(grad, offsets)  # [N, M], [G, N]
+    x_q, x_scale = quantize_group_columns(x, offsets)  # [K, M], [G, K]
+    group_of_row = row_groups(offsets, grad.shape[0])
+    dyf, xf = dy_q.float(), x_q.float()
+    sums = torch.stack([torch.where(group_of_row == g, dyf, 0.0) @ xf.t()
+                        for g in range(offsets.shape[0])]) if offsets.shape[0] else \
+        dyf.new_zeros((0, grad.shape[1], x.shape[1]))
+    return sums * dy_scale[:, :, None] * x_scale[:, None, :]

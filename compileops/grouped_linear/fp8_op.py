@@ -31,9 +31,25 @@ graph, which the backward reads for dX instead of quantising the weight again. W
 the op quantises the weight itself.
 
 Autograd: dX through ``grouped_linear_fp8_dx_from_copy`` (rowwise) or
-``grouped_linear_fp8_dx`` (blockwise); ``dW = dY_g^T X_g`` stays in x's dtype
-(``compileops::grouped_linear_wgrad``, from the saved unquantised x): a reduction over a
-group's tokens, whose fp8 form needs per-group scales along M.
+``grouped_linear_fp8_dx`` (blockwise); ``dW = dY_g^T X_g`` in x's dtype
+(``compileops::grouped_linear_wgrad``, from the saved unquantised x), or, with
+``fp8_weight_grad`` (rowwise only, opt-in), in e4m3 too:
+``compileops::grouped_linear_wgrad_fp8(grad [M, N], x [M, K], offsets, weight_dtype,
+fast_accum) -> dW [G, N, K]``, both operands quantised with one scale per group and column
+(:mod:`compileops.grouped_linear.fp8`, "dW in fp8"). Compiled, an extern call, as the bf16
+dW is.
+
+**The cost of fp8 dW, in accuracy.** dW's relative L2 error against fp64 of the same bf16
+operands (unit-normal x and dY, one group of 512 rows, K = N = 256, three seeds; the kernels
+under Triton's interpreter, whose e4m3 products and fp32 sums are the GPU's up to summation
+order): **3.68-3.73e-2 with fp8 dW**, the same as the fp8 forward and dX products' own. dW
+from the bf16 operands: 1.65-1.66e-3 rounded (to nearest) to a bf16 weight's gradient, and
+1.0e-7 as an fp32 master weight's gradient. So fp8 dW costs about 22 times a bf16 weight's
+gradient error, and far more against fp32 master weights
+(``tests/grouped_linear/test_fp8_weight_grad.py`` checks a smaller case against these
+figures). A column's scale spans all of its group's rows, so a token far larger than the
+rest coarsens that column for the whole group. That is why it is not the default:
+``fp8="rowwise"`` alone keeps dW in x's dtype.
 
 The numerics are :func:`compileops.grouped_linear.fp8.grouped_linear_reference`'s (the
 reference backend runs it): e4m3 for both operands and for dY (why e4m3 for gradients: the
@@ -98,6 +114,7 @@ from compileops.grouped_linear.checks import (
     check_offsets_eagerly,
     check_row_scaled_args,
     check_same_device,
+    check_wgrad_args,
 )
 from compileops.grouped_linear.reference import grouped_linear_forward
 from compileops.grouped_linear.scaled import row_scaled_backward
@@ -116,7 +133,7 @@ RECIPES = ("rowwise", "blockwise")
 _CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,)
 
 
-def check_recipe(fp8, bias=None, fast_accum=False, **unsupported) -> None:
+def check_recipe(fp8, bias=None, fast_accum=False, weight_grad=False, **unsupported) -> None:
     """A clear error for an unknown recipe, or for what the fp8 path does not take yet."""
     if fp8 is None:
         return
@@ -127,13 +144,16 @@ def check_recipe(fp8, bias=None, fast_accum=False, **unsupported) -> None:
     if fast_accum and fp8 != "rowwise":
         raise ValueError(f"fp8_fast_accum=True applies to fp8='rowwise'; fp8={fp8!r} scales "
                          "each 128-wide K step apart by construction")
+    if weight_grad and fp8 != "rowwise":
+        raise ValueError(f"fp8_weight_grad=True applies to fp8='rowwise' (dW quantised per "
+                         f"group and column); fp8={fp8!r} has no fp8 dW")
     for name, value in unsupported.items():
         if value:
             raise ValueError(f"fp8={fp8!r} does not support {name} yet")
 
 
 def _check(x, weight, offsets, scaling: str, swiglu: bool = False,
-           fast_accum: bool = False) -> None:
+           fast_accum: bool = False, weight_grad: bool = False) -> None:
     check_forward_args(x, weight, offsets, None, swiglu)
     torch._check_type(x.dtype != torch.float64,
                       lambda: "the fp8 grouped linear takes bf16, fp16 or fp32 inputs, got fp64")
@@ -141,6 +161,8 @@ def _check(x, weight, offsets, scaling: str, swiglu: bool = False,
                        lambda: f"scaling must be one of {RECIPES}, got {scaling!r}")
     torch._check_value(not fast_accum or scaling == "rowwise",
                        lambda: f"fast_accum applies to rowwise scaling, got {scaling!r}")
+    torch._check_value(not weight_grad or scaling == "rowwise",
+                       lambda: f"fp8_weight_grad applies to rowwise scaling, got {scaling!r}")
 
 
 def _reference(x, weight, offsets, scaling):
@@ -273,14 +295,16 @@ def grouped_linear_fp8_op(x: torch.Tensor, weight: torch.Tensor, offsets: torch.
                           scaling: str, cache_weight: bool = False, fast_accum: bool = False,
                           weight_base: Optional[torch.Tensor] = None,
                           weight_q: Optional[torch.Tensor] = None,
-                          weight_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          weight_scale: Optional[torch.Tensor] = None,
+                          fp8_weight_grad: bool = False) -> torch.Tensor:
     """x ``[M, K]``, weight ``[G, N, K]``, offsets int32 ``[G]`` -> ``[M, N]`` in x's dtype,
     fp8 with ``scaling`` (module docstring); rows past ``offsets[-1]`` are zeros.
     ``cache_weight``: the weight's e4m3 copy from :mod:`.fp8_cache`; ``weight_base``: the
     module docstring's. ``fast_accum`` (rowwise): the MMA accumulates over the whole K
     loop, in the forward and dX. ``weight_q``, ``weight_scale``: the weight's rowwise copy
-    (``fp8_weight_rowwise``), used instead of quantising ``weight``."""
-    _check(x, weight, offsets, scaling, fast_accum=fast_accum)
+    (``fp8_weight_rowwise``), used instead of quantising ``weight``. ``fp8_weight_grad``
+    (rowwise): the backward's dW in fp8 too (``grouped_linear_wgrad_fp8``)."""
+    _check(x, weight, offsets, scaling, fast_accum=fast_accum, weight_grad=fp8_weight_grad)
     _check_weight_copy(weight, weight_q, weight_scale, scaling)
     check_offsets_eagerly(offsets, x.shape[0])
     if use_triton("grouped_linear_fp8", x):
@@ -294,8 +318,8 @@ def grouped_linear_fp8_op(x: torch.Tensor, weight: torch.Tensor, offsets: torch.
 @grouped_linear_fp8_op.register_fake
 def _grouped_linear_fp8_fake(x, weight, offsets, scaling, cache_weight=False,
                              fast_accum=False, weight_base=None, weight_q=None,
-                             weight_scale=None):
-    _check(x, weight, offsets, scaling, fast_accum=fast_accum)
+                             weight_scale=None, fp8_weight_grad=False):
+    _check(x, weight, offsets, scaling, fast_accum=fast_accum, weight_grad=fp8_weight_grad)
     _check_weight_copy(weight, weight_q, weight_scale, scaling)
     return x.new_empty((x.shape[0], weight.shape[1]))
 
@@ -385,6 +409,46 @@ def _grouped_linear_fp8_dx_fake(grad, weight, offsets, scaling, cache_weight=Fal
     return grad.new_empty((grad.shape[0], weight.shape[2]))
 
 
+@custom_op("grouped_linear_wgrad_fp8")
+def grouped_linear_wgrad_fp8_op(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
+                                weight_dtype: torch.dtype,
+                                fast_accum: bool = False) -> torch.Tensor:
+    """fp8 ``dW [G, N, K] = grad_g^T x_g`` in ``weight_dtype`` for ``grad [M, N]`` and ``x [M,
+    K]`` (bf16, fp16 or fp32), int32 ``offsets [G]``: both operands quantised to e4m3 with
+    one scale per group and column over the group's rows, the e4m3 products summed in fp32
+    and scaled (:func:`compileops.grouped_linear.fp8.grouped_linear_wgrad_reference`); empty
+    groups give zeros. ``fast_accum``: the MMA accumulates over each group's whole
+    reduction. Deterministic (no atomics, no split of the reduction). Not differentiable."""
+    _check_wgrad_fp8(grad, x, offsets, weight_dtype)
+    check_offsets_eagerly(offsets, grad.shape[0])
+    if use_triton("grouped_linear_wgrad_fp8", grad):
+        from compileops.grouped_linear.kernels import grouped_linear_wgrad_fp8
+
+        return grouped_linear_wgrad_fp8(grad, x, offsets, weight_dtype, fast_accum=fast_accum)
+    return fp8_rule.grouped_linear_wgrad_reference(grad, x, offsets).to(weight_dtype)
+
+
+def _check_wgrad_fp8(grad, x, offsets, weight_dtype) -> None:
+    check_wgrad_args(grad, x, offsets, weight_dtype)
+    torch._check_type(grad.dtype != torch.float64,
+                      lambda: "the fp8 weight gradient takes bf16, fp16 or fp32 operands, "
+                              "got fp64")
+
+
+@grouped_linear_wgrad_fp8_op.register_fake
+def _grouped_linear_wgrad_fp8_fake(grad, x, offsets, weight_dtype, fast_accum=False):
+    _check_wgrad_fp8(grad, x, offsets, weight_dtype)
+    return grad.new_empty((offsets.shape[0], grad.shape[1], x.shape[1]), dtype=weight_dtype)
+
+
+def _weight_grad(ctx, grad, x, offsets, weight_dtype):
+    """dW of a forward op: fp8 with ``fp8_weight_grad``, else in x's dtype."""
+    if ctx.fp8_weight_grad:
+        return grouped_linear_wgrad_fp8_op(grad, x, offsets, weight_dtype, ctx.fast_accum)
+    dw, _ = grouped_linear_wgrad_op(grad, x, offsets, weight_dtype, grad.dtype, False)
+    return dw
+
+
 def _fp8_dx(ctx, grad, weight, offsets, weight_copy):
     """dX of a forward op: rowwise from the forward's weight copy (the cache's transposed
     one; else the copy saved by the forward, transposed here: torch ops, 1 byte per weight
@@ -403,18 +467,19 @@ def _fp8_dx(ctx, grad, weight, offsets, weight_copy):
 
 
 def _fp8_linear_backward(ctx, grad, x, weight, offsets, weight_copy):
-    """dX in fp8, dW in x's dtype."""
+    """dX in fp8, dW in x's dtype or (``fp8_weight_grad``) fp8."""
     dx = dw = None
     if ctx.needs_input_grad[0]:
         dx = _fp8_dx(ctx, grad, weight, offsets, weight_copy)
     if ctx.needs_input_grad[1]:
-        dw, _ = grouped_linear_wgrad_op(grad, x, offsets, weight.dtype, grad.dtype, False)
+        dw = _weight_grad(ctx, grad, x, offsets, weight.dtype)
     return dx, dw
 
 
-def _keep_options(ctx, scaling, cache_weight, fast_accum, weight_q) -> None:
+def _keep_options(ctx, scaling, cache_weight, fast_accum, weight_q, fp8_weight_grad) -> None:
     ctx.scaling, ctx.cache_weight, ctx.fast_accum = scaling, cache_weight, fast_accum
     ctx.has_weight_copy = weight_q is not None
+    ctx.fp8_weight_grad = fp8_weight_grad
 
 
 def _saved_copy(ctx, saved):
@@ -423,10 +488,11 @@ def _saved_copy(ctx, saved):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, offsets, scaling, cache_weight, fast_accum, _, weight_q, weight_scale = inputs
+    (x, weight, offsets, scaling, cache_weight, fast_accum, _, weight_q, weight_scale,
+     fp8_weight_grad) = inputs
     keep_for_backward(ctx, (x, weight, offsets, None),
                       *((weight_q, weight_scale) if weight_q is not None else ()))
-    _keep_options(ctx, scaling, cache_weight, fast_accum, weight_q)
+    _keep_options(ctx, scaling, cache_weight, fast_accum, weight_q, fp8_weight_grad)
 
 
 def _grouped_linear_fp8_backward(ctx, grad):
@@ -434,7 +500,7 @@ def _grouped_linear_fp8_backward(ctx, grad):
         saved = ctx.saved_tensors
         x, weight, offsets = saved[:3]
         dx, dw = _fp8_linear_backward(ctx, grad, x, weight, offsets, _saved_copy(ctx, saved))
-        return dx, dw, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None
 
 
 backends.register_autograd(grouped_linear_fp8_op, _grouped_linear_fp8_backward, _setup_context)
@@ -448,11 +514,11 @@ def grouped_linear_row_scaled_fp8_op(x: torch.Tensor, weight: torch.Tensor,
                                      weight_base: Optional[torch.Tensor] = None,
                                      weight_q: Optional[torch.Tensor] = None,
                                      weight_scale: Optional[torch.Tensor] = None,
-                                     ) -> torch.Tensor:
+                                     fp8_weight_grad: bool = False) -> torch.Tensor:
     """``grouped_linear_fp8`` with row i of the output, rounded to x's dtype, times
     ``row_scale[i]`` (``[M]`` in x's dtype) and rounded again: the MoE down projection times
     the router probability, in the product's epilogue."""
-    _check(x, weight, offsets, scaling, fast_accum=fast_accum)
+    _check(x, weight, offsets, scaling, fast_accum=fast_accum, weight_grad=fp8_weight_grad)
     check_row_scaled_args(x, weight, offsets, row_scale)
     _check_weight_copy(weight, weight_q, weight_scale, scaling)
     check_offsets_eagerly(offsets, x.shape[0])
@@ -468,8 +534,9 @@ def grouped_linear_row_scaled_fp8_op(x: torch.Tensor, weight: torch.Tensor,
 @grouped_linear_row_scaled_fp8_op.register_fake
 def _grouped_linear_row_scaled_fp8_fake(x, weight, offsets, row_scale, scaling,
                                         cache_weight=False, fast_accum=False,
-                                        weight_base=None, weight_q=None, weight_scale=None):
-    _check(x, weight, offsets, scaling, fast_accum=fast_accum)
+                                        weight_base=None, weight_q=None, weight_scale=None,
+                                        fp8_weight_grad=False):
+    _check(x, weight, offsets, scaling, fast_accum=fast_accum, weight_grad=fp8_weight_grad)
     check_row_scaled_args(x, weight, offsets, row_scale)
     _check_weight_copy(weight, weight_q, weight_scale, scaling)
     return x.new_empty((x.shape[0], weight.shape[1]))
@@ -477,11 +544,11 @@ def _grouped_linear_row_scaled_fp8_fake(x, weight, offsets, row_scale, scaling,
 
 def _setup_row_scaled_context(ctx, inputs, output) -> None:
     (x, weight, offsets, row_scale, scaling, cache_weight, fast_accum, _, weight_q,
-     weight_scale) = inputs
+     weight_scale, fp8_weight_grad) = inputs
     copy = (weight_q, weight_scale) if weight_q is not None else ()
     ctx.save_for_backward(x, weight, offsets, row_scale, *copy)
     ctx.batch_invariant = BATCH_INVARIANT.enabled()
-    _keep_options(ctx, scaling, cache_weight, fast_accum, weight_q)
+    _keep_options(ctx, scaling, cache_weight, fast_accum, weight_q, fp8_weight_grad)
 
 
 def _grouped_linear_row_scaled_fp8_backward(ctx, grad):
@@ -493,8 +560,9 @@ def _grouped_linear_row_scaled_fp8_backward(ctx, grad):
         copy = _saved_copy(ctx, saved)
         dx, dw, _, ds = row_scaled_backward(
             grad, x, weight, offsets, row_scale, ctx.needs_input_grad[:4],
-            lambda: _fp8_dx(ctx, grad, weight, offsets, copy))
-    return dx, dw, None, ds, None, None, None, None, None, None
+            lambda: _fp8_dx(ctx, grad, weight, offsets, copy),
+            lambda g, a: _weight_grad(ctx, g, a, offsets, weight.dtype))
+    return dx, dw, None, ds, None, None, None, None, None, None, None
 
 
 backends.register_autograd(grouped_linear_row_scaled_fp8_op,
@@ -506,12 +574,13 @@ def grouped_linear_swiglu_fp8_with_preact_op(
     x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, scaling: str,
     cache_weight: bool = False, fast_accum: bool = False,
     weight_base: Optional[torch.Tensor] = None, weight_q: Optional[torch.Tensor] = None,
-    weight_scale: Optional[torch.Tensor] = None,
+    weight_scale: Optional[torch.Tensor] = None, fp8_weight_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """weight ``[G, 2H, K]`` (gate rows first) -> ``(silu(gate) * up [M, H], preact [M,
     2H])``, fp8 with ``scaling``; ``preact`` in x's dtype, for the backward. ``weight_q``,
-    ``weight_scale``: as ``grouped_linear_fp8``'s."""
-    _check(x, weight, offsets, scaling, swiglu=True, fast_accum=fast_accum)
+    ``weight_scale``, ``fp8_weight_grad``: as ``grouped_linear_fp8``'s."""
+    _check(x, weight, offsets, scaling, swiglu=True, fast_accum=fast_accum,
+           weight_grad=fp8_weight_grad)
     _check_weight_copy(weight, weight_q, weight_scale, scaling)
     check_offsets_eagerly(offsets, x.shape[0])
     if use_triton("grouped_linear_swiglu_fp8_with_preact", x):
@@ -529,18 +598,20 @@ def grouped_linear_swiglu_fp8_with_preact_op(
 def _grouped_linear_swiglu_fp8_with_preact_fake(x, weight, offsets, scaling,
                                                 cache_weight=False, fast_accum=False,
                                                 weight_base=None, weight_q=None,
-                                                weight_scale=None):
-    _check(x, weight, offsets, scaling, swiglu=True, fast_accum=fast_accum)
+                                                weight_scale=None, fp8_weight_grad=False):
+    _check(x, weight, offsets, scaling, swiglu=True, fast_accum=fast_accum,
+           weight_grad=fp8_weight_grad)
     _check_weight_copy(weight, weight_q, weight_scale, scaling)
     return (x.new_empty((x.shape[0], weight.shape[1] // 2)),
             x.new_empty((x.shape[0], weight.shape[1])))
 
 
 def _setup_preact_context(ctx, inputs, output) -> None:
-    x, weight, offsets, scaling, cache_weight, fast_accum, _, weight_q, weight_scale = inputs
+    (x, weight, offsets, scaling, cache_weight, fast_accum, _, weight_q, weight_scale,
+     fp8_weight_grad) = inputs
     copy = (weight_q, weight_scale) if weight_q is not None else ()
     keep_for_backward(ctx, (x, weight, offsets, None), output[1], *copy)
-    _keep_options(ctx, scaling, cache_weight, fast_accum, weight_q)
+    _keep_options(ctx, scaling, cache_weight, fast_accum, weight_q, fp8_weight_grad)
     ctx.mark_non_differentiable(output[1])
 
 
@@ -550,7 +621,7 @@ def _swiglu_fp8_backward(ctx, grad, _grad_preact):
         x, weight, offsets, _, preact = saved[:5]
         dx, dw = _fp8_linear_backward(ctx, swiglu_derivative(preact, grad), x, weight,
                                       offsets, _saved_copy(ctx, saved))
-        return dx, dw, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None
 
 
 backends.register_autograd(grouped_linear_swiglu_fp8_with_preact_op, _swiglu_fp8_backward,

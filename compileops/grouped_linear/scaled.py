@@ -63,11 +63,13 @@ def _backward(ctx, grad):
                                lambda: grouped_linear_dx_op(grad, weight, offsets))
 
 
-def row_scaled_backward(grad, x, weight, offsets, row_scale, needs, unscaled_dx):
+def row_scaled_backward(grad, x, weight, offsets, row_scale, needs, unscaled_dx,
+                        weight_grad=None):
     """``(dx, dw, None, ds)`` of ``y = row_scale[:, None] * (x W_g^T)`` for ``grad [M, N]``;
     ``needs``: which of ``(x, weight, offsets, row_scale)`` want a gradient;
     ``unscaled_dx()``: the product ``grad_g @ W_g`` ``[M, K]`` (bf16, or fp8's), from which
-    both dx and ds come. dW in the weight's dtype, from the unquantised operands."""
+    both dx and ds come. dW in the weight's dtype, from the unquantised operands, by
+    ``weight_grad(grad_op, x_op)`` when given (fp8's), else the 16/32-bit product."""
     need_dx, need_dw, _, need_ds = needs
     scale = row_scale.to(x.dtype).unsqueeze(-1)
     dx = dw = ds = None
@@ -84,5 +86,9 @@ def row_scaled_backward(grad, x, weight, offsets, row_scale, needs, unscaled_dx)
             grad_op, x_op = grad, x * scale
         else:
             grad_op, x_op = grad * scale, x
-        dw, _ = grouped_linear_wgrad_op(grad_op, x_op, offsets, weight.dtype, grad.dtype, False)
+        if weight_grad is not None:
+            dw = weight_grad(grad_op, x_op)
+        else:
+            dw, _ = grouped_linear_wgrad_op(grad_op, x_op, offsets, weight.dtype, grad.dtype,
+                                            False)
     return dx, dw, None, ds

@@ -24,19 +24,25 @@ GATE_UP_FORMS = ("concatenated", "pair")
 @dataclass(frozen=True)
 class Options:
     """How the converted experts compute: ``fp8`` (None or ``"rowwise"``); with fp8,
-    ``cache_fp8_weights`` and ``fp8_fast_accum`` as in :func:`compileops.grouped_linear`;
-    without, ``gate_up`` (one of :data:`GATE_UP_FORMS`, :func:`_swiglu`)."""
+    ``cache_fp8_weights``, ``fp8_fast_accum`` and ``fp8_weight_grad`` (dW in e4m3 too, off
+    by default: its error is fp8's, see :func:`compileops.grouped_linear`) as in
+    :func:`compileops.grouped_linear`; without, ``gate_up`` (one of :data:`GATE_UP_FORMS`,
+    :func:`_swiglu`)."""
 
     fp8: Optional[str] = None
     cache_fp8_weights: bool = True
     fp8_fast_accum: bool = True
     gate_up: str = "concatenated"
+    fp8_weight_grad: bool = False
 
     def __post_init__(self):
         if self.fp8 not in FP8_RECIPES:
             raise ValueError(f"fp8 must be one of {FP8_RECIPES}, got {self.fp8!r}")
         if self.gate_up not in GATE_UP_FORMS:
             raise ValueError(f"gate_up must be one of {GATE_UP_FORMS}, got {self.gate_up!r}")
+        if self.fp8_weight_grad and self.fp8 is None:
+            raise ValueError("fp8_weight_grad=True computes the experts' weight gradients in "
+                             "fp8: it needs fp8='rowwise'")
 
     def kwargs(self, cacheable: bool = True) -> dict:
         """The keyword arguments of the grouped-linear calls (the fp8-only options are
@@ -46,12 +52,14 @@ class Options:
             return {}
         return dict(fp8=self.fp8,
                     cache_fp8_weights=bool(self.cache_fp8_weights) and cacheable,
-                    fp8_fast_accum=bool(self.fp8_fast_accum))
+                    fp8_fast_accum=bool(self.fp8_fast_accum),
+                    fp8_weight_grad=bool(self.fp8_weight_grad))
 
 
 def _swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, offsets: torch.Tensor, *,
             fp8: Optional[str] = None, cache_fp8_weights: bool = False,
-            fp8_fast_accum: bool = False, gate_up: str = "concatenated") -> torch.Tensor:
+            fp8_fast_accum: bool = False, fp8_weight_grad: bool = False,
+            gate_up: str = "concatenated") -> torch.Tensor:
     """``silu(x W1_g^T) * (x W3_g^T)``: x ``[M, D]``, w1 and w3 ``[E, F, D]`` (torchtitan keeps
     them as two parameters), offsets int32 ``[E]`` -> ``[M, F]``.
 
@@ -81,12 +89,14 @@ def _swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, offsets: torch.
     never hit.
     """
     if fp8 is not None and cache_fp8_weights:
-        opts = dict(fp8=fp8, cache_fp8_weights=True, fp8_fast_accum=fp8_fast_accum)
+        opts = dict(fp8=fp8, cache_fp8_weights=True, fp8_fast_accum=fp8_fast_accum,
+                    fp8_weight_grad=fp8_weight_grad)
         gate = grouped_linear(x, w1, offsets, **opts)
         return F.silu(gate) * grouped_linear(x, w3, offsets, **opts)
     if fp8 is None and gate_up == "pair":
         return grouped_linear_swiglu(x, w1, offsets, up_weight=w3)
-    opts = dict(fp8=fp8, fp8_fast_accum=fp8_fast_accum) if fp8 is not None else {}
+    opts = (dict(fp8=fp8, fp8_fast_accum=fp8_fast_accum, fp8_weight_grad=fp8_weight_grad)
+            if fp8 is not None else {})
     return grouped_linear_swiglu(x, torch.cat([w1, w3], dim=1), offsets, **opts)
 
 

@@ -228,6 +228,7 @@ class CompileopsMoEConverter:
 
     fp8: Optional[str] = None
     gate_up: str = "concatenated"
+    fp8_weight_grad: bool = False
 
     def __init__(self, job_config, parallel_dims):
         if getattr(parallel_dims, "etp", 1) > 1 or getattr(parallel_dims, "tp", 1) > 1:
@@ -236,7 +237,8 @@ class CompileopsMoEConverter:
                 "not tensor parallelism (tensor_parallel_degree="
                 f"{getattr(parallel_dims, 'tp', '?')}, expert_tensor_parallel_degree="
                 f"{getattr(parallel_dims, 'etp', '?')})")
-        self.options = Options(self.fp8, gate_up=self.gate_up)
+        self.options = Options(self.fp8, gate_up=self.gate_up,
+                               fp8_weight_grad=self.fp8_weight_grad)
         compile_config = job_config.compile
         # As torchtitan 0.2 compiles its experts function (compiled).
         self.compile_backend = (compile_config.backend if compile_config.enable
@@ -255,6 +257,13 @@ class CompileopsFP8MoEConverter(CompileopsMoEConverter):
     fp8 = "rowwise"
 
 
+class CompileopsFP8WeightGradMoEConverter(CompileopsFP8MoEConverter):
+    """``"compileops_moe_fp8_dw"``: as ``"compileops_moe_fp8"``, with the experts' weight
+    gradients in fp8 too (``fp8_weight_grad=True``, at fp8's error)."""
+
+    fp8_weight_grad = True
+
+
 class CompileopsPairMoEConverter(CompileopsMoEConverter):
     """``"compileops_moe_pair"``: bf16, the gate and up products reading w1 and w3 where they
     are (``gate_up="pair"``, experimental)."""
@@ -263,10 +272,12 @@ class CompileopsPairMoEConverter(CompileopsMoEConverter):
 
 
 def register() -> None:
-    """Register the converters under ``"compileops_moe"`` and ``"compileops_moe_fp8"``
-    (idempotent: torchtitan refuses a name registered twice)."""
+    """Register the converters under ``"compileops_moe"``, ``"compileops_moe_fp8"``,
+    ``"compileops_moe_fp8_dw"`` and ``"compileops_moe_pair"`` (idempotent: torchtitan
+    refuses a name registered twice)."""
     for name, cls in (("compileops_moe", CompileopsMoEConverter),
                       ("compileops_moe_fp8", CompileopsFP8MoEConverter),
+                      ("compileops_moe_fp8_dw", CompileopsFP8WeightGradMoEConverter),
                       ("compileops_moe_pair", CompileopsPairMoEConverter)):
         if name not in _registry_model_converter_cls:
             register_model_converter(cls, name)

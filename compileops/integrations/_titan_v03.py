@@ -41,11 +41,13 @@ class CompileopsGroupedExperts(GroupedExperts):
         cache_fp8_weights: bool = True
         fp8_fast_accum: bool = True
         gate_up: str = "concatenated"
+        fp8_weight_grad: bool = False
 
     def __init__(self, config: Config):
         super().__init__(config)
         self.compileops_options = Options(config.fp8, config.cache_fp8_weights,
-                                          config.fp8_fast_accum, config.gate_up)
+                                          config.fp8_fast_accum, config.gate_up,
+                                          config.fp8_weight_grad)
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor,
                 row_scale_R: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -152,7 +154,8 @@ def _converted_config(config, options: Options):
         inner = CompileopsGroupedExperts.Config(
             **{f.name: getattr(inner, f.name) for f in dataclasses.fields(inner)},
             fp8=options.fp8, cache_fp8_weights=options.cache_fp8_weights,
-            fp8_fast_accum=options.fp8_fast_accum, gate_up=options.gate_up)
+            fp8_fast_accum=options.fp8_fast_accum, gate_up=options.gate_up,
+            fp8_weight_grad=options.fp8_weight_grad)
     return CompileopsRoutedExperts.Config(
         **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)
            if f.name != "inner_experts"},
@@ -178,6 +181,9 @@ class CompileopsMoEConverter(ModelConfigConverter):
         """With fp8: keep each weight's e4m3 copy until the next optimizer step."""
         fp8_fast_accum: bool = True
         """With fp8: accumulate each product in the MMA's own precision over all of K."""
+        fp8_weight_grad: bool = False
+        """With fp8: the weight gradients in e4m3 too (one scale per expert and column of
+        each operand), at fp8's error instead of bf16's."""
         gate_up: Literal["concatenated", "pair"] = "concatenated"
         """Without fp8: how the gate and up products read w1 and w3. "concatenated": one
         fused kernel on a [E, 2F, D] copy made per call. "pair": the same kernel reading both
@@ -186,7 +192,7 @@ class CompileopsMoEConverter(ModelConfigConverter):
     def __init__(self, config: Config):
         self.config = config
         self.options = Options(config.fp8, config.cache_fp8_weights, config.fp8_fast_accum,
-                               config.gate_up)
+                               config.gate_up, config.fp8_weight_grad)
 
     def convert(self, model_config):
         found = list(model_config.traverse(RoutedExperts.Config))

@@ -11,9 +11,12 @@
       model_spec = model_registry("30B-A3B", converters=[titan.CompileopsMoEConverter.Config()])
       # fp8 rowwise with the weight cache and fast accumulation:
       #   converters=[titan.CompileopsMoEConverter.Config(fp8="rowwise")]
+      # and the weight gradients in fp8 too (at fp8's error):
+      #   converters=[titan.CompileopsMoEConverter.Config(fp8="rowwise", fp8_weight_grad=True)]
 
 * **torchtitan 0.2** (``torchtitan.models.moe``: ``MoE`` with ``GroupedExperts`` ``w1``, ``w2``,
-  ``w3``): model converters named ``"compileops_moe"``, ``"compileops_moe_fp8"`` and
+  ``w3``): model converters named ``"compileops_moe"``, ``"compileops_moe_fp8"``,
+  ``"compileops_moe_fp8_dw"`` (fp8 with ``fp8_weight_grad=True``) and
   ``"compileops_moe_pair"`` (bf16, ``gate_up="pair"``), registered
   when this module is imported (``--experimental.custom_import`` with this module's dotted
   path, or a module of yours that imports it)::
@@ -105,14 +108,17 @@ else:
 
 def apply(model: torch.nn.Module, *, fp8: Optional[Literal["rowwise"]] = None,
           cache_fp8_weights: bool = True, fp8_fast_accum: bool = True,
-          gate_up: Literal["concatenated", "pair"] = "concatenated") -> dict:
+          gate_up: Literal["concatenated", "pair"] = "concatenated",
+          fp8_weight_grad: bool = False) -> dict:
     """Put every MoE experts module of a built torchtitan model onto compileops, in place.
 
     Call it before torchtitan's ``parallelize_fn`` (which captures each module's forward),
     on the meta-device model or a materialised one. ``fp8="rowwise"``: e4m3 products with
     per-row scales; with it, ``cache_fp8_weights`` reuses each weight's e4m3 copy until the
     next optimizer step (``compileops/grouped_linear/fp8_cache.py``) and ``fp8_fast_accum``
-    accumulates in the MMA's own precision. Without fp8 both are ignored. ``gate_up`` (bf16):
+    accumulates in the MMA's own precision; ``fp8_weight_grad=True`` computes the experts'
+    weight gradients in e4m3 too, at fp8's error (:func:`compileops.grouped_linear`). Without
+    fp8 the first two are ignored and the last refused. ``gate_up`` (bf16):
     ``"concatenated"`` runs the gate and up products as one fused kernel on a ``[E, 2F, D]``
     copy of w1 and w3 made per call; ``"pair"`` runs the same kernel on w1 and w3 where they
     are (no copy, no split of the gradient; the same bits), experimental: not yet timed in
@@ -135,7 +141,7 @@ def apply(model: torch.nn.Module, *, fp8: Optional[Literal["rowwise"]] = None,
     grouped-GEMM experts do, or in the parameters' dtype where its experts run their for-loop
     (torchtitan sets ``use_grouped_mm=False`` itself for some models on GPUs before Hopper).
     """
-    options = Options(fp8, cache_fp8_weights, fp8_fast_accum, gate_up)
+    options = Options(fp8, cache_fp8_weights, fp8_fast_accum, gate_up, fp8_weight_grad)
     report = _apply_layout(model, options)
     report.update(fp8=fp8, layout=LAYOUT)
     return report

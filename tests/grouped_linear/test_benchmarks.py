@@ -33,14 +33,14 @@ def run_script(path, *args, env=None):
 
 def test_moe_layer_benchmark_fp8_smoke(tmp_path):
     """--fp8 rowwise with fp8 layers named in --impls runs those (the torchao one needs CUDA:
-    said, not run); --fp8-fast-accum reaches the label."""
+    said, not run); --fp8-fast-accum reaches the label; the cached layer with fp8 dW."""
     out = run_script("benchmarks/bench_moe_layer.py", "--smoke", "--modes", "static",
-                     "--routing", "skewed", "--impls", "grouped_mm", "compileops-fp8-cached",
+                     "--routing", "skewed", "--impls", "grouped_mm", "compileops-fp8-cached-dw",
                      "torchao-fp8", "--fp8", "rowwise", "--fp8-fast-accum",
                      env=dict(os.environ, COMPILEOPS_BENCH_OUT=str(tmp_path)))
     with open(tmp_path / "moe_layer.csv") as f:
         rows = list(csv.DictReader(f))
-    cached_label = "compileops-fp8-cached (rowwise, fast accum)"
+    cached_label = "compileops-fp8-cached-dw (rowwise, fast accum)"
     assert {r["impl"] for r in rows} == {"grouped_mm", cached_label}
     assert all(not r["note"].startswith("failed") for r in rows), rows
     cached = next(r for r in rows if r["impl"] == cached_label)

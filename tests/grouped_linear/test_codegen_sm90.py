@@ -103,23 +103,32 @@ def mjagged_ttgir(dtype, swiglu, tma=False, b_kn=False, flatten=False, save_prea
 
 
 def kjagged_compile(ptr="*fp16", tma=False, block_k=128, num_warps=8, num_stages=3,
-                    stride_type="i64", variant=None):
+                    stride_type="i64", variant=None, fp8=None):
     """``variant``: the dW variant flags set (``wgrad_variant_flags``' constexprs). All of them
     are always passed, as the launcher does: an AOT compile leaves an unnamed defaulted
     constexpr None, and ``ASTSource.hash`` keeps the constexprs' values but not their names,
-    so compiles naming different single flags would share a cache entry."""
+    so compiles naming different single flags would share a cache entry.
+
+    ``fp8`` (``"promoted"`` or ``"fast"``): fp8 dW as :func:`grouped_linear_wgrad_fp8`
+    launches it: e4m3 ``dY^T`` and ``X^T`` (unit strides along the reduction), bf16 dW, the
+    scales in the epilogue, no db, pointer loads."""
     from compileops.grouped_linear import kernels
 
-    args = ([("dy_ptr", ptr), ("x_ptr", ptr), ("offs_ptr", "*i32"), ("dw_ptr", ptr),
+    operand = "*fp8e4nv" if fp8 else ptr
+    args = ([("dy_ptr", operand), ("x_ptr", operand), ("offs_ptr", "*i32"), ("dw_ptr", ptr),
              ("db_ptr", ptr), ("ticket_ptr", "*i32")] + [(n, "i32") for n in ("M", "N", "K", "G")]
-            + [(n, stride_type) for n in ("stride_dym", "stride_dyn", "stride_xm", "stride_xk")])
-    constexprs = dict(WITH_DB=True, DB_MMA=True, NUM_PROGS=132, BLOCK_M=64, BLOCK_N=128,
-                      BLOCK_K=block_k, INPUT_PRECISION="tf32", INTERPRETER_DOT=False, USE_TMA=tma)
+            + [(n, stride_type) for n in ("stride_dym", "stride_dyn", "stride_xm", "stride_xk")]
+            + [("dy_scale_ptr", "*fp32"), ("x_scale_ptr", "*fp32")])
+    constexprs = dict(WITH_DB=not fp8, DB_MMA=not fp8, NUM_PROGS=132, BLOCK_M=64, BLOCK_N=128,
+                      BLOCK_K=block_k, INPUT_PRECISION="tf32", INTERPRETER_DOT=False, USE_TMA=tma,
+                      FP8_SCALES=bool(fp8), FP8_FAST_ACCUM=fp8 == "fast")
     # GROUP_N (the tile order) too: an AOT compile does not apply the kernel's default.
     constexprs.update({name: False for name in VARIANT_FLAGS}, GROUP_N=1, DYNAMIC_TILES=False,
                       ASM_TICKET=True, LANES=32 * num_warps, G_BLOCK=kernels.group_block(64))
     constexprs.update(variant or {})
-    return compile_sm90(kernels.kjagged_gemm_kernel, args, constexprs,
+    # fp8 dW reads dY^T and X^T along the reduction (unit strides there), as launched.
+    unit = ("stride_dym", "stride_xm") if fp8 else UNIT
+    return compile_sm90(kernels.kjagged_gemm_kernel, args, constexprs, unit=unit,
                         num_warps=num_warps, num_stages=num_stages)
 
 
@@ -236,8 +245,29 @@ def _main():  # runs in a subprocess without TRITON_INTERPRET (the compiler need
                          # the output tile through the 4-D ragged descriptor, no pointer store
                          ragged_stores=ptx.count("cp.async.bulk.tensor.4d.global.shared"),
                          pointer_stores="st.global" in ptx)
+    out.update(fp8_wgrad_builds())
     out.update(quantiser_builds())
     print(json.dumps(out))
+
+
+def fp8_wgrad_builds():
+    """fp8 dW with the tiles the launcher takes from choose_wgrad_config (Qwen3-30B-A3B's
+    down projection: 128 experts, 512 rows each), default and fast accumulation."""
+    from compileops.grouped_linear import kernels
+
+    cfg = kernels.choose_wgrad_config(65536, 128, 2048, 768, torch.bfloat16, kernels.H100_SXM)
+    built = {}
+    for accumulate in ("promoted", "fast"):
+        kernel = kjagged_compile("*bf16", False, cfg.block_k, cfg.num_warps, cfg.num_stages,
+                                 variant=dict(GROUP_N=cfg.group_n), fp8=accumulate)
+        ptx = kernel.asm["ptx"]
+        built[f"wgrad-fp8-{accumulate}"] = dict(
+            summarize(kernel.asm["ttgir"]), shared=kernel.metadata.shared,
+            e4m3_mma="f32.e4m3.e4m3" in ptx,
+            # 16-byte asynchronous copies: the padded spans' loads as whole vectors
+            async_16=ptx.count("cp.async.cg.shared.global") > 0,
+            partial_adds=len(re.findall(r"\badd\.f32", ptx)))
+    return built
 
 
 def quantiser_builds():
@@ -262,6 +292,15 @@ def quantiser_builds():
             + [("r_blocks", "i32"), ("k_blocks", "i32")],
             dict(BLOCK_R=block_r, BLOCK_K=128, PER_ROW=per_row), num_warps=4 if per_row else 8)
         built[name] = "e4m3x2" in kernel.asm["ptx"]
+    # fp8 dW's operands: per group and column, the codes written transposed
+    kernel = compile_sm90(
+        fp8_kernels.group_columns_quantize_kernel,
+        common + [("offs_ptr", "*i32"), ("dst_offs_ptr", "*i32")]
+        + [(n, "i32") for n in ("M", "C", "G", "W")]
+        + [(n, "i64") for n in ("stride_xm", "stride_xc", "stride_qc")],
+        dict(BLOCK_M=32, BLOCK_C=128, ALIGN=fp8_kernels.GROUP_ALIGN), unit=("stride_xc",),
+        num_warps=4)
+    built["quantise-group-columns"] = "e4m3x2" in kernel.asm["ptx"]
     return built
 
 
@@ -292,9 +331,21 @@ def test_fp8_accumulation_choice_reaches_the_mma(compiled):
     assert fast["max_imprecise"] == [str(2**30)] and fast["partial_adds"] == 0, fast
 
 
+def test_fp8_weight_grad_compiles_for_sm90(compiled):
+    """fp8 dW: Hopper's e4m3 wgmma on the transposed codes, its loads pipelined as 16-byte
+    asynchronous copies (each group's span starts and ends on 16 codes), within one block's
+    shared memory; by default the partial sums of each 64-row step are added in fp32, with
+    fast accumulation not."""
+    promoted, fast = compiled["wgrad-fp8-promoted"], compiled["wgrad-fp8-fast"]
+    for got in (promoted, fast):
+        assert got["wgmma"] and got["e4m3_mma"] and got["pipelined"], got
+        assert got["async_16"] and got["shared"] <= SMEM_LIMIT, got
+    assert promoted["partial_adds"] > 0 and fast["partial_adds"] == 0, (promoted, fast)
+
+
 def test_fp8_quantisers_compile_for_sm90(compiled):
     for name in ("quantise-rowwise", "quantise-rowwise-two-pass", "quantise-1x128",
-                 "quantise-128x128"):
+                 "quantise-128x128", "quantise-group-columns"):
         assert compiled[name], f"{name}: expected an e4m3 conversion in the sm90 build"
 
 

@@ -331,3 +331,21 @@ def test_scores_go_to_the_epilogue_with_the_local_and_all_to_all_dispatchers():
     assert [scores_placement(d) for d in (local, a2a, padded)] == \
         ["epilogue", "epilogue", "combine"]
 
+
+
+def test_fp8_weight_grad_reaches_the_experts_and_needs_fp8():
+    """``fp8_weight_grad`` through the converter's config and through ``apply()``: every
+    converted experts module computes with it; without fp8 both refuse it."""
+    from compileops.integrations.torchtitan import CompileopsMoEConverter
+
+    config = CompileopsMoEConverter.Config(fp8="rowwise", fp8_weight_grad=True).build().convert(
+        harness.tiny_config())
+    applied = harness.tiny_config().build()
+    titan.apply(applied, fp8="rowwise", fp8_weight_grad=True)
+    for model in (config.build(), applied):
+        experts = [m for m in model.modules() if hasattr(m, "compileops_options")]
+        assert experts and all(m.compileops_options.fp8_weight_grad for m in experts)
+    with pytest.raises(ValueError, match="fp8_weight_grad=True computes"):
+        CompileopsMoEConverter.Config(fp8_weight_grad=True).build()
+    with pytest.raises(ValueError, match="fp8_weight_grad=True computes"):
+        titan.apply(harness.tiny_config().build(), fp8_weight_grad=True)

@@ -122,4 +122,40 @@ def test_options_refuse_an_unknown_fp8_recipe():
         Options(fp8="blockwise")
     assert Options().kwargs() == {}
     assert Options(fp8="rowwise").kwargs(cacheable=False) == dict(
-        fp8="rowwise", cache_fp8_weights=False, fp8_fast_accum=True)
+        fp8="rowwise", cache_fp8_weights=False, fp8_fast_accum=True, fp8_weight_grad=False)
+    with pytest.raises(ValueError, match="fp8_weight_grad=True computes"):
+        Options(fp8_weight_grad=True)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_fp8_weight_grad_reaches_every_experts_weight(cached, monkeypatch):
+    """``fp8_weight_grad``: the gradients of w1, w2 and w3 come from the fp8 dW op (three
+    calls: gate, up and down, or the concatenated gate/up and down), dX as without it."""
+    from compileops.grouped_linear import fp8_op
+
+    calls = []
+    original = fp8_op.grouped_linear_wgrad_fp8_op
+
+    def counting(*args, **kwargs):
+        calls.append(args[1].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_op, "grouped_linear_wgrad_fp8_op", counting)
+    x, w1, w2, w3, scale = _inputs(torch.bfloat16)
+
+    def grads(weight_grad):
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w2, w3)]
+        options = Options(fp8="rowwise", cache_fp8_weights=cached, fp8_weight_grad=weight_grad)
+        experts_forward(leaves[0], *leaves[1:], torch.tensor(COUNTS), scale,
+                        options).float().square().sum().backward()
+        return [t.grad for t in leaves]
+
+    clear_fp8_weight_cache()
+    try:
+        with_fp8_dw, without = grads(True), grads(False)
+    finally:
+        clear_fp8_weight_cache()
+    assert len(calls) == (3 if cached else 2), calls
+    assert torch.equal(with_fp8_dw[0], without[0])
+    for a, b in zip(with_fp8_dw[1:], without[1:]):
+        assert not torch.equal(a, b) and _rel(a, b) <= 0.1

@@ -89,6 +89,8 @@ def test_converters_are_registered_and_refuse_tensor_parallelism():
     assert _registry_model_converter_cls["compileops_moe"].fp8 is None
     fp8 = _registry_model_converter_cls["compileops_moe_fp8"]
     assert fp8.fp8 == "rowwise"
+    fp8_dw = _registry_model_converter_cls["compileops_moe_fp8_dw"]
+    assert fp8_dw.fp8 == "rowwise" and fp8_dw.fp8_weight_grad and not fp8.fp8_weight_grad
     pair = _registry_model_converter_cls["compileops_moe_pair"]
     assert pair.fp8 is None and pair.gate_up == "pair"
 

@@ -47,6 +47,7 @@ from compileops.grouped_linear.kernels.config import (
 )
 from compileops.grouped_linear.kernels.kjagged import (
     grouped_linear_wgrad,
+    grouped_linear_wgrad_fp8,
     kjagged_gemm_kernel,
 )
 from compileops.grouped_linear.kernels.mjagged import (
@@ -102,6 +103,7 @@ __all__ = [
     "grouped_linear_swiglu_pair_forward",
     "grouped_linear_dx_pair",
     "grouped_linear_wgrad",
+    "grouped_linear_wgrad_fp8",
     "input_precision",
     "kjagged_gemm_kernel",
     "locate_tile",

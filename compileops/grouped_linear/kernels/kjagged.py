@@ -27,6 +27,7 @@ from compileops.grouped_linear.kernels.config import (
     group_block,
     input_precision,
 )
+from compileops.grouped_linear.kernels.mjagged import tile_dot
 from compileops.grouped_linear.kernels.tiles import (
     claim_ticket,
     group_rows,
@@ -58,6 +59,7 @@ def kjagged_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, INTERPRETER_DOT: tl.constexpr, USE_TMA: tl.constexpr,
     WITH_DB: tl.constexpr, RAGGED_TMA: tl.constexpr = False,
+    FP8_FAST_ACCUM: tl.constexpr = False,
 ):
     """fp32 ``dW`` tile ``[BLOCK_N, BLOCK_K] = dY[start:end, rn]^T @ X[start:end, rk]``,
     reduced over the rows in ``BLOCK_M`` chunks in row order. An empty range gives zeros.
@@ -81,6 +83,12 @@ def kjagged_tile(
     (``tma.ragged_rows_descriptor``) and every chunk, the partial last one included, comes
     through them: one loop per tile instead of a TMA loop plus a masked pointer tail (its
     own, unpipelined loads). The zero-filled rows give the same products as the masked ones.
+
+    e4m3 operands (fp8 dW): read as ``dY^T [N, M]`` and ``X^T [K, M]`` through the strides
+    (``stride_dym == stride_xm == 1``), so both tiles run along the reduction in memory, as
+    Hopper's e4m3 MMA reads them, and ``end - start`` must be a multiple of ``BLOCK_M``
+    (whole chunks: no mask along the rows); each ``BLOCK_M`` step's partial sum goes into
+    the fp32 accumulator unless ``FP8_FAST_ACCUM`` (:func:`.mjagged.tile_dot`).
     """
     rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -90,7 +98,8 @@ def kjagged_tile(
     rk64 = rk.to(tl.int64)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     db_acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    ones_dtype = tl.float32 if INTERPRETER_DOT else dy_ptr.dtype.element_ty
+    # (no ones tile in dY's dtype without db: an e4m3 constant does not build in triton 3.6)
+    ones_dtype = tl.float32 if INTERPRETER_DOT or not WITH_DB else dy_ptr.dtype.element_ty
     ones = tl.full((BLOCK_M, 16), 1.0, dtype=ones_dtype)
     tail = start
     if USE_TMA:
@@ -109,7 +118,7 @@ def kjagged_tile(
             if INTERPRETER_DOT:  # interpreter only (see config.interpreter_dot)
                 dy = dy.to(tl.float32)
                 xb = xb.to(tl.float32)
-            acc = tl.dot(dy.T, xb, acc, input_precision=INPUT_PRECISION)
+            acc = tile_dot(dy.T, xb, acc, INPUT_PRECISION, False, FP8_FAST_ACCUM)
             if WITH_DB:
                 db_acc = tl.dot(dy.T, ones, db_acc, input_precision=INPUT_PRECISION)
     if USE_TMA and RAGGED_TMA:
@@ -119,14 +128,26 @@ def kjagged_tile(
         m_ok = rm < end
         rm64 = rm.to(tl.int64)
         # dyt [BLOCK_N, BLOCK_M] (dY's chunk, transposed by the addressing), xb [BLOCK_M, BLOCK_K]
-        dyt = tl.load(dy_ptr + rn64[:, None] * stride_dyn + rm64[None, :] * stride_dym,
-                      mask=n_ok[:, None] & m_ok[None, :], other=0.0)
-        xb = tl.load(x_ptr + rm64[:, None] * stride_xm + rk64[None, :] * stride_xk,
-                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if dy_ptr.dtype.element_ty.is_fp8():
+            # e4m3 dY^T and X^T: every chunk is whole (each group's span is zero-padded to a
+            # multiple of BLOCK_M), so no mask runs along the rows, which are contiguous here:
+            # a per-row mask would make every load a single byte (no asynchronous copy). The
+            # chunk starts on a multiple of 16 codes (triton 3.6 does not see it through the
+            # loop's bounds): 16-byte vectors.
+            ra = tl.max_contiguous(tl.multiple_of(rm, 16), 16).to(tl.int64)
+            dyt = tl.load(dy_ptr + rn64[:, None] * stride_dyn + ra[None, :] * stride_dym,
+                          mask=n_ok[:, None], other=0.0)
+            xb = tl.load(x_ptr + ra[:, None] * stride_xm + rk64[None, :] * stride_xk,
+                         mask=k_ok[None, :], other=0.0)
+        else:
+            dyt = tl.load(dy_ptr + rn64[:, None] * stride_dyn + rm64[None, :] * stride_dym,
+                          mask=n_ok[:, None] & m_ok[None, :], other=0.0)
+            xb = tl.load(x_ptr + rm64[:, None] * stride_xm + rk64[None, :] * stride_xk,
+                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if INTERPRETER_DOT:
             dyt = dyt.to(tl.float32)
             xb = xb.to(tl.float32)
-        acc = tl.dot(dyt, xb, acc, input_precision=INPUT_PRECISION)
+        acc = tile_dot(dyt, xb, acc, INPUT_PRECISION, False, FP8_FAST_ACCUM)
         if WITH_DB:
             db_acc = tl.dot(dyt, ones, db_acc, input_precision=INPUT_PRECISION)
     return acc, db_acc
@@ -149,6 +170,20 @@ def column_sums(dy_ptr, start, end, tile_n, N, stride_dym, stride_dyn,
                      mask=(rm < end)[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
         db += tl.sum(dy.to(tl.float32), axis=0)
     return db
+
+
+@triton.jit
+def scale_dw_tile(acc, dy_scale_ptr, x_scale_ptr, g, tile_n, tile_k, N, K,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp8 dW: the tile's fp32 sums of e4m3 products ``acc [BLOCK_N, BLOCK_K]`` times group
+    ``g``'s column scales of dY (``dy_scale [G, N]``, one per row of the tile) and of X
+    (``x_scale [G, K]``, one per column), in that order (the reference's)."""
+    rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    g64 = tl.cast(g, tl.int64)
+    dy_scale = tl.load(dy_scale_ptr + g64 * N + rn, mask=rn < N, other=1.0)
+    x_scale = tl.load(x_scale_ptr + g64 * K + rk, mask=rk < K, other=1.0)
+    return acc * dy_scale[:, None] * x_scale[None, :]
 
 
 @triton.jit
@@ -186,6 +221,7 @@ def kjagged_output_tile(
     INPUT_PRECISION: tl.constexpr, INTERPRETER_DOT: tl.constexpr, USE_TMA: tl.constexpr,
     RAGGED_TMA: tl.constexpr, TMA_STORE: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
     DYNAMIC_TILES: tl.constexpr, ASM_TICKET: tl.constexpr, LANES: tl.constexpr,
+    dy_scale_ptr, x_scale_ptr, FP8_SCALES: tl.constexpr, FP8_FAST_ACCUM: tl.constexpr,
 ):
     """Computes and stores dW tile ``(g, tile_n, tile_k)``, and ``db[g, rn]`` when this tile
     owns it (pointers and flags as in :func:`kjagged_gemm_kernel`).
@@ -199,8 +235,14 @@ def kjagged_output_tile(
     ``DYNAMIC_TILES``: claims the program's next tile (``tiles.claim_ticket``) once the
     reduction is done and returns the handle, so the claim's round trip overlaps the
     epilogue (and a program asks for more work only when its current tile is nearly
-    finished)."""
+    finished).
+
+    ``FP8_SCALES`` (e4m3 operands): the tile is scaled by :func:`scale_dw_tile` before it is
+    stored (no db)."""
     start, end = group_rows(offs_ptr, g, G, M)
+    if FP8_SCALES:  # spans padded to whole BLOCK_M chunks (at least 16 codes): 16-byte vectors
+        start = tl.multiple_of(start, 16)
+        end = tl.multiple_of(end, 16)
     rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     owns_db = tile_k == (g * num_n + tile_n) % num_k
@@ -208,8 +250,9 @@ def kjagged_output_tile(
         acc, db_acc = kjagged_tile(
             dy_ptr, x_ptr, start, end, tile_n, tile_k, N, K,
             stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc, x_desc,
-            BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, INTERPRETER_DOT, USE_TMA, True,
-            RAGGED_TMA,
+            BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, INTERPRETER_DOT, USE_TMA,
+            WITH_DB & DB_MMA,  # True wherever this branch runs; a constant for the compiler
+            RAGGED_TMA, FP8_FAST_ACCUM,
         )
         # Column 0 of db_acc; adding -0.0 to the other lanes' values is exact.
         first = tl.arange(0, 16)[None, :] == 0
@@ -221,7 +264,7 @@ def kjagged_output_tile(
             dy_ptr, x_ptr, start, end, tile_n, tile_k, N, K,
             stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc, x_desc,
             BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, INTERPRETER_DOT, USE_TMA, False,
-            RAGGED_TMA,
+            RAGGED_TMA, FP8_FAST_ACCUM,
         )
         if WITH_DB & (not DB_MMA) & owns_db:
             db = column_sums(dy_ptr, start, end, tile_n, N, stride_dym, stride_dyn,
@@ -229,6 +272,9 @@ def kjagged_output_tile(
             tl.store(db_ptr + tl.cast(g, tl.int64) * N + rn, db.to(db_ptr.dtype.element_ty),
                      mask=n_ok)
     ticket = claim_ticket(ticket_ptr, DYNAMIC_TILES, ASM_TICKET, LANES)
+    if FP8_SCALES:
+        acc = scale_dw_tile(acc, dy_scale_ptr, x_scale_ptr, g, tile_n, tile_k, N, K,
+                            BLOCK_N, BLOCK_K)
     store_dw_tile(dw_ptr, dw_desc, acc, g, tile_n, tile_k, N, K, BLOCK_N, BLOCK_K, TMA_STORE,
                   EPILOGUE_SUBTILE)
     return ticket
@@ -299,6 +345,7 @@ def kjagged_claimed_tile(
     INPUT_PRECISION: tl.constexpr, INTERPRETER_DOT: tl.constexpr, USE_TMA: tl.constexpr,
     RAGGED_TMA: tl.constexpr, TMA_STORE: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
     GROUP_N: tl.constexpr, ASM_TICKET: tl.constexpr, LANES: tl.constexpr,
+    dy_scale_ptr, x_scale_ptr, FP8_SCALES: tl.constexpr, FP8_FAST_ACCUM: tl.constexpr,
 ):
     """Dynamic schedule step: computes and stores flat dW tile ``t`` (group order) and
     returns the next tile this program claimed, ``NUM_PROGS + ticket``."""
@@ -308,6 +355,7 @@ def kjagged_claimed_tile(
         num_n, num_k, M, N, K, G, stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc,
         x_desc, dw_desc, WITH_DB, DB_MMA, BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION,
         INTERPRETER_DOT, USE_TMA, RAGGED_TMA, TMA_STORE, EPILOGUE_SUBTILE, True, ASM_TICKET, LANES,
+        dy_scale_ptr, x_scale_ptr, FP8_SCALES, FP8_FAST_ACCUM,
     )
     return NUM_PROGS + ticket_value(ticket, ASM_TICKET)
 
@@ -328,6 +376,8 @@ def kjagged_gemm_kernel(
     EPILOGUE_SUBTILE: tl.constexpr = False, GROUP_N: tl.constexpr = 1,
     DYNAMIC_TILES: tl.constexpr = False, ASM_TICKET: tl.constexpr = False,
     LANES: tl.constexpr = 128, FLATTEN: tl.constexpr = False, G_BLOCK: tl.constexpr = 2,
+    dy_scale_ptr=None, x_scale_ptr=None, FP8_SCALES: tl.constexpr = False,
+    FP8_FAST_ACCUM: tl.constexpr = False,
 ):
     """Persistent K-jagged grouped GEMM.
 
@@ -361,7 +411,15 @@ def kjagged_gemm_kernel(
     ``USE_TMA``: chunks loaded through descriptors over dY and X (``RAGGED_TMA``: ragged
     ones, see :func:`kjagged_tile`); ``TMA_STORE`` / ``EPILOGUE_SUBTILE``: see
     :func:`kjagged_output_tile`. ``FLATTEN`` (the launcher sets it only with ``RAGGED_TMA``,
-    the static schedule and no db): :func:`kjagged_flat_loop`."""
+    the static schedule and no db): :func:`kjagged_flat_loop`.
+
+    ``FP8_SCALES`` (fp8 dW, :func:`grouped_linear_wgrad_fp8`): ``dy_ptr`` and ``x_ptr`` are
+    e4m3 ``dY^T`` and ``X^T`` (``stride_dym == stride_xm == 1``) with every group's span a
+    whole number of ``BLOCK_M`` chunks (a multiple of 16) from a multiple of it
+    (``offs_ptr`` holds the padded spans' ends, M their buffer's width), each tile scaled by
+    ``dy_scale_ptr`` ``[G, N]`` and ``x_scale_ptr`` ``[G, K]`` (fp32) before it is stored;
+    pointer loads, no db, no ``FLATTEN``. ``FP8_FAST_ACCUM``: the MMA accumulates over the
+    whole reduction."""
     pid = tl.program_id(0)
     dy_desc = None
     x_desc = None
@@ -404,6 +462,7 @@ def kjagged_gemm_kernel(
                     x_desc, dw_desc, WITH_DB, DB_MMA, NUM_PROGS, BLOCK_M, BLOCK_N, BLOCK_K,
                     INPUT_PRECISION, INTERPRETER_DOT, USE_TMA, RAGGED_TMA, TMA_STORE,
                     EPILOGUE_SUBTILE, GROUP_N, ASM_TICKET, LANES,
+                    dy_scale_ptr, x_scale_ptr, FP8_SCALES, FP8_FAST_ACCUM,
                 )
         while t < total:
             t = kjagged_claimed_tile(
@@ -412,6 +471,7 @@ def kjagged_gemm_kernel(
                 x_desc, dw_desc, WITH_DB, DB_MMA, NUM_PROGS, BLOCK_M, BLOCK_N, BLOCK_K,
                 INPUT_PRECISION, INTERPRETER_DOT, USE_TMA, RAGGED_TMA, TMA_STORE,
                 EPILOGUE_SUBTILE, GROUP_N, ASM_TICKET, LANES,
+                dy_scale_ptr, x_scale_ptr, FP8_SCALES, FP8_FAST_ACCUM,
             )
     else:
         for t in range(pid, total, NUM_PROGS):
@@ -422,6 +482,7 @@ def kjagged_gemm_kernel(
                 stride_xk, dy_desc, x_desc, dw_desc, WITH_DB, DB_MMA, BLOCK_M, BLOCK_N,
                 BLOCK_K, INPUT_PRECISION, INTERPRETER_DOT, USE_TMA, RAGGED_TMA, TMA_STORE,
                 EPILOGUE_SUBTILE, False, ASM_TICKET, LANES,
+                dy_scale_ptr, x_scale_ptr, FP8_SCALES, FP8_FAST_ACCUM,
             )
 
 
@@ -530,6 +591,57 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
             return dw, db if with_db else None
     launch(bool(use_tma) and x.device.type != "cuda")
     return dw, db if with_db else None
+
+
+def grouped_linear_wgrad_fp8(grad, x, offsets, weight_dtype, *, fast_accum: bool = False,
+                             config: Optional[Config] = None):
+    """fp8 ``dW [G, N, K] = dY_g^T X_g`` in ``weight_dtype``, deterministic: grad (dY) ``[M,
+    N]`` and x ``[M, K]`` (16- or 32-bit) quantised to e4m3 with one scale per group and
+    column (:func:`.fp8.quantize_group_columns`, two Triton passes each, codes written
+    transposed, each group's span zero-padded to whole ``BLOCK_M``-column chunks), then the
+    K-jagged product on the e4m3 codes over those spans, with the scales in its epilogue.
+    Equal, up to the order of its fp32 sums, to
+    :func:`compileops.grouped_linear.fp8.grouped_linear_wgrad_reference`. ``fast_accum``: the
+    MMA accumulates over each group's whole reduction instead of one ``BLOCK_M`` step at a
+    time into fp32. Empty groups give zeros.
+
+    ``config=None``: the tiles and schedule of :func:`~.config.choose_wgrad_config` for 16-bit
+    operands, on the pointer path (the transposed operands have no TMA descriptor path
+    here; the TMA variant flags are not used)."""
+    from compileops.grouped_linear.kernels.fp8 import GROUP_ALIGN, quantize_group_columns
+
+    m, n = grad.shape
+    k = x.shape[1]
+    offsets = offsets.contiguous()
+    groups = offsets.shape[0]
+    dw = torch.empty((groups, n, k), dtype=weight_dtype, device=grad.device)
+    if dw.numel() == 0:
+        return dw
+    cfg = config or choose_wgrad_config(m, groups, n, k, torch.bfloat16, x.device)
+    # [N, W], [G, N] and [K, W], [G, K]: each group's rows in a span of whole BLOCK_M chunks.
+    align = max(cfg.block_m, GROUP_ALIGN)
+    dy_q, dy_scale, padded = quantize_group_columns(grad, offsets, align)
+    x_q, x_scale, _ = quantize_group_columns(x, offsets, align)
+    width = dy_q.shape[1]
+    progs = grid_size(x.device, cfg)
+    # The dynamic schedule's ticket counter (as in grouped_linear_wgrad).
+    ticket = (torch.zeros(1, dtype=torch.int32, device=x.device) if cfg.dynamic_tiles
+              else offsets)
+    kjagged_gemm_kernel[(progs,)](
+        dy_q, x_q, padded, dw, dw, ticket, width, n, k, groups,
+        1, dy_q.stride(0), 1, x_q.stride(0),
+        WITH_DB=False, DB_MMA=False, NUM_PROGS=progs,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        INPUT_PRECISION="tf32", INTERPRETER_DOT=interpreter_dot(x), USE_TMA=False,
+        GROUP_N=cfg.group_n, DYNAMIC_TILES=cfg.dynamic_tiles,
+        ASM_TICKET=x.device.type == "cuda" and not torch.version.hip,
+        LANES=32 * cfg.num_warps, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        G_BLOCK=group_block(groups), RAGGED_TMA=False, TMA_STORE=False,
+        EPILOGUE_SUBTILE=False, FLATTEN=False,
+        dy_scale_ptr=dy_scale, x_scale_ptr=x_scale, FP8_SCALES=True,
+        FP8_FAST_ACCUM=bool(fast_accum),
+    )
+    return dw
 
 
 def _column_sums_only(grad, offsets, db):
