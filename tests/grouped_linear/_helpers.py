@@ -149,3 +149,14 @@ def empty_fp8_cache():
     clear_fp8_weight_cache()
     yield
     clear_fp8_weight_cache()
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def kernel_device(request):
+    """Where a Triton kernel test runs: CPU tensors (under ``TRITON_INTERPRET=1`` only; skipped
+    otherwise) and, marked ``gpu``, CUDA."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels run on CPU tensors under TRITON_INTERPRET=1 only")
+    return request.param

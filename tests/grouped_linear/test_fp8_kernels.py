@@ -8,22 +8,12 @@ import torch
 from compileops.grouped_linear import fp8
 from compileops.grouped_linear.kernels import fp8 as fp8_kernels
 
-pytestmark = pytest.mark.usefixtures("interpreter_or_gpu")
+from tests.grouped_linear._helpers import kernel_device  # noqa: F401  (a fixture)
 
 
 @pytest.fixture
-def interpreter_or_gpu(device):
-    import os
-
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the Triton kernels run on CPU tensors under TRITON_INTERPRET=1 only")
-
-
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request):
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    return request.param
+def device(kernel_device):
+    return kernel_device
 
 
 def _bits(q):

@@ -17,25 +17,20 @@ from compileops.grouped_linear.kernels import fp8 as fp8_kernels
 from compileops.grouped_linear.kernels import grouped_linear_wgrad, grouped_linear_wgrad_fp8
 from compileops.lowerings import _compat
 from tests.grouped_linear._helpers import empty_fp8_cache  # noqa: F401  (a fixture)
+from tests.grouped_linear._helpers import kernel_device  # noqa: F401  (a fixture)
 from tests.grouped_linear._helpers import offsets_of
 
-pytestmark = pytest.mark.usefixtures("interpreter_or_gpu", "empty_fp8_cache")
+pytestmark = pytest.mark.usefixtures("empty_fp8_cache")
+interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="the Triton kernels on CPU tensors: interpreter only")
 
 SPLITS = [10, 0, 23, 17]  # an empty group, spans not multiples of 16, and 6 rows past the last
 M = sum(SPLITS) + 6
 
 
 @pytest.fixture
-def interpreter_or_gpu(device):
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the Triton kernels run on CPU tensors under TRITON_INTERPRET=1 only")
-
-
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request):
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    return request.param
+def device(kernel_device):
+    return kernel_device
 
 
 def _offsets(device, splits=SPLITS):
@@ -122,6 +117,7 @@ def test_no_groups_no_rows_and_no_columns(device):
     assert grouped_linear_wgrad_fp8(dy, x[:, :0], empty, torch.float32).shape == (2, 8, 0)
 
 
+@interpreter
 def test_error_against_fp64_is_fp8s_not_bf16s():
     """The docstrings' figures (``fp8_op``: 3.68-3.73e-2 for fp8 dW, 1.65e-3 for dW from the
     bf16 operands rounded to bf16) on a smaller case: one group of 256 rows, K = N = 128."""
@@ -143,6 +139,7 @@ def test_error_against_fp64_is_fp8s_not_bf16s():
     assert error(bf16_dw) <= 1e-6
 
 
+@interpreter
 def test_opcheck_and_the_reference_backend():
     x = _wide(M, 24, torch.bfloat16, "cpu", seed=3)
     dy = torch.randn(M, 16, generator=torch.Generator().manual_seed(4)).bfloat16()
@@ -215,8 +212,7 @@ def test_the_layer_takes_dw_from_the_fp8_op_and_leaves_dx_alone(device):
         assert ((got.float() - bf16.float()).norm() / bf16.float().norm()).item() < 0.1
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="the compiled layer's templates run on CPU under the interpreter")
+@interpreter
 def test_compiled_layer_calls_the_fp8_dw_and_gives_the_eager_dw():
     """fp32 leaves: the compiled step's own pointwise kernels (``h * p``) run under the
     interpreter, whose casts to bf16 truncate where eager torch rounds."""
