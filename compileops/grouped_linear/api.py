@@ -88,7 +88,7 @@ def grouped_linear(x, weight, offsets, bias=None, *, row_scale=None, fp8=None,
     ``fp8_weight_grad=True`` (with ``"rowwise"``; off by default): dW in e4m3 too, x and the
     output's gradient quantised with one scale per expert and column: a relative error of
     about 3.7e-2, where dW from the 16-bit operands has 1.7e-3 as a bf16 gradient and 1e-7 as
-    an fp32 one (unit-normal data; :mod:`compileops.grouped_linear.fp8_op`), for a cheaper
+    an fp32 one (unit-normal data; :mod:`compileops.grouped_linear.fp8_wgrad_op`), for a cheaper
     weight-gradient product.
     """
     _check_tensor_args(x, weight, offsets)

@@ -44,7 +44,7 @@ memory, as Hopper's e4m3 products read their operands). Then ``dW_g[n, k] = s_dy
 s_x[g, k] * sum_r q_dy[n, r] q_x[k, r]`` (:func:`grouped_linear_wgrad_reference`). A column's
 scale spans all of its group's rows, so one large token shrinks the resolution of the whole
 column of that group: the error is that of quantising with the group's column amax, measured
-in :mod:`compileops.grouped_linear.fp8_op`.
+in :mod:`compileops.grouped_linear.fp8_wgrad_op`.
 
 Why e4m3 for gradients too: with a scale per row or per tile, the dynamic range a format must
 cover is that of one group, which e4m3's 18 binades of normals and subnormals hold; its 3

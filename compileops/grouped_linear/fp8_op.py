@@ -33,23 +33,9 @@ the op quantises the weight itself.
 Autograd: dX through ``grouped_linear_fp8_dx_from_copy`` (rowwise) or
 ``grouped_linear_fp8_dx`` (blockwise); ``dW = dY_g^T X_g`` in x's dtype
 (``compileops::grouped_linear_wgrad``, from the saved unquantised x), or, with
-``fp8_weight_grad`` (rowwise only, opt-in), in e4m3 too:
-``compileops::grouped_linear_wgrad_fp8(grad [M, N], x [M, K], offsets, weight_dtype,
-fast_accum) -> dW [G, N, K]``, both operands quantised with one scale per group and column
-(:mod:`compileops.grouped_linear.fp8`, "dW in fp8"). Compiled, an extern call, as the bf16
-dW is.
-
-**The cost of fp8 dW, in accuracy.** dW's relative L2 error against fp64 of the same bf16
-operands (unit-normal x and dY, one group of 512 rows, K = N = 256, three seeds; the kernels
-under Triton's interpreter, whose e4m3 products and fp32 sums are the GPU's up to summation
-order): **3.68-3.73e-2 with fp8 dW**, the same as the fp8 forward and dX products' own. dW
-from the bf16 operands: 1.65-1.66e-3 rounded (to nearest) to a bf16 weight's gradient, and
-1.0e-7 as an fp32 master weight's gradient. So fp8 dW costs about 22 times a bf16 weight's
-gradient error, and far more against fp32 master weights
-(``tests/grouped_linear/test_fp8_weight_grad.py`` checks a smaller case against these
-figures). A column's scale spans all of its group's rows, so a token far larger than the
-rest coarsens that column for the whole group. That is why it is not the default:
-``fp8="rowwise"`` alone keeps dW in x's dtype.
+``fp8_weight_grad`` (rowwise only, opt-in), in e4m3 too
+(``compileops::grouped_linear_wgrad_fp8``, :mod:`.fp8_wgrad_op`, which gives its cost in
+accuracy).
 
 The numerics are :func:`compileops.grouped_linear.fp8.grouped_linear_reference`'s (the
 reference backend runs it): e4m3 for both operands and for dY (why e4m3 for gradients: the
@@ -114,8 +100,8 @@ from compileops.grouped_linear.checks import (
     check_offsets_eagerly,
     check_row_scaled_args,
     check_same_device,
-    check_wgrad_args,
 )
+from compileops.grouped_linear.fp8_wgrad_op import grouped_linear_wgrad_fp8_op
 from compileops.grouped_linear.reference import grouped_linear_forward
 from compileops.grouped_linear.scaled import row_scaled_backward
 from compileops.modes import BATCH_INVARIANT
@@ -407,38 +393,6 @@ def _grouped_linear_fp8_dx_fake(grad, weight, offsets, scaling, cache_weight=Fal
                                 fast_accum=False, weight_base=None):
     _check(grad, weight.transpose(1, 2), offsets, scaling, fast_accum=fast_accum)
     return grad.new_empty((grad.shape[0], weight.shape[2]))
-
-
-@custom_op("grouped_linear_wgrad_fp8")
-def grouped_linear_wgrad_fp8_op(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
-                                weight_dtype: torch.dtype,
-                                fast_accum: bool = False) -> torch.Tensor:
-    """fp8 ``dW [G, N, K] = grad_g^T x_g`` in ``weight_dtype`` for ``grad [M, N]`` and ``x [M,
-    K]`` (bf16, fp16 or fp32), int32 ``offsets [G]``: both operands quantised to e4m3 with
-    one scale per group and column over the group's rows, the e4m3 products summed in fp32
-    and scaled (:func:`compileops.grouped_linear.fp8.grouped_linear_wgrad_reference`); empty
-    groups give zeros. ``fast_accum``: the MMA accumulates over each group's whole
-    reduction. Deterministic (no atomics, no split of the reduction). Not differentiable."""
-    _check_wgrad_fp8(grad, x, offsets, weight_dtype)
-    check_offsets_eagerly(offsets, grad.shape[0])
-    if use_triton("grouped_linear_wgrad_fp8", grad):
-        from compileops.grouped_linear.kernels import grouped_linear_wgrad_fp8
-
-        return grouped_linear_wgrad_fp8(grad, x, offsets, weight_dtype, fast_accum=fast_accum)
-    return fp8_rule.grouped_linear_wgrad_reference(grad, x, offsets).to(weight_dtype)
-
-
-def _check_wgrad_fp8(grad, x, offsets, weight_dtype) -> None:
-    check_wgrad_args(grad, x, offsets, weight_dtype)
-    torch._check_type(grad.dtype != torch.float64,
-                      lambda: "the fp8 weight gradient takes bf16, fp16 or fp32 operands, "
-                              "got fp64")
-
-
-@grouped_linear_wgrad_fp8_op.register_fake
-def _grouped_linear_wgrad_fp8_fake(grad, x, offsets, weight_dtype, fast_accum=False):
-    _check_wgrad_fp8(grad, x, offsets, weight_dtype)
-    return grad.new_empty((offsets.shape[0], grad.shape[1], x.shape[1]), dtype=weight_dtype)
 
 
 def _weight_grad(ctx, grad, x, offsets, weight_dtype):

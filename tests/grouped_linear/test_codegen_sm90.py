@@ -293,12 +293,14 @@ def quantiser_builds():
             dict(BLOCK_R=block_r, BLOCK_K=128, PER_ROW=per_row), num_warps=4 if per_row else 8)
         built[name] = "e4m3x2" in kernel.asm["ptx"]
     # fp8 dW's operands: per group and column, the codes written transposed
+    from compileops.grouped_linear.kernels import fp8_wgrad
+
     kernel = compile_sm90(
-        fp8_kernels.group_columns_quantize_kernel,
+        fp8_wgrad.group_columns_quantize_kernel,
         common + [("offs_ptr", "*i32"), ("dst_offs_ptr", "*i32")]
         + [(n, "i32") for n in ("M", "C", "G", "W")]
         + [(n, "i64") for n in ("stride_xm", "stride_xc", "stride_qc")],
-        dict(BLOCK_M=32, BLOCK_C=128, ALIGN=fp8_kernels.GROUP_ALIGN), unit=("stride_xc",),
+        dict(BLOCK_M=32, BLOCK_C=128, ALIGN=fp8_wgrad.GROUP_ALIGN), unit=("stride_xc",),
         num_warps=4)
     built["quantise-group-columns"] = "e4m3x2" in kernel.asm["ptx"]
     return built

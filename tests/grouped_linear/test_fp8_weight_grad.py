@@ -12,8 +12,8 @@ import torch
 
 import compileops
 from compileops.grouped_linear import fp8
-from compileops.grouped_linear.fp8_op import grouped_linear_wgrad_fp8_op
-from compileops.grouped_linear.kernels import fp8 as fp8_kernels
+from compileops.grouped_linear.fp8_wgrad_op import grouped_linear_wgrad_fp8_op
+from compileops.grouped_linear.kernels import fp8_wgrad as fp8_kernels
 from compileops.grouped_linear.kernels import grouped_linear_wgrad, grouped_linear_wgrad_fp8
 from compileops.lowerings import _compat
 from tests.grouped_linear._helpers import empty_fp8_cache  # noqa: F401  (a fixture)

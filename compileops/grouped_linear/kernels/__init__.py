@@ -14,6 +14,8 @@ One job per file:
 * :mod:`.mjagged`: the M-jagged tile body, kernel and launchers;
 * :mod:`.pair`: the launchers of a gate/up pair kept as two weights;
 * :mod:`.kjagged`: the dW/db tile body, kernel and launcher;
+* :mod:`.fp8` and :mod:`.fp8_wgrad`: the e4m3 quantisers and the fp8 products' launchers
+  (the products are the kernels above, on e4m3 operands);
 * :mod:`.tma`: TMA descriptors (ragged ones too), when a launch takes them, and the
   per-device fallback when one fails;
 * :mod:`.config`: :class:`Config` (the tuning API), :class:`DeviceSpec` (the device a config
@@ -45,9 +47,9 @@ from compileops.grouped_linear.kernels.config import (
     input_precision,
     num_programs,
 )
+from compileops.grouped_linear.kernels.fp8_wgrad import grouped_linear_wgrad_fp8
 from compileops.grouped_linear.kernels.kjagged import (
     grouped_linear_wgrad,
-    grouped_linear_wgrad_fp8,
     kjagged_gemm_kernel,
 )
 from compileops.grouped_linear.kernels.mjagged import (

@@ -24,7 +24,6 @@ import triton.language as tl
 
 from compileops._library import as_rows
 from compileops.grouped_linear.fp8 import E4M3, MIN_AMAX, _check_float
-from compileops.grouped_linear.kernels.tiles import group_rows
 
 #: :data:`compileops.grouped_linear.fp8.MIN_AMAX` for the kernels: exact in fp32 and above
 #: 2^-126, so Triton makes it an fp32 constant of exactly these bits.
@@ -173,105 +172,6 @@ def blockwise_quantize_kernel(
         tl.store(scale_ptr + (batch.to(tl.int64) * r_blocks + tile_r) * k_blocks + tile_k, scale)
     dst = batch.to(tl.int64) * R * K + rows.to(tl.int64)[:, None] * K + cols[None, :]
     tl.store(q_ptr + dst, q.to(q_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def group_columns_quantize_kernel(
-    x_ptr, q_ptr, scale_ptr, offs_ptr, dst_offs_ptr, M, C, G, W, stride_xm, stride_xc,
-    stride_qc, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, ALIGN: tl.constexpr,
-):
-    """Grid ``(G, cdiv(C, BLOCK_C))``: columns ``[pid1 * BLOCK_C, ...)`` of group ``pid0``'s
-    rows of ``x [M, C]`` (strides given; rows ``[offs[g-1], offs[g])``), quantised with one
-    scale per column over those rows, to ``scale [G, C]`` fp32 and to the codes transposed,
-    ``q_t [C, W]`` e4m3 (row stride ``stride_qc``): the group's rows go to columns
-    ``[dst_offs[g-1], ...)``, each group's span padded with zero codes to a multiple of
-    ``ALIGN`` (``dst_offs``: the padded spans' cumulative ends). Two passes over the group's
-    rows: the amax, then the codes (the second read mostly from L2). Nothing is written at
-    or past column ``W`` (offsets that are not non-decreasing could ask for it)."""
-    g = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < C
-    cols64 = cols.to(tl.int64)
-    start, end = group_rows(offs_ptr, g, G, M)
-    dst_start = tl.load(dst_offs_ptr + g - 1, mask=g > 0, other=0)
-    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    nan_seen = tl.zeros((BLOCK_C,), dtype=tl.int32)
-    for m0 in range(start, end, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        mask = (rows < end)[:, None] & col_ok[None, :]
-        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-                    + cols64[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
-        chunk_amax, chunk_nans = amax_and_nans(x, 0)
-        amax, nan_seen = tl.maximum(amax, chunk_amax), tl.maximum(nan_seen, chunk_nans)
-    scale, inverse = scales_of(amax, nan_seen)
-    tl.store(scale_ptr + tl.cast(g, tl.int64) * C + cols64, scale, mask=col_ok)
-    shift = dst_start - start  # source row -> destination column
-    for m0 in range(start, end, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        mask = (rows < end)[:, None] & col_ok[None, :]
-        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-                    + cols64[None, :] * stride_xc, mask=mask, other=0.0)
-        q = quantize_to_e4m3(x.to(tl.float32), inverse[None, :])
-        dst = rows + shift
-        tl.store(q_ptr + cols64[None, :] * stride_qc + dst.to(tl.int64)[:, None],
-                 q.to(q_ptr.dtype.element_ty), mask=mask & (dst < W)[:, None])
-    # Zero codes after the group's rows, up to its padded end (fewer than ALIGN).
-    pad = dst_start + (end - start) + tl.arange(0, ALIGN)
-    padded_end = dst_start + tl.cdiv(end - start, ALIGN) * ALIGN
-    zeros = tl.zeros((ALIGN, BLOCK_C), dtype=tl.float32).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + cols64[None, :] * stride_qc + pad.to(tl.int64)[:, None], zeros,
-             mask=((pad < padded_end) & (pad < W))[:, None] & col_ok[None, :])
-
-
-#: fp8 dW's e4m3 operands keep each group's rows in a column span that starts and ends on a
-#: multiple of this many codes (16 bytes) or more (the product's row chunk), padded with zero
-#: codes: every chunk the product loads is then whole and 16-byte aligned, so its loads are
-#: 16-byte vectors (asynchronous copies on Hopper) with no mask along the rows, instead of
-#: single bytes under a per-row mask.
-GROUP_ALIGN = 16
-
-
-def padded_group_offsets(offsets: torch.Tensor, rows: int,
-                         align: int = GROUP_ALIGN) -> torch.Tensor:
-    """int32 ``[G]``: the cumulative ends of the groups' spans, each group's row count (as
-    the kernels clamp it to ``rows``: ``tiles.group_rows``) rounded up to a multiple of
-    ``align``. Device ops, no host sync."""
-    starts = torch.cat([offsets.new_zeros(1), offsets[:-1]]).clamp(0, rows)
-    ends = torch.maximum(offsets.clamp(max=rows), starts)
-    counts = ends - starts
-    return torch.cumsum((counts + align - 1) // align * align, 0, dtype=torch.int32)
-
-
-def quantize_group_columns(x: torch.Tensor, offsets: torch.Tensor, align: int = GROUP_ALIGN
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x [M, C]`` (16- or 32-bit float, any strides), int32 ``offsets [G]`` -> ``(q_t [C,
-    W]`` e4m3, ``scale [G, C]`` fp32, ``padded_offsets [G]`` int32): one scale per group and
-    column over the group's rows, the rule of
-    :func:`compileops.grouped_linear.fp8.quantize_group_columns` bit for bit, with the codes
-    transposed and each group's span padded with zero codes to a multiple of ``align`` (a
-    power of two, at least :data:`GROUP_ALIGN`; :func:`padded_group_offsets`; ``W = M + G *
-    (align - 1)`` rounded up to ``align``, the columns past ``padded_offsets[-1]``
-    unwritten). Rows of no group are not read. ``x`` is not modified."""
-    _check_float(x, "x", 2)
-    if x.dim() != 2:
-        raise ValueError(f"x must be [M, C], got shape {tuple(x.shape)}")
-    if align < GROUP_ALIGN or align & (align - 1):
-        raise ValueError(f"align must be a power of two >= {GROUP_ALIGN}, got {align}")
-    m, c = x.shape
-    groups = offsets.shape[0]
-    offsets = offsets.contiguous()
-    width = -(-(m + groups * (align - 1)) // align) * align
-    q_t = torch.empty((c, width), dtype=E4M3, device=x.device)
-    scale = torch.empty((groups, c), dtype=torch.float32, device=x.device)
-    padded = padded_group_offsets(offsets, m, align)
-    if c and groups:
-        cpu = x.device.type == "cpu"
-        block_m, block_c, warps = (16, 32, 1) if cpu else (32, 128, 4)
-        group_columns_quantize_kernel[(groups, triton.cdiv(c, block_c))](
-            x, q_t, scale, offsets, padded, m, c, groups, width, x.stride(0), x.stride(1),
-            q_t.stride(0), BLOCK_M=block_m, BLOCK_C=block_c, ALIGN=align,
-            num_warps=warps)
-    return q_t, scale, padded
 
 
 def quantize_blockwise(x: torch.Tensor, block: tuple[int, int]

@@ -593,57 +593,6 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
     return dw, db if with_db else None
 
 
-def grouped_linear_wgrad_fp8(grad, x, offsets, weight_dtype, *, fast_accum: bool = False,
-                             config: Optional[Config] = None):
-    """fp8 ``dW [G, N, K] = dY_g^T X_g`` in ``weight_dtype``, deterministic: grad (dY) ``[M,
-    N]`` and x ``[M, K]`` (16- or 32-bit) quantised to e4m3 with one scale per group and
-    column (:func:`.fp8.quantize_group_columns`, two Triton passes each, codes written
-    transposed, each group's span zero-padded to whole ``BLOCK_M``-column chunks), then the
-    K-jagged product on the e4m3 codes over those spans, with the scales in its epilogue.
-    Equal, up to the order of its fp32 sums, to
-    :func:`compileops.grouped_linear.fp8.grouped_linear_wgrad_reference`. ``fast_accum``: the
-    MMA accumulates over each group's whole reduction instead of one ``BLOCK_M`` step at a
-    time into fp32. Empty groups give zeros.
-
-    ``config=None``: the tiles and schedule of :func:`~.config.choose_wgrad_config` for 16-bit
-    operands, on the pointer path (the transposed operands have no TMA descriptor path
-    here; the TMA variant flags are not used)."""
-    from compileops.grouped_linear.kernels.fp8 import GROUP_ALIGN, quantize_group_columns
-
-    m, n = grad.shape
-    k = x.shape[1]
-    offsets = offsets.contiguous()
-    groups = offsets.shape[0]
-    dw = torch.empty((groups, n, k), dtype=weight_dtype, device=grad.device)
-    if dw.numel() == 0:
-        return dw
-    cfg = config or choose_wgrad_config(m, groups, n, k, torch.bfloat16, x.device)
-    # [N, W], [G, N] and [K, W], [G, K]: each group's rows in a span of whole BLOCK_M chunks.
-    align = max(cfg.block_m, GROUP_ALIGN)
-    dy_q, dy_scale, padded = quantize_group_columns(grad, offsets, align)
-    x_q, x_scale, _ = quantize_group_columns(x, offsets, align)
-    width = dy_q.shape[1]
-    progs = grid_size(x.device, cfg)
-    # The dynamic schedule's ticket counter (as in grouped_linear_wgrad).
-    ticket = (torch.zeros(1, dtype=torch.int32, device=x.device) if cfg.dynamic_tiles
-              else offsets)
-    kjagged_gemm_kernel[(progs,)](
-        dy_q, x_q, padded, dw, dw, ticket, width, n, k, groups,
-        1, dy_q.stride(0), 1, x_q.stride(0),
-        WITH_DB=False, DB_MMA=False, NUM_PROGS=progs,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        INPUT_PRECISION="tf32", INTERPRETER_DOT=interpreter_dot(x), USE_TMA=False,
-        GROUP_N=cfg.group_n, DYNAMIC_TILES=cfg.dynamic_tiles,
-        ASM_TICKET=x.device.type == "cuda" and not torch.version.hip,
-        LANES=32 * cfg.num_warps, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        G_BLOCK=group_block(groups), RAGGED_TMA=False, TMA_STORE=False,
-        EPILOGUE_SUBTILE=False, FLATTEN=False,
-        dy_scale_ptr=dy_scale, x_scale_ptr=x_scale, FP8_SCALES=True,
-        FP8_FAST_ACCUM=bool(fast_accum),
-    )
-    return dw
-
-
 def _column_sums_only(grad, offsets, db):
     # K == 0: no dW tiles exist to carry the bias sums; use a 1-column dummy x of zeros.
     x = grad.new_zeros((grad.shape[0], 1))

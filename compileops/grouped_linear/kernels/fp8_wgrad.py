@@ -1,0 +1,180 @@
+"""fp8 (e4m3) weight gradient of the grouped linear, ``dW_g = dY_g^T X_g``
+(:mod:`compileops.grouped_linear.fp8`, "dW in fp8"):
+
+* :func:`quantize_group_columns`: ``dY [M, N]`` and ``X [M, K]`` quantised with one scale per
+  group and column over the group's rows, the codes written transposed (``[C, W]``) with
+  each group's rows in a zero-padded span of whole row chunks;
+* :func:`grouped_linear_wgrad_fp8`: the K-jagged product
+  (:func:`.kjagged.kjagged_gemm_kernel` with ``FP8_SCALES``) on those codes, the scales in its
+  epilogue.
+
+The quantisation rule and its scalars are the rowwise quantiser's (:mod:`.fp8`); the product
+is the 16-bit dW's kernel.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from compileops.grouped_linear.fp8 import E4M3, _check_float
+from compileops.grouped_linear.kernels.config import (
+    Config,
+    choose_wgrad_config,
+    grid_size,
+    group_block,
+    interpreter_dot,
+)
+from compileops.grouped_linear.kernels.fp8 import amax_and_nans, quantize_to_e4m3, scales_of
+from compileops.grouped_linear.kernels.kjagged import kjagged_gemm_kernel
+from compileops.grouped_linear.kernels.tiles import group_rows
+
+
+@triton.jit
+def group_columns_quantize_kernel(
+    x_ptr, q_ptr, scale_ptr, offs_ptr, dst_offs_ptr, M, C, G, W, stride_xm, stride_xc,
+    stride_qc, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, ALIGN: tl.constexpr,
+):
+    """Grid ``(G, cdiv(C, BLOCK_C))``: columns ``[pid1 * BLOCK_C, ...)`` of group ``pid0``'s
+    rows of ``x [M, C]`` (strides given; rows ``[offs[g-1], offs[g])``), quantised with one
+    scale per column over those rows, to ``scale [G, C]`` fp32 and to the codes transposed,
+    ``q_t [C, W]`` e4m3 (row stride ``stride_qc``): the group's rows go to columns
+    ``[dst_offs[g-1], ...)``, each group's span padded with zero codes to a multiple of
+    ``ALIGN`` (``dst_offs``: the padded spans' cumulative ends). Two passes over the group's
+    rows: the amax, then the codes (the second read mostly from L2). Nothing is written at
+    or past column ``W`` (offsets that are not non-decreasing could ask for it)."""
+    g = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    cols64 = cols.to(tl.int64)
+    start, end = group_rows(offs_ptr, g, G, M)
+    dst_start = tl.load(dst_offs_ptr + g - 1, mask=g > 0, other=0)
+    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    nan_seen = tl.zeros((BLOCK_C,), dtype=tl.int32)
+    for m0 in range(start, end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        mask = (rows < end)[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+                    + cols64[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
+        chunk_amax, chunk_nans = amax_and_nans(x, 0)
+        amax, nan_seen = tl.maximum(amax, chunk_amax), tl.maximum(nan_seen, chunk_nans)
+    scale, inverse = scales_of(amax, nan_seen)
+    tl.store(scale_ptr + tl.cast(g, tl.int64) * C + cols64, scale, mask=col_ok)
+    shift = dst_start - start  # source row -> destination column
+    for m0 in range(start, end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        mask = (rows < end)[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+                    + cols64[None, :] * stride_xc, mask=mask, other=0.0)
+        q = quantize_to_e4m3(x.to(tl.float32), inverse[None, :])
+        dst = rows + shift
+        tl.store(q_ptr + cols64[None, :] * stride_qc + dst.to(tl.int64)[:, None],
+                 q.to(q_ptr.dtype.element_ty), mask=mask & (dst < W)[:, None])
+    # Zero codes after the group's rows, up to its padded end (fewer than ALIGN).
+    pad = dst_start + (end - start) + tl.arange(0, ALIGN)
+    padded_end = dst_start + tl.cdiv(end - start, ALIGN) * ALIGN
+    zeros = tl.zeros((ALIGN, BLOCK_C), dtype=tl.float32).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + cols64[None, :] * stride_qc + pad.to(tl.int64)[:, None], zeros,
+             mask=((pad < padded_end) & (pad < W))[:, None] & col_ok[None, :])
+
+
+#: fp8 dW's e4m3 operands keep each group's rows in a column span that starts and ends on a
+#: multiple of this many codes (16 bytes) or more (the product's row chunk), padded with zero
+#: codes: every chunk the product loads is then whole and 16-byte aligned, so its loads are
+#: 16-byte vectors (asynchronous copies on Hopper) with no mask along the rows, instead of
+#: single bytes under a per-row mask.
+GROUP_ALIGN = 16
+
+
+def padded_group_offsets(offsets: torch.Tensor, rows: int,
+                         align: int = GROUP_ALIGN) -> torch.Tensor:
+    """int32 ``[G]``: the cumulative ends of the groups' spans, each group's row count (as
+    the kernels clamp it to ``rows``: ``tiles.group_rows``) rounded up to a multiple of
+    ``align``. Device ops, no host sync."""
+    starts = torch.cat([offsets.new_zeros(1), offsets[:-1]]).clamp(0, rows)
+    ends = torch.maximum(offsets.clamp(max=rows), starts)
+    counts = ends - starts
+    return torch.cumsum((counts + align - 1) // align * align, 0, dtype=torch.int32)
+
+
+def quantize_group_columns(x: torch.Tensor, offsets: torch.Tensor, align: int = GROUP_ALIGN
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [M, C]`` (16- or 32-bit float, any strides), int32 ``offsets [G]`` -> ``(q_t [C,
+    W]`` e4m3, ``scale [G, C]`` fp32, ``padded_offsets [G]`` int32): one scale per group and
+    column over the group's rows, the rule of
+    :func:`compileops.grouped_linear.fp8.quantize_group_columns` bit for bit, with the codes
+    transposed and each group's span padded with zero codes to a multiple of ``align`` (a
+    power of two, at least :data:`GROUP_ALIGN`; :func:`padded_group_offsets`; ``W = M + G *
+    (align - 1)`` rounded up to ``align``, the columns past ``padded_offsets[-1]``
+    unwritten). Rows of no group are not read. ``x`` is not modified."""
+    _check_float(x, "x", 2)
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, C], got shape {tuple(x.shape)}")
+    if align < GROUP_ALIGN or align & (align - 1):
+        raise ValueError(f"align must be a power of two >= {GROUP_ALIGN}, got {align}")
+    m, c = x.shape
+    groups = offsets.shape[0]
+    offsets = offsets.contiguous()
+    width = -(-(m + groups * (align - 1)) // align) * align
+    q_t = torch.empty((c, width), dtype=E4M3, device=x.device)
+    scale = torch.empty((groups, c), dtype=torch.float32, device=x.device)
+    padded = padded_group_offsets(offsets, m, align)
+    if c and groups:
+        cpu = x.device.type == "cpu"
+        block_m, block_c, warps = (16, 32, 1) if cpu else (32, 128, 4)
+        group_columns_quantize_kernel[(groups, triton.cdiv(c, block_c))](
+            x, q_t, scale, offsets, padded, m, c, groups, width, x.stride(0), x.stride(1),
+            q_t.stride(0), BLOCK_M=block_m, BLOCK_C=block_c, ALIGN=align,
+            num_warps=warps)
+    return q_t, scale, padded
+
+
+def grouped_linear_wgrad_fp8(grad, x, offsets, weight_dtype, *, fast_accum: bool = False,
+                             config: Optional[Config] = None):
+    """fp8 ``dW [G, N, K] = dY_g^T X_g`` in ``weight_dtype``, deterministic: grad (dY) ``[M,
+    N]`` and x ``[M, K]`` (16- or 32-bit) quantised to e4m3 with one scale per group and
+    column (:func:`quantize_group_columns`, two Triton passes each, codes written
+    transposed, each group's span zero-padded to whole ``BLOCK_M``-column chunks), then the
+    K-jagged product on the e4m3 codes over those spans, with the scales in its epilogue.
+    Equal, up to the order of its fp32 sums, to
+    :func:`compileops.grouped_linear.fp8.grouped_linear_wgrad_reference`. ``fast_accum``: the
+    MMA accumulates over each group's whole reduction instead of one ``BLOCK_M`` step at a
+    time into fp32. Empty groups give zeros.
+
+    ``config=None``: the tiles and schedule of :func:`~.config.choose_wgrad_config` for 16-bit
+    operands, on the pointer path (the transposed operands have no TMA descriptor path
+    here; the TMA variant flags are not used)."""
+    m, n = grad.shape
+    k = x.shape[1]
+    offsets = offsets.contiguous()
+    groups = offsets.shape[0]
+    dw = torch.empty((groups, n, k), dtype=weight_dtype, device=grad.device)
+    if dw.numel() == 0:
+        return dw
+    cfg = config or choose_wgrad_config(m, groups, n, k, torch.bfloat16, x.device)
+    # [N, W], [G, N] and [K, W], [G, K]: each group's rows in a span of whole BLOCK_M chunks.
+    align = max(cfg.block_m, GROUP_ALIGN)
+    dy_q, dy_scale, padded = quantize_group_columns(grad, offsets, align)
+    x_q, x_scale, _ = quantize_group_columns(x, offsets, align)
+    width = dy_q.shape[1]
+    progs = grid_size(x.device, cfg)
+    # The dynamic schedule's ticket counter (as in grouped_linear_wgrad).
+    ticket = (torch.zeros(1, dtype=torch.int32, device=x.device) if cfg.dynamic_tiles
+              else offsets)
+    kjagged_gemm_kernel[(progs,)](
+        dy_q, x_q, padded, dw, dw, ticket, width, n, k, groups,
+        1, dy_q.stride(0), 1, x_q.stride(0),
+        WITH_DB=False, DB_MMA=False, NUM_PROGS=progs,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        INPUT_PRECISION="tf32", INTERPRETER_DOT=interpreter_dot(x), USE_TMA=False,
+        GROUP_N=cfg.group_n, DYNAMIC_TILES=cfg.dynamic_tiles,
+        ASM_TICKET=x.device.type == "cuda" and not torch.version.hip,
+        LANES=32 * cfg.num_warps, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        G_BLOCK=group_block(groups), RAGGED_TMA=False, TMA_STORE=False,
+        EPILOGUE_SUBTILE=False, FLATTEN=False,
+        dy_scale_ptr=dy_scale, x_scale_ptr=x_scale, FP8_SCALES=True,
+        FP8_FAST_ACCUM=bool(fast_accum),
+    )
+    return dw
