@@ -202,3 +202,35 @@ triton_per_fused_grouped_linear_fp8_dx_from_copy
 triton_poi_fused_grouped_linear_fp8_dx_from_copy
 triton_tem_fused_grouped_linear_fp8_dx_from_copy
 torch.ops.compileops.grouped_linear_wgrad.default""")
+
+    def test_fp8_layer_with_fp8_weight_grad_launches(self):
+        # The same layer with fp8_weight_grad=True: the same launches, each weight gradient
+        # the fp8 dW op (an extern call that quantises its two operands itself) in place of
+        # the 16-bit one.
+        x, _, w1, w3, w2, offsets, p, _ = _inputs(torch.bfloat16)
+
+        def layer(x, w13, w2, offsets, p):
+            opts = dict(fp8="rowwise", fp8_weight_grad=True)
+            h = compileops.grouped_linear_swiglu(x, w13, offsets, **opts)
+            return compileops.grouped_linear(h, w2, offsets, **opts) * p[:, None]
+
+        w13 = torch.cat([w1, w3], dim=1)
+        self.assertSnapshot(_kernels(layer, x, w13, w2, offsets, p), """\
+triton_per_fused_fp8_weight_rowwise
+triton_per_fused_grouped_linear_swiglu_fp8_with_preact
+triton_per_fused_fp8_weight_rowwise
+triton_poi_fused_clone_transpose
+triton_tem_fused_grouped_linear_swiglu_fp8_with_preact
+triton_poi_fused_clone_transpose
+triton_per_fused_grouped_linear_fp8
+triton_tem_fused_grouped_linear_fp8_mul_unsqueeze
+# backward
+triton_per_fused__to_copy_grouped_linear_fp8_dx_from_copy_grouped_linear_wgrad_fp8_mul_sum_unsqueeze
+triton_poi_fused__to_copy_grouped_linear_fp8_dx_from_copy_mul_unsqueeze
+triton_tem_fused__to_copy_grouped_linear_fp8_dx_from_copy_mul_unsqueeze
+torch.ops.compileops.grouped_linear_wgrad_fp8.default
+triton_poi_fused__to_copy_add_mul_rsub_sigmoid_split
+triton_per_fused_grouped_linear_fp8_dx_from_copy
+triton_poi_fused_grouped_linear_fp8_dx_from_copy
+triton_tem_fused_grouped_linear_fp8_dx_from_copy
+torch.ops.compileops.grouped_linear_wgrad_fp8.default""")
