@@ -99,8 +99,9 @@ def test_the_product_is_the_reference_up_to_its_sum_order(device, fast):
     want = fp8.grouped_linear_wgrad_reference(dy.cpu(), x.cpu(), offsets.cpu())
     assert dw.shape == (len(SPLITS), 40, 24) and dw.dtype == torch.float32
     assert torch.equal(dw[1].cpu(), torch.zeros(40, 24))  # the empty group
-    # fp32 sums of exact e4m3 products, in another order (and, fast, the MMA's own sums)
-    tol = 2e-3 if fast and device == "cuda" else 1e-6
+    # fp32 sums of exact e4m3 products, in another order; on Hopper the MMA adds each step's
+    # products at reduced precision (about 1e-4), over the whole reduction when fast
+    tol = (4e-3 if fast else 5e-4) if device == "cuda" else 1e-6
     assert ((dw.cpu() - want).norm() / want.norm()).item() <= tol
     again = grouped_linear_wgrad_fp8(dy, x, offsets, torch.float32, fast_accum=fast)
     assert torch.equal(dw, again)  # deterministic
