@@ -65,5 +65,9 @@ def test_every_version_file_belongs_to_a_supported_torch_and_a_snapshot_test():
     for path in snapshot.SNAPSHOTS.rglob("*.txt"):
         version = path.parent.name
         assert version.startswith("torch-2.") and 11 <= int(version.split(".")[1]) <= 15, path
-        module = path.name.split(".test_snapshots.")[0]
-        assert (root / module / "test_snapshots.py").exists(), path
+        # <package path>.<test module>.<class>.<test>.<n>.txt, the test module a test_*.py
+        parts = path.name.split(".")
+        at = next(i for i, part in enumerate(parts) if part.startswith("test_"))
+        module = root.joinpath(*parts[:at], parts[at] + ".py")
+        assert module.exists(), path
+        assert f"def {parts[at + 2]}(" in module.read_text(), path
