@@ -72,6 +72,18 @@ def down_plus_residual(h, w2, offsets, residual):
     return residual + compileops.grouped_linear(h, w2, offsets)
 
 
+def _fp8_layer_kernels(**options):
+    """The launches of the rowwise fp8 expert layer as users write it (gate/up SwiGLU, the
+    down projection times ``p``), bf16, with more fp8 ``options``."""
+    x, _, w1, w3, w2, offsets, p, _ = _inputs(torch.bfloat16)
+
+    def layer(x, w13, w2, offsets, p):
+        h = compileops.grouped_linear_swiglu(x, w13, offsets, fp8="rowwise", **options)
+        return compileops.grouped_linear(h, w2, offsets, fp8="rowwise", **options) * p[:, None]
+
+    return _kernels(layer, x, torch.cat([w1, w3], dim=1), w2, offsets, p)
+
+
 def gate_up_apart(x, w1, w3, offsets):
     return F.silu(compileops.grouped_linear(x, w1, offsets)) * \
         compileops.grouped_linear(x, w3, offsets)
@@ -176,14 +188,7 @@ torch.ops.compileops.grouped_linear_wgrad.default""")
         # reads e4m3 operands, each operand quantised by one fused kernel (the weights every
         # call, uncached), and the user's `* p` fuses as the down projection's epilogue;
         # backward, the probability's gradient fuses with dY's quantisation.
-        x, _, w1, w3, w2, offsets, p, _ = _inputs(torch.bfloat16)
-
-        def layer(x, w13, w2, offsets, p):
-            h = compileops.grouped_linear_swiglu(x, w13, offsets, fp8="rowwise")
-            return compileops.grouped_linear(h, w2, offsets, fp8="rowwise") * p[:, None]
-
-        w13 = torch.cat([w1, w3], dim=1)
-        self.assertSnapshot(_kernels(layer, x, w13, w2, offsets, p), """\
+        self.assertSnapshot(_fp8_layer_kernels(), """\
 triton_per_fused_fp8_weight_rowwise
 triton_per_fused_grouped_linear_swiglu_fp8_with_preact
 triton_per_fused_fp8_weight_rowwise
@@ -207,15 +212,7 @@ torch.ops.compileops.grouped_linear_wgrad.default""")
         # The same layer with fp8_weight_grad=True: the same launches, each weight gradient
         # the fp8 dW op (an extern call that quantises its two operands itself) in place of
         # the 16-bit one.
-        x, _, w1, w3, w2, offsets, p, _ = _inputs(torch.bfloat16)
-
-        def layer(x, w13, w2, offsets, p):
-            opts = dict(fp8="rowwise", fp8_weight_grad=True)
-            h = compileops.grouped_linear_swiglu(x, w13, offsets, **opts)
-            return compileops.grouped_linear(h, w2, offsets, **opts) * p[:, None]
-
-        w13 = torch.cat([w1, w3], dim=1)
-        self.assertSnapshot(_kernels(layer, x, w13, w2, offsets, p), """\
+        self.assertSnapshot(_fp8_layer_kernels(fp8_weight_grad=True), """\
 triton_per_fused_fp8_weight_rowwise
 triton_per_fused_grouped_linear_swiglu_fp8_with_preact
 triton_per_fused_fp8_weight_rowwise
