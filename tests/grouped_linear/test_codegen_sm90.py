@@ -295,14 +295,26 @@ def quantiser_builds():
     # fp8 dW's operands: per group and column, the codes written transposed
     from compileops.grouped_linear.kernels import fp8_wgrad
 
-    kernel = compile_sm90(
-        fp8_wgrad.group_columns_quantize_kernel,
-        common + [("offs_ptr", "*i32"), ("dst_offs_ptr", "*i32")]
+    tables = [("offs_ptr", "*i32"), ("dst_offs_ptr", "*i32")]
+    blocks = dict(BLOCK_M=64, BLOCK_C=128, G_BLOCK=256)
+    amax = compile_sm90(
+        fp8_wgrad.group_columns_amax_kernel,
+        [("x_ptr", "*bf16"), ("amax_ptr", "*i32")] + tables
+        + [(n, "i32") for n in ("M", "C", "G")] + [(n, "i64") for n in ("stride_xm", "stride_xc")],
+        blocks, unit=("stride_xc",), num_warps=4)
+    codes = compile_sm90(
+        fp8_wgrad.group_columns_codes_kernel,
+        common + [("amax_ptr", "*i32")] + tables
         + [(n, "i32") for n in ("M", "C", "G", "W")]
         + [(n, "i64") for n in ("stride_xm", "stride_xc", "stride_qc")],
-        dict(BLOCK_M=32, BLOCK_C=128, ALIGN=fp8_wgrad.GROUP_ALIGN), unit=("stride_xc",),
-        num_warps=4)
-    built["quantise-group-columns"] = "e4m3x2" in kernel.asm["ptx"]
+        blocks, unit=("stride_xc",), num_warps=4)
+    # the amax merge is an integer max reduction in memory; the codes are e4m3 conversions
+    built["quantise-group-columns"] = ("max.s32" in amax.asm["ptx"]
+                                       and "e4m3x2" in codes.asm["ptx"])
+    # the transposed codes leave through shared memory as 16-byte stores along the rows
+    built["group-columns-16-byte"] = ("ld.global.v4" in amax.asm["ptx"]
+                                      and "ld.global.v4" in codes.asm["ptx"]
+                                      and "st.global.v4" in codes.asm["ptx"])
     return built
 
 
@@ -349,6 +361,13 @@ def test_fp8_quantisers_compile_for_sm90(compiled):
     for name in ("quantise-rowwise", "quantise-rowwise-two-pass", "quantise-1x128",
                  "quantise-128x128", "quantise-group-columns"):
         assert compiled[name], f"{name}: expected an e4m3 conversion in the sm90 build"
+
+
+def test_group_column_quantiser_moves_16_byte_vectors(compiled):
+    """fp8 dW's operand quantiser is bound by memory: its bf16 tiles load as 16-byte vectors
+    and its transposed e4m3 codes store as 16-byte vectors (a byte per column would write
+    each 32-byte sector 16 times)."""
+    assert compiled["group-columns-16-byte"]
 
 
 def summarize(ttgir):

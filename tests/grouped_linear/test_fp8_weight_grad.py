@@ -63,6 +63,8 @@ def test_group_column_quantisation_is_the_rule_bit_for_bit(device, dtype):
     x = _wide(M, 40, dtype, device)
     x[10:33, 5] = 0  # a column all zero in one group: scale 1, zero codes
     x[2, 7] = float("nan")  # NaN scale for that group's column
+    # a NaN in the second row chunk of group 2 only (rows 10-32): the chunks' amaxes merge
+    x[30, 3] = float("nan")
     offsets = _offsets(device)
     before = x.clone()
     for given in (x, x.t().contiguous().t()):  # row-major and column-major inputs
@@ -71,15 +73,17 @@ def test_group_column_quantisation_is_the_rule_bit_for_bit(device, dtype):
         assert torch.allclose(x, before, rtol=0, atol=0, equal_nan=True)
         got = _unpadded(q_t, padded, SPLITS, M)
         want = want_q.view(torch.uint8)
-        # Group 0's column 7 holds a NaN: its codes are NaN in the rule, but the interpreter's
-        # fp32-to-e4m3 cast does not keep NaN (and a NaN's sign is nobody's rule), so that
-        # span is held to its meaning instead, a NaN scale (every dequantised value NaN).
+        # Group 0's column 7 and group 2's column 3 hold a NaN: their codes are NaN in the
+        # rule, but the interpreter's fp32-to-e4m3 cast does not keep NaN (and a NaN's sign
+        # is nobody's rule), so those spans are held to their meaning instead, a NaN scale
+        # (every dequantised value NaN).
         # Every other code bit for bit.
-        nan_span = (slice(7, 8), slice(0, SPLITS[0]))
-        got[nan_span] = want[nan_span]
+        for nan_span in ((slice(7, 8), slice(0, SPLITS[0])), (slice(3, 4), slice(10, 33))):
+            got[nan_span] = want[nan_span]
         assert torch.equal(got, want)
         assert torch.equal(scale.cpu().nan_to_num(-1.0), want_scale.nan_to_num(-1.0))
     assert scale[1].eq(1).all() and scale[2, 5] == 1 and scale[0, 7].isnan()
+    assert scale[2, 3].isnan() and scale.isnan().sum() == 2
 
 
 def test_the_rule_quantises_each_group_on_its_own_column_amax():

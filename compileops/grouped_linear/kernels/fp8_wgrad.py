@@ -32,52 +32,93 @@ from compileops.grouped_linear.kernels.kjagged import kjagged_gemm_kernel
 from compileops.grouped_linear.kernels.tiles import group_rows
 
 
+#: A group's column amax merged across row chunks by an integer ``atomic_max`` on its bits
+#: (non-negative floats order as their bit patterns, +inf's is 0x7F800000); a chunk that saw
+#: a NaN contributes this code, above every float's. The merge is order-free: deterministic.
+NAN_SEEN = tl.constexpr(0x7FFFFFFF)
+
+
 @triton.jit
-def group_columns_quantize_kernel(
-    x_ptr, q_ptr, scale_ptr, offs_ptr, dst_offs_ptr, M, C, G, W, stride_xm, stride_xc,
-    stride_qc, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, ALIGN: tl.constexpr,
+def _chunk_tile(x_ptr, offs_ptr, dst_offs_ptr, chunk, cols, M, C, G, stride_xm, stride_xc,
+                BLOCK_M: tl.constexpr, G_BLOCK: tl.constexpr):
+    """Destination columns ``[chunk, chunk + BLOCK_M)`` of the padded layout: ``(g, x, dst,
+    real)``, the group whose span holds them (``G``: past every span), its source rows there
+    as ``x [BLOCK_M, BLOCK_C]`` fp32 (zeros at padding and at columns ``>= C``), the
+    destination columns, and which of them hold a row (not padding). A chunk never straddles
+    two spans: every span starts on a multiple of ``BLOCK_M``."""
+    lanes = tl.arange(0, G_BLOCK)
+    ends = tl.load(dst_offs_ptr + lanes, mask=lanes < G, other=2147483647)
+    g = tl.sum((ends <= chunk).to(tl.int32), axis=0)  # spans ending at or before the chunk
+    start, end = group_rows(offs_ptr, g, G, M)
+    dst_start = tl.load(dst_offs_ptr + g - 1, mask=g > 0, other=0)
+    dst = chunk + tl.arange(0, BLOCK_M)
+    rows = start + (dst - dst_start)
+    end = tl.where(g < G, end, start)  # past every span: no rows (g == G is the tail's lane)
+    mask = (rows < end)[:, None] & (cols < C)[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+                + cols.to(tl.int64)[None, :] * stride_xc, mask=mask, other=0.0)
+    return g, x.to(tl.float32), dst, rows < end
+
+
+@triton.jit
+def _scales_of_bits(bits):
+    """``(scale, inverse)`` (:func:`.fp8.scales_of`) from merged amax bits (:data:`NAN_SEEN`)."""
+    nans = bits > 0x7F800000
+    amax = tl.where(nans, 0, bits).to(tl.float32, bitcast=True)
+    return scales_of(amax, nans.to(tl.int32))
+
+
+@triton.jit
+def group_columns_amax_kernel(
+    x_ptr, amax_ptr, offs_ptr, dst_offs_ptr, M, C, G, stride_xm, stride_xc,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, G_BLOCK: tl.constexpr,
 ):
-    """Grid ``(G, cdiv(C, BLOCK_C))``: columns ``[pid1 * BLOCK_C, ...)`` of group ``pid0``'s
-    rows of ``x [M, C]`` (strides given; rows ``[offs[g-1], offs[g])``), quantised with one
-    scale per column over those rows, to ``scale [G, C]`` fp32 and to the codes transposed,
-    ``q_t [C, W]`` e4m3 (row stride ``stride_qc``): the group's rows go to columns
-    ``[dst_offs[g-1], ...)``, each group's span padded with zero codes to a multiple of
-    ``ALIGN`` (``dst_offs``: the padded spans' cumulative ends). Two passes over the group's
-    rows: the amax, then the codes (the second read mostly from L2). Nothing is written at
-    or past column ``W`` (offsets that are not non-decreasing could ask for it)."""
-    g = tl.program_id(0)
+    """Grid ``(W // BLOCK_M, cdiv(C, BLOCK_C))``, one program per destination row chunk and
+    column block (:func:`_chunk_tile`): the chunk's column amax merged into ``amax [G, C]``
+    int32 (zero-filled beforehand) as bits, :data:`NAN_SEEN` for a NaN. Every program reads
+    one tile, whatever the groups' sizes, so skewed groups keep every SM busy."""
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    g, x, _, _ = _chunk_tile(x_ptr, offs_ptr, dst_offs_ptr, tl.program_id(0) * BLOCK_M,
+                             cols, M, C, G, stride_xm, stride_xc, BLOCK_M, G_BLOCK)
+    if g < G:
+        amax, nans = amax_and_nans(x, 0)
+        bits = tl.where(nans > 0, NAN_SEEN, amax.to(tl.int32, bitcast=True))
+        tl.atomic_max(amax_ptr + tl.cast(g, tl.int64) * C + cols, bits, mask=cols < C,
+                      sem="relaxed")
+
+
+@triton.jit
+def group_columns_codes_kernel(
+    x_ptr, q_ptr, scale_ptr, amax_ptr, offs_ptr, dst_offs_ptr, M, C, G, W, stride_xm,
+    stride_xc, stride_qc, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    G_BLOCK: tl.constexpr,
+):
+    """Grid ``(W // BLOCK_M + G, cdiv(C, BLOCK_C))``, after :func:`group_columns_amax_kernel`.
+    The first ``W // BLOCK_M`` rows of programs: a destination chunk's codes, quantised with
+    its group's column scales and written transposed to ``q_t [C, W]`` e4m3 (row stride
+    ``stride_qc``), padding included (zero codes). The last ``G``: group ``pid0 - W //
+    BLOCK_M``'s scales to ``scale [G, C]`` fp32 (a group of no rows too: scale 1). Nothing
+    is written at or past column ``W``."""
+    pid = tl.program_id(0)
+    chunks = W // BLOCK_M
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < C
     cols64 = cols.to(tl.int64)
-    start, end = group_rows(offs_ptr, g, G, M)
-    dst_start = tl.load(dst_offs_ptr + g - 1, mask=g > 0, other=0)
-    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    nan_seen = tl.zeros((BLOCK_C,), dtype=tl.int32)
-    for m0 in range(start, end, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        mask = (rows < end)[:, None] & col_ok[None, :]
-        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-                    + cols64[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
-        chunk_amax, chunk_nans = amax_and_nans(x, 0)
-        amax, nan_seen = tl.maximum(amax, chunk_amax), tl.maximum(nan_seen, chunk_nans)
-    scale, inverse = scales_of(amax, nan_seen)
-    tl.store(scale_ptr + tl.cast(g, tl.int64) * C + cols64, scale, mask=col_ok)
-    shift = dst_start - start  # source row -> destination column
-    for m0 in range(start, end, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        mask = (rows < end)[:, None] & col_ok[None, :]
-        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-                    + cols64[None, :] * stride_xc, mask=mask, other=0.0)
-        q = quantize_to_e4m3(x.to(tl.float32), inverse[None, :])
-        dst = rows + shift
-        tl.store(q_ptr + cols64[None, :] * stride_qc + dst.to(tl.int64)[:, None],
-                 q.to(q_ptr.dtype.element_ty), mask=mask & (dst < W)[:, None])
-    # Zero codes after the group's rows, up to its padded end (fewer than ALIGN).
-    pad = dst_start + (end - start) + tl.arange(0, ALIGN)
-    padded_end = dst_start + tl.cdiv(end - start, ALIGN) * ALIGN
-    zeros = tl.zeros((ALIGN, BLOCK_C), dtype=tl.float32).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + cols64[None, :] * stride_qc + pad.to(tl.int64)[:, None], zeros,
-             mask=((pad < padded_end) & (pad < W))[:, None] & col_ok[None, :])
+    if pid < chunks:
+        g, x, dst, real = _chunk_tile(x_ptr, offs_ptr, dst_offs_ptr, pid * BLOCK_M, cols, M,
+                                      C, G, stride_xm, stride_xc, BLOCK_M, G_BLOCK)
+        if g < G:
+            bits = tl.load(amax_ptr + tl.cast(g, tl.int64) * C + cols, mask=col_ok, other=0)
+            _, inverse = _scales_of_bits(bits)
+            # padding is zero codes, also under a NaN scale (0 times NaN is not zero)
+            q = tl.where(real[:, None], quantize_to_e4m3(x, inverse[None, :]), 0.0)
+            tl.store(q_ptr + cols64[None, :] * stride_qc + dst.to(tl.int64)[:, None],
+                     q.to(q_ptr.dtype.element_ty), mask=col_ok[None, :] & (dst < W)[:, None])
+    else:
+        g = pid - chunks
+        bits = tl.load(amax_ptr + tl.cast(g, tl.int64) * C + cols, mask=col_ok, other=0)
+        scale, _ = _scales_of_bits(bits)
+        tl.store(scale_ptr + tl.cast(g, tl.int64) * C + cols64, scale, mask=col_ok)
 
 
 #: fp8 dW's e4m3 operands keep each group's rows in a column span that starts and ends on a
@@ -108,7 +149,13 @@ def quantize_group_columns(x: torch.Tensor, offsets: torch.Tensor, align: int = 
     transposed and each group's span padded with zero codes to a multiple of ``align`` (a
     power of two, at least :data:`GROUP_ALIGN`; :func:`padded_group_offsets`; ``W = M + G *
     (align - 1)`` rounded up to ``align``, the columns past ``padded_offsets[-1]``
-    unwritten). Rows of no group are not read. ``x`` is not modified."""
+    unwritten). Rows of no group are not read. ``x`` is not modified.
+
+    Two launches over the padded layout's row chunks, every program one tile whatever the
+    groups' sizes: :func:`group_columns_amax_kernel` (the column amax of each group, merged
+    across its chunks by an integer atomic maximum, deterministic), then
+    :func:`group_columns_codes_kernel` (codes and scales). x is read twice, the codes written
+    once."""
     _check_float(x, "x", 2)
     if x.dim() != 2:
         raise ValueError(f"x must be [M, C], got shape {tuple(x.shape)}")
@@ -123,11 +170,17 @@ def quantize_group_columns(x: torch.Tensor, offsets: torch.Tensor, align: int = 
     padded = padded_group_offsets(offsets, m, align)
     if c and groups:
         cpu = x.device.type == "cpu"
-        block_m, block_c, warps = (16, 32, 1) if cpu else (32, 128, 4)
-        group_columns_quantize_kernel[(groups, triton.cdiv(c, block_c))](
-            x, q_t, scale, offsets, padded, m, c, groups, width, x.stride(0), x.stride(1),
-            q_t.stride(0), BLOCK_M=block_m, BLOCK_C=block_c, ALIGN=align,
-            num_warps=warps)
+        block_c, warps = (32, 1) if cpu else (128, 4)
+        block_m = min(align, 64)  # divides align: no chunk straddles two spans
+        amax_bits = torch.zeros((groups, c), dtype=torch.int32, device=x.device)
+        grid_c = triton.cdiv(c, block_c)
+        common = dict(BLOCK_M=block_m, BLOCK_C=block_c, G_BLOCK=group_block(groups),
+                      num_warps=warps)
+        group_columns_amax_kernel[(width // block_m, grid_c)](
+            x, amax_bits, offsets, padded, m, c, groups, x.stride(0), x.stride(1), **common)
+        group_columns_codes_kernel[(width // block_m + groups, grid_c)](
+            x, q_t, scale, amax_bits, offsets, padded, m, c, groups, width, x.stride(0),
+            x.stride(1), q_t.stride(0), **common)
     return q_t, scale, padded
 
 
@@ -135,8 +188,8 @@ def grouped_linear_wgrad_fp8(grad, x, offsets, weight_dtype, *, fast_accum: bool
                              config: Optional[Config] = None):
     """fp8 ``dW [G, N, K] = dY_g^T X_g`` in ``weight_dtype``, deterministic: grad (dY) ``[M,
     N]`` and x ``[M, K]`` (16- or 32-bit) quantised to e4m3 with one scale per group and
-    column (:func:`quantize_group_columns`, two Triton passes each, codes written
-    transposed, each group's span zero-padded to whole ``BLOCK_M``-column chunks), then the
+    column (:func:`quantize_group_columns`: two kernels each, the amax then the codes, codes
+    written transposed, each group's span zero-padded to whole ``BLOCK_M``-column chunks), then the
     K-jagged product on the e4m3 codes over those spans, with the scales in its epilogue.
     Equal, up to the order of its fp32 sums, to
     :func:`compileops.grouped_linear.fp8.grouped_linear_wgrad_reference`. ``fast_accum``: the
