@@ -251,15 +251,20 @@ def _main():  # runs in a subprocess without TRITON_INTERPRET (the compiler need
 
 
 def fp8_wgrad_builds():
-    """fp8 dW with the tiles the launcher takes from choose_wgrad_config (Qwen3-30B-A3B's
-    down projection: 128 experts, 512 rows each), default and fast accumulation."""
+    """fp8 dW with the tiles the launcher takes from choose_fp8_wgrad_config: Qwen3-30B-A3B's
+    down projection (128 experts, 512 rows each), default and fast accumulation, and
+    Mixtral-8x7B's (8 experts, 2048 rows each) with fast accumulation (the long tile)."""
     from compileops.grouped_linear import kernels
 
-    cfg = kernels.choose_wgrad_config(65536, 128, 2048, 768, torch.bfloat16, kernels.H100_SXM)
+    builds = {"promoted": (65536, 128, 2048, 768, False), "fast": (65536, 128, 2048, 768, True),
+              "fast-long": (16384, 8, 4096, 14336, True)}
     built = {}
-    for accumulate in ("promoted", "fast"):
+    for accumulate, (m, g, n, k, fast) in builds.items():
+        cfg = kernels.choose_fp8_wgrad_config(m, g, n, k, kernels.H100_SXM, fast_accum=fast)
         kernel = kjagged_compile("*bf16", False, cfg.block_k, cfg.num_warps, cfg.num_stages,
-                                 variant=dict(GROUP_N=cfg.group_n), fp8=accumulate)
+                                 variant=dict(GROUP_N=cfg.group_n, BLOCK_M=cfg.block_m,
+                                              BLOCK_N=cfg.block_n),
+                                 fp8="fast" if fast else "promoted")
         ptx = kernel.asm["ptx"]
         built[f"wgrad-fp8-{accumulate}"] = dict(
             summarize(kernel.asm["ttgir"]), shared=kernel.metadata.shared,
@@ -296,18 +301,22 @@ def quantiser_builds():
     from compileops.grouped_linear.kernels import fp8_wgrad
 
     tables = [("offs_ptr", "*i32"), ("dst_offs_ptr", "*i32")]
-    blocks = dict(BLOCK_M=64, BLOCK_C=128, G_BLOCK=256)
+    def blocks(tile):  # as quantize_group_columns launches them
+        return dict(BLOCK_M=tile[0], BLOCK_C=tile[1], G_BLOCK=256), tile[2]
+
+    amax_blocks, amax_warps = blocks(fp8_wgrad.AMAX_TILE)
+    codes_blocks, codes_warps = blocks(fp8_wgrad.CODES_TILE)
     amax = compile_sm90(
         fp8_wgrad.group_columns_amax_kernel,
         [("x_ptr", "*bf16"), ("amax_ptr", "*i32")] + tables
         + [(n, "i32") for n in ("M", "C", "G")] + [(n, "i64") for n in ("stride_xm", "stride_xc")],
-        blocks, unit=("stride_xc",), num_warps=4)
+        amax_blocks, unit=("stride_xc",), num_warps=amax_warps)
     codes = compile_sm90(
         fp8_wgrad.group_columns_codes_kernel,
         common + [("amax_ptr", "*i32")] + tables
         + [(n, "i32") for n in ("M", "C", "G", "W")]
         + [(n, "i64") for n in ("stride_xm", "stride_xc", "stride_qc")],
-        blocks, unit=("stride_xc",), num_warps=4)
+        codes_blocks, unit=("stride_xc",), num_warps=codes_warps)
     # the amax merge is an integer max reduction in memory; the codes are e4m3 conversions
     built["quantise-group-columns"] = ("max.s32" in amax.asm["ptx"]
                                        and "e4m3x2" in codes.asm["ptx"])
@@ -349,9 +358,11 @@ def test_fp8_weight_grad_compiles_for_sm90(compiled):
     """fp8 dW: Hopper's e4m3 wgmma on the transposed codes, its loads pipelined as 16-byte
     asynchronous copies (each group's span starts and ends on 16 codes), within one block's
     shared memory; by default the partial sums of each 64-row step are added in fp32, with
-    fast accumulation not."""
+    fast accumulation not (also with the long tile of 128-row steps)."""
     promoted, fast = compiled["wgrad-fp8-promoted"], compiled["wgrad-fp8-fast"]
-    for got in (promoted, fast):
+    long = compiled["wgrad-fp8-fast-long"]
+    assert long["partial_adds"] == 0, long
+    for got in (promoted, fast, long):
         assert got["wgmma"] and got["e4m3_mma"] and got["pipelined"], got
         assert got["async_16"] and got["shared"] <= SMEM_LIMIT, got
     assert promoted["partial_adds"] > 0 and fast["partial_adds"] == 0, (promoted, fast)
