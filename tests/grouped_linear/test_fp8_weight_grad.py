@@ -13,6 +13,7 @@ import torch
 import compileops
 from compileops.grouped_linear import fp8
 from compileops.grouped_linear.fp8_wgrad_op import grouped_linear_wgrad_fp8_op
+from compileops.grouped_linear import kernels
 from compileops.grouped_linear.kernels import fp8_wgrad as fp8_kernels
 from compileops.grouped_linear.kernels import grouped_linear_wgrad, grouped_linear_wgrad_fp8
 from compileops.lowerings import _compat
@@ -58,8 +59,16 @@ def _unpadded(q_t, padded, splits, rows):
     return out
 
 
+#: The quantiser's tiles: the GPU's and the interpreter's, on either device (the tiles set
+#: which rows each program reads and which chunks merge their amax).
+TILES = {"gpu-tiles": (fp8_kernels.AMAX_TILE, fp8_kernels.CODES_TILE),
+         "interpreter-tiles": (fp8_kernels.INTERPRETER_TILE,) * 2}
+
+
+@pytest.mark.parametrize("tiles", list(TILES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_group_column_quantisation_is_the_rule_bit_for_bit(device, dtype):
+def test_group_column_quantisation_is_the_rule_bit_for_bit(device, dtype, tiles, monkeypatch):
+    monkeypatch.setattr(fp8_kernels, "quantiser_tiles", lambda _: TILES[tiles])
     x = _wide(M, 40, dtype, device)
     x[10:33, 5] = 0  # a column all zero in one group: scale 1, zero codes
     x[2, 7] = float("nan")  # NaN scale for that group's column
@@ -94,12 +103,17 @@ def test_the_rule_quantises_each_group_on_its_own_column_amax():
                                                   [-224.0, 448.0, 448.0]]))
 
 
+@pytest.mark.parametrize("config", [None, "long"], ids=["default-tile", "long-tile"])
 @pytest.mark.parametrize("fast", [False, True], ids=["promoted", "fast-accum"])
-def test_the_product_is_the_reference_up_to_its_sum_order(device, fast):
+def test_the_product_is_the_reference_up_to_its_sum_order(device, fast, config):
+    """``long``: the tile fast accumulation takes from 1024 rows per group (128-row steps,
+    spans padded to 128), here on groups of 0-23 rows."""
+    config = kernels.FP8_WGRAD_LONG_CONFIG if config == "long" else None
     x = _wide(M, 24, torch.bfloat16, device, seed=1)
     dy = torch.randn(M, 40, generator=torch.Generator().manual_seed(2)).bfloat16().to(device)
     offsets = _offsets(device)
-    dw = grouped_linear_wgrad_fp8(dy, x, offsets, torch.float32, fast_accum=fast)
+    dw = grouped_linear_wgrad_fp8(dy, x, offsets, torch.float32, fast_accum=fast,
+                                  config=config)
     want = fp8.grouped_linear_wgrad_reference(dy.cpu(), x.cpu(), offsets.cpu())
     assert dw.shape == (len(SPLITS), 40, 24) and dw.dtype == torch.float32
     assert torch.equal(dw[1].cpu(), torch.zeros(40, 24))  # the empty group
@@ -107,8 +121,28 @@ def test_the_product_is_the_reference_up_to_its_sum_order(device, fast):
     # products at reduced precision (about 1e-4), over the whole reduction when fast
     tol = (4e-3 if fast else 5e-4) if device == "cuda" else 1e-6
     assert ((dw.cpu() - want).norm() / want.norm()).item() <= tol
-    again = grouped_linear_wgrad_fp8(dy, x, offsets, torch.float32, fast_accum=fast)
+    again = grouped_linear_wgrad_fp8(dy, x, offsets, torch.float32, fast_accum=fast,
+                                     config=config)
     assert torch.equal(dw, again)  # deterministic
+
+
+def test_fast_accumulation_takes_the_long_tile_only_for_long_groups():
+    """The fp8 dW config (on an H100's spec): the long tile with fast accumulation from 1024
+    rows per group; the 16-bit dW's pick otherwise, and always without fast accumulation
+    (its 64-row steps set the promoted sums' error)."""
+    h100 = kernels.H100_SXM
+    long = kernels.FP8_WGRAD_LONG_CONFIG
+    assert kernels.choose_fp8_wgrad_config(16384, 8, 4096, 14336, h100, fast_accum=True) == long
+    assert kernels.choose_fp8_wgrad_config(32768, 32, 7168, 2048, h100, fast_accum=True) == long
+    sixteen_bit = kernels.choose_wgrad_config(65536, 128, 2048, 768, torch.bfloat16, h100)
+    assert kernels.choose_fp8_wgrad_config(65536, 128, 2048, 768, h100,
+                                           fast_accum=True) == sixteen_bit
+    assert kernels.choose_fp8_wgrad_config(16384, 8, 4096, 14336, h100, fast_accum=False) == (
+        kernels.choose_wgrad_config(16384, 8, 4096, 14336, torch.bfloat16, h100))
+    # a part whose shared memory holds fewer than two of the long tile's 48 KB stages
+    small = kernels.DeviceSpec("small part", 100, 99 * 1024, (8, 9))
+    assert kernels.choose_fp8_wgrad_config(16384, 8, 4096, 14336, small,
+                                           fast_accum=True) != long
 
 
 def test_no_groups_no_rows_and_no_columns(device):

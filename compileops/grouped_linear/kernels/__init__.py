@@ -27,6 +27,7 @@ M-jagged ``@triton.jit`` bodies from these modules, so no kernel math is written
 """
 from compileops.grouped_linear.kernels.config import (
     BATCH_INVARIANT_CONFIG,
+    FP8_WGRAD_LONG_CONFIG,
     H100_SXM,
     H200,
     INTERPRETER,
@@ -79,6 +80,7 @@ from compileops.grouped_linear.kernels.tma import (
 
 __all__ = [
     "BATCH_INVARIANT_CONFIG",
+    "FP8_WGRAD_LONG_CONFIG",
     "H100_SXM",
     "H200",
     "INTERPRETER",

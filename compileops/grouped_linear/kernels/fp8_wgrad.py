@@ -151,6 +151,11 @@ CODES_TILE = (64, 32, 4)
 INTERPRETER_TILE = (64, 32, 1)
 
 
+def quantiser_tiles(device: torch.device) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """The amax and codes passes' ``(rows, columns, warps)`` on ``device``."""
+    return (INTERPRETER_TILE,) * 2 if device.type == "cpu" else (AMAX_TILE, CODES_TILE)
+
+
 def quantize_group_columns(x: torch.Tensor, offsets: torch.Tensor, align: int = GROUP_ALIGN,
                            padded: Optional[torch.Tensor] = None
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -184,8 +189,7 @@ def quantize_group_columns(x: torch.Tensor, offsets: torch.Tensor, align: int = 
     if padded is None:
         padded = padded_group_offsets(offsets, m, align)
     if c and groups:
-        cpu = x.device.type == "cpu"
-        amax_tile, codes_tile = (INTERPRETER_TILE,) * 2 if cpu else (AMAX_TILE, CODES_TILE)
+        amax_tile, codes_tile = quantiser_tiles(x.device)
         amax_bits = torch.zeros((groups, c), dtype=torch.int32, device=x.device)
         # Row tiles never above align (a power of two): no chunk straddles two spans.
         rows, cols, warps = amax_tile
