@@ -154,9 +154,24 @@ def test_moe_layer_benchmark_user_forms_smoke(tmp_path):
 
 
 @pytest.mark.parametrize("script", ["benchmarks/tuning/probe_grouped_linear_dw.py",
-                                    "benchmarks/tuning/sweep_grouped_linear.py"])
+                                    "benchmarks/tuning/sweep_grouped_linear.py",
+                                    "benchmarks/tuning/sweep_fp8_wgrad.py"])
 def test_tuning_script_parses_its_command_line(script):
     assert "usage:" in run_script(script, "--help")
+
+
+def test_fp8_wgrad_sweep_covers_the_picks():
+    """sweep_fp8_wgrad.py's candidates include the quantiser's tiles and the long fp8 dW
+    config the library picks, so a re-run of the sweep times the defaults against the rest."""
+    from benchmarks.tuning import sweep_fp8_wgrad
+    from compileops.grouped_linear import kernels
+    from compileops.grouped_linear.kernels import fp8_wgrad
+
+    tiles = sweep_fp8_wgrad.QUANTISER_TILES
+    assert fp8_wgrad.AMAX_TILE in tiles and fp8_wgrad.CODES_TILE in tiles
+    assert all(sweep_fp8_wgrad.ALIGN % rows == 0 for rows, _, _ in tiles)
+    assert kernels.FP8_WGRAD_LONG_CONFIG in sweep_fp8_wgrad.PRODUCT_CONFIGS.values()
+    assert "usage:" not in run_script("benchmarks/tuning/sweep_fp8_wgrad.py", "--list")
 
 
 def test_sweep_lists_the_wgrad_variants_with_distinct_labels():
