@@ -145,6 +145,9 @@ def padded_group_offsets(offsets: torch.Tensor, rows: int,
 #: [16384, 28672] bf16): the amax pass reads at 2.2-2.5 TB/s with 128 x 64 tiles (1.5-1.7
 #: with 64 x 128); the codes pass, whose transposed stores bound it, at 1.6-1.8 TB/s with 64
 #: x 32 (1.2-1.3 with 64 x 128). 30% less time for the two passes than one 64 x 128 tile.
+#: Spans aligned to 64 rows (the 16-bit dW pick's chunk) cap the amax tile at 64 x 64: 1.35-1.5
+#: TB/s there, about 10% under 64 x 128, which the codes pass's gain outweighs (15% less in
+#: all at Qwen3-30B-A3B's [65536, 1536]).
 AMAX_TILE = (128, 64, 4)
 CODES_TILE = (64, 32, 4)
 #: Under Triton's interpreter (CPU): small tiles, one warp.
