@@ -55,25 +55,19 @@ def time_ms(fn) -> float:
 def sweep_quantiser(x: torch.Tensor, offsets: torch.Tensor, label: str) -> None:
     """Both passes of ``quantize_group_columns`` launched alone, per tile; GB/s counts the
     bytes each pass must move (amax: read x; codes: read x, write one byte a code)."""
-    import triton
-
     m, c = x.shape
     g = offsets.shape[0]
-    width = -(-(m + g * (ALIGN - 1)) // ALIGN) * ALIGN
+    width = fp8_wgrad.padded_width(m, g, ALIGN)
     padded = fp8_wgrad.padded_group_offsets(offsets, m, ALIGN)
     q_t = torch.empty((c, width), dtype=E4M3, device=x.device)
     scale = torch.empty((g, c), dtype=torch.float32, device=x.device)
     bits = torch.zeros((g, c), dtype=torch.int32, device=x.device)
-    for rows, cols, warps in QUANTISER_TILES:
-        launch = dict(BLOCK_M=rows, BLOCK_C=cols, G_BLOCK=kernels.group_block(g),
-                      num_warps=warps)
-        grid_c = triton.cdiv(c, cols)
-        amax_ms = time_ms(lambda: fp8_wgrad.group_columns_amax_kernel[(width // rows, grid_c)](
-            x, bits, offsets, padded, m, c, g, x.stride(0), x.stride(1), **launch))
-        codes_ms = time_ms(lambda: fp8_wgrad.group_columns_codes_kernel[
-            (width // rows + g, grid_c)](
-            x, q_t, scale, bits, offsets, padded, m, c, g, width, x.stride(0), x.stride(1),
-            q_t.stride(0), **launch))
+    for tile in QUANTISER_TILES:
+        amax_ms = time_ms(lambda: fp8_wgrad.launch_group_columns_amax(
+            x, bits, offsets, padded, width, tile))
+        codes_ms = time_ms(lambda: fp8_wgrad.launch_group_columns_codes(
+            x, q_t, scale, bits, offsets, padded, tile))
+        rows, cols, warps = tile
         print(f"{label} [{m}, {c}] G={g} tile {rows}x{cols} w{warps}: amax {amax_ms:.3f} ms "
               f"({x.numel() * 2 / amax_ms / 1e6:.0f} GB/s), codes {codes_ms:.3f} ms "
               f"({x.numel() * 3 / codes_ms / 1e6:.0f} GB/s)", flush=True)

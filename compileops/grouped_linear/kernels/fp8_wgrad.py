@@ -186,27 +186,49 @@ def quantize_group_columns(x: torch.Tensor, offsets: torch.Tensor, align: int = 
     m, c = x.shape
     groups = offsets.shape[0]
     offsets = offsets.contiguous()
-    width = -(-(m + groups * (align - 1)) // align) * align
+    width = padded_width(m, groups, align)
     q_t = torch.empty((c, width), dtype=E4M3, device=x.device)
     scale = torch.empty((groups, c), dtype=torch.float32, device=x.device)
     if padded is None:
         padded = padded_group_offsets(offsets, m, align)
     if c and groups:
-        amax_tile, codes_tile = quantiser_tiles(x.device)
-        amax_bits = torch.zeros((groups, c), dtype=torch.int32, device=x.device)
         # Row tiles never above align (a power of two): no chunk straddles two spans.
-        rows, cols, warps = amax_tile
-        rows = min(rows, align)
-        group_columns_amax_kernel[(width // rows, triton.cdiv(c, cols))](
-            x, amax_bits, offsets, padded, m, c, groups, x.stride(0), x.stride(1),
-            BLOCK_M=rows, BLOCK_C=cols, G_BLOCK=group_block(groups), num_warps=warps)
-        rows, cols, warps = codes_tile
-        rows = min(rows, align)
-        group_columns_codes_kernel[(width // rows + groups, triton.cdiv(c, cols))](
-            x, q_t, scale, amax_bits, offsets, padded, m, c, groups, width, x.stride(0),
-            x.stride(1), q_t.stride(0), BLOCK_M=rows, BLOCK_C=cols,
-            G_BLOCK=group_block(groups), num_warps=warps)
+        amax_tile, codes_tile = ((min(rows, align), cols, warps)
+                                 for rows, cols, warps in quantiser_tiles(x.device))
+        amax_bits = torch.zeros((groups, c), dtype=torch.int32, device=x.device)
+        launch_group_columns_amax(x, amax_bits, offsets, padded, width, amax_tile)
+        launch_group_columns_codes(x, q_t, scale, amax_bits, offsets, padded, codes_tile)
     return q_t, scale, padded
+
+
+def padded_width(rows: int, groups: int, align: int) -> int:
+    """The padded layout's width ``W`` for ``rows`` rows in ``groups`` spans, each padded to
+    a multiple of ``align``: room for the worst case, rounded up to ``align``."""
+    return -(-(rows + groups * (align - 1)) // align) * align
+
+
+def launch_group_columns_amax(x, amax_bits, offsets, padded, width, tile) -> None:
+    """:func:`group_columns_amax_kernel` over ``x [M, C]`` into zero-filled ``amax_bits [G,
+    C]`` int32, with ``tile = (rows, columns, warps)`` (rows dividing the spans' alignment)."""
+    rows, cols, warps = tile
+    m, c = x.shape
+    groups = offsets.shape[0]
+    group_columns_amax_kernel[(width // rows, triton.cdiv(c, cols))](
+        x, amax_bits, offsets, padded, m, c, groups, x.stride(0), x.stride(1),
+        BLOCK_M=rows, BLOCK_C=cols, G_BLOCK=group_block(groups), num_warps=warps)
+
+
+def launch_group_columns_codes(x, q_t, scale, amax_bits, offsets, padded, tile) -> None:
+    """:func:`group_columns_codes_kernel`: ``x``'s codes into ``q_t [C, W]`` and the scales
+    into ``scale [G, C]`` from the merged ``amax_bits``, with ``tile`` as above."""
+    rows, cols, warps = tile
+    m, c = x.shape
+    groups = offsets.shape[0]
+    width = q_t.shape[1]
+    group_columns_codes_kernel[(width // rows + groups, triton.cdiv(c, cols))](
+        x, q_t, scale, amax_bits, offsets, padded, m, c, groups, width, x.stride(0),
+        x.stride(1), q_t.stride(0), BLOCK_M=rows, BLOCK_C=cols,
+        G_BLOCK=group_block(groups), num_warps=warps)
 
 
 def grouped_linear_wgrad_fp8(grad, x, offsets, weight_dtype, *, fast_accum: bool = False,
