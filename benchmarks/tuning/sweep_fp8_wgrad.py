@@ -64,7 +64,7 @@ def sweep_quantiser(x: torch.Tensor, offsets: torch.Tensor, label: str) -> None:
     bits = torch.zeros((g, c), dtype=torch.int32, device=x.device)
     for tile in QUANTISER_TILES:
         amax_ms = time_ms(lambda: fp8_wgrad.launch_group_columns_amax(
-            x, bits, offsets, padded, width, tile, ALIGN))
+            x, bits, offsets, padded, width, tile))
         codes_ms = time_ms(lambda: fp8_wgrad.launch_group_columns_codes(
             x, q_t, scale, bits, offsets, padded, tile))
         rows, cols, warps = tile

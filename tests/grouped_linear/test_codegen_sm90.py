@@ -304,14 +304,13 @@ def quantiser_builds():
     def blocks(tile):  # as quantize_group_columns launches them
         return dict(BLOCK_M=tile[0], BLOCK_C=tile[1], G_BLOCK=256), tile[2]
 
+    amax_blocks, amax_warps = blocks(fp8_wgrad.AMAX_TILE)
     codes_blocks, codes_warps = blocks(fp8_wgrad.CODES_TILE)
-    rows, cols, amax_warps = fp8_wgrad.AMAX_TILE
     amax = compile_sm90(
         fp8_wgrad.group_columns_amax_kernel,
         [("x_ptr", "*bf16"), ("amax_ptr", "*i32")] + tables
         + [(n, "i32") for n in ("M", "C", "G")] + [(n, "i64") for n in ("stride_xm", "stride_xc")],
-        dict(SPANS=2, SPAN_M=rows // 2, BLOCK_C=cols, G_BLOCK=256), unit=("stride_xc",),
-        num_warps=amax_warps)
+        amax_blocks, unit=("stride_xc",), num_warps=amax_warps)
     codes = compile_sm90(
         fp8_wgrad.group_columns_codes_kernel,
         common + [("amax_ptr", "*i32")] + tables

@@ -69,49 +69,22 @@ def _scales_of_bits(bits):
 
 
 @triton.jit
-def _span_chunks(offs_ptr, dst_offs_ptr, first, M, G, SPANS: tl.constexpr,
-                 SPAN_M: tl.constexpr, G_BLOCK: tl.constexpr):
-    """Destination columns ``[first, first + SPANS * SPAN_M)`` of the padded layout as
-    ``SPANS`` chunks of ``SPAN_M`` (each inside one span, as every span starts on a multiple
-    of ``SPAN_M``): ``(g [SPANS], rows [SPANS, SPAN_M], real [SPANS, SPAN_M])``, each chunk's
-    group (``G``: past every span), its source rows and which of them hold a row (not
-    padding)."""
-    lanes = tl.arange(0, G_BLOCK)
-    ends = tl.load(dst_offs_ptr + lanes, mask=lanes < G, other=2147483647)
-    starts = first + tl.arange(0, SPANS) * SPAN_M
-    g = tl.sum((ends[None, :] <= starts[:, None]).to(tl.int32), axis=1)
-    prev = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
-    start = tl.minimum(tl.maximum(prev, 0), M)
-    raw = tl.load(offs_ptr + g, mask=g < G, other=M)
-    end = tl.where(g < G, tl.minimum(tl.maximum(raw, start), M), start)
-    dst_start = tl.load(dst_offs_ptr + g - 1, mask=g > 0, other=0)
-    rows = (start - dst_start + starts)[:, None] + tl.arange(0, SPAN_M)[None, :]
-    return g, rows, rows < end[:, None]
-
-
-@triton.jit
 def group_columns_amax_kernel(
     x_ptr, amax_ptr, offs_ptr, dst_offs_ptr, M, C, G, stride_xm, stride_xc,
-    SPANS: tl.constexpr, SPAN_M: tl.constexpr, BLOCK_C: tl.constexpr, G_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, G_BLOCK: tl.constexpr,
 ):
-    """Grid ``(cdiv(W, SPANS * SPAN_M), cdiv(C, BLOCK_C))``: one program per ``SPANS``
-    destination chunks of ``SPAN_M`` rows (:func:`_span_chunks`) and a column block, each
-    chunk's column amax merged into ``amax [G, C]`` int32 (zero-filled beforehand) as bits,
-    :data:`NAN_SEEN` for a NaN. Every program reads one ``[SPANS * SPAN_M, BLOCK_C]`` tile
-    whatever the groups' sizes, so skewed groups keep every SM busy, and spans aligned to
-    fewer rows than a fast tile holds still get the fast tile (several chunks, several
-    groups, per program)."""
+    """Grid ``(W // BLOCK_M, cdiv(C, BLOCK_C))``, one program per destination row chunk and
+    column block (:func:`_chunk_tile`): the chunk's column amax merged into ``amax [G, C]``
+    int32 (zero-filled beforehand) as bits, :data:`NAN_SEEN` for a NaN. Every program reads
+    one tile, whatever the groups' sizes, so skewed groups keep every SM busy."""
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    g, rows, real = _span_chunks(offs_ptr, dst_offs_ptr, tl.program_id(0) * SPANS * SPAN_M,
-                                 M, G, SPANS, SPAN_M, G_BLOCK)
-    col_ok = cols < C
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, :, None] * stride_xm
-                + cols.to(tl.int64)[None, None, :] * stride_xc,
-                mask=real[:, :, None] & col_ok[None, None, :], other=0.0)
-    amax, nans = amax_and_nans(x.to(tl.float32), 1)  # [SPANS, BLOCK_C]
-    bits = tl.where(nans > 0, NAN_SEEN, amax.to(tl.int32, bitcast=True))
-    tl.atomic_max(amax_ptr + g.to(tl.int64)[:, None] * C + cols[None, :], bits,
-                  mask=(g < G)[:, None] & col_ok[None, :], sem="relaxed")
+    g, x, _, _ = _chunk_tile(x_ptr, offs_ptr, dst_offs_ptr, tl.program_id(0) * BLOCK_M,
+                             cols, M, C, G, stride_xm, stride_xc, BLOCK_M, G_BLOCK)
+    if g < G:
+        amax, nans = amax_and_nans(x, 0)
+        bits = tl.where(nans > 0, NAN_SEEN, amax.to(tl.int32, bitcast=True))
+        tl.atomic_max(amax_ptr + tl.cast(g, tl.int64) * C + cols, bits, mask=cols < C,
+                      sem="relaxed")
 
 
 @triton.jit
@@ -167,14 +140,14 @@ def padded_group_offsets(offsets: torch.Tensor, rows: int,
     return torch.cumsum((counts + align - 1) // align * align, 0, dtype=torch.int32)
 
 
-#: The quantiser's tiles on a GPU, ``(rows, columns, warps)``. From a sweep on an H100 over
-#: the bench layers' dW operands ([65536, 1536] to
+#: The quantiser's tiles on a GPU, ``(rows, columns, warps)``, rows capped by the span
+#: alignment. From a sweep on an H100 over the bench layers' dW operands ([65536, 1536] to
 #: [16384, 28672] bf16): the amax pass reads at 2.2-2.5 TB/s with 128 x 64 tiles (1.5-1.7
 #: with 64 x 128); the codes pass, whose transposed stores bound it, at 1.6-1.8 TB/s with 64
 #: x 32 (1.2-1.3 with 64 x 128). 30% less time for the two passes than one 64 x 128 tile.
-#: Spans aligned to fewer rows (64: the 16-bit dW pick's chunk) keep the 128-row amax tile,
-#: read as chunks of the alignment, each merged into its own group's amax; the codes tile's
-#: rows are capped at the alignment.
+#: Spans aligned to 64 rows (the 16-bit dW pick's chunk) cap the amax tile at 64 x 64: 1.35-1.5
+#: TB/s there, about 10% under 64 x 128, which the codes pass's gain outweighs (15% less in
+#: all at Qwen3-30B-A3B's [65536, 1536]).
 AMAX_TILE = (128, 64, 4)
 CODES_TILE = (64, 32, 4)
 #: Under Triton's interpreter (CPU): small tiles, one warp.
@@ -219,12 +192,11 @@ def quantize_group_columns(x: torch.Tensor, offsets: torch.Tensor, align: int = 
     if padded is None:
         padded = padded_group_offsets(offsets, m, align)
     if c and groups:
-        amax_tile, (rows, cols, warps) = quantiser_tiles(x.device)
-        # The codes' row tiles never above align (a power of two): no chunk straddles two
-        # spans. The amax pass splits its tile into such chunks itself.
-        codes_tile = (min(rows, align), cols, warps)
+        # Row tiles never above align (a power of two): no chunk straddles two spans.
+        amax_tile, codes_tile = ((min(rows, align), cols, warps)
+                                 for rows, cols, warps in quantiser_tiles(x.device))
         amax_bits = torch.zeros((groups, c), dtype=torch.int32, device=x.device)
-        launch_group_columns_amax(x, amax_bits, offsets, padded, width, amax_tile, align)
+        launch_group_columns_amax(x, amax_bits, offsets, padded, width, amax_tile)
         launch_group_columns_codes(x, q_t, scale, amax_bits, offsets, padded, codes_tile)
     return q_t, scale, padded
 
@@ -235,19 +207,15 @@ def padded_width(rows: int, groups: int, align: int) -> int:
     return -(-(rows + groups * (align - 1)) // align) * align
 
 
-def launch_group_columns_amax(x, amax_bits, offsets, padded, width, tile, align) -> None:
+def launch_group_columns_amax(x, amax_bits, offsets, padded, width, tile) -> None:
     """:func:`group_columns_amax_kernel` over ``x [M, C]`` into zero-filled ``amax_bits [G,
-    C]`` int32, with ``tile = (rows, columns, warps)``, for spans aligned to ``align`` rows
-    (both powers of two): each program reads ``rows`` rows as chunks of ``min(rows,
-    align)``."""
+    C]`` int32, with ``tile = (rows, columns, warps)`` (rows dividing the spans' alignment)."""
     rows, cols, warps = tile
-    span = min(rows, align)
     m, c = x.shape
     groups = offsets.shape[0]
-    group_columns_amax_kernel[(triton.cdiv(width, rows), triton.cdiv(c, cols))](
+    group_columns_amax_kernel[(width // rows, triton.cdiv(c, cols))](
         x, amax_bits, offsets, padded, m, c, groups, x.stride(0), x.stride(1),
-        SPANS=rows // span, SPAN_M=span, BLOCK_C=cols, G_BLOCK=group_block(groups),
-        num_warps=warps)
+        BLOCK_M=rows, BLOCK_C=cols, G_BLOCK=group_block(groups), num_warps=warps)
 
 
 def launch_group_columns_codes(x, q_t, scale, amax_bits, offsets, padded, tile) -> None:
