@@ -12,6 +12,7 @@ For each ``bench_moe_layer.py`` layer (uniform groups, bf16 operands):
   against the bf16 dW kernel on the same operands.
 
     python benchmarks/tuning/sweep_fp8_wgrad.py [--shapes mixtral ...] [--parts quantiser product]
+        [--align 64 128]
     python benchmarks/tuning/sweep_fp8_wgrad.py --list   # the candidates, no GPU
 
 Prints one line per case; writes nothing.
@@ -52,23 +53,27 @@ def time_ms(fn) -> float:
     return do_bench(fn)
 
 
-def sweep_quantiser(x: torch.Tensor, offsets: torch.Tensor, label: str) -> None:
+def sweep_quantiser(x: torch.Tensor, offsets: torch.Tensor, label: str,
+                    align: int = ALIGN) -> None:
     """Both passes of ``quantize_group_columns`` launched alone, per tile; GB/s counts the
     bytes each pass must move (amax: read x; codes: read x, write one byte a code)."""
     m, c = x.shape
     g = offsets.shape[0]
-    width = fp8_wgrad.padded_width(m, g, ALIGN)
-    padded = fp8_wgrad.padded_group_offsets(offsets, m, ALIGN)
+    width = fp8_wgrad.padded_width(m, g, align)
+    padded = fp8_wgrad.padded_group_offsets(offsets, m, align)
     q_t = torch.empty((c, width), dtype=E4M3, device=x.device)
     scale = torch.empty((g, c), dtype=torch.float32, device=x.device)
     bits = torch.zeros((g, c), dtype=torch.int32, device=x.device)
-    for tile in QUANTISER_TILES:
+    # As quantize_group_columns launches them: row tiles capped at the alignment.
+    tiles = dict.fromkeys((min(rows, align), cols, warps) for rows, cols, warps in QUANTISER_TILES)
+    for tile in tiles:
+        rows, cols, warps = tile
         amax_ms = time_ms(lambda: fp8_wgrad.launch_group_columns_amax(
             x, bits, offsets, padded, width, tile))
         codes_ms = time_ms(lambda: fp8_wgrad.launch_group_columns_codes(
             x, q_t, scale, bits, offsets, padded, tile))
-        rows, cols, warps = tile
-        print(f"{label} [{m}, {c}] G={g} tile {rows}x{cols} w{warps}: amax {amax_ms:.3f} ms "
+        print(f"{label} [{m}, {c}] G={g} align {align} tile {rows}x{cols} w{warps}: "
+              f"amax {amax_ms:.3f} ms "
               f"({x.numel() * 2 / amax_ms / 1e6:.0f} GB/s), codes {codes_ms:.3f} ms "
               f"({x.numel() * 3 / codes_ms / 1e6:.0f} GB/s)", flush=True)
 
@@ -92,8 +97,15 @@ def main() -> int:
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--parts", nargs="*", default=["quantiser", "product"],
                         choices=["quantiser", "product"])
+    parser.add_argument("--align", type=int, nargs="*", default=[ALIGN],
+                        help="span alignments to sweep the quantiser at (powers of two, "
+                             "16-128; the product's row step sets it: 64 or 128)")
     parser.add_argument("--list", action="store_true", help="print the candidates and exit")
     args = parser.parse_args()
+    for align in args.align:
+        if align < fp8_wgrad.GROUP_ALIGN or align > ALIGN or align & (align - 1):
+            parser.error(f"--align takes powers of two from {fp8_wgrad.GROUP_ALIGN} to {ALIGN}, "
+                         f"got {align}")
     if args.list:
         print("quantiser tiles (rows, columns, warps):", QUANTISER_TILES)
         print("product configs:", list(PRODUCT_CONFIGS))
@@ -114,8 +126,9 @@ def main() -> int:
             x = torch.randn(rows, k, device=device, generator=gen).bfloat16()
             label = f"{shape.name} {product}"
             if "quantiser" in args.parts:
-                sweep_quantiser(dy, offsets, label + " dY")
-                sweep_quantiser(x, offsets, label + " x")
+                for align in args.align:
+                    sweep_quantiser(dy, offsets, label + " dY", align)
+                    sweep_quantiser(x, offsets, label + " x", align)
             if "product" in args.parts:
                 sweep_product(dy, x, offsets, label)
     return 0

@@ -172,6 +172,14 @@ def test_fp8_wgrad_sweep_covers_the_picks():
     assert all(sweep_fp8_wgrad.ALIGN % rows == 0 for rows, _, _ in tiles)
     assert kernels.FP8_WGRAD_LONG_CONFIG in sweep_fp8_wgrad.PRODUCT_CONFIGS.values()
     assert "usage:" not in run_script("benchmarks/tuning/sweep_fp8_wgrad.py", "--list")
+    # alignments the quantiser cannot take are refused before any GPU work
+    for bad in ("48", "8", "256"):
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks/tuning/"
+                                                            "sweep_fp8_wgrad.py"),
+                               "--align", bad, "--list"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600,
+                              env={**os.environ, "PYTHONPATH": ROOT})
+        assert proc.returncode == 2 and "--align takes powers of two" in proc.stderr, bad
 
 
 def test_sweep_lists_the_wgrad_variants_with_distinct_labels():

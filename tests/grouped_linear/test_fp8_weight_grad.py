@@ -65,9 +65,14 @@ TILES = {"gpu-tiles": (fp8_kernels.AMAX_TILE, fp8_kernels.CODES_TILE),
          "interpreter-tiles": (fp8_kernels.INTERPRETER_TILE,) * 2}
 
 
-@pytest.mark.parametrize("tiles", list(TILES))
+@pytest.mark.parametrize("tiles,align", [("gpu-tiles", 16), ("gpu-tiles", 64),
+                                         ("gpu-tiles", 128), ("interpreter-tiles", 16)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_group_column_quantisation_is_the_rule_bit_for_bit(device, dtype, tiles, monkeypatch):
+def test_group_column_quantisation_is_the_rule_bit_for_bit(device, dtype, tiles, align,
+                                                           monkeypatch):
+    """Every code and scale as the rule has them, with spans aligned to 16, 64 and 128 rows:
+    the GPU's 128-row amax tile is then cut to 16 and 64 rows, or whole (the product's row
+    step sets the alignment: 64 for the 16-bit dW pick, 128 for the long tile)."""
     monkeypatch.setattr(fp8_kernels, "quantiser_tiles", lambda _: TILES[tiles])
     x = _wide(M, 40, dtype, device)
     x[10:33, 5] = 0  # a column all zero in one group: scale 1, zero codes
@@ -77,7 +82,7 @@ def test_group_column_quantisation_is_the_rule_bit_for_bit(device, dtype, tiles,
     offsets = _offsets(device)
     before = x.clone()
     for given in (x, x.t().contiguous().t()):  # row-major and column-major inputs
-        q_t, scale, padded = fp8_kernels.quantize_group_columns(given, offsets)
+        q_t, scale, padded = fp8_kernels.quantize_group_columns(given, offsets, align)
         want_q, want_scale = fp8.quantize_group_columns(x.cpu(), offsets.cpu())
         assert torch.allclose(x, before, rtol=0, atol=0, equal_nan=True)
         got = _unpadded(q_t, padded, SPLITS, M)
