@@ -64,8 +64,8 @@ def sweep_quantiser(x: torch.Tensor, offsets: torch.Tensor, label: str,
     q_t = torch.empty((c, width), dtype=E4M3, device=x.device)
     scale = torch.empty((g, c), dtype=torch.float32, device=x.device)
     bits = torch.zeros((g, c), dtype=torch.int32, device=x.device)
-    # As quantize_group_columns launches them: row tiles capped at the alignment.
-    tiles = dict.fromkeys((min(rows, align), cols, warps) for rows, cols, warps in QUANTISER_TILES)
+    # As quantize_group_columns launches them: rows cut to the alignment.
+    tiles = dict.fromkeys(fp8_wgrad.tile_within_spans(tile, align) for tile in QUANTISER_TILES)
     for tile in tiles:
         rows, cols, warps = tile
         amax_ms = time_ms(lambda: fp8_wgrad.launch_group_columns_amax(

@@ -22,13 +22,14 @@ from tests.grouped_linear._helpers import (
 )
 
 
-def run_script(path, *args, env=None):
+def run_script(path, *args, env=None, returncode=0):
+    """The script's stdout (its stderr where it must fail with ``returncode``)."""
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, path), *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
-    return proc.stdout
+    assert proc.returncode == returncode, (proc.stdout[-2000:], proc.stderr[-3000:])
+    return proc.stdout if returncode == 0 else proc.stderr
 
 
 def test_moe_layer_benchmark_fp8_smoke(tmp_path):
@@ -174,12 +175,8 @@ def test_fp8_wgrad_sweep_covers_the_picks():
     assert "usage:" not in run_script("benchmarks/tuning/sweep_fp8_wgrad.py", "--list")
     # alignments the quantiser cannot take are refused before any GPU work
     for bad in ("48", "8", "256"):
-        proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks/tuning/"
-                                                            "sweep_fp8_wgrad.py"),
-                               "--align", bad, "--list"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=600,
-                              env={**os.environ, "PYTHONPATH": ROOT})
-        assert proc.returncode == 2 and "--align takes powers of two" in proc.stderr, bad
+        assert "--align takes powers of two" in run_script(
+            "benchmarks/tuning/sweep_fp8_wgrad.py", "--align", bad, "--list", returncode=2)
 
 
 def test_sweep_lists_the_wgrad_variants_with_distinct_labels():

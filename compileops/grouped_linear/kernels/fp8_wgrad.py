@@ -159,6 +159,13 @@ def quantiser_tiles(device: torch.device) -> tuple[tuple[int, int, int], tuple[i
     return (INTERPRETER_TILE,) * 2 if device.type == "cpu" else (AMAX_TILE, CODES_TILE)
 
 
+def tile_within_spans(tile: tuple[int, int, int], align: int) -> tuple[int, int, int]:
+    """A quantiser ``(rows, columns, warps)`` tile with its rows cut to ``align`` (both powers
+    of two), so that no row chunk straddles two spans."""
+    rows, cols, warps = tile
+    return min(rows, align), cols, warps
+
+
 def quantize_group_columns(x: torch.Tensor, offsets: torch.Tensor, align: int = GROUP_ALIGN,
                            padded: Optional[torch.Tensor] = None
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -192,9 +199,8 @@ def quantize_group_columns(x: torch.Tensor, offsets: torch.Tensor, align: int = 
     if padded is None:
         padded = padded_group_offsets(offsets, m, align)
     if c and groups:
-        # Row tiles never above align (a power of two): no chunk straddles two spans.
-        amax_tile, codes_tile = ((min(rows, align), cols, warps)
-                                 for rows, cols, warps in quantiser_tiles(x.device))
+        amax_tile, codes_tile = (tile_within_spans(tile, align)
+                                 for tile in quantiser_tiles(x.device))
         amax_bits = torch.zeros((groups, c), dtype=torch.int32, device=x.device)
         launch_group_columns_amax(x, amax_bits, offsets, padded, width, amax_tile)
         launch_group_columns_codes(x, q_t, scale, amax_bits, offsets, padded, codes_tile)
