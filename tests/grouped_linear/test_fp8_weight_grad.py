@@ -11,9 +11,8 @@ import pytest
 import torch
 
 import compileops
-from compileops.grouped_linear import fp8
+from compileops.grouped_linear import fp8, kernels
 from compileops.grouped_linear.fp8_wgrad_op import grouped_linear_wgrad_fp8_op
-from compileops.grouped_linear import kernels
 from compileops.grouped_linear.kernels import fp8_wgrad as fp8_kernels
 from compileops.grouped_linear.kernels import grouped_linear_wgrad, grouped_linear_wgrad_fp8
 from compileops.lowerings import _compat

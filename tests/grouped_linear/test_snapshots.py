@@ -125,15 +125,22 @@ torch.ops.compileops.grouped_linear_wgrad.default""")
         # back in a kernel of its own. (At widths up to 1024 the two are one kernel.) This
         # pins that cost where users pay it; benchmarks/RESULTS.md times it.
         gen = torch.Generator().manual_seed(0)
-        x = torch.randn(4, 1280, generator=gen).bfloat16().requires_grad_()
-        w = (torch.randn(2, 16, 1280, generator=gen) / 1280 ** 0.5).bfloat16().requires_grad_()
         ids = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 1]])
 
         def permuted_experts(x, w, ids):
             xs, _, offs = permute_by_expert(x, ids, 2)
             return compileops.grouped_linear_swiglu(xs, w, offs, fp8="rowwise")
 
-        kernels = inductor_kernels(permuted_experts, x, w, ids, triton=True, launches=True)
+        def step_kernels(width):
+            x = torch.randn(4, width, generator=gen).bfloat16().requires_grad_()
+            w = (torch.randn(2, 16, width, generator=gen) / width ** 0.5).bfloat16()
+            return inductor_kernels(permuted_experts, x, w.requires_grad_(), ids, triton=True,
+                                    launches=True)
+
+        narrow = step_kernels(64).splitlines()
+        assert any("index_select" in k and "swiglu_fp8_with_preact" in k
+                   for k in narrow if k.startswith("triton_per_")), narrow
+        kernels = step_kernels(1280)
         self.assertSnapshot(kernels, """\
 triton_per_fused__assert_async_all_bitwise_and_ge_lt_scalar_tensor_sort_view_where
 triton_poi_fused__to_copy_arange_searchsorted
