@@ -12,7 +12,8 @@ a final RMSNorm and the byte head. Parameters and the AdamW state are fp32; the 
 and the expert weights enter the GEMMs in bf16, and with ``--recipes rowwise`` (or
 ``blockwise``) the expert products take ``fp8=`` (forward and dX in e4m3, dW in bf16, the
 router probability in the down projection's epilogue as ``row_scale``); ``rowwise-fast`` is
-``fp8="rowwise"`` with ``fp8_fast_accum=True``. Every run starts from the same
+``fp8="rowwise"`` with ``fp8_fast_accum=True``, and ``rowwise-fast-dw`` that with
+``fp8_weight_grad=True`` (dW in e4m3 too). Every run starts from the same
 weights and reads the same batches; the model is compiled (``fullgraph=True``).
 
 Reported: the training loss at every step (CSV), its mean over the last 50 steps per recipe
@@ -91,12 +92,11 @@ class MoE(torch.nn.Module):
             h = compileops.grouped_linear_swiglu(xs, w_gu, offsets)
             y = compileops.grouped_linear(h, w_down, offsets, row_scale=p_sorted)
         else:
-            scaling, _, accum = self.recipe.partition("-")
-            fast = accum == "fast"
-            h = compileops.grouped_linear_swiglu(xs, w_gu, offsets, fp8=scaling,
-                                                 fp8_fast_accum=fast)
-            y = compileops.grouped_linear(h, w_down, offsets, row_scale=p_sorted, fp8=scaling,
-                                          fp8_fast_accum=fast)
+            scaling, *options = self.recipe.split("-")
+            opts = dict(fp8=scaling, fp8_fast_accum="fast" in options,
+                        fp8_weight_grad="dw" in options)
+            h = compileops.grouped_linear_swiglu(xs, w_gu, offsets, **opts)
+            y = compileops.grouped_linear(h, w_down, offsets, row_scale=p_sorted, **opts)
         return x + unpermute_and_combine(y, order, torch.ones_like(probs),
                                           order_is_permutation=True)
 
@@ -191,7 +191,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, 3 steps")
     parser.add_argument("--recipes", nargs="+", default=["none", "rowwise"],
-                        choices=["none", "rowwise", "rowwise-fast", "blockwise"])
+                        choices=["none", "rowwise", "rowwise-fast", "rowwise-fast-dw", "blockwise"])
     parser.add_argument("--steps", type=int, default=None, help="default 1000 (smoke: 3)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=50)

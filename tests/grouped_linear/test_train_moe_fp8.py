@@ -17,7 +17,7 @@ def test_smoke_run_trains_every_recipe_asked_for(tmp_path):
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "train_moe_fp8.py"), "--device", "cpu",
          "--smoke", "--steps", "2", "--recipes", "none", "rowwise", "rowwise-fast",
-         "--no-compile"],
+         "rowwise-fast-dw", "--no-compile"],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     assert "fp8 rowwise vs bf16: last-50 training loss" in proc.stdout, proc.stdout
@@ -26,9 +26,12 @@ def test_smoke_run_trains_every_recipe_asked_for(tmp_path):
     losses = {}
     for r in rows:
         losses.setdefault(r["recipe"], []).append(float(r["loss"]))
-    assert set(losses) == {"bf16", "fp8 rowwise", "fp8 rowwise-fast"}
+    assert set(losses) == {"bf16", "fp8 rowwise", "fp8 rowwise-fast", "fp8 rowwise-fast-dw"}
     assert all(len(v) == 2 and all(math.isfinite(x) for x in v) for v in losses.values())
     # Same weights and bytes: the first step's losses differ by fp8's rounding only (the
     # loss of a uniform guess over 256 bytes is ln 256 = 5.55).
     assert abs(losses["bf16"][0] - losses["fp8 rowwise"][0]) < 0.05, losses
+    # dW in e4m3 changes the first update, not the first loss.
+    assert losses["fp8 rowwise-fast-dw"][0] == losses["fp8 rowwise-fast"][0], losses
+    assert losses["fp8 rowwise-fast-dw"][1] != losses["fp8 rowwise-fast"][1], losses
     assert (tmp_path / "moe_fp8_convergence.svg").read_text().startswith("<svg")
