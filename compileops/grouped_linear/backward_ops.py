@@ -56,13 +56,21 @@ def swiglu_derivative(preact: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """``d swiglu / d preact`` times ``grad [M, H]``: ``[M, 2H]`` (gate, then up) in grad's dtype,
     computed in fp32 (fp64 for fp64). Plain pointwise torch ops, so Inductor fuses them into one kernel.
     Each half is rounded before the concatenation (the same bits as rounding the whole), so a
-    compiled backward writes the ``[M, 2H]`` buffer in grad's dtype, never an fp32 one."""
+    compiled backward writes the ``[M, 2H]`` buffer in grad's dtype, never an fp32 one.
+
+    ``grad`` reaches each half through one ``[M, 2, H]`` broadcast of it, widened per half.
+    When ``grad`` is itself a fused expression with many reads (the MoE down projection's dX
+    times the router probability, gathered by expert), Inductor stores an expression read
+    twice rather than compute it twice: this way what it stores is ``grad`` in its own dtype,
+    where two reads of one widened copy made it store that fp32 ``[M, H]`` copy, twice the
+    bytes, written by one kernel and read back by the next."""
     acc = reference.compute_dtype(preact.dtype)
+    rows, hidden = grad.shape
+    per_half = grad.unsqueeze(1).expand(rows, 2, hidden)  # a view: no copy when eager
     gate, up = preact.to(acc).chunk(2, dim=-1)
     sig = torch.sigmoid(gate)
-    g = grad.to(acc)
-    d_gate = g * up * sig * (1 + gate * (1 - sig))
-    d_up = g * gate * sig
+    d_gate = per_half[:, 0].to(acc) * up * sig * (1 + gate * (1 - sig))
+    d_up = per_half[:, 1].to(acc) * gate * sig
     return torch.cat([d_gate.to(grad.dtype), d_up.to(grad.dtype)], dim=-1)
 
 

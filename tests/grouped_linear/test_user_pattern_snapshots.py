@@ -174,14 +174,14 @@ torch.ops.compileops.grouped_linear_wgrad.default""")
         self.assertSnapshot(_kernels(gate_up_apart, x, w1, w3, offsets), """\
 triton_tem_fused_grouped_linear_swiglu_pair_with_preact
 # backward
-triton_poi_fused_add_mul_rsub_sigmoid
+triton_poi_fused_add_expand_mul_rsub_select_sigmoid_unsqueeze
 triton_tem_fused_grouped_linear_dx_pair
 torch.ops.compileops.grouped_linear_wgrad.default
 torch.ops.compileops.grouped_linear_wgrad.default""")
         self.assertSnapshot(_kernels(gate_up_apart, x, w1, w3, offsets, dynamic=True), """\
 triton_tem_fused_grouped_linear_swiglu_pair_with_preact
 # backward
-triton_poi_fused_add_mul_rsub_sigmoid
+triton_poi_fused_add_expand_mul_rsub_select_sigmoid_unsqueeze
 triton_tem_fused_grouped_linear_dx_pair
 torch.ops.compileops.grouped_linear_wgrad.default
 torch.ops.compileops.grouped_linear_wgrad.default""")
@@ -205,7 +205,7 @@ triton_per_fused__to_copy_grouped_linear_fp8_dx_from_copy_mul_sum_unsqueeze
 triton_poi_fused_grouped_linear_fp8_dx_from_copy
 triton_tem_fused_grouped_linear_fp8_dx_from_copy
 torch.ops.compileops.grouped_linear_wgrad.default
-triton_poi_fused__to_copy_add_mul_rsub_sigmoid_split
+triton_poi_fused__to_copy_add_expand_mul_rsub_select_sigmoid_split_unsqueeze
 triton_per_fused_grouped_linear_fp8_dx_from_copy
 triton_poi_fused_grouped_linear_fp8_dx_from_copy
 triton_tem_fused_grouped_linear_fp8_dx_from_copy
@@ -229,7 +229,7 @@ triton_per_fused__to_copy_grouped_linear_fp8_dx_from_copy_mul_sum_unsqueeze
 triton_poi_fused_grouped_linear_fp8_dx_from_copy
 triton_tem_fused_grouped_linear_fp8_dx_from_copy
 torch.ops.compileops.grouped_linear_wgrad_fp8.default
-triton_poi_fused__to_copy_add_mul_rsub_sigmoid_split
+triton_poi_fused__to_copy_add_expand_mul_rsub_select_sigmoid_split_unsqueeze
 triton_per_fused_grouped_linear_fp8_dx_from_copy
 triton_poi_fused_grouped_linear_fp8_dx_from_copy
 triton_tem_fused_grouped_linear_fp8_dx_from_copy
