@@ -63,7 +63,8 @@ def swiglu_derivative(preact: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     times the router probability, gathered by expert), Inductor stores an expression read
     twice rather than compute it twice: this way what it stores is ``grad`` in its own dtype,
     where two reads of one widened copy made it store that fp32 ``[M, H]`` copy, twice the
-    bytes, written by one kernel and read back by the next."""
+    bytes, written by one kernel and read back by the next. Eager, the cost is one more
+    ``[M, H]`` widening (each half converts its own view of ``grad``); the bits are the same."""
     acc = reference.compute_dtype(preact.dtype)
     rows, hidden = grad.shape
     per_half = grad.unsqueeze(1).expand(rows, 2, hidden)  # a view: no copy when eager

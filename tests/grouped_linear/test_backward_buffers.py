@@ -47,11 +47,15 @@ def experts(xs, w13, w2, offsets, p, options):
     return compileops.grouped_linear(h, w2, offsets, **options) * p[:, None].to(h.dtype)
 
 
+def routed_p(top_probs, order):
+    """``p [M]``: each token's top-k probabilities ``[T, k]`` normalised, in expert order."""
+    return (top_probs / top_probs.sum(-1, keepdim=True)).reshape(-1)[order]
+
+
 def layer_with_routed_p(options):
     """The probability computed in the graph, as users' routers do."""
     def layer(xs, w13, w2, offsets, top_probs, order):
-        p = (top_probs / top_probs.sum(-1, keepdim=True)).reshape(-1)[order]
-        return experts(xs, w13, w2, offsets, p, options)
+        return experts(xs, w13, w2, offsets, routed_p(top_probs, order), options)
     return layer
 
 
@@ -79,8 +83,8 @@ def _fp32_hidden_buffers(fn, *args) -> int:
                          ids=["times-p", "row-scale", "fp8-row-scale"])
 def test_a_routed_probability_does_not_make_the_backward_store_an_fp32_gradient(options):
     xs, w13, w2, offsets, top_probs, order = _inputs()
-    p = (top_probs / top_probs.sum(-1, keepdim=True)).reshape(-1)[order]
-    given = _fp32_hidden_buffers(layer_with_given_p(options), xs, w13, w2, offsets, p)
+    given = _fp32_hidden_buffers(layer_with_given_p(options), xs, w13, w2, offsets,
+                                 routed_p(top_probs, order))
     routed = _fp32_hidden_buffers(layer_with_routed_p(options), xs, w13, w2, offsets,
                                   top_probs, order)
     # On the CPU, Inductor also stores the gate's sigmoid in fp32 (a reuse heuristic it
