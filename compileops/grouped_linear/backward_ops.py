@@ -66,12 +66,12 @@ def swiglu_derivative(preact: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     bytes, written by one kernel and read back by the next. Eager, the cost is one more
     ``[M, H]`` widening (each half converts its own view of ``grad``); the bits are the same."""
     acc = reference.compute_dtype(preact.dtype)
-    rows, hidden = grad.shape
-    per_half = grad.unsqueeze(1).expand(rows, 2, hidden)  # a view: no copy when eager
+    # [..., 2, H]: a view, no copy when eager
+    per_half = grad.unsqueeze(-2).expand(*grad.shape[:-1], 2, grad.shape[-1])
     gate, up = preact.to(acc).chunk(2, dim=-1)
     sig = torch.sigmoid(gate)
-    d_gate = per_half[:, 0].to(acc) * up * sig * (1 + gate * (1 - sig))
-    d_up = per_half[:, 1].to(acc) * gate * sig
+    d_gate = per_half[..., 0, :].to(acc) * up * sig * (1 + gate * (1 - sig))
+    d_up = per_half[..., 1, :].to(acc) * gate * sig
     return torch.cat([d_gate.to(grad.dtype), d_up.to(grad.dtype)], dim=-1)
 
 
