@@ -256,6 +256,107 @@ def fallback(op: torch._ops.OpOverload) -> Callable:
     return fallback_handler(op, add_to_fallback_set=False)
 
 
+def fallback_held_outside_the_step(op: torch._ops.OpOverload) -> Callable:
+    """:func:`fallback` for an op whose outputs are held outside the compiled step (a cache's
+    entries): Inductor's memory planner is told the step never frees them.
+
+    Inductor's planner (``reorder_for_peak_memory``, which picks the order of the kernels
+    with the lowest estimated peak) counts an extern call's outputs as memory the step
+    allocates and frees after their last reader. For a cache lookup that is wrong both ways:
+    on a hit nothing is allocated, on a miss the copy outlives the step. Counted as freed,
+    the planner ran the reader (the fp8 backward's dX product) early to release it, which
+    put dX's output beside the gate/up dW, the step's peak (one ``[tokens, dim]`` buffer
+    above the bf16 layer's). Counted as never freed, the estimate has no such release to
+    chase."""
+    call = fallback(op)
+
+    def lower(*args):
+        result = call(*args)
+        _held_outside_the_step().update(_buffer_names(result))
+        return result
+
+    _count_held_buffers_as_never_freed()
+    return lower
+
+
+def hold_graph_inputs(*nodes) -> None:
+    """Tell the memory planner that the step never frees the graph inputs behind ``nodes``
+    (those that are graph inputs or views of one; see :func:`fallback_held_outside_the_step`):
+    a cache's entries saved by the forward for the backward, which the backward's last read
+    does not release."""
+    held = _held_outside_the_step()
+    for node in nodes:
+        box = graph_input_behind(node)
+        if box is not None:
+            held.add(box.get_name())
+    _count_held_buffers_as_never_freed()
+
+
+def _buffer_names(value) -> list[str]:
+    """The names of the buffers a lowering returned (a ``TensorBox`` or a list of them)."""
+    from torch._inductor import ir
+
+    if isinstance(value, (list, tuple)):
+        return [name for item in value for name in _buffer_names(item)]
+    node = value
+    while isinstance(node, (ir.TensorBox, ir.StorageBox)):
+        node = node.data
+    return [node.get_name()] if isinstance(node, ir.Buffer) else []
+
+
+def _held_outside_the_step() -> set:
+    """The names of the graph being lowered's buffers that :func:`fallback_held_outside_the_step`
+    returned (kept on the graph: buffer names repeat between graphs)."""
+    from torch._inductor.virtualized import V
+
+    graph = V.graph
+    held = getattr(graph, "_compileops_held_buffers", None)
+    if held is None:
+        held = set()
+        graph._compileops_held_buffers = held
+    return held
+
+
+def _count_held_buffers_as_never_freed() -> None:
+    """Wrap the planner's sizes so that the buffers and graph inputs of
+    :func:`_held_outside_the_step` free nothing: ``memory.compute_size_for_scheduler_buffer``
+    (a buffer's name -> (bytes allocated at its creation, bytes freed after its last reader))
+    and ``memory.get_freeable_input_buf`` (the graph inputs the step may free, with their
+    sizes). Once; a torch without them keeps its planner as it is."""
+    import torch._inductor.memory as memory
+
+    sizes = getattr(memory, "compute_size_for_scheduler_buffer", None)
+    if sizes is not None and not getattr(sizes, "_compileops_wrapped", False):
+        def sizes_with_held_buffers(name_to_buf):
+            result = sizes(name_to_buf)
+            for name in _held_names():
+                if name in result:
+                    result[name] = (result[name][0], 0)
+            return result
+
+        sizes_with_held_buffers._compileops_wrapped = True
+        memory.compute_size_for_scheduler_buffer = sizes_with_held_buffers
+
+    freeable = getattr(memory, "get_freeable_input_buf", None)
+    if freeable is not None and not getattr(freeable, "_compileops_wrapped", False):
+        def freeable_without_held_inputs(*args, **kwargs):
+            result = freeable(*args, **kwargs)
+            for name in _held_names():
+                info = getattr(result.get(name), "mpi_buffer", None)
+                if info is not None:
+                    info.size_free = 0
+            return result
+
+        freeable_without_held_inputs._compileops_wrapped = True
+        memory.get_freeable_input_buf = freeable_without_held_inputs
+
+
+def _held_names():
+    from torch._inductor.virtualized import V
+
+    return getattr(V.graph, "_compileops_held_buffers", ())
+
+
 def graph_input_behind(node) -> Any:
     """The graph input (its ``TensorBox``) that ``node`` is, or is a strided view of (a
     ``ReinterpretView`` of the input's storage); None when ``node`` is computed inside the

@@ -175,6 +175,10 @@ def _lower_weight_copy(weight, transposed, cache_weight=False, weight_base=None)
     if not cache_weight and not transposed and _why_extern(weight, "rowwise", name) is None:
         return fp8_quantize.quantise_rows(weight)
     op = torch.ops.compileops.fp8_weight_rowwise.default
+    if cache_weight:
+        # The cache's copy: allocated at most once per weight version, never freed by the step.
+        return _compat.fallback_held_outside_the_step(op)(weight, transposed, cache_weight,
+                                                          weight_base)
     return _compat.fallback(op)(weight, transposed, cache_weight, weight_base)
 
 
@@ -187,11 +191,17 @@ def _row_groups(offsets, rows):
     return _compat.aten_lowering(torch.ops.aten.searchsorted.Tensor)(offsets, iota, right=True)
 
 
-def _lower_dx_from_copy(grad, weight_q_t, weight_scale, offsets, fast_accum=False):
+def _lower_dx_from_copy(grad, weight_q_t, weight_scale, offsets, fast_accum=False,
+                        cached_copy=False):
     """``grouped_linear_fp8_dx_from_copy``: the template over dY's rows times the weight's
     scales, quantised as IR in one kernel with whatever computed dY (the SwiGLU
-    derivative's halves read where they are computed), with unit weight scales."""
+    derivative's halves read where they are computed), with unit weight scales. The cache's
+    copy may reach the backward saved by the forward (AOTAutograd moves the lookup there when
+    the weight is a plain tensor input rather than a parameter): a graph input, which the
+    memory planner is then told the step never frees, as it is for the lookup's outputs."""
     name = "grouped_linear_fp8_dx_from_copy"
+    if cached_copy:
+        _compat.hold_graph_inputs(weight_q_t, weight_scale)
     why = _why_extern(grad, "rowwise", name)
     groups, k, _ = weight_q_t.get_size()
     groups = _compat.specialize(groups, what="the number of groups G")
@@ -211,7 +221,7 @@ def _lower_dx_from_copy(grad, weight_q_t, weight_scale, offsets, fast_accum=Fals
         why = "the template could not be built"
     logger.info("%s: extern call of the eager op: %s", name, why)
     op = torch.ops.compileops.grouped_linear_fp8_dx_from_copy.default
-    return _compat.fallback(op)(grad, weight_q_t, weight_scale, offsets, fast_accum)
+    return _compat.fallback(op)(grad, weight_q_t, weight_scale, offsets, fast_accum, cached_copy)
 
 
 def register() -> None:

@@ -339,13 +339,15 @@ def _check_from_copy(grad, weight_q_t, weight_scale, offsets) -> None:
 @custom_op("grouped_linear_fp8_dx_from_copy", tags=_CUDAGRAPH_UNSAFE)
 def grouped_linear_fp8_dx_from_copy_op(grad: torch.Tensor, weight_q_t: torch.Tensor,
                                        weight_scale: torch.Tensor, offsets: torch.Tensor,
-                                       fast_accum: bool = False) -> torch.Tensor:
+                                       fast_accum: bool = False,
+                                       cached_copy: bool = False) -> torch.Tensor:
     """Rowwise fp8 ``dX [M, K] = grad_g @ W_g`` in grad's dtype from the forward's weight
     copy: ``weight_q_t [G, K, N]`` e4m3 (``fp8_weight_rowwise(weight, True)``, the copy
     transposed) and its per-output-channel ``weight_scale [G, N]``. ``grad [M, N]`` times
     its group's scales (:func:`compileops.grouped_linear.fp8.scale_gradient_rows`) is
     quantised per row; rows past ``offsets[-1]`` are zeros. ``fast_accum``: as the
-    forward's. Not differentiable."""
+    forward's. ``cached_copy``: the copy is the weight cache's (compiled, Inductor's memory
+    planner is told the step never frees it; nothing else changes). Not differentiable."""
     _check_from_copy(grad, weight_q_t, weight_scale, offsets)
     check_offsets_eagerly(offsets, grad.shape[0])
     scaled = fp8_rule.scale_gradient_rows(grad, weight_scale, offsets)
@@ -360,7 +362,7 @@ def grouped_linear_fp8_dx_from_copy_op(grad: torch.Tensor, weight_q_t: torch.Ten
 
 @grouped_linear_fp8_dx_from_copy_op.register_fake
 def _grouped_linear_fp8_dx_from_copy_fake(grad, weight_q_t, weight_scale, offsets,
-                                          fast_accum=False):
+                                          fast_accum=False, cached_copy=False):
     _check_from_copy(grad, weight_q_t, weight_scale, offsets)
     return grad.new_empty((grad.shape[0], weight_q_t.shape[1]))
 
@@ -417,7 +419,7 @@ def _fp8_dx(ctx, grad, weight, offsets, weight_copy):
         weight_q, weight_scale = weight_copy
         weight_q_t = weight_q.transpose(1, 2).contiguous()
     return grouped_linear_fp8_dx_from_copy_op(grad, weight_q_t, weight_scale, offsets,
-                                              ctx.fast_accum)
+                                              ctx.fast_accum, bool(ctx.cache_weight))
 
 
 def _fp8_linear_backward(ctx, grad, x, weight, offsets, weight_copy):
