@@ -218,6 +218,18 @@ def require_contiguous(node):
     return ExternKernel.require_contiguous(node)
 
 
+def require_unit_last_stride(node):
+    """``node`` realized, with stride 1 in its last dim (a copy only when it has not one):
+    for template inputs addressed with a row stride of their own (the fp8 column scales
+    ``[G, N]``, whose group stride may be 0: one row shared by every group)."""
+    from torch._inductor.ir import ExternKernel
+
+    node = ExternKernel.realize_input(node)
+    if statically_equal(node.get_stride()[-1], 1):
+        return node
+    return ExternKernel.require_contiguous(node)
+
+
 def same_fixed_strides(a, b) -> bool:
     """Whether two realized nodes have fixed layouts (graph inputs, views of them, buffers
     whose layout is decided) with the same strides: then a template may address both

@@ -423,7 +423,7 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
     extra_inputs = []
     if fp8 is not None:
         extra_inputs += [_compat.require_contiguous(fp8.x_scale),
-                         _compat.require_contiguous(fp8.weight_scale)]
+                         _compat.require_unit_last_stride(fp8.weight_scale)]
     if bias is not None:
         extra_inputs.append(bias)
     if row_scale is not None:

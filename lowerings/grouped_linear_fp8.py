@@ -211,9 +211,12 @@ def _lower_dx_from_copy(grad, weight_q_t, weight_scale, offsets, fast_accum=Fals
         row_groups = _row_groups(offsets, grad.get_size()[0])
         x_q, x_scale = fp8_quantize.quantise_rows(grad, (weight_scale, row_groups, groups))
         ops = _compat.ops()
-        unit = _compat.pointwise(device=weight_q_t.get_device(), dtype=torch.float32,
-                                 inner_fn=lambda idx: ops.constant(1.0, torch.float32),
-                                 ranges=[groups, k])
+        # One row of ones read by every group (group stride 0): a [G, K] buffer of ones
+        # would be allocated early and held to the dX product, beside the step's peak.
+        unit_row = _compat.pointwise(device=weight_q_t.get_device(), dtype=torch.float32,
+                                     inner_fn=lambda idx: ops.constant(1.0, torch.float32),
+                                     ranges=[1, k])
+        unit = _compat.aten_lowering(torch.ops.aten.expand.default)(unit_row, [groups, k])
         fp8 = bf16_lowering.Fp8Operands(x_scale, unit, grad.get_dtype(), bool(fast_accum))
         lowered = bf16_lowering._lower(name, False, x_q, weight_q_t, offsets, fp8=fp8)
         if lowered is not None:
