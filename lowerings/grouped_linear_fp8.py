@@ -198,7 +198,10 @@ def _lower_dx_from_copy(grad, weight_q_t, weight_scale, offsets, fast_accum=Fals
     derivative's halves read where they are computed), with unit weight scales. The cache's
     copy may reach the backward saved by the forward (AOTAutograd moves the lookup there when
     the weight is a plain tensor input rather than a parameter): a graph input, which the
-    memory planner is then told the step never frees, as it is for the lookup's outputs."""
+    memory planner is then told the step never frees, as it is for the lookup's outputs.
+    (``cached_copy`` says the cache was asked for; a weight the compile does not cache, one
+    computed in the graph, is then counted as held too: the planner's estimate is off by its
+    copy, and nothing that runs changes.)"""
     name = "grouped_linear_fp8_dx_from_copy"
     if cached_copy:
         _compat.hold_graph_inputs(weight_q_t, weight_scale)
