@@ -616,6 +616,43 @@ def inner_row_max(*, device, inner_fn: Callable, ranges: Sequence, row_width) ->
     return result
 
 
+def gather_recomputed(node) -> Callable | None:
+    """A loader that recomputes ``node`` (a ``TensorBox``) from what it reads, when ``node``
+    is a realized pointwise buffer every one of whose inputs has fewer elements than it (a
+    gather or broadcast: the MoE layer's permuted tokens ``x[token_of_row]``); else None.
+
+    Inductor realizes such a buffer when the graph also saves it (the permuted tokens kept
+    for dW), and a consumer then reads the buffer back from memory. Recomputed, the consumer
+    reads the smaller inputs instead (rows repeated top-k times, mostly from cache) and no
+    longer waits for the buffer's kernel. The value is rounded to the buffer's dtype, so the
+    consumer sees the bits the buffer holds."""
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    storage = getattr(node, "data", None)
+    buffer = getattr(storage, "data", None)
+    if (not isinstance(storage, ir.StorageBox) or not isinstance(buffer, ir.ComputedBuffer)
+            or not isinstance(buffer.data, ir.Pointwise) or buffer.get_reduction_type()
+            or buffer.get_name() in V.graph.mutated_buffers):
+        return None
+    elements = size_hint(sympy_product(buffer.get_size()))
+    read_names = buffer.get_read_names()
+    if not read_names:
+        return None
+    for name in read_names:
+        source = V.graph.try_get_buffer(name)
+        if source is None or size_hint(sympy_product(source.get_size())) >= elements:
+            return None
+    compute, dtype = buffer.data.make_loader(), buffer.get_dtype()
+    return lambda index: ops().to_dtype(compute(index), dtype)
+
+
+def sympy_product(sizes: Sequence) -> Any:
+    from torch._inductor.utils import sympy_product as product
+
+    return product(sizes)
+
+
 def concatenated_inputs(node, dim: int) -> list | None:
     """``[(start, buffer), ...]``: the buffers a realized concatenation along ``dim`` is
     written from, each with its offset along ``dim``, when ``node`` (a ``TensorBox``) is

@@ -85,10 +85,10 @@ def _quantise(ops, value, inverse):
     return ops.to_dtype(_round_to_e4m3_grid(ops, clamped), E4M3)
 
 
-def _row_amax(x, dim: int):
-    """``max |x|`` along ``dim`` in fp32 (an Inductor reduction, NaN kept)."""
+def _row_amax(x, load, dim: int):
+    """``max |x|`` along ``dim`` in fp32 (an Inductor reduction, NaN kept); ``load`` reads
+    ``x``."""
     ops = _compat.ops()
-    load = x.make_loader()
     magnitude = _compat.pointwise(
         device=x.get_device(), dtype=torch.float32,
         inner_fn=lambda idx: ops.abs(ops.to_dtype(load(idx), torch.float32)),
@@ -119,14 +119,13 @@ def _row_parts(width, boundaries=()) -> int:
     return (aligned or fitting or [1])[0]
 
 
-def _part_loaders(x, part: int, parts: int, pieces: list) -> list:
+def _part_loaders(load_x, part: int, parts: int, pieces: list) -> list:
     """One loader per part of the rows of ``x [R..., K]`` (``load(rows + [j])`` for ``j`` in
     the part): where the part lies inside one of the concatenation's ``pieces`` (``[(start,
     buffer)]``, :func:`._compat.concatenated_inputs`), from the buffer that piece was
-    computed into, else from ``x``. A part that is a whole piece then fuses with the piece's
-    producer (the SwiGLU derivative's two halves at Qwen3-30B-A3B's H = 768: derivative and
-    quantisation in one kernel). ``part``: the parts' width."""
-    load_x = x.make_loader()
+    computed into, else through ``load_x``. A part that is a whole piece then fuses with the
+    piece's producer (the SwiGLU derivative's two halves at Qwen3-30B-A3B's H = 768:
+    derivative and quantisation in one kernel). ``part``: the parts' width."""
 
     def from_x(first):
         return lambda idx: load_x([*idx[:-1], first + idx[-1]])
@@ -202,17 +201,20 @@ def quantise_rows(x, column_scale=None):
     device, size = x.get_device(), list(x.get_size())
     pieces = _compat.concatenated_inputs(x, len(size) - 1) or []
     parts = _row_parts(size[-1], [start for start, _ in pieces])
+    # Rows gathered into a buffer the graph also keeps (the permuted tokens, saved for dW)
+    # are gathered again here rather than read back: one kernel reads the source rows.
+    load_x = _compat.gather_recomputed(x) or x.make_loader()
     if parts == 1:
         part = size[-1]
-        loaders = [_times_group_scales(x.make_loader(), 0, column_scale)]
+        loaders = [_times_group_scales(load_x, 0, column_scale)]
         if column_scale is None:
-            amax = _row_amax(x, len(size) - 1)
+            amax = _row_amax(x, load_x, len(size) - 1)
         else:
             amax = _split_row_amax(loaders, x, part)
     else:
         part = int(size[-1]) // parts
         loaders = [_times_group_scales(load, p * part, column_scale)
-                   for p, load in enumerate(_part_loaders(x, part, parts, pieces))]
+                   for p, load in enumerate(_part_loaders(load_x, part, parts, pieces))]
         amax = _split_row_amax(loaders, x, part)
     load_amax = amax.make_loader()
 
