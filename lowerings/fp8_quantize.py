@@ -13,10 +13,12 @@ The rule is :mod:`compileops.grouped_linear.fp8`'s, bit for bit as the Triton qu
   without a double-rounding error, 53 >= 2 * 24 + 2). One division per row;
 * scale 1 below ``MIN_AMAX`` (the row's values come back as zeros), a NaN row stays NaN
   (Inductor's max reduction keeps a NaN, as ``torch.amax`` does);
-* ``q = e4m3(clamp(x * inverse, -448, 448))``, rounded onto the e4m3 grid in fp32 with ties
-  to even before the cast (the kernels' ``round_to_e4m3_grid``: Triton's interpreter casts
-  some values to e4m3 wrongly, so the CPU tests would otherwise test another rule). Here the
-  grid step's power of two multiplies instead of dividing: the same exact result.
+* ``q = e4m3(clamp(x * inverse, -448, 448))``, rounded to nearest with ties to even: on a
+  GPU by the cast itself (``cvt.rn.satfinite``, one instruction for two values); under
+  Triton's interpreter (the CPU tests) onto the e4m3 grid in fp32 before the cast (the
+  kernels' ``round_to_e4m3_grid``: the interpreter casts some values to e4m3 wrongly, so the
+  CPU tests would otherwise test another rule). Here the grid step's power of two
+  multiplies instead of dividing: the same exact result.
 
 Why the rule is written here again rather than shared with the Triton quantisers (the one
 place where kernel math is): Inductor generates its fused kernels from IR and cannot call a
@@ -77,12 +79,18 @@ def _scale_and_inverse(ops, amax):
     return ops.where(flushed, one, scale), ops.where(flushed, one, inverse)
 
 
-def _quantise(ops, value, inverse):
+def _quantise(ops, value, inverse, grid_rounding: bool):
+    """e4m3 of ``value * inverse`` clamped to +-448 (a NaN stays NaN). ``grid_rounding``:
+    round onto the e4m3 grid in fp32 before the cast (:func:`_round_to_e4m3_grid`), for
+    Triton's interpreter; compiled for a GPU the cast alone is the same rule in one
+    instruction (``cvt.rn.satfinite``)."""
     scaled = ops.mul(ops.to_dtype(value, torch.float32), inverse)
     bound = ops.constant(E4M3_MAX, torch.float32)
     clamped = ops.minimum(ops.maximum(scaled, ops.neg(bound)), bound)
     clamped = ops.where(ops.ne(scaled, scaled), scaled, clamped)  # a NaN stays NaN
-    return ops.to_dtype(_round_to_e4m3_grid(ops, clamped), E4M3)
+    if grid_rounding:
+        clamped = _round_to_e4m3_grid(ops, clamped)
+    return ops.to_dtype(clamped, E4M3)
 
 
 def _row_amax(x, load, dim: int):
@@ -217,11 +225,12 @@ def quantise_rows(x, column_scale=None):
                    for p, load in enumerate(_part_loaders(load_x, part, parts, pieces))]
         amax = _split_row_amax(loaders, x, part)
     load_amax = amax.make_loader()
+    grid_rounding = not _compat.casts_to_e4m3_on_the_gpu(device)
 
     def q_of_part(load):
         def q_at(idx):
             _, inverse = _scale_and_inverse(ops, load_amax(idx[:-1]))
-            return _quantise(ops, load(idx), inverse)
+            return _quantise(ops, load(idx), inverse, grid_rounding)
         return _compat.pointwise(device=device, dtype=E4M3, inner_fn=q_at,
                                  ranges=[*size[:-1], part])
 

@@ -241,6 +241,75 @@ def test_on_the_gpu_the_templates_give_the_eager_ops_bits(cache, fast, dynamic):
         assert torch.equal(a, b), what
 
 
+def _every_rounding_case() -> torch.Tensor:
+    """fp32 values covering each way a value rounds to e4m3: every finite e4m3 value, every
+    midpoint between neighbours (ties to even and to odd), one fp32 step either side of each
+    midpoint, values around half the smallest subnormal, both zeros; both signs."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    grid = codes.view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite() & (grid >= 0)].unique()
+    middles = (grid[1:] + grid[:-1]) / 2  # exact in fp32
+    tiny = torch.tensor([2.0 ** -10, 2.0 ** -11, 2.0 ** -12, 1e-30, 0.0])
+    near = torch.cat([middles.nextafter(torch.tensor(448.0)),
+                      middles.nextafter(torch.tensor(0.0)), tiny.nextafter(torch.tensor(1.0))])
+    positive = torch.cat([grid, middles, near, tiny])
+    return torch.cat([positive, -positive])
+
+
+def _rounds_as_the_rule(device: str) -> None:
+    """The IR quantisation (compiled ``fp8_weight_rowwise``) and the Triton quantiser (the
+    eager op) give the bits of the rule's torch reference on every rounding case, at unit
+    scale (rows whose amax is 448) and at scales that are not powers of two, with NaN,
+    infinite and zero rows; the grid rounding is compiled in only for the interpreter."""
+    from compileops.grouped_linear import fp8 as fp8_rule
+
+    cases = _every_rounding_case()
+    width = 512
+    rows = -(-cases.numel() // (width - 1))
+    padded = torch.zeros(rows * (width - 1))
+    padded[:cases.numel()] = cases
+    unit = torch.cat([torch.full((rows, 1), 448.0), padded.view(rows, width - 1)], dim=1)
+    gen = torch.Generator().manual_seed(11)
+    scaled = unit * torch.rand(rows, 1, generator=gen).mul(3.0).add(0.01)
+    special = torch.randn(4, width, generator=gen)
+    special[0, 3], special[1, 5], special[2] = float("nan"), float("inf"), 0.0
+    weight = torch.cat([unit, scaled, special]).reshape(1, -1, width).to(device)
+
+    def quantise(w):
+        return torch.ops.compileops.fp8_weight_rowwise(w, False)
+
+    expected = fp8_rule.quantize_rowwise(weight)
+    eager = quantise(weight)
+    codegen = _compat.triton_codegen_on_cpu() if device == "cpu" else contextlib.nullcontext()
+    with _compat.fresh_inductor_cache(), codegen:
+        compiled, sources = _compat.run_and_get_code(torch.compile(quantise, fullgraph=True),
+                                                     weight)
+    code = "\n".join(sources)
+    assert "fp8_weight_rowwise" not in _extern_calls(code)  # the IR quantisation ran
+    assert ("12582912.0" in code) == (device == "cpu")  # the grid rounding's constant
+    nan = expected[0].float().isnan()
+    for name, (q, scale) in (("eager", eager), ("compiled", compiled)):
+        # Every bit where the rule gives a number; NaN where it gives NaN (any NaN code),
+        # except under the interpreter, whose cast turns NaN into a number.
+        same_bits = q.view(torch.uint8) == expected[0].view(torch.uint8)
+        assert bool(same_bits[~nan].all()), name
+        assert device == "cpu" or bool(q.float()[nan].isnan().all()), name
+        assert torch.equal(scale.isnan(), expected[1].isnan()), name
+        assert torch.equal(scale.nan_to_num(), expected[1].nan_to_num()), name
+
+
+@interpreter
+def test_under_the_interpreter_the_grid_rounding_rounds_as_the_rule():
+    _rounds_as_the_rule("cpu")
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_cast_alone_rounds_as_the_rule():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    _rounds_as_the_rule("cuda")
+
+
 @interpreter
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 def test_wide_rows_are_quantised_in_one_pass(dynamic):
