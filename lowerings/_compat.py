@@ -455,15 +455,6 @@ def emits_triton_for(device: torch.device) -> bool:
     return device.type == "cpu" and config.cpu_backend == "triton"
 
 
-def casts_to_e4m3_on_the_gpu(device: torch.device) -> bool:
-    """Whether Triton generated for ``device`` is compiled for a GPU, whose fp32 -> e4m3 cast
-    rounds to nearest even in hardware; under Triton's interpreter (``TRITON_INTERPRET=1``,
-    the CPU tests) the cast rounds some values wrongly."""
-    import os
-
-    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-
-
 def why_no_triton(device: torch.device) -> str | None:
     """None when Inductor generates Triton for ``device``, else why not (for log lines)."""
     if emits_triton_for(device):
@@ -632,8 +623,8 @@ def gather_recomputed(node) -> Callable | None:
 
     Inductor realizes such a buffer when the graph also saves it (the permuted tokens kept
     for dW), and a consumer then reads the buffer back from memory. Recomputed, the consumer
-    reads the smaller inputs instead (rows repeated top-k times, mostly from cache) and no
-    longer waits for the buffer's kernel. The value is rounded to the buffer's dtype, so the
+    reads the smaller inputs instead (each row top-k times, which the cache may serve) and
+    no longer waits for the buffer's kernel. The value is rounded to the buffer's dtype, so the
     consumer sees the bits the buffer holds."""
     from torch._inductor import ir
     from torch._inductor.virtualized import V
@@ -644,22 +635,23 @@ def gather_recomputed(node) -> Callable | None:
             or not isinstance(buffer.data, ir.Pointwise) or buffer.get_reduction_type()
             or buffer.get_name() in V.graph.mutated_buffers):
         return None
-    elements = size_hint(sympy_product(buffer.get_size()))
+    elements = _elements(buffer)
     read_names = buffer.get_read_names()
     if not read_names:
         return None
     for name in read_names:
         source = V.graph.try_get_buffer(name)
-        if source is None or size_hint(sympy_product(source.get_size())) >= elements:
+        if source is None or _elements(source) >= elements:
             return None
     compute, dtype = buffer.data.make_loader(), buffer.get_dtype()
     return lambda index: ops().to_dtype(compute(index), dtype)
 
 
-def sympy_product(sizes: Sequence) -> Any:
-    from torch._inductor.utils import sympy_product as product
+def _elements(node) -> int:
+    """How many elements ``node`` (IR) holds, from the size hints."""
+    from torch._inductor.utils import sympy_product
 
-    return product(sizes)
+    return size_hint(sympy_product(node.get_size()))
 
 
 def concatenated_inputs(node, dim: int) -> list | None:

@@ -28,8 +28,9 @@ from compileops._library import as_rows
 from compileops.grouped_linear.fp8 import E4M3, MIN_AMAX, _check_float
 
 #: Round onto the e4m3 grid before the cast: only under Triton's interpreter, which decides
-#: at import as Triton does (module docstring).
-_GRID_ROUNDING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+#: at import as Triton does (module docstring). The compiled quantisation
+#: (``compileops/lowerings/fp8_quantize.py``) follows it.
+GRID_ROUNDING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 #: :data:`compileops.grouped_linear.fp8.MIN_AMAX` for the kernels: exact in fp32 and above
 #: 2^-126, so Triton makes it an fp32 constant of exactly these bits.
@@ -62,7 +63,7 @@ def quantize_to_e4m3(x, inverse):
     interpreter: rounded onto the e4m3 grid here, and the cast is exact)."""
     scaled = x * inverse
     clamped = tl.where(scaled != scaled, scaled, tl.clamp(scaled, -448.0, 448.0))
-    if _GRID_ROUNDING:
+    if GRID_ROUNDING:
         clamped = round_to_e4m3_grid(clamped)
     return clamped
 
