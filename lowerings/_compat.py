@@ -640,8 +640,11 @@ def gather_recomputed(node) -> Callable | None:
     if not read_names:
         return None
     for name in read_names:
+        # A source already written in place by the graph may no longer hold what the
+        # buffer was computed from.
         source = V.graph.try_get_buffer(name)
-        if source is None or _elements(source) >= elements:
+        if (source is None or name in V.graph.mutated_buffers
+                or _elements(source) >= elements):
             return None
     compute, dtype = buffer.data.make_loader(), buffer.get_dtype()
     return lambda index: ops().to_dtype(compute(index), dtype)

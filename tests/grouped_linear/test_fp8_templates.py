@@ -342,6 +342,39 @@ def test_wide_rows_are_quantised_in_one_pass(dynamic):
 
 
 @interpreter
+def test_gathered_rows_are_quantised_from_their_source_also_when_it_is_written_after(
+        monkeypatch):
+    """Rows gathered with repeats (the permuted tokens), kept as an output and quantised in
+    parts: the quantisation gathers them again from the source, which the function then
+    writes in place. Compiled equals eager: the write waits for the quantisation."""
+    monkeypatch.setattr(_compat, "PERSISTENT_ROW_LIMIT", 16)
+    gen = torch.Generator().manual_seed(3)
+    x0 = torch.randn(64, 48, generator=gen).bfloat16()
+    w = (torch.randn(2, 32, 48, generator=gen) / 48 ** 0.5).bfloat16().requires_grad_()
+    index = torch.randint(0, 64, (128,), generator=gen)
+    offsets = offsets_of([50, 78])
+
+    def layer(x, w, index):
+        rows = x[index]
+        x.mul_(2)
+        return compileops.grouped_linear(rows, w, offsets, fp8="rowwise"), rows
+
+    x = x0.clone()
+    eager = layer(x, w, index)
+    x = x0.clone()
+    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
+        got, sources = _compat.run_and_get_code(torch.compile(layer, fullgraph=True), x, w,
+                                                index)
+    assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])
+    assert torch.equal(x, x0 * 2)
+    # The quantisation (a persistent reduction over a third of a row) reads x's rows at
+    # the gathered row indices (row stride 48 times a loaded index), not the gathered copy.
+    quantisers = [body for name, body in _kernel_bodies("\n".join(sources))
+                  if name.startswith("triton_per_") and "grouped_linear_fp8" in name]
+    assert len(quantisers) == 1 and re.search(r"48\*tmp\d+", quantisers[0]), quantisers
+
+
+@interpreter
 @pytest.mark.parametrize("pieces", [(16, 16), (24, 24), (20, 28)],
                          ids=["parts-are-pieces", "parts-inside-pieces", "a-part-across-pieces"])
 def test_a_concatenated_dy_is_quantised_where_its_pieces_are_computed(pieces, monkeypatch):
