@@ -211,7 +211,7 @@ def skewed_offsets(groups: int, m: int, device, seed: int = 0) -> torch.Tensor:
 
 
 def _configs(m_hint: int, groups: int, n_out: int, k: int, dtype, spec, tma: bool = False,
-             swiglu: bool = False):
+             swiglu: bool = False, fp8_fast_accum: bool = False):
     """``([(Config, USE_TMA)], autotune)`` for the part ``spec`` describes: the heuristic
     config alone (default mode; batch-invariant mode: pointer loads, one code path; the
     interpreter), or under max-autotune the heuristic pick first, then the bounded list that
@@ -220,7 +220,8 @@ def _configs(m_hint: int, groups: int, n_out: int, k: int, dtype, spec, tma: boo
     from compileops.modes import is_batch_invariant
 
     heuristic = kernels.choose_config(m_hint, groups, n_out, k, dtype, spec,
-                                      batch_invariant=is_batch_invariant(), swiglu=swiglu)
+                                      batch_invariant=is_batch_invariant(), swiglu=swiglu,
+                                      fp8_fast_accum=fp8_fast_accum)
     if is_batch_invariant() or not _compat.max_autotune_enabled() or spec.interpreter:
         return [(heuristic, tma and not is_batch_invariant())], False
     small_k = 32 if dtype == torch.float32 else 64
@@ -314,7 +315,8 @@ def _describe_config(cfg, spec) -> str:
     from compileops.grouped_linear import kernels
 
     return _log.settings(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                         GROUP_M=cfg.group_m, FLATTEN=cfg.flatten, num_warps=cfg.num_warps,
+                         GROUP_M=cfg.group_m, FLATTEN=cfg.flatten,
+                         WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.num_warps,
                          num_stages=cfg.num_stages, NUM_PROGS=kernels.grid_size(spec, cfg))
 
 
@@ -451,6 +453,7 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
     m_hint = _compat.size_hint(m)
     g_hint, n_hint, k_hint = (_compat.size_hint(s) for s in (groups, n_out, k))
     tma_ok, aligned_rows = _strides_aligned(x, weight, dtype)
+    fast_accum = fp8 is not None and fp8.fast_accum
 
     def plan(spec):
         """``(why no TMA or None, [(Config, USE_TMA)], autotune)`` on the part ``spec``."""
@@ -465,7 +468,8 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
             no_tma = "no TMA: the pair's second half of dY is not 16-byte aligned"
         no_tma, configs, autotune = (no_tma, *_configs(m_hint, g_hint, n_hint, k_hint, dtype,
                                                        spec, tma=no_tma is None,
-                                                       swiglu=swiglu))
+                                                       swiglu=swiglu,
+                                                       fp8_fast_accum=fast_accum))
         if pair and dx:
             # Two K loops per tile: the persistent loop is flattened over a single one only.
             configs = [(dataclasses.replace(cfg, flatten=False), tma) for cfg, tma in configs]
@@ -500,7 +504,7 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
             choices, input_nodes=nodes, layout=layout, num_stages=cfg.num_stages,
             num_warps=cfg.num_warps, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, USE_TMA=tma, FLATTEN=cfg.flatten, GROUP_M=cfg.group_m,
-            NUM_PROGS=kernels.grid_size(spec, cfg), **constexprs, **extra,
+            WARP_SPECIALIZE=cfg.warp_specialize, NUM_PROGS=kernels.grid_size(spec, cfg), **constexprs, **extra,
         )
         if error is not None:
             errors.append((cfg, tma, error))

@@ -73,7 +73,8 @@ def test_grouped_linear_logs_its_template_config_and_tma_variant(records):
     expected = (
         r"grouped_linear_swiglu: template compileops_grouped_linear \("
         + config_text(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                      GROUP_M=cfg.group_m, FLATTEN=cfg.flatten, num_warps=cfg.num_warps,
+                      GROUP_M=cfg.group_m, FLATTEN=cfg.flatten,
+                      WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.num_warps,
                       num_stages=cfg.num_stages, NUM_PROGS=4)
         + r", pointer loads\) for x \[21, 16\] float32, weight \[4, 24, 16\]: "
         r"the interpreter's small tiles \(CPU\); no TMA on cpu; "

@@ -12,6 +12,7 @@ timed once per operand.
 
     python benchmarks/tuning/sweep_grouped_linear_fp8.py [--layers qwen3-30b ...]
         [--scalings rowwise] [--passes fwd swiglu dX]
+    python benchmarks/tuning/sweep_grouped_linear_fp8.py --scalings rowwise --fast-accum
     python benchmarks/tuning/sweep_grouped_linear_fp8.py --list-configs   # JSON, no GPU
     python benchmarks/tuning/sweep_grouped_linear_fp8.py --smoke          # CPU, tiny, seconds
 
@@ -50,12 +51,28 @@ CONFIGS = [
     Config(128, 128, 128, num_warps=8, num_stages=3, flatten=True),
     Config(128, 128, 128, num_warps=8, num_stages=4, programs_per_sm=2),
 ]
+# With fast accumulation (--fast-accum) the MMA accumulates in place: no second fp32
+# accumulator, so 128 x 256 tiles hold as many registers as 128 x 128 ones with the default
+# accumulation. Also Triton's warp specialisation of the persistent loop (not flattened).
+FAST_ACCUM_CONFIGS = [
+    Config(128, 128, 128, num_warps=8, num_stages=4, flatten=True),
+    Config(128, 128, 128, num_warps=8, num_stages=3),
+    Config(128, 256, 128, num_warps=8, num_stages=3, flatten=True),
+    Config(128, 256, 128, num_warps=8, num_stages=3),
+    Config(256, 128, 128, num_warps=8, num_stages=3, flatten=True),
+    Config(128, 256, 64, num_warps=8, num_stages=4, flatten=True),
+    Config(128, 128, 128, num_warps=8, num_stages=4, warp_specialize=True),
+    Config(128, 256, 128, num_warps=8, num_stages=3, warp_specialize=True),
+    Config(128, 128, 128, num_warps=4, num_stages=4, warp_specialize=True),
+    Config(128, 256, 128, num_warps=8, num_stages=3, flatten=True, tma_store=True),
+]
 
 
 def label(cfg: Config) -> str:
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
             + (" flat" if cfg.flatten else "") + (f" pps{cfg.programs_per_sm}"
-                                                   if cfg.programs_per_sm > 1 else ""))
+                                                   if cfg.programs_per_sm > 1 else "")
+            + (" ws" if cfg.warp_specialize else "") + (" tma_store" if cfg.tma_store else ""))
 
 
 def timed_ms(fn, device) -> float:
@@ -86,12 +103,17 @@ def main() -> int:
                    choices=["rowwise", "blockwise"])
     p.add_argument("--passes", nargs="*", default=["swiglu", "fwd", "dX"],
                    choices=["swiglu", "fwd", "dX"])
+    p.add_argument("--fast-accum", action="store_true",
+                   help="rowwise products with fast accumulation, and its candidate tiles")
     p.add_argument("--list-configs", action="store_true", help="print the candidates, exit")
     p.add_argument("--smoke", action="store_true",
                    help="a tiny layer on CPU (Triton's interpreter), two configs: checks the script")
     a = p.parse_args()
+    candidates = FAST_ACCUM_CONFIGS if a.fast_accum else CONFIGS
+    if a.fast_accum and a.scalings != ["rowwise"]:
+        p.error("--fast-accum applies to the rowwise products: pass --scalings rowwise")
     if a.list_configs:
-        print(json.dumps([label(c) for c in CONFIGS]))
+        print(json.dumps([label(c) for c in candidates]))
         return 0
     from compileops.grouped_linear.kernels import fp8 as k8
 
@@ -103,7 +125,7 @@ def main() -> int:
         torchao_fp8 = None
         print(f"torchao not available ({type(exc).__name__}): no torchao column", flush=True)
     dev = torch.device("cpu" if a.smoke else "cuda")
-    configs = [Config(16, 32, 32, num_warps=1, num_stages=1)] if a.smoke else CONFIGS
+    configs = [Config(16, 32, 32, num_warps=1, num_stages=1)] if a.smoke else candidates
     if a.smoke:
         torchao_fp8 = None
     print(harness.environment_line(), flush=True)
@@ -172,7 +194,8 @@ def main() -> int:
                                         out_dtype=torch.bfloat16, swiglu=stage == "swiglu",
                                         b_kn=launch["b_kn"], config=cfg,
                                         fp8_scales=launch.get("fp8_scales"),
-                                        fp8_block_scales=launch.get("fp8_block_scales"))
+                                        fp8_block_scales=launch.get("fp8_block_scales"),
+                                        fp8_fast_accum=a.fast_accum)
                 try:
                     got = run()
                     err = float((got[:rows].float() - want[:rows].float()).norm()

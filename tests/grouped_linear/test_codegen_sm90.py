@@ -89,7 +89,7 @@ def mjagged_compile(dtype, swiglu, tma=False, b_kn=False, flatten=False, cfg=Non
              FLATTEN=flatten, TMA_STORE=tma and cfg.tma_store, SAVE_PREACT=save_preact,
              ROW_SCALE=row_scale, FP8_ROWWISE=dtype == "fp8",
              FP8_BLOCKWISE=dtype == "fp8-blockwise", FP8_FAST_ACCUM=fast_accum,
-             SECOND_WEIGHT=second_weight),
+             SECOND_WEIGHT=second_weight, WARP_SPECIALIZE=cfg.warp_specialize),
         # dX reads W_g [N, K] as B [K, N]: its unit stride is along N, as in a real launch
         # (TMA descriptors need 16-byte aligned strides but the innermost).
         unit=UNIT_DX if b_kn else UNIT,
@@ -246,8 +246,34 @@ def _main():  # runs in a subprocess without TRITON_INTERPRET (the compiler need
                          ragged_stores=ptx.count("cp.async.bulk.tensor.4d.global.shared"),
                          pointer_stores="st.global" in ptx)
     out.update(fp8_wgrad_builds())
+    out.update(fp8_fast_accum_builds())
     out.update(quantiser_builds())
     print(json.dumps(out))
+
+
+# Rowwise fp8 products with fast accumulation (M routed rows, G, N out, K, SwiGLU, dX), built
+# with the tiles choose_config gives them (128 x 256 flattened; SwiGLU 128 x 128).
+FP8_FAST_BUILDS = {"fp8-fast-down": (65536, 128, 2048, 768, False, False),
+                   "fp8-fast-down-dx": (65536, 128, 768, 2048, False, True),
+                   "fp8-fast-swiglu": (65536, 128, 768, 2048, True, False),
+                   "fp8-fast-long-k": (16384, 8, 4096, 14336, False, False)}
+
+
+def fp8_fast_accum_builds():
+    from compileops.grouped_linear import kernels
+
+    built = {}
+    for name, (m, g, n, k, swiglu, b_kn) in FP8_FAST_BUILDS.items():
+        cfg = kernels.choose_config(m, g, n, k, torch.float8_e4m3fn, kernels.H100_SXM,
+                                    swiglu=swiglu, fp8_fast_accum=True)
+        kernel = mjagged_compile("fp8", swiglu, True, b_kn, cfg.flatten, cfg,
+                                 row_scale=not swiglu, fast_accum=True)
+        ttgir = kernel.asm["ttgir"]
+        built[name] = dict(summarize(ttgir), shared=kernel.metadata.shared,
+                           e4m3_mma="f32.e4m3.e4m3" in kernel.asm["ptx"],
+                           tile=[cfg.block_m, cfg.block_n], flatten=cfg.flatten,
+                           mma=ttgir.count("ttng.warp_group_dot "))
+    return built
 
 
 def fp8_wgrad_builds():
@@ -352,6 +378,20 @@ def test_fp8_accumulation_choice_reaches_the_mma(compiled):
     promoted, fast = compiled["fp8-accumulate-promoted"], compiled["fp8-accumulate-fast"]
     assert promoted["max_imprecise"] == ["128"] and promoted["partial_adds"] > 0, promoted
     assert fast["max_imprecise"] == [str(2**30)] and fast["partial_adds"] == 0, fast
+
+
+@pytest.mark.parametrize("case", list(FP8_FAST_BUILDS))
+def test_fp8_fast_accumulation_tiles_compile_for_sm90(compiled, case):
+    """The wide tiles of fast accumulation build within one block's shared memory, as
+    pipelined TMA loads into e4m3 wgmma: 128 x 256 tiles flattened for the plain products
+    (the long-K Mixtral down projection too), and SwiGLU's two 128 x 128 MMAs."""
+    got = compiled[case]
+    assert got["shared"] <= SMEM_LIMIT, got
+    assert got["wgmma"] and got["e4m3_mma"] and got["pipelined"] and got["tma"], got
+    if case == "fp8-fast-swiglu":
+        assert got["tile"] == [128, 128] and not got["flatten"] and got["mma"] == 2, got
+    else:
+        assert got["tile"] == [128, 256] and got["flatten"] and got["mma"] == 1, got
 
 
 def test_fp8_weight_grad_compiles_for_sm90(compiled):

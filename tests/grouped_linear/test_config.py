@@ -129,3 +129,34 @@ def test_fp8_configs_of_the_layer_products_are_pinned(name, spec):
     m, g, n, k, swiglu = FP8_LAYER_PRODUCTS[name]
     got = kernels.choose_config(m, g, n, k, torch.float8_e4m3fn, spec, swiglu=swiglu)
     assert got == FP8_WANT[name], (name, got)
+
+
+# With fast accumulation (one in-place MMA accumulator per tile): 128 x 256 tiles, three
+# stages, flattened at every K; SwiGLU 128 x 128, three stages, not flattened (the
+# fast-accumulation sweep: benchmarks/tuning/sweep_grouped_linear_fp8.py --fast-accum).
+FAST_PRODUCT = Config(128, 256, 128, num_warps=8, num_stages=3, flatten=True)
+FAST_SWIGLU = Config(128, 128, 128, num_warps=8, num_stages=3)
+
+
+@pytest.mark.parametrize("spec", [kernels.H100_SXM, kernels.H200], ids=lambda s: s.name)
+@pytest.mark.parametrize("name", list(FP8_LAYER_PRODUCTS))
+def test_fp8_fast_accumulation_configs_of_the_layer_products_are_pinned(name, spec):
+    m, g, n, k, swiglu = FP8_LAYER_PRODUCTS[name]
+    got = kernels.choose_config(m, g, n, k, torch.float8_e4m3fn, spec, swiglu=swiglu,
+                                fp8_fast_accum=True)
+    assert got == (FAST_SWIGLU if swiglu else FAST_PRODUCT), (name, got)
+
+
+def test_fast_accumulation_changes_only_fp8_configs():
+    """16-bit products ignore ``fp8_fast_accum``; small fp8 groups keep their short tiles."""
+    for dtype in (BF16, torch.float32):
+        for args in FP8_LAYER_PRODUCTS.values():
+            m, g, n, k, swiglu = args
+            assert (kernels.choose_config(m, g, n, k, dtype, kernels.H100_SXM, swiglu=swiglu,
+                                          fp8_fast_accum=True)
+                    == kernels.choose_config(m, g, n, k, dtype, kernels.H100_SXM,
+                                             swiglu=swiglu)), (dtype, args)
+    small = kernels.choose_config(4096, 128, 2048, 768, torch.float8_e4m3fn, kernels.H100_SXM,
+                                  fp8_fast_accum=True)
+    assert (small.block_m, small.block_n) == (64, 128), small
+

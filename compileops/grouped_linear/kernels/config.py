@@ -49,6 +49,13 @@ class Config:
       db): one loop over all of a program's row chunks (``kjagged_flat_loop``).
     * ``dynamic_tiles``: dW: tiles handed out by an integer ticket counter instead of a
       fixed stride, so programs that drew small groups take more tiles.
+    * ``warp_specialize``: M-jagged: Triton's warp specialisation of the persistent tile
+      loop (``tl.range(warp_specialize=True)``): producer warps issue the TMA loads while
+      the MMA warps compute and store, so a tile's epilogue overlaps the next tile's loads.
+      Hopper's warp specialisation takes no ``flatten``; on sm90 with triton 3.6 it built
+      with 8 warps and failed in Triton's warp-specialisation pass with 4. Opt-in (no
+      default config uses it): the fast-accumulation sweep found it no faster than the
+      defaults but at one product (benchmarks/RESULTS.md, fp8).
 
     Opt-in TMA variants: eager launches on sm90+ with TMA-able strides only; the pointer
     path and the Inductor template ignore them, and a launch drops one where it does not
@@ -80,6 +87,7 @@ class Config:
     tma_store: bool = False
     epilogue_subtile: bool = False
     dynamic_tiles: bool = False
+    warp_specialize: bool = False
 
 
 # Batch-invariant mode: one fixed config for the M-jagged products, whatever the group sizes.
@@ -236,13 +244,13 @@ def _stages_that_fit(cfg: Config, spec: DeviceSpec, element_size: int, want: int
 
 
 def _generic_config(mean: float, n: int, dtype: torch.dtype, spec: DeviceSpec,
-                    swiglu: bool, k: int = 0) -> Config:
+                    swiglu: bool, k: int = 0, fp8_fast_accum: bool = False) -> Config:
     """The rule for a part (or case) without a :data:`TUNED` entry, from the mean group size
     and the part's shared memory: the tile shapes Hopper's wgmma wants, with as many operand
     stages as the part holds (the narrower tile where the wide one would get fewer than 3)."""
     small = dtype == torch.float32
     if dtype.itemsize == 1:
-        return _generic_fp8_config(mean, spec, swiglu, k)
+        return _generic_fp8_config(mean, spec, swiglu, k, fp8_fast_accum)
     bk = 32 if small else 64
     if mean <= 16:
         cfg = Config(16, 128, bk, num_warps=4, num_stages=4)
@@ -267,8 +275,19 @@ def _generic_config(mean: float, n: int, dtype: torch.dtype, spec: DeviceSpec,
 FP8_FLATTEN_MAX_K = 2048
 
 
-def _generic_fp8_config(mean: float, spec: DeviceSpec, swiglu: bool, k: int) -> Config:
-    """e4m3 operands: K steps of 128 (the bytes of 16-bit's 64) and 128 x 128 output tiles,
+def _generic_fp8_config(mean: float, spec: DeviceSpec, swiglu: bool, k: int,
+                        fast_accum: bool = False) -> Config:
+    """e4m3 operands, K steps of 128 (the bytes of 16-bit's 64).
+
+    With fast accumulation (the MMA sums in place, one fp32 accumulator per output tile):
+    128 x 256 tiles, 3 stages, the persistent loop flattened at every K; SwiGLU (a gate and
+    an up accumulator, 128 x 128 each) 3 stages, not flattened. From
+    ``sweep_grouped_linear_fp8.py --scalings rowwise --fast-accum`` over every
+    ``bench_moe_layer.py`` product on an H100 (benchmarks/RESULTS.md, fp8): the down
+    products (forward and dX) 4-15% faster than 128 x 128 at each of the four layers, SwiGLU
+    at Qwen3-30B-A3B 12% faster unflattened and the same elsewhere.
+
+    With the default accumulation: 128 x 128 output tiles,
     4 stages (3 for SwiGLU), flattened where K <= :data:`FP8_FLATTEN_MAX_K`. From the tile
     sweep of every ``bench_moe_layer.py`` product on an H200 (benchmarks/RESULTS.md, fp8):
     flattening won at K = 768-2048 (Qwen3-30B-A3B down 0.93x against 0.80x bf16
@@ -279,6 +298,9 @@ def _generic_fp8_config(mean: float, spec: DeviceSpec, swiglu: bool, k: int) -> 
     128 x 256 spills and ran at half 128 x 128's rate or less."""
     if mean <= 64:
         cfg = Config(64, 64 if swiglu else 128, 128, num_warps=4, num_stages=4)
+    elif fast_accum:
+        cfg = (Config(128, 128, 128, num_warps=8, num_stages=3) if swiglu
+               else Config(128, 256, 128, num_warps=8, num_stages=3, flatten=True))
     else:
         cfg = Config(128, 128, 128, num_warps=8, num_stages=3 if swiglu else 4,
                      flatten=0 < k <= FP8_FLATTEN_MAX_K)
@@ -299,7 +321,8 @@ def mjagged_case(m_total: int, groups: int, n: int, dtype: torch.dtype, *,
 
 
 def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
-                  device, *, batch_invariant: bool = False, swiglu: bool = False) -> Config:
+                  device, *, batch_invariant: bool = False, swiglu: bool = False,
+                  fp8_fast_accum: bool = False) -> Config:
     """M-jagged tile config from the mean group size ``M / G`` (host ints only) for
     ``device`` (a ``torch.device`` or a :class:`DeviceSpec`).
 
@@ -310,7 +333,9 @@ def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
     epilogue, and as many operand stages as the part's shared memory holds, up to four
     (192 KB); SwiGLU holds two accumulators, so its tiles are 128 x 128 and not flattened.
     ``batch_invariant`` returns the fixed :data:`BATCH_INVARIANT_CONFIG` (in the
-    interpreter, its config).
+    interpreter, its config). ``fp8_fast_accum`` (e4m3 operands): the rowwise product whose
+    MMA accumulates over the whole K loop, which holds half the accumulator registers and
+    takes wider tiles (:func:`_generic_fp8_config`).
     """
     spec = device_spec(device)
     if spec.interpreter:
@@ -321,7 +346,8 @@ def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
     tuned = tuned_config(spec, case) if case else None
     if tuned is not None:
         return tuned
-    return _generic_config(m_total / max(groups, 1), n, dtype, spec, swiglu, k)
+    return _generic_config(m_total / max(groups, 1), n, dtype, spec, swiglu, k,
+                           fp8_fast_accum and dtype.itemsize == 1)
 
 
 def wgrad_case(m_total: int, groups: int) -> str:

@@ -318,6 +318,7 @@ def mjagged_gemm_kernel(
     ROW_SCALE: tl.constexpr = False, FP8_ROWWISE: tl.constexpr = False,
     FP8_BLOCKWISE: tl.constexpr = False, FP8_FAST_ACCUM: tl.constexpr = False,
     b2_ptr=None, K2=0, SECOND_WEIGHT: tl.constexpr = False,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """Persistent M-jagged grouped GEMM.
 
@@ -384,7 +385,8 @@ def mjagged_gemm_kernel(
         out_desc = ragged_rows_descriptor(out_ptr, N_OUT, stride_om, BLOCK_M, BLOCK_N)
     num_n = tl.cdiv(N_OUT, BLOCK_N)
     tile_end, total_m = group_tile_table(offs_ptr, G, M, BLOCK_M, G_BLOCK)
-    for t in tl.range(pid, total_m * num_n, NUM_PROGS, flatten=FLATTEN):
+    for t in tl.range(pid, total_m * num_n, NUM_PROGS, flatten=FLATTEN,
+                      warp_specialize=WARP_SPECIALIZE):
         g, start, end, tile_m, tile_n = locate_tile(t, tile_end, total_m, num_n, offs_ptr, G, M,
                                                     GROUP_M, G_BLOCK)
         acc, up = mjagged_tile(
@@ -493,7 +495,8 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
     if m == 0 or n_out == 0:
         return out
     cfg = config or choose_config(m, groups, n_out, k, a.dtype, a.device,
-                                  batch_invariant=batch_invariant, swiglu=swiglu)
+                                  batch_invariant=batch_invariant, swiglu=swiglu,
+                                  fp8_fast_accum=fp8_fast_accum)
     if fp8_block_scales is not None:
         if 128 % cfg.block_k:
             raise ValueError(f"the blockwise fp8 product needs a block_k dividing 128, got "
@@ -540,7 +543,7 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
             ROW_SCALE=row_scale is not None, FP8_ROWWISE=fp8_scales is not None,
             FP8_BLOCKWISE=fp8_block_scales is not None, FP8_FAST_ACCUM=fp8_fast_accum,
             b2_ptr=second_weight if second_weight is not None else a, K2=k_second,
-            SECOND_WEIGHT=second_weight is not None,
+            SECOND_WEIGHT=second_weight is not None, WARP_SPECIALIZE=cfg.warp_specialize,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
