@@ -54,8 +54,10 @@ class Config:
       the MMA warps compute and store, so a tile's epilogue overlaps the next tile's loads.
       Hopper's warp specialisation takes no ``flatten``; on sm90 with triton 3.6 it built
       with 8 warps and failed in Triton's warp-specialisation pass with 4. Opt-in (no
-      default config uses it): the fast-accumulation sweep found it no faster than the
-      defaults but at one product (benchmarks/RESULTS.md, fp8).
+      default config uses it): in the fast-accumulation sweep it made the SwiGLU product
+      4-6% faster at three of four layers and the plain products slower, and the compiled
+      layer with it on SwiGLU moved within the spread between machines (benchmarks/RESULTS.md,
+      fp8).
 
     Opt-in TMA variants: eager launches on sm90+ with TMA-able strides only; the pointer
     path and the Inductor template ignore them, and a launch drops one where it does not
