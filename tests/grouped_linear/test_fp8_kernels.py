@@ -249,3 +249,51 @@ def test_fp8_blockwise_products_are_their_reference(device):
     with pytest.raises(ValueError, match="128 x 128 blocks"):
         fp8_kernels.grouped_linear_fp8_blockwise(x, wq, ws[:, :1], offsets,
                                                  out_dtype=torch.float32)
+
+
+#: Fast accumulation against the fp32 sums of the same e4m3 products: at most 3.4e-3 at the
+#: MoE layers' products with bf16 outputs (benchmarks/RESULTS.md, fp8, "The products").
+FAST_ACCUM_SUMS = 4e-3
+
+
+@pytest.mark.gpu
+def test_fp8_fast_accumulation_at_the_wide_tiles_is_its_reference():
+    """Groups of hundreds of rows take the widest fp8 tiles with fast accumulation (128 x 256,
+    the persistent loop flattened; SwiGLU 128 x 128 pairs): skewed groups with an empty and
+    a one-row group, a partial last column tile (640 = 2 x 256 + 128) and tail rows past the
+    last group, against the reference of the same e4m3 operands; the same bits run to run."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from compileops.grouped_linear.kernels import choose_config
+    from tests.grouped_linear._helpers import offsets_of
+
+    splits = [700, 0, 1300, 260, 1, 900, 511, 333]
+    m, k, n = sum(splits) + 7, 1024, 640
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(m, k, generator=gen).cuda()
+    w = (torch.randn(len(splits), n, k, generator=gen) / k ** 0.5).cuda()
+    offsets = offsets_of(splits).cuda()
+    wide = choose_config(m, len(splits), n, k, fp8.E4M3, x.device, fp8_fast_accum=True)
+    pair = choose_config(m, len(splits), n // 2, k, fp8.E4M3, x.device, swiglu=True,
+                         fp8_fast_accum=True)
+    assert (wide.block_m, wide.block_n, wide.flatten) == (128, 256, True), wide
+    assert (pair.block_m, pair.block_n, pair.flatten) == (128, 128, False), pair
+    wq, ws = fp8_kernels.quantize_weight_rowwise(w)
+    want = fp8.grouped_linear_reference(x.cpu(), w.cpu(), offsets.cpu(), "rowwise")
+    rows = int(offsets[-1])
+
+    y = fp8_kernels.grouped_linear_fp8_rowwise(x, wq, ws, offsets, out_dtype=torch.float32,
+                                               fast_accum=True)
+    assert _rel(y[:rows], want[:rows]) <= FAST_ACCUM_SUMS
+    assert torch.count_nonzero(y[rows:]) == 0
+    assert torch.equal(y, fp8_kernels.grouped_linear_fp8_rowwise(
+        x, wq, ws, offsets, out_dtype=torch.float32, fast_accum=True))
+
+    pre = torch.empty(m, n, device="cuda")
+    h = fp8_kernels.grouped_linear_fp8_rowwise(x, wq, ws, offsets, swiglu=True,
+                                               out_dtype=torch.float32, preact=pre,
+                                               fast_accum=True)
+    gate, up = want.chunk(2, dim=-1)
+    assert _rel(pre[:rows], want[:rows]) <= FAST_ACCUM_SUMS
+    assert _rel(h[:rows], (torch.nn.functional.silu(gate) * up)[:rows]) <= 2 * FAST_ACCUM_SUMS
+    assert torch.count_nonzero(h[rows:]) == 0
