@@ -16,7 +16,8 @@ router probability in the down projection's epilogue as ``row_scale``); ``rowwis
 ``fp8_weight_grad=True`` (dW in e4m3 too). Every run starts from the same
 weights and reads the same batches; the model is compiled (``fullgraph=True``).
 
-Reported: the training loss at every step (CSV), its mean over the last 50 steps per recipe
+Reported: the training loss and the gradients' total norm (all parameters, before the
+optimizer step) at every step (CSV), the loss's mean over the last 50 steps per recipe
 and the relative difference to bf16's, the held-out loss at the end, ms a step, and an SVG of
 the curves (``moe_fp8_convergence.svg``).
 
@@ -44,7 +45,7 @@ from compileops.grouped_linear import permute_by_expert, unpermute_and_combine  
 from benchmarks.harness import environment_line, out_dir, write_csv  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CSV_COLUMNS = ["recipe", "step", "loss"]
+CSV_COLUMNS = ["recipe", "step", "loss", "grad_norm"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +138,7 @@ def train(recipe, args, size: Size, train_data, held_out, device) -> dict:
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / args.warmup))
     step_fn = torch.compile(model, fullgraph=True) if args.compile else model
-    losses, start = [], None
+    losses, grad_norms, start = [], [], None
     for step, (ids, targets) in enumerate(batches(train_data, size, args.steps, 1, device)):
         if step == min(10, args.steps - 1):  # after the compiles
             if device.type == "cuda":
@@ -145,6 +146,8 @@ def train(recipe, args, size: Size, train_data, held_out, device) -> dict:
             start, timed = time.perf_counter(), args.steps - step
         loss = step_fn(ids, targets)
         loss.backward()
+        # The total norm, on the device (no host sync); an infinite limit clips nothing.
+        grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
@@ -153,10 +156,11 @@ def train(recipe, args, size: Size, train_data, held_out, device) -> dict:
         torch.cuda.synchronize()
     ms = (time.perf_counter() - start) * 1e3 / timed
     losses = [v.item() for v in losses]
+    grad_norms = [v.item() for v in grad_norms]
     with torch.no_grad():
         held = [step_fn(i, t).item() for i, t in batches(held_out, size, args.eval_batches, 2,
                                                            device)]
-    return dict(losses=losses, held_out=sum(held) / len(held), ms=ms)
+    return dict(losses=losses, grad_norms=grad_norms, held_out=sum(held) / len(held), ms=ms)
 
 
 def svg(curves: dict, path: str, every: int) -> None:
@@ -214,7 +218,8 @@ def main() -> None:
         got = train(recipe, args, size, data[:split], data[split:], device)
         label = "bf16" if recipe is None else f"fp8 {recipe}"
         results[label] = got
-        rows += [dict(recipe=label, step=i, loss=v) for i, v in enumerate(got["losses"])]
+        rows += [dict(recipe=label, step=i, loss=v, grad_norm=n)
+                 for i, (v, n) in enumerate(zip(got["losses"], got["grad_norms"]))]
         tail = got["losses"][-50:]
         print(f"{label:14s} first {got['losses'][0]:.4f}  last-50 mean {sum(tail) / len(tail):.4f}"
               f"  held-out {got['held_out']:.4f}  {got['ms']:.1f} ms a step", flush=True)
