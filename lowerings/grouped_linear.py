@@ -489,7 +489,7 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
         TF32=kernels.input_precision(dtype) == "tf32",
         INTERPRETER_DOT=device.type == "cpu",
         FP8=fp8 is not None,
-        FP8_FAST_ACCUM=fp8 is not None and fp8.fast_accum,
+        FP8_FAST_ACCUM=fast_accum,
     )
     extra = {}
     if save_preact:
@@ -504,7 +504,8 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
             choices, input_nodes=nodes, layout=layout, num_stages=cfg.num_stages,
             num_warps=cfg.num_warps, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, USE_TMA=tma, FLATTEN=cfg.flatten, GROUP_M=cfg.group_m,
-            WARP_SPECIALIZE=cfg.warp_specialize, NUM_PROGS=kernels.grid_size(spec, cfg), **constexprs, **extra,
+            WARP_SPECIALIZE=cfg.warp_specialize, NUM_PROGS=kernels.grid_size(spec, cfg),
+            **constexprs, **extra,
         )
         if error is not None:
             errors.append((cfg, tma, error))

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from compileops.grouped_linear import fp8
+from compileops.grouped_linear.kernels import choose_config
 from compileops.grouped_linear.kernels import fp8 as fp8_kernels
 
 from tests.grouped_linear._helpers import kernel_device  # noqa: F401  (a fixture)
+from tests.grouped_linear._helpers import offsets_of
 
 
 @pytest.fixture
@@ -264,9 +266,6 @@ def test_fp8_fast_accumulation_at_the_wide_tiles_is_its_reference():
     last group, against the reference of the same e4m3 operands; the same bits run to run."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from compileops.grouped_linear.kernels import choose_config
-    from tests.grouped_linear._helpers import offsets_of
-
     splits = [700, 0, 1300, 260, 1, 900, 511, 333]
     m, k, n = sum(splits) + 7, 1024, 640
     gen = torch.Generator().manual_seed(8)

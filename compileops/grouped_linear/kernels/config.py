@@ -348,8 +348,7 @@ def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
     tuned = tuned_config(spec, case) if case else None
     if tuned is not None:
         return tuned
-    return _generic_config(m_total / max(groups, 1), n, dtype, spec, swiglu, k,
-                           fp8_fast_accum and dtype.itemsize == 1)
+    return _generic_config(m_total / max(groups, 1), n, dtype, spec, swiglu, k, fp8_fast_accum)
 
 
 def wgrad_case(m_total: int, groups: int) -> str:
