@@ -40,6 +40,7 @@ def install() -> None:
             grouped_linear,
             grouped_linear_fp8,
             mlstm,
+            swiglu_derivative,
             user_patterns,
         )
 
@@ -47,6 +48,7 @@ def install() -> None:
         grouped_linear.register()
         grouped_linear_fp8.register()
         mlstm.register()
+        swiglu_derivative.register()
         user_patterns.register()
         _tag_compile_cache()
         _installed = True
