@@ -40,7 +40,6 @@ def install() -> None:
             grouped_linear,
             grouped_linear_fp8,
             mlstm,
-            swiglu_derivative,
             user_patterns,
         )
 
@@ -48,7 +47,6 @@ def install() -> None:
         grouped_linear.register()
         grouped_linear_fp8.register()
         mlstm.register()
-        swiglu_derivative.register()
         user_patterns.register()
         _tag_compile_cache()
         _installed = True

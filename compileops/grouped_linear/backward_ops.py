@@ -1,5 +1,5 @@
 """What every grouped-linear op module shares, below all of them: the backend choice, the
-autograd context helpers, the SwiGLU derivative (and its op), and the two backward ops that every forward
+autograd context helpers, the SwiGLU derivative, and the two backward ops that every forward
 op's autograd calls.
 
 * ``compileops::grouped_linear_dx(grad [M, N], weight [G, N, K], offsets) -> [M, K]``:
@@ -7,9 +7,7 @@ op's autograd calls.
 * ``compileops::grouped_linear_wgrad(grad [M, N], x [M, K], offsets, weight_dtype, bias_dtype,
   with_db=True) -> (dW [G, N, K], db [G, N])``: K-jagged, deterministic (no split-K, no
   atomics). ``with_db=False`` (a layer without a trainable bias) skips the column sums and
-  returns an empty ``db [G, 0]``;
-* ``compileops::swiglu_derivative(preact [M, 2H], grad [M, H]) -> [M, 2H]``: the SwiGLU
-  derivative as one op, for a lowering that writes it in column pieces (the fp8 backward).
+  returns an empty ``db [G, 0]``.
 
 The bf16 forward ops (:mod:`.op`), the row-scaled autograd (:mod:`.scaled`) and the fp8 ops
 (:mod:`.fp8_op`) import from here; nothing here imports them.
@@ -75,35 +73,6 @@ def swiglu_derivative(preact: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     d_gate = per_half[..., 0, :].to(acc) * up * sig * (1 + gate * (1 - sig))
     d_up = per_half[..., 1, :].to(acc) * gate * sig
     return torch.cat([d_gate.to(grad.dtype), d_up.to(grad.dtype)], dim=-1)
-
-
-@custom_op("swiglu_derivative")
-def swiglu_derivative_op(preact: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """:func:`swiglu_derivative` as an op: preact ``[M, 2H]``, grad ``[M, H]`` -> ``[M, 2H]`` in
-    grad's dtype, the same values. The fp8 SwiGLU backward calls it so that, compiled, its
-    lowering (``lowerings/swiglu_derivative.py``) computes the ``[M, 2H]`` result in the
-    column pieces in which the fp8 quantisation of its rows reads them, and the two run as
-    one kernel."""
-    _check_swiglu_derivative_args(preact, grad)
-    return swiglu_derivative(preact, grad)
-
-
-@swiglu_derivative_op.register_fake
-def _swiglu_derivative_fake(preact, grad):
-    _check_swiglu_derivative_args(preact, grad)
-    return grad.new_empty((*grad.shape[:-1], preact.shape[-1]))
-
-
-def _check_swiglu_derivative_args(preact: torch.Tensor, grad: torch.Tensor) -> None:
-    torch._check_value(
-        preact.dim() == grad.dim() >= 1 and preact.shape[:-1] == grad.shape[:-1]
-        and preact.shape[-1] == 2 * grad.shape[-1],
-        lambda: f"swiglu_derivative: preact must be [..., 2H] for grad [..., H], got "
-                f"{list(preact.shape)} and {list(grad.shape)}")
-    torch._check_value(
-        preact.is_floating_point() and grad.is_floating_point(),
-        lambda: f"swiglu_derivative: floating-point tensors expected, got {preact.dtype} "
-                f"and {grad.dtype}")
 
 
 @custom_op("grouped_linear_dx")

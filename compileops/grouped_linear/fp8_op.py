@@ -91,7 +91,7 @@ from compileops.grouped_linear.backward_ops import (
     forward_mode,
     grouped_linear_wgrad_op,
     keep_for_backward,
-    swiglu_derivative_op,
+    swiglu_derivative,
     use_triton,
 )
 from compileops.grouped_linear.checks import (
@@ -575,7 +575,7 @@ def _swiglu_fp8_backward(ctx, grad, _grad_preact):
     with forward_mode(ctx):
         saved = ctx.saved_tensors
         x, weight, offsets, _, preact = saved[:5]
-        dx, dw = _fp8_linear_backward(ctx, swiglu_derivative_op(preact, grad), x, weight,
+        dx, dw = _fp8_linear_backward(ctx, swiglu_derivative(preact, grad), x, weight,
                                       offsets, _saved_copy(ctx, saved))
         return dx, dw, None, None, None, None, None, None, None, None
 
