@@ -133,8 +133,17 @@ def _part_loaders(load_x, part: int, parts: int, pieces: list) -> list:
     the part): where the part lies inside one of the concatenation's ``pieces`` (``[(start,
     buffer)]``, :func:`._compat.concatenated_inputs`), from the buffer that piece was
     computed into, else through ``load_x``. A part that is a whole piece then fuses with the
-    piece's producer (the SwiGLU derivative's two halves at Qwen3-30B-A3B's H = 768:
-    derivative and quantisation in one kernel). ``part``: the parts' width."""
+    piece's producer. ``part``: the parts' width.
+
+    Where Inductor builds a concatenation as a kernel per piece (its choice for CPU
+    codegen), the SwiGLU derivative's two halves at Qwen3-30B-A3B's H = 768 and their
+    quantisation are one kernel. For a GPU it concatenates two pointwise halves as one
+    ``[M, 2H]`` pointwise node, which no part-wide reduction fuses with: the derivative and
+    the quantisation stay two kernels there. Lowering the derivative in part-wide pieces
+    made them one on an H200 (1-3% off the step at three MoE layers), but the kernel then
+    writes the e4m3 copy with the derivative, and the planner allocates the layer's input
+    gradient before the gate/up dW instead: 0.03-0.06 GiB more peak (benchmarks/RESULTS.md,
+    fp8). Not taken: a default does not trade memory for speed."""
 
     def from_x(first):
         return lambda idx: load_x([*idx[:-1], first + idx[-1]])
@@ -203,9 +212,9 @@ def quantise_rows(x, column_scale=None):
     parts: the amax reduces over one part's width, and each part of ``q`` is its own
     pointwise node of that width, written into its slice of ``q``. Inductor then fuses the
     amax, every part's quantisation and the producer of the rows (a gather, a cast; the
-    pieces of a concatenation, such as the SwiGLU derivative's two halves, read where they
-    were computed) into one persistent kernel that reads each row once, where a looped
-    reduction over the whole row reads it twice."""
+    pieces of a concatenation built a kernel per piece, read where they were computed) into
+    one persistent kernel that reads each row once, where a looped reduction over the whole
+    row reads it twice."""
     ops = _compat.ops()
     device, size = x.get_device(), list(x.get_size())
     pieces = _compat.concatenated_inputs(x, len(size) - 1) or []

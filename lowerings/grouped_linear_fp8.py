@@ -10,10 +10,11 @@ in its epilogue, so a compiled fp8 step runs no Python of ours for the products:
 
 * the activation (x; for dX, dY times the weight copy's scales of each row's group) is
   quantised per row as Inductor IR (:mod:`.fp8_quantize`): one kernel fused with whatever
-  produces the rows (the SwiGLU derivative, a gather, a cast). The SwiGLU product cannot
-  write e4m3 h itself: a row's scale needs the amax over all its N tiles, which other
-  programs compute, so h leaves in 16 bits and its quantisation is the down projection's
-  fused IR kernel;
+  produces the rows (a gather, a cast; on a GPU not the SwiGLU derivative, whose halves
+  Inductor concatenates as one pointwise node: ``fp8_quantize._part_loaders``). The SwiGLU
+  product cannot write e4m3 h itself: a row's scale needs the amax over all its N tiles,
+  which other programs compute, so h leaves in 16 bits and its quantisation is the down
+  projection's fused IR kernel;
 * the weight, without ``cache_weight``: ``compileops::fp8_weight_rowwise`` in the graph
   (:func:`compileops.grouped_linear` calls it and passes the copy to the forward op),
   lowered to IR fused with whatever produces the weight (a cast of fp32 masters). The
@@ -194,8 +195,8 @@ def _row_groups(offsets, rows):
 def _lower_dx_from_copy(grad, weight_q_t, weight_scale, offsets, fast_accum=False,
                         cached_copy=False):
     """``grouped_linear_fp8_dx_from_copy``: the template over dY's rows times the weight's
-    scales, quantised as IR in one kernel with whatever computed dY (the SwiGLU
-    derivative's halves read where they are computed), with unit weight scales. The cache's
+    scales, quantised as IR in one kernel with whatever computed dY where Inductor lets it
+    (:func:`.fp8_quantize.quantise_rows`), with unit weight scales. The cache's
     copy may reach the backward saved by the forward (AOTAutograd moves the lookup there when
     the weight is a plain tensor input rather than a parameter): a graph input, which the
     memory planner is then told the step never frees, as it is for the lookup's outputs.
