@@ -211,17 +211,18 @@ def skewed_offsets(groups: int, m: int, device, seed: int = 0) -> torch.Tensor:
 
 
 def _configs(m_hint: int, groups: int, n_out: int, k: int, dtype, spec, tma: bool = False,
-             swiglu: bool = False, fp8_fast_accum: bool = False):
+             swiglu: bool = False, fp8_fast_accum: bool = False, out_dtype=None):
     """``([(Config, USE_TMA)], autotune)`` for the part ``spec`` describes: the heuristic
     config alone (default mode; batch-invariant mode: pointer loads, one code path; the
     interpreter), or under max-autotune the heuristic pick first, then the bounded list that
-    fits the part's shared memory (each also through TMA descriptors where ``tma``)."""
+    fits the part's shared memory (each also through TMA descriptors where ``tma``).
+    ``out_dtype``: the product's output dtype (:func:`kernels.choose_config`)."""
     from compileops.grouped_linear import kernels
     from compileops.modes import is_batch_invariant
 
     heuristic = kernels.choose_config(m_hint, groups, n_out, k, dtype, spec,
                                       batch_invariant=is_batch_invariant(), swiglu=swiglu,
-                                      fp8_fast_accum=fp8_fast_accum)
+                                      fp8_fast_accum=fp8_fast_accum, out_dtype=out_dtype)
     if is_batch_invariant() or not _compat.max_autotune_enabled() or spec.interpreter:
         return [(heuristic, tma and not is_batch_invariant())], False
     small_k = 32 if dtype == torch.float32 else 64
@@ -469,7 +470,8 @@ def _lower(op_name: str, swiglu: bool, x, weight, offsets, bias=None, *, dx: boo
         no_tma, configs, autotune = (no_tma, *_configs(m_hint, g_hint, n_hint, k_hint, dtype,
                                                        spec, tma=no_tma is None,
                                                        swiglu=swiglu,
-                                                       fp8_fast_accum=fast_accum))
+                                                       fp8_fast_accum=fast_accum,
+                                                       out_dtype=out_dtype))
         if pair and dx:
             # Two K loops per tile: the persistent loop is flattened over a single one only.
             configs = [(dataclasses.replace(cfg, flatten=False), tma) for cfg, tma in configs]

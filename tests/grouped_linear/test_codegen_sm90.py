@@ -67,10 +67,11 @@ def mjagged_args(ptr, operand_ptr=None):
 
 def mjagged_compile(dtype, swiglu, tma=False, b_kn=False, flatten=False, cfg=None,
                     has_bias=True, save_preact=False, row_scale=False, fast_accum=False,
-                    second_weight=False):
+                    second_weight=False, out=None):
     """``cfg=None``: choose_config's pick for a 16-bit / fp32 MoE shape. ``TMA_STORE`` is
     always passed (``cfg.tma_store`` on the TMA path, as the launcher does; see
-    :func:`kjagged_compile` on unnamed defaulted constexprs)."""
+    :func:`kjagged_compile` on unnamed defaulted constexprs). ``out``: the output's (and
+    the other 16/32-bit pointers') type for fp8 operands, bf16 by default."""
     from compileops.grouped_linear import kernels
 
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn,
@@ -81,7 +82,7 @@ def mjagged_compile(dtype, swiglu, tma=False, b_kn=False, flatten=False, cfg=Non
     fp8 = dtype.startswith("fp8")
     return compile_sm90(
         kernels.mjagged_gemm_kernel,
-        mjagged_args(TYPES["bf16" if fp8 else dtype], OPERANDS.get(dtype)),
+        mjagged_args(TYPES[(out or "bf16") if fp8 else dtype], OPERANDS.get(dtype)),
         dict(HAS_BIAS=has_bias and not fp8, SWIGLU=swiglu, NUM_PROGS=132 * cfg.programs_per_sm,
              GROUP_M=cfg.group_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
              BLOCK_K=cfg.block_k, INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32",
@@ -257,6 +258,9 @@ FP8_FAST_BUILDS = {"fp8-fast-down": (65536, 128, 2048, 768, False, False),
                    "fp8-fast-down-dx": (65536, 128, 768, 2048, False, True),
                    "fp8-fast-swiglu": (65536, 128, 768, 2048, True, False),
                    "fp8-fast-long-k": (16384, 8, 4096, 14336, False, False)}
+# fp32 outputs (fp32 activations): the tile the rule picks for them, with its epilogue.
+FP8_FAST_FP32_OUT_BUILDS = {"fp8-fast-down-fp32-out": (65536, 128, 2048, 768, False),
+                            "fp8-fast-swiglu-fp32-out": (65536, 128, 768, 2048, True)}
 
 
 def fp8_fast_accum_builds():
@@ -273,6 +277,13 @@ def fp8_fast_accum_builds():
                            e4m3_mma="f32.e4m3.e4m3" in kernel.asm["ptx"],
                            tile=[cfg.block_m, cfg.block_n], flatten=cfg.flatten,
                            mma=ttgir.count("ttng.warp_group_dot "))
+    for name, (m, g, n, k, swiglu) in FP8_FAST_FP32_OUT_BUILDS.items():
+        cfg = kernels.choose_config(m, g, n, k, torch.float8_e4m3fn, kernels.H200,
+                                    swiglu=swiglu, fp8_fast_accum=True, out_dtype=torch.float32)
+        kernel = mjagged_compile("fp8", swiglu, True, False, cfg.flatten, cfg, fast_accum=True,
+                                 save_preact=swiglu, out="fp32")
+        built[name] = dict(shared=kernel.metadata.shared, tile=[cfg.block_m, cfg.block_n],
+                           e4m3_mma="f32.e4m3.e4m3" in kernel.asm["ptx"])
     return built
 
 
@@ -392,6 +403,17 @@ def test_fp8_fast_accumulation_tiles_compile_for_sm90(compiled, case):
         assert got["tile"] == [128, 128] and not got["flatten"] and got["mma"] == 2, got
     else:
         assert got["tile"] == [128, 256] and got["flatten"] and got["mma"] == 1, got
+
+
+@pytest.mark.parametrize("case", list(FP8_FAST_FP32_OUT_BUILDS))
+def test_fp8_fast_accumulation_with_fp32_outputs_fits_shared_memory(compiled, case):
+    """With fp32 outputs the flattened 128 x 256 tile would need its three operand stages
+    and the fp32 output tile at once (272 KB on an H200, which refused to launch it): the
+    rule gives those products the 128 x 128 tile, which builds within one block's shared
+    memory, as SwiGLU's does with its fp32 pre-activations."""
+    got = compiled[case]
+    assert got["shared"] <= SMEM_LIMIT and got["e4m3_mma"], got
+    assert got["tile"] == [128, 128], got
 
 
 def test_fp8_weight_grad_compiles_for_sm90(compiled):

@@ -147,6 +147,37 @@ def test_fp8_fast_accumulation_configs_of_the_layer_products_are_pinned(name, sp
     assert got == (FAST_SWIGLU if swiglu else FAST_PRODUCT), (name, got)
 
 
+@pytest.mark.parametrize("spec", [kernels.H100_SXM, kernels.H200], ids=lambda s: s.name)
+@pytest.mark.parametrize("name", list(FP8_LAYER_PRODUCTS))
+def test_fp8_fast_accumulation_with_fp32_outputs_keeps_the_default_tiles(name, spec):
+    """fp32 activations give fp32 outputs: the flattened 128 x 256 tile's three stages and
+    its fp32 output tile do not fit one block's shared memory together, so the plain
+    products take the default accumulation's tile; bf16 outputs keep the wide one."""
+    m, g, n, k, swiglu = FP8_LAYER_PRODUCTS[name]
+    got = kernels.choose_config(m, g, n, k, torch.float8_e4m3fn, spec, swiglu=swiglu,
+                                fp8_fast_accum=True, out_dtype=torch.float32)
+    assert got == (FAST_SWIGLU if swiglu else FP8_WANT[name]), (name, got)
+    assert kernels.choose_config(m, g, n, k, torch.float8_e4m3fn, spec, swiglu=swiglu,
+                                 fp8_fast_accum=True, out_dtype=BF16) == (
+        FAST_SWIGLU if swiglu else FAST_PRODUCT)
+
+
+@pytest.mark.parametrize("out_dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_flattened_fp8_tiles_fit_with_their_output_tile(out_dtype, fast_accum):
+    """Every flattened fp8 tile the rule gives, at group means from 65 to 4096 rows and K
+    from 256 to 16384, holds its operand stages and its output tile in one block."""
+    from compileops.grouped_linear.kernels.config import _flattened_epilogue_fits
+
+    for spec in (kernels.H100_SXM, kernels.H200):
+        for mean in (65, 512, 4096):
+            for k in (256, 2048, 16384):
+                cfg = kernels.choose_config(mean * 8, 8, 4096, k, torch.float8_e4m3fn, spec,
+                                            fp8_fast_accum=fast_accum, out_dtype=out_dtype)
+                assert not cfg.flatten or _flattened_epilogue_fits(
+                    cfg, spec, out_dtype.itemsize), (spec.name, mean, k, cfg)
+
+
 def test_fast_accumulation_changes_only_fp8_configs():
     """16-bit products ignore ``fp8_fast_accum``; small fp8 groups keep their short tiles."""
     for dtype in (BF16, torch.float32):

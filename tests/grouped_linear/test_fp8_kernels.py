@@ -259,38 +259,45 @@ FAST_ACCUM_SUMS = 4e-3
 
 
 @pytest.mark.gpu
-def test_fp8_fast_accumulation_at_the_wide_tiles_is_its_reference():
-    """Groups of hundreds of rows take the widest fp8 tiles with fast accumulation (128 x 256,
-    the persistent loop flattened; SwiGLU 128 x 128 pairs): skewed groups with an empty and
-    a one-row group, a partial last column tile (640 = 2 x 256 + 128) and tail rows past the
-    last group, against the reference of the same e4m3 operands; the same bits run to run."""
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_fp8_fast_accumulation_at_the_wide_tiles_is_its_reference(out_dtype):
+    """Groups of hundreds of rows with fast accumulation: bf16 activations take the widest
+    fp8 tiles (128 x 256, the persistent loop flattened; SwiGLU 128 x 128 pairs), fp32 ones
+    the default accumulation's 128 x 128 (the wide tile's stages and an fp32 output tile do
+    not fit one block's shared memory together). Skewed groups with an empty and a one-row
+    group, a partial last column tile (640 = 2 x 256 + 128) and tail rows past the last
+    group, against the reference of the same e4m3 operands; the same bits run to run."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     splits = [700, 0, 1300, 260, 1, 900, 511, 333]
     m, k, n = sum(splits) + 7, 1024, 640
     gen = torch.Generator().manual_seed(8)
-    x = torch.randn(m, k, generator=gen).cuda()
-    w = (torch.randn(len(splits), n, k, generator=gen) / k ** 0.5).cuda()
+    x = torch.randn(m, k, generator=gen).to(out_dtype).cuda()
+    w = (torch.randn(len(splits), n, k, generator=gen) / k ** 0.5).to(out_dtype).cuda()
     offsets = offsets_of(splits).cuda()
-    wide = choose_config(m, len(splits), n, k, fp8.E4M3, x.device, fp8_fast_accum=True)
+    plain = choose_config(m, len(splits), n, k, fp8.E4M3, x.device, fp8_fast_accum=True,
+                          out_dtype=out_dtype)
     pair = choose_config(m, len(splits), n // 2, k, fp8.E4M3, x.device, swiglu=True,
-                         fp8_fast_accum=True)
-    assert (wide.block_m, wide.block_n, wide.flatten) == (128, 256, True), wide
+                         fp8_fast_accum=True, out_dtype=out_dtype)
+    wide = out_dtype == torch.bfloat16
+    assert (plain.block_m, plain.block_n, plain.flatten) == (128, 256 if wide else 128, True)
     assert (pair.block_m, pair.block_n, pair.flatten) == (128, 128, False), pair
     wq, ws = fp8_kernels.quantize_weight_rowwise(w)
-    want = fp8.grouped_linear_reference(x.cpu(), w.cpu(), offsets.cpu(), "rowwise")
+    # The same e4m3 operands (x's values are exact in fp32), their products summed in fp32.
+    want = fp8.grouped_linear_reference(x.float().cpu(), w.float().cpu(), offsets.cpu(),
+                                        "rowwise")
     rows = int(offsets[-1])
 
-    y = fp8_kernels.grouped_linear_fp8_rowwise(x, wq, ws, offsets, out_dtype=torch.float32,
+    y = fp8_kernels.grouped_linear_fp8_rowwise(x, wq, ws, offsets, out_dtype=out_dtype,
                                                fast_accum=True)
     assert _rel(y[:rows], want[:rows]) <= FAST_ACCUM_SUMS
     assert torch.count_nonzero(y[rows:]) == 0
     assert torch.equal(y, fp8_kernels.grouped_linear_fp8_rowwise(
-        x, wq, ws, offsets, out_dtype=torch.float32, fast_accum=True))
+        x, wq, ws, offsets, out_dtype=out_dtype, fast_accum=True))
 
-    pre = torch.empty(m, n, device="cuda")
+    pre = torch.empty(m, n, device="cuda", dtype=out_dtype)
     h = fp8_kernels.grouped_linear_fp8_rowwise(x, wq, ws, offsets, swiglu=True,
-                                               out_dtype=torch.float32, preact=pre,
+                                               out_dtype=out_dtype, preact=pre,
                                                fast_accum=True)
     gate, up = want.chunk(2, dim=-1)
     assert _rel(pre[:rows], want[:rows]) <= FAST_ACCUM_SUMS

@@ -246,13 +246,14 @@ def _stages_that_fit(cfg: Config, spec: DeviceSpec, element_size: int, want: int
 
 
 def _generic_config(mean: float, n: int, dtype: torch.dtype, spec: DeviceSpec,
-                    swiglu: bool, k: int = 0, fp8_fast_accum: bool = False) -> Config:
+                    swiglu: bool, k: int = 0, fp8_fast_accum: bool = False,
+                    out_size: int = 2) -> Config:
     """The rule for a part (or case) without a :data:`TUNED` entry, from the mean group size
     and the part's shared memory: the tile shapes Hopper's wgmma wants, with as many operand
     stages as the part holds (the narrower tile where the wide one would get fewer than 3)."""
     small = dtype == torch.float32
     if dtype.itemsize == 1:
-        return _generic_fp8_config(mean, spec, swiglu, k, fp8_fast_accum)
+        return _generic_fp8_config(mean, spec, swiglu, k, fp8_fast_accum, out_size)
     bk = 32 if small else 64
     if mean <= 16:
         cfg = Config(16, 128, bk, num_warps=4, num_stages=4)
@@ -272,14 +273,30 @@ def _generic_config(mean: float, n: int, dtype: torch.dtype, spec: DeviceSpec,
     return dataclasses.replace(cfg, num_stages=stages)
 
 
+#: The fast-accumulation fp8 tile of the plain products (forward, dX) where it fits.
+FP8_FAST_ACCUM_WIDE = Config(128, 256, 128, num_warps=8, num_stages=3, flatten=True)
+
+
+def _flattened_epilogue_fits(cfg: Config, spec: DeviceSpec, out_size: int) -> bool:
+    """Whether an e4m3 tile loop flattened across tiles fits ``spec``'s shared memory with
+    its output tile (``out_size`` bytes an element) beside the operand stages. Flattened,
+    the stages stay live while a tile's epilogue converts the output through shared memory,
+    so the two add up: on an H200 the 128 x 256 tile with 3 stages (144 KB) and an fp32
+    output (128 KB) asked for 272 KB, more than the 227 KB a block gets, and failed to
+    launch; with a bf16 output (64 KB) it runs."""
+    stages = cfg.num_stages * operand_stage_bytes(cfg, 1)
+    return stages + cfg.block_m * cfg.block_n * out_size <= spec.smem_per_block
+
+
 #: fp8 products with at most this many K take the flattened persistent loop: few K steps
 #: of 128 per tile, so overlapping a tile's epilogue with the next tile's loads pays.
 FP8_FLATTEN_MAX_K = 2048
 
 
 def _generic_fp8_config(mean: float, spec: DeviceSpec, swiglu: bool, k: int,
-                        fast_accum: bool = False) -> Config:
-    """e4m3 operands, K steps of 128 (the bytes of 16-bit's 64).
+                        fast_accum: bool = False, out_size: int = 2) -> Config:
+    """e4m3 operands, K steps of 128 (the bytes of 16-bit's 64); ``out_size``: the bytes of
+    an output element.
 
     With fast accumulation (the MMA sums in place, one fp32 accumulator per output tile):
     128 x 256 tiles, 3 stages, the persistent loop flattened at every K; SwiGLU (a gate and
@@ -287,7 +304,10 @@ def _generic_fp8_config(mean: float, spec: DeviceSpec, swiglu: bool, k: int,
     ``sweep_grouped_linear_fp8.py --scalings rowwise --fast-accum`` over every
     ``bench_moe_layer.py`` product on an H100 (benchmarks/RESULTS.md, fp8): the down
     products (forward and dX) 4-15% faster than 128 x 128 at each of the four layers, SwiGLU
-    at Qwen3-30B-A3B 12% faster unflattened and the same elsewhere.
+    at Qwen3-30B-A3B 12% faster unflattened and the same elsewhere. The wide tile only where
+    its stages and the output tile fit in shared memory together
+    (:func:`_flattened_epilogue_fits`): with fp32 outputs they do not, and the product takes
+    the default accumulation's tile.
 
     With the default accumulation: 128 x 128 output tiles,
     4 stages (3 for SwiGLU), flattened where K <= :data:`FP8_FLATTEN_MAX_K`. From the tile
@@ -300,9 +320,10 @@ def _generic_fp8_config(mean: float, spec: DeviceSpec, swiglu: bool, k: int,
     128 x 256 spills and ran at half 128 x 128's rate or less."""
     if mean <= 64:
         cfg = Config(64, 64 if swiglu else 128, 128, num_warps=4, num_stages=4)
-    elif fast_accum:
-        cfg = (Config(128, 128, 128, num_warps=8, num_stages=3) if swiglu
-               else Config(128, 256, 128, num_warps=8, num_stages=3, flatten=True))
+    elif fast_accum and swiglu:
+        cfg = Config(128, 128, 128, num_warps=8, num_stages=3)
+    elif fast_accum and _flattened_epilogue_fits(FP8_FAST_ACCUM_WIDE, spec, out_size):
+        cfg = FP8_FAST_ACCUM_WIDE
     else:
         cfg = Config(128, 128, 128, num_warps=8, num_stages=3 if swiglu else 4,
                      flatten=0 < k <= FP8_FLATTEN_MAX_K)
@@ -324,7 +345,8 @@ def mjagged_case(m_total: int, groups: int, n: int, dtype: torch.dtype, *,
 
 def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
                   device, *, batch_invariant: bool = False, swiglu: bool = False,
-                  fp8_fast_accum: bool = False) -> Config:
+                  fp8_fast_accum: bool = False,
+                  out_dtype: Optional[torch.dtype] = None) -> Config:
     """M-jagged tile config from the mean group size ``M / G`` (host ints only) for
     ``device`` (a ``torch.device`` or a :class:`DeviceSpec`).
 
@@ -337,7 +359,9 @@ def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
     ``batch_invariant`` returns the fixed :data:`BATCH_INVARIANT_CONFIG` (in the
     interpreter, its config). ``fp8_fast_accum`` (e4m3 operands): the rowwise product whose
     MMA accumulates over the whole K loop, which holds half the accumulator registers and
-    takes wider tiles (:func:`_generic_fp8_config`).
+    takes wider tiles (:func:`_generic_fp8_config`). ``out_dtype``: the product's output
+    dtype (default: the operands' dtype, 16-bit for e4m3 operands), which a tile's epilogue
+    holds in shared memory.
     """
     spec = device_spec(device)
     if spec.interpreter:
@@ -348,7 +372,10 @@ def choose_config(m_total: int, groups: int, n: int, k: int, dtype: torch.dtype,
     tuned = tuned_config(spec, case) if case else None
     if tuned is not None:
         return tuned
-    return _generic_config(m_total / max(groups, 1), n, dtype, spec, swiglu, k, fp8_fast_accum)
+    out_size = (out_dtype.itemsize if out_dtype is not None
+                else 2 if dtype.itemsize == 1 else dtype.itemsize)
+    return _generic_config(m_total / max(groups, 1), n, dtype, spec, swiglu, k, fp8_fast_accum,
+                           out_size)
 
 
 def wgrad_case(m_total: int, groups: int) -> str:

@@ -496,7 +496,7 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
         return out
     cfg = config or choose_config(m, groups, n_out, k, a.dtype, a.device,
                                   batch_invariant=batch_invariant, swiglu=swiglu,
-                                  fp8_fast_accum=fp8_fast_accum)
+                                  fp8_fast_accum=fp8_fast_accum, out_dtype=out_dtype)
     if fp8_block_scales is not None:
         if 128 % cfg.block_k:
             raise ValueError(f"the blockwise fp8 product needs a block_k dividing 128, got "
