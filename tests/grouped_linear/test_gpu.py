@@ -189,6 +189,42 @@ def test_explicit_config_that_does_not_fit_raises_and_keeps_tma_on():
     assert not kernels.fell_back(kernels.Fallback.TMA, x.device)
 
 
+def test_default_config_that_does_not_fit_runs_with_fewer_stages(monkeypatch, caplog):
+    """A default config whose stages need more shared memory than the GPU gives a block (a
+    rule that miscounted; here forced) launches with fewer stages: the same bits as the
+    same tile with stages that fit, one warning, and TMA stays on for the device."""
+    import logging
+
+    from compileops.grouped_linear import kernels
+    from compileops.grouped_linear.kernels import kjagged, mjagged
+    from compileops.grouped_linear.kernels.stages import clear_fitted_stages
+    from compileops.grouped_linear.kernels.tma import clear_fallbacks
+
+    clear_fallbacks()
+    clear_fitted_stages()
+    x, w, offs, _ = make(4, 1024, 512, 512, torch.bfloat16)
+    grad = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
+    too_deep = kernels.Config(128, 256, 64, num_warps=8, num_stages=8)  # 384 KB of stages
+    fitting = kernels.Config(128, 256, 64, num_warps=8, num_stages=2)
+    strides = (w.stride(0), w.stride(2), w.stride(1))
+    want_y = mjagged.mjagged_gemm(x, w, strides, offs, 512, out_dtype=torch.bfloat16,
+                                  config=fitting)
+    want_dw, _ = kernels.grouped_linear_wgrad(grad, x, offs, torch.bfloat16, torch.bfloat16,
+                                              config=fitting, with_db=False)
+    monkeypatch.setattr(mjagged, "choose_config", lambda *a, **k: too_deep)
+    monkeypatch.setattr(kjagged, "choose_wgrad_config", lambda *a, **k: too_deep)
+    with caplog.at_level(logging.WARNING, logger="compileops"):
+        for _ in range(2):
+            y = mjagged.mjagged_gemm(x, w, strides, offs, 512, out_dtype=torch.bfloat16)
+            dw, _ = kernels.grouped_linear_wgrad(grad, x, offs, torch.bfloat16, torch.bfloat16,
+                                                 with_db=False)
+            assert torch.equal(y, want_y) and torch.equal(dw, want_dw)
+    warned = [r.getMessage() for r in caplog.records if "stages" in r.getMessage()]
+    assert len(warned) == 2, warned  # once per kernel: the fit is remembered
+    assert not kernels.fell_back(kernels.Fallback.TMA, x.device)
+    clear_fitted_stages()
+
+
 def test_tma_path_used_on_sm90_and_matches_pointer_path():
     from compileops.grouped_linear import kernels
 

@@ -293,12 +293,24 @@ def test_only_expected_errors_fall_back(exc, no_fallbacks):
 
 def test_triton_compile_errors_fall_back(no_fallbacks):
     from triton.compiler.errors import CompilationError
-    from triton.runtime.errors import OutOfResources, PTXASError
+    from triton.runtime.errors import PTXASError
 
-    for index, exc in enumerate([OutOfResources(300000, 232448, "shared memory"),
-                                 PTXASError("ptxas fatal"),
+    for index, exc in enumerate([PTXASError("ptxas fatal"),
                                  CompilationError("", None, "unsupported")]):
         device = torch.device("cuda", index)
         assert not launch_or_fall_back(broken(exc), Fallback.TMA, device, explicit=False,
                                        what="TMA kernel", instead="pointers")
         assert fell_back(Fallback.TMA, device), exc
+
+
+def test_shared_memory_overflow_does_not_turn_tma_off(no_fallbacks):
+    """A tile whose stages do not fit in shared memory needs as much without TMA: the error
+    propagates (to the stage retry) and TMA stays on for the device."""
+    from triton.runtime.errors import OutOfResources
+
+    cuda0 = torch.device("cuda", 0)
+    with pytest.raises(OutOfResources):
+        launch_or_fall_back(broken(OutOfResources(278528, 232448, "shared memory")),
+                            Fallback.TMA, cuda0, explicit=False, what="TMA kernel",
+                            instead="pointers")
+    assert not fell_back(Fallback.TMA, cuda0)

@@ -28,6 +28,7 @@ from compileops.grouped_linear.kernels.config import (
     input_precision,
 )
 from compileops.grouped_linear.kernels.mjagged import tile_dot
+from compileops.grouped_linear.kernels.stages import launch_with_stages_that_fit
 from compileops.grouped_linear.kernels.tiles import (
     claim_ticket,
     group_rows,
@@ -558,6 +559,13 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
     plain = dict.fromkeys(flags, False)
 
     def launch(tma: bool, variants: bool = True) -> None:
+        key = ("K-jagged", cfg, x.dtype, grad.dtype, weight_dtype, with_db, tma,
+               tuple(flags.values()) if variants else ())
+        launch_with_stages_that_fit(lambda stages: launch_stages(tma, variants, stages),
+                                    cfg.num_stages, x.device, explicit=config is not None,
+                                    key=key, what=f"the dW kernel's {cfg}")
+
+    def launch_stages(tma: bool, variants: bool, stages: int) -> None:
         if tma:
             set_tma_allocator(x.device)
         # The dynamic schedule's ticket counter starts at 0 in every launch (stream-ordered;
@@ -572,7 +580,7 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
             INPUT_PRECISION=input_precision(x.dtype), INTERPRETER_DOT=interpreter_dot(x), USE_TMA=tma,
             GROUP_N=cfg.group_n, DYNAMIC_TILES=cfg.dynamic_tiles,
             ASM_TICKET=x.device.type == "cuda" and not torch.version.hip,
-            LANES=32 * cfg.num_warps, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            LANES=32 * cfg.num_warps, num_warps=cfg.num_warps, num_stages=stages,
             G_BLOCK=group_block(groups),
             **(flags if tma and variants else plain),
         )

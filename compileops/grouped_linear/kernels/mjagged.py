@@ -29,6 +29,7 @@ from compileops.grouped_linear.kernels.config import (
     group_block,
     input_precision,
 )
+from compileops.grouped_linear.kernels.stages import launch_with_stages_that_fit
 from compileops.grouped_linear.kernels.tiles import group_tile_table, locate_tile
 from compileops.grouped_linear.kernels.tma import (
     Fallback,
@@ -520,6 +521,14 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
     store = mjagged_tma_store(out, cfg, bool(use_tma))
 
     def launch(tma: bool, tma_store: bool = False) -> None:
+        # What sets the kernel's shared memory besides the config: a retry's key.
+        key = ("M-jagged", cfg, a.dtype, out_dtype, swiglu, b_kn, tma, tma_store,
+               preact is not None, fp8_scales is not None, fp8_block_scales is not None)
+        launch_with_stages_that_fit(lambda stages: launch_stages(tma, tma_store, stages),
+                                    cfg.num_stages, a.device, explicit=config is not None,
+                                    key=key, what=f"the M-jagged kernel's {cfg}")
+
+    def launch_stages(tma: bool, tma_store: bool, stages: int) -> None:
         if tma:
             set_tma_allocator(a.device)
         mjagged_gemm_kernel[(progs,)](
@@ -544,7 +553,7 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
             FP8_BLOCKWISE=fp8_block_scales is not None, FP8_FAST_ACCUM=fp8_fast_accum,
             b2_ptr=second_weight if second_weight is not None else a, K2=k_second,
             SECOND_WEIGHT=second_weight is not None, WARP_SPECIALIZE=cfg.warp_specialize,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=stages,
         )
 
     if use_tma and a.device.type == "cuda":

@@ -14,7 +14,9 @@ Fallback: if a TMA launch on a GPU fails to compile or load (one of
 :data:`TMA_LAUNCH_ERRORS`), the failure is recorded for that device (:class:`Fallback`),
 logged once on the ``compileops`` logger, and that device launches without it from then on.
 A variant asked for by an explicit ``config`` re-raises instead (a sweep must not time a
-fallback). Any other exception propagates.
+fallback). Any other exception propagates, Triton's ``OutOfResources`` included: a tile
+whose stages do not fit in shared memory is retried with fewer (:mod:`.stages`), not
+without TMA.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.errors import TritonError
+from triton.runtime.errors import OutOfResources
 
 if TYPE_CHECKING:
     from compileops.grouped_linear.kernels.config import Config
@@ -208,9 +211,11 @@ def set_tma_allocator(device: torch.device) -> None:
 
 
 # What a TMA launch raises where the toolchain, the driver or the GPU cannot build or load
-# it: Triton's compile errors (CompilationError, OutOfResources, PTXASError: all
-# TritonError), and RuntimeError from an MLIR pass failure or the CUDA driver ("Triton Error
-# [CUDA]: ..."). A CUDA out-of-memory error is not one of them: it propagates.
+# it: Triton's compile errors (CompilationError, PTXASError: TritonError), and RuntimeError
+# from an MLIR pass failure or the CUDA driver ("Triton Error [CUDA]: ..."). Neither a CUDA
+# out-of-memory error nor Triton's OutOfResources (a tile's stages that do not fit in
+# shared memory, which the pointer kernel needs as much: :mod:`.stages` retries with fewer)
+# is one of them: they propagate.
 TMA_LAUNCH_ERRORS = (TritonError, RuntimeError)
 
 
@@ -245,13 +250,13 @@ def launch_or_fall_back(launch: Callable[[], None], kind: Fallback, device: torc
     """Runs ``launch()``; True if it ran. If it raises one of :data:`TMA_LAUNCH_ERRORS`:
     re-raises when ``explicit`` (asked for by an explicit ``config``), else records ``kind``
     as failed on ``device``, logs a warning the first time and returns False (the caller
-    then launches without it). Any other exception, and a CUDA out-of-memory error,
-    propagates."""
+    then launches without it). Any other exception, a CUDA out-of-memory error and
+    Triton's ``OutOfResources`` propagate."""
     try:
         launch()
         return True
     except TMA_LAUNCH_ERRORS as exc:
-        if explicit or isinstance(exc, torch.OutOfMemoryError):
+        if explicit or isinstance(exc, (torch.OutOfMemoryError, OutOfResources)):
             raise
         index = _device_index(device)
         if index not in _failed[kind]:
