@@ -1,7 +1,7 @@
 """One compiled MoE layer step (``bench_moe_layer.py``'s layer, forward + backward) under
 ``torch.profiler``: every GPU kernel of the step in launch order with its time, their sum
-against the step's wall time (what the GPU waits for the host), and the peak memory after
-the forward and after the backward.
+against the step's wall time (what the GPU waits for the host), how long the GPU sat idle
+before each kernel, and the peak memory after the forward and after the backward.
 
     python benchmarks/profile_moe_layer.py --shape qwen3-30b --impl compileops-fp8-cached \\
         --fp8-fast-accum [--routing skewed] [--dynamic]
@@ -79,9 +79,14 @@ def main() -> None:
     print(f"step wall {wall_ms:.3f} ms (unprofiled), GPU kernels {busy_ms:.3f} ms a step, "
           f"{per_step} kernels a step; peak after forward {forward_peak:.3f} GiB, after "
           f"backward {step_peak:.3f} GiB")
-    print("| # | kernel (last step, launch order) | us |\n|---|---|---|")
-    for i, e in enumerate(last):
-        print(f"| {i} | {e.name[:90]} | {e.time_range.elapsed_us():.0f} |")
+    # The host timeline as the GPU saw it: how long the GPU sat idle before each kernel
+    # (waiting for the host to launch it, or for the backward to start).
+    gaps = [0.0] + [max(0.0, b.time_range.start - a.time_range.end)
+                    for a, b in zip(last, last[1:])]
+    print(f"GPU idle between the last step's kernels: {sum(gaps) / 1e3:.3f} ms")
+    print("| # | kernel (last step, launch order) | us | idle before, us |\n|---|---|---|---|")
+    for i, (e, gap) in enumerate(zip(last, gaps)):
+        print(f"| {i} | {e.name[:90]} | {e.time_range.elapsed_us():.0f} | {gap:.0f} |")
 
 
 if __name__ == "__main__":
