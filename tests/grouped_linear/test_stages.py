@@ -45,7 +45,7 @@ def test_too_many_stages_retry_with_fewer_and_the_fit_is_remembered(caplog):
     calls = []
     with caplog.at_level(logging.WARNING, logger="compileops"):
         launch_with_stages_that_fit(fits_up_to(2, calls), 4, CUDA0, explicit=False, key="k",
-                                    what="the kernel")
+                                    what="the kernel", config="128 x 256 x 64")
         assert calls == [4, 3, 2]
         calls.clear()
         launch_with_stages_that_fit(fits_up_to(2, calls), 4, CUDA0, explicit=False, key="k",
@@ -53,7 +53,8 @@ def test_too_many_stages_retry_with_fewer_and_the_fit_is_remembered(caplog):
     assert calls == [2]  # straight to the count that fit
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 1, messages
-    assert "the kernel with 4 stages" in messages[0] and "with 2 stages" in messages[0]
+    assert "the kernel (128 x 256 x 64) with 4 stages" in messages[0]
+    assert "with 2 stages" in messages[0]
     assert "cuda:0" in messages[0]
 
 
@@ -117,10 +118,10 @@ def test_the_eager_launchers_launch_through_the_retry(monkeypatch):
 
     seen = []
 
-    def spy(launch, num_stages, device, *, explicit, key, what):
-        seen.append((key[0], key[1].num_stages, num_stages, explicit))
+    def spy(launch, num_stages, device, *, explicit, key, what, config):
+        seen.append((key[0], config.num_stages, num_stages, explicit))
         stages.launch_with_stages_that_fit(launch, num_stages, device, explicit=explicit,
-                                           key=key, what=what)
+                                           key=key, what=what, config=config)
 
     monkeypatch.setattr(mjagged, "launch_with_stages_that_fit", spy)
     monkeypatch.setattr(kjagged, "launch_with_stages_that_fit", spy)

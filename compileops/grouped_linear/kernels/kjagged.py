@@ -559,11 +559,12 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
     plain = dict.fromkeys(flags, False)
 
     def launch(tma: bool, variants: bool = True) -> None:
+        # What sets the kernel's shared memory besides the config: a retry's key.
         key = ("K-jagged", cfg, x.dtype, grad.dtype, weight_dtype, with_db, tma,
                tuple(flags.values()) if variants else ())
         launch_with_stages_that_fit(lambda stages: launch_stages(tma, variants, stages),
                                     cfg.num_stages, x.device, explicit=config is not None,
-                                    key=key, what=f"the dW kernel's {cfg}")
+                                    key=key, what="the dW kernel", config=cfg)
 
     def launch_stages(tma: bool, variants: bool, stages: int) -> None:
         if tma:

@@ -523,10 +523,11 @@ def mjagged_gemm(a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, in
     def launch(tma: bool, tma_store: bool = False) -> None:
         # What sets the kernel's shared memory besides the config: a retry's key.
         key = ("M-jagged", cfg, a.dtype, out_dtype, swiglu, b_kn, tma, tma_store,
-               preact is not None, fp8_scales is not None, fp8_block_scales is not None)
+               preact is not None, row_scale is not None, second_weight is not None,
+               fp8_scales is not None, fp8_block_scales is not None)
         launch_with_stages_that_fit(lambda stages: launch_stages(tma, tma_store, stages),
                                     cfg.num_stages, a.device, explicit=config is not None,
-                                    key=key, what=f"the M-jagged kernel's {cfg}")
+                                    key=key, what="the M-jagged kernel", config=cfg)
 
     def launch_stages(tma: bool, tma_store: bool, stages: int) -> None:
         if tma:

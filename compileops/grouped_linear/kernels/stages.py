@@ -42,12 +42,14 @@ def _device_index(device: torch.device) -> int:
 
 def launch_with_stages_that_fit(launch: Callable[[int], None], num_stages: int,
                                 device: torch.device, *, explicit: bool, key: tuple,
-                                what: str) -> None:
+                                what: str, config: object = None) -> None:
     """``launch(stages)`` with ``num_stages``, or, when that raises ``OutOfResources`` (and
     the config is not ``explicit``), with one stage fewer at a time down to one. ``key``
     names the kernel and config (hashable); the count that fits is kept for the next
-    launch of the same key on ``device``. Raises the last ``OutOfResources`` when even
-    one stage does not fit, and any other exception as it comes."""
+    launch of the same key on ``device``. ``what`` (the kernel) and ``config`` name them in
+    the warning, formatted only then (the eager launchers' host time). Raises the last
+    ``OutOfResources`` when even one stage does not fit, and any other exception as it
+    comes."""
     if explicit or device.type != "cuda":
         launch(num_stages)
         return
@@ -65,7 +67,8 @@ def launch_with_stages_that_fit(launch: Callable[[int], None], num_stages: int,
             stages -= 1
     if error is not None:
         if full_key not in _fitted:
-            logger.warning("compileops.grouped_linear: %s with %d stages needs more shared "
-                           "memory than cuda:%d gives a block (%s); launched with %d stages, "
-                           "slower, same results", what, num_stages, full_key[1], error, stages)
+            logger.warning("compileops.grouped_linear: %s (%s) with %d stages needs more "
+                           "shared memory than cuda:%d gives a block (%s); launched with %d "
+                           "stages, slower, same results", what, config, num_stages,
+                           full_key[1], error, stages)
         _fitted[full_key] = stages
