@@ -25,6 +25,8 @@ from typing import Callable
 import torch
 from triton.runtime.errors import OutOfResources
 
+from compileops.grouped_linear.kernels.tma import device_index
+
 logger = logging.getLogger("compileops")
 
 #: (kernel, config, device index) -> the stage count that launched after a shrink.
@@ -34,10 +36,6 @@ _fitted: dict[tuple, int] = {}
 def clear_fitted_stages() -> None:
     """Forget every stage count found to fit (tests)."""
     _fitted.clear()
-
-
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def launch_with_stages_that_fit(launch: Callable[[int], None], num_stages: int,
@@ -53,7 +51,7 @@ def launch_with_stages_that_fit(launch: Callable[[int], None], num_stages: int,
     if explicit or device.type != "cuda":
         launch(num_stages)
         return
-    full_key = (key, _device_index(device))
+    full_key = (key, device_index(device))
     stages = _fitted.get(full_key, num_stages)
     error = None
     while True:

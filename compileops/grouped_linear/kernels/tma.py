@@ -230,13 +230,14 @@ class Fallback(enum.Enum):
 _failed: dict[Fallback, set[int]] = {kind: set() for kind in Fallback}
 
 
-def _device_index(device: torch.device) -> int:
+def device_index(device: torch.device) -> int:
+    """The CUDA index of ``device`` (the current device's where it names none)."""
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def fell_back(kind: Fallback, device: torch.device) -> bool:
     """True once a launch on ``device`` failed and turned ``kind`` off there."""
-    return device.type == "cuda" and _device_index(device) in _failed[kind]
+    return device.type == "cuda" and device_index(device) in _failed[kind]
 
 
 def clear_fallbacks() -> None:
@@ -258,7 +259,7 @@ def launch_or_fall_back(launch: Callable[[], None], kind: Fallback, device: torc
     except TMA_LAUNCH_ERRORS as exc:
         if explicit or isinstance(exc, (torch.OutOfMemoryError, OutOfResources)):
             raise
-        index = _device_index(device)
+        index = device_index(device)
         if index not in _failed[kind]:
             _failed[kind].add(index)
             logger.warning("compileops.grouped_linear: %s failed on cuda:%d (%s: %s); using %s "
