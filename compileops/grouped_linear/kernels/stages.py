@@ -51,8 +51,10 @@ def launch_with_stages_that_fit(launch: Callable[[int], None], num_stages: int,
     if explicit or device.type != "cuda":
         launch(num_stages)
         return
-    full_key = (key, device_index(device))
-    stages = _fitted.get(full_key, num_stages)
+    # Nothing has needed fewer stages on almost every machine: then the launch pays for
+    # neither the device lookup nor hashing the key.
+    full_key = (key, device_index(device)) if _fitted else None
+    stages = _fitted.get(full_key, num_stages) if _fitted else num_stages
     error = None
     while True:
         try:
@@ -64,6 +66,7 @@ def launch_with_stages_that_fit(launch: Callable[[int], None], num_stages: int,
             error = error or exc
             stages -= 1
     if error is not None:
+        full_key = full_key or (key, device_index(device))
         if full_key not in _fitted:
             logger.warning("compileops.grouped_linear: %s (%s) with %d stages needs more "
                            "shared memory than cuda:%d gives a block (%s); launched with %d "
