@@ -650,6 +650,152 @@ def gather_recomputed(node) -> Callable | None:
     return lambda index: ops().to_dtype(compute(index), dtype)
 
 
+class RowGather:
+    """A realized buffer ``g [M, K]`` whose row ``r`` is row ``i(r)`` of a contiguous
+    ``source [T, K]`` of the same dtype, ``i`` computed from other (index) buffers: the MoE
+    layer's permuted tokens ``x[token_of_row]``. :func:`row_gather` finds one.
+
+    ``gathered_from(other)`` and ``rows_gathered_from(other_rows)`` give loaders that read
+    ``other [T, K]`` (contiguous) and ``other_rows [T]`` at the rows ``g`` reads: the same
+    index computation, with the source's loads redirected. A consumer of ``g`` that only
+    needs a row-wise function of it (a row quantisation) can then apply the function to the
+    ``T`` source rows and gather its result."""
+
+    def __init__(self, buffer, source, buffer_name: str, width: int):
+        self._compute = buffer.data.inner_fn
+        self.source = source  # IR [T, K]
+        self._source_name = buffer_name
+        self._width = width
+
+    def _redirected(self, index, redirect):
+        from torch._inductor.virtualized import V
+
+        with V.set_ops_handler(_RedirectLoads(V.get_ops_handler(), self._source_name,
+                                              redirect)):
+            return self._compute(index)
+
+    def gathered_from(self, other) -> Callable:
+        """Loader of ``other`` (IR, contiguous ``[T, K]``) at ``g``'s elements."""
+        other.realize()
+        name = other.get_name()
+        return lambda index: self._redirected(
+            index, lambda parent, flat: parent.load(name, flat))
+
+    def rows_gathered_from(self, other_rows) -> Callable:
+        """Loader ``[M]`` of ``other_rows`` (IR ``[T]``) at ``g``'s rows."""
+        from torch._inductor.utils import FloorDiv
+
+        other_rows.realize()
+        name, width = other_rows.get_name(), self._width
+        # Element (r, 0) of g is source element K * i(r): its row is that offset // K.
+        return lambda index: self._redirected(
+            [*index, 0], lambda parent, flat: parent.load(name, FloorDiv(flat, width)))
+
+
+class _RedirectLoads:
+    """An ops handler that forwards every op to ``parent`` but loads of ``source``, which
+    ``redirect(parent, index)`` answers."""
+
+    def __init__(self, parent, source: str, redirect: Callable):
+        self._parent, self._source, self._redirect = parent, source, redirect
+
+    def __getattr__(self, name):
+        return getattr(self._parent, name)
+
+    def load(self, name, index):
+        if name == self._source:
+            return self._redirect(self._parent, index)
+        return self._parent.load(name, index)
+
+
+class _RecordLoads:
+    """An ops handler that runs an ``inner_fn`` symbolically: every op returns an opaque
+    token, loads are recorded as ``(name, index)`` and return their own token, and each
+    indirect index is a fresh symbol."""
+
+    def __init__(self):
+        self.loads, self._symbols = [], 0
+
+    def load(self, name, index):
+        token = object()
+        self.loads.append((name, index, token))
+        return token
+
+    def indirect_indexing(self, value, size, check=True, wrap_neg=True):
+        import sympy
+
+        self._symbols += 1
+        return sympy.Symbol(f"gathered_row{self._symbols}", integer=True)
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: object()
+
+
+def row_gather(node) -> RowGather | None:
+    """A :class:`RowGather` when ``node`` (a ``TensorBox``) is a realized 2-D pointwise
+    buffer that only copies rows of a contiguous buffer of its dtype and row width (``[T,
+    K]``, or ``[B, S, K]`` read as ``[B * S, K]``), through an index read from other
+    buffers, into more rows than the source has; else None."""
+    import sympy
+    from torch._inductor import ir
+    from torch._inductor.utils import sympy_product
+    from torch._inductor.virtualized import V
+
+    storage = getattr(node, "data", None)
+    buffer = getattr(storage, "data", None)
+    if (not isinstance(storage, ir.StorageBox) or not isinstance(buffer, ir.ComputedBuffer)
+            or not isinstance(buffer.data, ir.Pointwise) or buffer.get_reduction_type()
+            or buffer.get_name() in V.graph.mutated_buffers
+            or len(buffer.get_size()) != 2 or not is_static(buffer.get_size()[1])):
+        return None
+    width = int(buffer.get_size()[1])
+    row, column = sympy.Symbol("row", integer=True), sympy.Symbol("column", integer=True)
+    recorder = _RecordLoads()
+    # As Inductor's own read analyses do: the index buffers' layouts may still be flexible;
+    # only the form of the source's index matters here, and that layout is fixed below.
+    with V.set_ops_handler(recorder), mock.patch.object(ir.FlexibleLayout, "allow_indexing",
+                                                        True):
+        value = buffer.data.inner_fn([row, column])
+    value = getattr(value, "value", value)  # unwrapped from Inductor's OpsValue
+    copied = [load for load in recorder.loads if load[2] is value]
+    if len(copied) != 1:
+        return None  # the buffer computes something from what it loads, not a copy
+    name, index, _ = copied[0]
+    if sum(load[0] == name for load in recorder.loads) != 1 or name in V.graph.mutated_buffers:
+        return None
+    source = V.graph.try_get_buffer(name)
+    if source is None or source.get_dtype() != buffer.get_dtype():
+        return None
+    size = list(source.get_size())
+    if not size or not statically_equal(size[-1], width):
+        return None
+    # Contiguous, so that a [B, S, K] source is read as its [B * S, K] rows.
+    layout = source.get_layout()
+    contiguous = ir.FlexibleLayout.contiguous_strides(size)
+    if (not statically_equal(layout.offset, 0)
+            or not all(statically_equal(a, b) for a, b in zip(layout.stride, contiguous))):
+        return None
+    # The element read must be source[i(row), column] with i free of the column: the index
+    # is column + width * i, and i reads the index buffers only.
+    index = sympy.expand(index)
+    rest = sympy.expand(index - column)
+    if rest.has(column) or rest.has(row):
+        return None
+    if any(sympy.Mod(term.as_coeff_Mul()[0], width) != 0 for term in sympy.Add.make_args(rest)):
+        return None
+    rows = sympy_product(size[:-1])
+    if size_hint(rows) >= size_hint(buffer.get_size()[0]):
+        return None  # no more rows than the source: nothing to gain
+    if isinstance(layout, ir.FlexibleLayout):
+        source.freeze_layout()  # the rows are addressed as contiguous from here on
+    box = V.graph.graph_inputs.get(name)
+    if box is None:
+        box = ir.TensorBox.create(source)
+    if len(size) != 2:
+        box = aten_lowering(torch.ops.aten.reshape.default)(box, [rows, width])
+    return RowGather(buffer, box, name, width)
+
+
 def _elements(node) -> int:
     """How many elements ``node`` (IR) holds, from the size hints."""
     from torch._inductor.utils import sympy_product

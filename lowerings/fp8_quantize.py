@@ -1,7 +1,9 @@
 """Rowwise e4m3 quantisation as Inductor IR: a row-amax reduction and a pointwise
 scale-and-cast, which Inductor fuses with each other and with whatever produces the rows (a
 permutation gather, the SwiGLU derivative of the backward, a cast), so a compiled fp8
-product reads its e4m3 operand from one fused kernel and runs no Python.
+product reads its e4m3 operand from one fused kernel and runs no Python. Rows gathered from
+fewer source rows (the permuted tokens, each token once per expert it is routed to) are
+quantised at the source, and the codes and scales gathered with the rows.
 
 The rule is :mod:`compileops.grouped_linear.fp8`'s, bit for bit as the Triton quantisers of
 ``compileops/grouped_linear/kernels/fp8.py`` compute it:
@@ -217,6 +219,13 @@ def quantise_rows(x, column_scale=None):
     row reads it twice."""
     ops = _compat.ops()
     device, size = x.get_device(), list(x.get_size())
+    # Rows wider than the persistent limit cannot be quantised in the kernel that writes
+    # the kept gathered copy (a whole-row pointwise node does not fuse with a reduction
+    # over a part of the row); narrower ones are, in one kernel, which this would split.
+    wide = _compat.is_static(size[-1]) and int(size[-1]) > _compat.PERSISTENT_ROW_LIMIT
+    gather = _compat.row_gather(x) if column_scale is None and wide else None
+    if gather is not None:
+        return _quantise_then_gather(gather, device, size)
     pieces = _compat.concatenated_inputs(x, len(size) - 1) or []
     parts = _row_parts(size[-1], [start for start, _ in pieces])
     # Rows gathered into a buffer the graph also keeps (the permuted tokens, saved for dW)
@@ -251,5 +260,26 @@ def quantise_rows(x, column_scale=None):
     q_parts = [q_of_part(load) for load in loaders]
     q = q_parts[0] if parts == 1 else _compat.concat_parts(q_parts, len(size) - 1)
     scale = _compat.pointwise(device=device, dtype=torch.float32, inner_fn=scale_at,
+                              ranges=size[:-1])
+    return _compat.require_contiguous(q), _compat.require_contiguous(scale)
+
+
+def _quantise_then_gather(gather, device, size):
+    """``quantise_rows`` of ``x [M, K]`` that only copies rows of a source ``[T, K]`` into
+    more rows than it has (``gather``, :class:`._compat.RowGather`: the MoE layer's permuted
+    tokens, each token once per expert it is routed to): the ``T`` source rows are quantised
+    (a kernel that fuses with the source's producer, a norm), then codes and scales are
+    gathered as ``x`` is.
+
+    Each row's quantisation depends on that row alone, so the gathered codes are the bits
+    the gathered rows' quantisation gives. The gather of the codes has the index of ``x``'s
+    own gather and fuses with it, one kernel writing both (``x`` is kept, for dW): the
+    reduction reads ``T`` rows instead of ``M``, and the ``M`` gathered rows are read once,
+    where quantising them as gathered was a kernel of its own that gathered them again."""
+    source_q, source_scale = quantise_rows(gather.source)
+    q = _compat.pointwise(device=device, dtype=E4M3, inner_fn=gather.gathered_from(source_q),
+                          ranges=size)
+    scale = _compat.pointwise(device=device, dtype=torch.float32,
+                              inner_fn=gather.rows_gathered_from(source_scale),
                               ranges=size[:-1])
     return _compat.require_contiguous(q), _compat.require_contiguous(scale)

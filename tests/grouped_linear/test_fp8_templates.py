@@ -345,8 +345,9 @@ def test_wide_rows_are_quantised_in_one_pass(dynamic):
 def test_gathered_rows_are_quantised_from_their_source_also_when_it_is_written_after(
         monkeypatch):
     """Rows gathered with repeats (the permuted tokens), kept as an output and quantised in
-    parts: the quantisation gathers them again from the source, which the function then
-    writes in place. Compiled equals eager: the write waits for the quantisation."""
+    parts: the source's rows are quantised and the codes gathered as the rows are, and the
+    function then writes the source in place. Compiled equals eager: the write waits for
+    the quantisation."""
     monkeypatch.setattr(_compat, "PERSISTENT_ROW_LIMIT", 16)
     gen = torch.Generator().manual_seed(3)
     x0 = torch.randn(64, 48, generator=gen).bfloat16()
@@ -367,11 +368,54 @@ def test_gathered_rows_are_quantised_from_their_source_also_when_it_is_written_a
                                                 index)
     assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])
     assert torch.equal(x, x0 * 2)
-    # The quantisation (a persistent reduction over a third of a row) reads x's rows at
-    # the gathered row indices (row stride 48 times a loaded index), not the gathered copy.
+    # The quantisation (a persistent reduction over a third of a row) reduces x's 64 rows,
+    # not the 128 gathered ones; one kernel then gathers the kept rows and their codes
+    # (row stride 48 times a loaded index, from two inputs, into two outputs).
+    bodies = _kernel_bodies("\n".join(sources))
+    quantisers = [body for name, body in bodies
+                  if name.startswith("triton_per_") and "grouped_linear_fp8" in name]
+    assert len(quantisers) == 1 and "xnumel = 64\n" in quantisers[0], quantisers
+    gathers = [body for name, body in bodies if name.startswith("triton_poi_")
+               and len(set(re.findall(r"tl\.load\((in_ptr\d+) \+ \(x\d+ \+ 48\*tmp\d+\)", body))) == 2
+               and len(re.findall(r"tl\.store\(", body)) == 2]
+    assert len(gathers) == 1, [name for name, _ in bodies]
+
+
+@interpreter
+@pytest.mark.parametrize("rows_of", ["top-2 copies", "top-2 copies, scaled", "a permutation"])
+def test_rows_gathered_from_fewer_rows_are_quantised_before_the_gather(rows_of, monkeypatch):
+    """Tokens ``[2, 32, 48]`` read as their 64 rows and gathered to 128 (each token twice,
+    as a top-2 router's permutation makes them): the 64 source rows are quantised and the
+    codes and scales gathered, bit for bit the eager op's. Rows that are computed from the
+    gathered values (scaled) or no more rows than the source (a permutation) are quantised
+    where they are. Quantised in parts (the persistent-reduction limit lowered to 16)."""
+    monkeypatch.setattr(_compat, "PERSISTENT_ROW_LIMIT", 16)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 32, 48, generator=gen).bfloat16()
+    x[0, 3] *= 1e4  # rows of very different magnitudes: wrong scales would show
+    x[1, 7] = 0.0
+    w = (torch.randn(2, 40, 48, generator=gen) / 48 ** 0.5).bfloat16()
+    copies = 1 if rows_of == "a permutation" else 2
+    token = torch.arange(64).repeat_interleave(copies)[torch.randperm(64 * copies,
+                                                                      generator=gen)]
+    offsets = offsets_of([50, 64 * copies - 50])
+    factor = 2.0 if rows_of.endswith("scaled") else 1.0
+
+    def layer(x, w, token):
+        rows = x.view(-1, 48)[token]
+        return compileops.grouped_linear(rows * factor if factor != 1.0 else rows, w,
+                                         offsets, fp8="rowwise"), rows
+
+    eager = layer(x, w, token)
+    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
+        got, sources = _compat.run_and_get_code(torch.compile(layer, fullgraph=True), x, w,
+                                                token)
+    assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])
     quantisers = [body for name, body in _kernel_bodies("\n".join(sources))
                   if name.startswith("triton_per_") and "grouped_linear_fp8" in name]
-    assert len(quantisers) == 1 and re.search(r"48\*tmp\d+", quantisers[0]), quantisers
+    quantised_rows = 64 if rows_of == "top-2 copies" else 64 * copies
+    assert len(quantisers) == 1, [name for name, _ in _kernel_bodies("\n".join(sources))]
+    assert f"xnumel = {quantised_rows}\n" in quantisers[0]
 
 
 @interpreter
