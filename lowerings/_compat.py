@@ -616,6 +616,21 @@ def inner_row_max(*, device, inner_fn: Callable, ranges: Sequence, row_width) ->
     return result
 
 
+def _realized_pointwise(node) -> Any:
+    """The ``ComputedBuffer`` behind ``node`` (a ``TensorBox``) when it is a realized
+    pointwise buffer the graph does not write in place; else None."""
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    storage = getattr(node, "data", None)
+    buffer = getattr(storage, "data", None)
+    if (not isinstance(storage, ir.StorageBox) or not isinstance(buffer, ir.ComputedBuffer)
+            or not isinstance(buffer.data, ir.Pointwise) or buffer.get_reduction_type()
+            or buffer.get_name() in V.graph.mutated_buffers):
+        return None
+    return buffer
+
+
 def gather_recomputed(node) -> Callable | None:
     """A loader that recomputes ``node`` (a ``TensorBox``) from what it reads, when ``node``
     is a realized pointwise buffer every one of whose inputs has fewer elements than it (a
@@ -626,14 +641,10 @@ def gather_recomputed(node) -> Callable | None:
     reads the smaller inputs instead (each row top-k times, which the cache may serve) and
     no longer waits for the buffer's kernel. The value is rounded to the buffer's dtype, so the
     consumer sees the bits the buffer holds."""
-    from torch._inductor import ir
     from torch._inductor.virtualized import V
 
-    storage = getattr(node, "data", None)
-    buffer = getattr(storage, "data", None)
-    if (not isinstance(storage, ir.StorageBox) or not isinstance(buffer, ir.ComputedBuffer)
-            or not isinstance(buffer.data, ir.Pointwise) or buffer.get_reduction_type()
-            or buffer.get_name() in V.graph.mutated_buffers):
+    buffer = _realized_pointwise(node)
+    if buffer is None:
         return None
     elements = _elements(buffer)
     read_names = buffer.get_read_names()
@@ -741,12 +752,8 @@ def row_gather(node) -> RowGather | None:
     from torch._inductor.utils import sympy_product
     from torch._inductor.virtualized import V
 
-    storage = getattr(node, "data", None)
-    buffer = getattr(storage, "data", None)
-    if (not isinstance(storage, ir.StorageBox) or not isinstance(buffer, ir.ComputedBuffer)
-            or not isinstance(buffer.data, ir.Pointwise) or buffer.get_reduction_type()
-            or buffer.get_name() in V.graph.mutated_buffers
-            or len(buffer.get_size()) != 2 or not is_static(buffer.get_size()[1])):
+    buffer = _realized_pointwise(node)
+    if buffer is None or len(buffer.get_size()) != 2 or not is_static(buffer.get_size()[1]):
         return None
     width = int(buffer.get_size()[1])
     row, column = sympy.Symbol("row", integer=True), sympy.Symbol("column", integer=True)
