@@ -275,7 +275,11 @@ def _quantise_then_gather(gather, device, size):
     the gathered rows' quantisation gives. The gather of the codes has the index of ``x``'s
     own gather and fuses with it, one kernel writing both (``x`` is kept, for dW): the
     reduction reads ``T`` rows instead of ``M``, and the ``M`` gathered rows are read once,
-    where quantising them as gathered was a kernel of its own that gathered them again."""
+    where quantising them as gathered was a kernel of its own that gathered them again.
+
+    The source must be a buffer of its own (a graph input, or written by a kernel of its
+    own); where Inductor inlines the tokens' producer (a norm) into the gather, the gathered
+    rows are computed, not copied, and are quantised as gathered."""
     source_q, source_scale = quantise_rows(gather.source)
     q = _compat.pointwise(device=device, dtype=E4M3, inner_fn=gather.gathered_from(source_q),
                           ranges=size)
