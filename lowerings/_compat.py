@@ -698,7 +698,8 @@ class RowGather:
 
         other_rows.realize()
         name, width = other_rows.get_name(), self._width
-        # Element (r, 0) of g is source element K * i(r): its row is that offset // K.
+        # Element (r, 0) of g is source element K * i(r) (plus whole rows where the source
+        # is a row slice): its row is that offset // K.
         return lambda index: self._redirected(
             [*index, 0], lambda parent, flat: parent.load(name, FloorDiv(flat, width)))
 

@@ -268,8 +268,8 @@ def _quantise_then_gather(gather, device, size):
     """``quantise_rows`` of ``x [M, K]`` that only copies rows of a source ``[T, K]`` into
     more rows than it has (``gather``, :class:`._compat.RowGather`: the MoE layer's permuted
     tokens, each token once per expert it is routed to): the ``T`` source rows are quantised
-    (a kernel that fuses with the source's producer, a norm), then codes and scales are
-    gathered as ``x`` is.
+    (a persistent reduction over ``T`` rows), then codes and scales are gathered as ``x``
+    is.
 
     Each row's quantisation depends on that row alone, so the gathered codes are the bits
     the gathered rows' quantisation gives. The gather of the codes has the index of ``x``'s
