@@ -419,6 +419,34 @@ def test_rows_gathered_from_fewer_rows_are_quantised_before_the_gather(rows_of, 
 
 
 @interpreter
+def test_rows_gathered_from_a_row_slice_take_the_slices_rows(monkeypatch):
+    """Rows gathered from ``x[6:]`` (70 rows of 48, each of the last 64 twice): the
+    buffer's rows are quantised and the gather reads the codes and scales at the slice's
+    offset, bit for bit the eager op's (row 9, 1e4 times the others, is row 3 of the
+    slice: a scale read one row off would show)."""
+    monkeypatch.setattr(_compat, "PERSISTENT_ROW_LIMIT", 16)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(70, 48, generator=gen).bfloat16()
+    x[9] *= 1e4
+    w = (torch.randn(2, 40, 48, generator=gen) / 48 ** 0.5).bfloat16()
+    token = torch.arange(64).repeat_interleave(2)[torch.randperm(128, generator=gen)]
+    offsets = offsets_of([50, 78])
+
+    def layer(x, w, token):
+        rows = x[6:][token]
+        return compileops.grouped_linear(rows, w, offsets, fp8="rowwise"), rows
+
+    eager = layer(x, w, token)
+    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
+        got, sources = _compat.run_and_get_code(torch.compile(layer, fullgraph=True), x, w,
+                                                token)
+    assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])
+    quantisers = [body for name, body in _kernel_bodies("\n".join(sources))
+                  if name.startswith("triton_per_") and "grouped_linear_fp8" in name]
+    assert len(quantisers) == 1 and "xnumel = 70\n" in quantisers[0], quantisers
+
+
+@interpreter
 @pytest.mark.parametrize("pieces", [(16, 16), (24, 24), (20, 28)],
                          ids=["parts-are-pieces", "parts-inside-pieces", "a-part-across-pieces"])
 def test_a_concatenated_dy_is_quantised_where_its_pieces_are_computed(pieces, monkeypatch):
