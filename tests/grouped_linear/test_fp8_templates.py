@@ -381,6 +381,21 @@ def test_gathered_rows_are_quantised_from_their_source_also_when_it_is_written_a
     assert len(gathers) == 1, [name for name, _ in bodies]
 
 
+def _rows_quantised_compiled(layer, *args) -> int:
+    """Compiles ``layer`` (returning ``(fp8 product, gathered rows)``), checks both outputs
+    are the eager ones bit for bit, and returns how many rows the one row quantiser of the
+    fp8 product reduces."""
+    eager = layer(*args)
+    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
+        got, sources = _compat.run_and_get_code(torch.compile(layer, fullgraph=True), *args)
+    assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])
+    bodies = _kernel_bodies("\n".join(sources))
+    quantisers = [body for name, body in bodies
+                  if name.startswith("triton_per_") and "grouped_linear_fp8" in name]
+    assert len(quantisers) == 1, [name for name, _ in bodies]
+    return int(re.search(r"xnumel = (\d+)\n", quantisers[0]).group(1))
+
+
 @interpreter
 @pytest.mark.parametrize("rows_of", ["top-2 copies", "top-2 copies, scaled", "a permutation"])
 def test_rows_gathered_from_fewer_rows_are_quantised_before_the_gather(rows_of, monkeypatch):
@@ -406,16 +421,8 @@ def test_rows_gathered_from_fewer_rows_are_quantised_before_the_gather(rows_of, 
         return compileops.grouped_linear(rows * factor if factor != 1.0 else rows, w,
                                          offsets, fp8="rowwise"), rows
 
-    eager = layer(x, w, token)
-    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
-        got, sources = _compat.run_and_get_code(torch.compile(layer, fullgraph=True), x, w,
-                                                token)
-    assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])
-    quantisers = [body for name, body in _kernel_bodies("\n".join(sources))
-                  if name.startswith("triton_per_") and "grouped_linear_fp8" in name]
     quantised_rows = 64 if rows_of == "top-2 copies" else 64 * copies
-    assert len(quantisers) == 1, [name for name, _ in _kernel_bodies("\n".join(sources))]
-    assert f"xnumel = {quantised_rows}\n" in quantisers[0]
+    assert _rows_quantised_compiled(layer, x, w, token) == quantised_rows
 
 
 @interpreter
@@ -436,14 +443,7 @@ def test_rows_gathered_from_a_row_slice_take_the_slices_rows(monkeypatch):
         rows = x[6:][token]
         return compileops.grouped_linear(rows, w, offsets, fp8="rowwise"), rows
 
-    eager = layer(x, w, token)
-    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
-        got, sources = _compat.run_and_get_code(torch.compile(layer, fullgraph=True), x, w,
-                                                token)
-    assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])
-    quantisers = [body for name, body in _kernel_bodies("\n".join(sources))
-                  if name.startswith("triton_per_") and "grouped_linear_fp8" in name]
-    assert len(quantisers) == 1 and "xnumel = 70\n" in quantisers[0], quantisers
+    assert _rows_quantised_compiled(layer, x, w, token) == 70
 
 
 @interpreter
