@@ -836,6 +836,89 @@ def concatenated_inputs(node, dim: int) -> list | None:
     return starts
 
 
+def kept_beside(node) -> bool:
+    """Whether ``node`` (IR), an operand of the FX node being lowered, is also an output of
+    the graph (a tensor saved for the backward) or an operand of another op of this library
+    (a template or an extern call, which reads it from memory): it will be written to memory
+    whatever this lowering does."""
+    from torch._inductor.virtualized import V
+
+    current = V.graph.current_node
+    for argument in getattr(current, "all_input_nodes", ()):
+        if V.graph.env.get(argument) is not node:
+            continue
+        return any(user is not current and (
+            user.op == "output" or getattr(user.target, "namespace", None) == "compileops")
+            for user in argument.users)
+    return False
+
+
+def realize_gathered_in_parts(node, part: int) -> list | None:
+    """Realizes ``node`` (a ``TensorBox`` of pointwise IR ``[R..., K]`` every input of
+    which has fewer elements: a gather, as the MoE layer's dY permuted to the experts' rows)
+    as the concatenation of its ``K / part`` slices along the last dim, each computed straight into
+    its place by a node of its own (:func:`concat_parts`), and returns the pieces as
+    :func:`concatenated_inputs` does; None, with ``node`` unchanged, when it is not such a
+    node. Every consumer lowered from here on reads the one contiguous buffer; a reduction
+    over a part's width can fuse with the nodes that compute it, which it cannot with one
+    node computing whole rows.
+
+    ``node`` may already be realized as whole rows (Inductor realizes an operand of an
+    extern op early, when the op's fallback exists already), provided no operation reads
+    that buffer yet: the pieces are computed from its pointwise body, and the buffer, read
+    by nothing, is removed by the scheduler."""
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    storage = getattr(node, "data", None)
+    if not isinstance(storage, ir.StorageBox):
+        return None
+    body = storage.data
+    if type(body) is not ir.Pointwise:
+        buffer = _realized_pointwise(node)
+        if buffer is None or _read_by_an_operation(buffer.get_name()):
+            return None
+        layout = buffer.get_layout()
+        if not isinstance(layout, ir.FlexibleLayout) and not all(
+                statically_equal(a, b) for a, b in zip(
+                    layout.stride, ir.FlexibleLayout.contiguous_strides(layout.size))):
+            return None
+        body = buffer.data
+    size = list(node.get_size())
+    if not is_static(size[-1]) or int(size[-1]) % part or not _expands_its_inputs(body):
+        return None
+    load = body.make_loader()
+
+    def piece(first):
+        return pointwise(device=node.get_device(), dtype=node.get_dtype(),
+                         inner_fn=lambda idx: load([*idx[:-1], first + idx[-1]]),
+                         ranges=[*size[:-1], part])
+
+    whole = concat_parts([piece(first) for first in range(0, int(size[-1]), part)],
+                         len(size) - 1)
+    # As StorageBox.realize does: the box now holds the buffer, for every view of it.
+    storage.data = whole.data.data
+    return concatenated_inputs(node, len(size) - 1)
+
+
+def _expands_its_inputs(body) -> bool:
+    """Whether the pointwise ``body`` reads buffers, each with fewer elements than it."""
+    from torch._inductor.virtualized import V
+
+    elements, names = _elements(body), body.get_read_names()
+    return bool(names) and all(
+        (source := V.graph.try_get_buffer(name)) is not None and _elements(source) < elements
+        for name in names)
+
+
+def _read_by_an_operation(name: str) -> bool:
+    """Whether an operation lowered so far reads the buffer ``name``."""
+    from torch._inductor.virtualized import V
+
+    return any(name in operation.get_read_names() for operation in V.graph.operations
+               if operation.get_name() != name)
+
+
 def concat_parts(parts: Sequence, dim: int) -> Any:
     """One contiguous buffer whose slices along ``dim`` are ``parts`` (pointwise IR of one
     dtype and device), each part computed straight into its slice (no copy), so each stays a

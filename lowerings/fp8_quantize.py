@@ -228,6 +228,11 @@ def quantise_rows(x, column_scale=None):
         return _quantise_then_gather(gather, device, size)
     pieces = _compat.concatenated_inputs(x, len(size) - 1) or []
     parts = _row_parts(size[-1], [start for start, _ in pieces])
+    if wide and parts > 1 and not pieces and _compat.kept_beside(x):
+        # Gathered rows that another op reads from memory (dY permuted to the experts'
+        # rows, kept for the bf16 down dW): written in part-wide pieces, the kernel that
+        # quantises them writes them too, where whole rows were a kernel of their own.
+        pieces = _compat.realize_gathered_in_parts(x, int(size[-1]) // parts) or []
     # Rows gathered into a buffer the graph also keeps (the permuted tokens, saved for dW)
     # are gathered again here rather than read back: one kernel reads the source rows.
     load_x = _compat.gather_recomputed(x) or x.make_loader()

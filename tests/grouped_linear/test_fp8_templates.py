@@ -447,6 +447,96 @@ def test_rows_gathered_from_a_row_slice_take_the_slices_rows(monkeypatch):
 
 
 @interpreter
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_gathered_dy_kept_for_dw_is_written_by_its_quantiser(dynamic, monkeypatch):
+    """The MoE layer's backward: dY of the product is the combine's gradient gathered to
+    the permuted rows, read by the dX product (quantised with the weight's scales) and kept
+    for the bf16 dW. Rows of 48 quantised in 3 parts (the persistent-reduction limit
+    lowered to 16): the rows are written in part-wide pieces by the kernel that quantises
+    them, and no other kernel writes them. Every gradient is the eager one, bit for bit."""
+    monkeypatch.setattr(_compat, "PERSISTENT_ROW_LIMIT", 16)
+    gen = torch.Generator().manual_seed(11)
+    # x in fp32 and the rows cast: the interpreter has no bf16 atomic add for x's gradient.
+    x = torch.randn(64, 40, generator=gen).bfloat16().float().requires_grad_()
+    w = (torch.randn(2, 48, 40, generator=gen) / 40 ** 0.5).bfloat16().requires_grad_()
+    token = torch.arange(64).repeat_interleave(2)[torch.randperm(128, generator=gen)]
+    offsets = offsets_of([50, 78])
+    # bf16 values in fp32: the interpreter casts fp32 to bf16 without rounding to nearest.
+    grad = torch.randn(64, 48, generator=gen).bfloat16().float()
+    grad[5] *= 2 ** 13  # a token's rows far larger than the others: a scale a row off shows
+
+    def layer(x, w, token):
+        y = compileops.grouped_linear(x[token].bfloat16(), w, offsets, fp8="rowwise")
+        return torch.zeros(64, 48).index_add(0, token, y.float())
+
+    def step(run):
+        x.grad = w.grad = None
+        run(x, w, token).backward(grad)
+        return x.grad.clone(), w.grad.clone()
+
+    eager = step(layer)
+    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
+        compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic)
+        got, sources = _compat.run_and_get_code(lambda: step(compiled))
+    assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])
+    backward = _kernel_bodies(next(code for code in sources if "tangents_1" in code))
+    quantisers = [body for name, body in backward if name.startswith("triton_per_")
+                  and "grouped_linear_fp8_dx_from_copy" in name]
+    assert len(quantisers) == 1, [name for name, _ in backward]
+    # Three pieces of the kept rows, three of the codes, the scales.
+    assert len(re.findall(r"tl\.store\(", quantisers[0])) == 7
+    # The kept rows are the dW template's operand; no kernel but the quantiser writes a
+    # [128, 48] buffer.
+    writers = [name for name, body in backward
+               if "_tem_" not in name and re.search(r"xnumel = 6144\b", body)]
+    assert not writers, writers
+
+
+@interpreter
+def test_computed_rows_gathered_and_saved_for_dw_are_written_by_their_quantiser(
+        monkeypatch):
+    """Tokens scaled (a norm's last step, which Inductor computes inside the gather) and
+    gathered to 128 rows of 48, saved for dW: no source buffer to quantise before the
+    gather, so the rows are written in part-wide pieces (3, the persistent-reduction limit
+    lowered to 16) by the kernel that quantises them, and no other forward kernel writes
+    them. Output and gradients are the eager ones, bit for bit."""
+    monkeypatch.setattr(_compat, "PERSISTENT_ROW_LIMIT", 16)
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(64, 48, generator=gen).bfloat16()
+    x[9] *= 2 ** 13
+    # Powers of two: exact products (the interpreter stores fp32 into bf16 without rounding
+    # to nearest, so a rounding producer would differ from eager before any fp8).
+    gain = (2.0 ** torch.randint(-2, 3, (48,), generator=gen)).bfloat16()
+    w = (torch.randn(2, 40, 48, generator=gen) / 48 ** 0.5).bfloat16().requires_grad_()
+    token = torch.arange(64).repeat_interleave(2)[torch.randperm(128, generator=gen)]
+    offsets = offsets_of([50, 78])
+    grad = torch.randn(128, 40, generator=gen).bfloat16()
+
+    def layer(x, gain, w, token):
+        return compileops.grouped_linear((x * gain)[token], w, offsets, fp8="rowwise")
+
+    def step(run):
+        w.grad = None
+        y = run(x, gain, w, token)
+        y.backward(grad)
+        return y.detach(), w.grad.clone()
+
+    eager = step(layer)
+    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
+        compiled = torch.compile(layer, fullgraph=True)
+        got, sources = _compat.run_and_get_code(lambda: step(compiled))
+    assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])
+    forward = _kernel_bodies(next(code for code in sources if "tangents_1" not in code))
+    quantisers = [body for name, body in forward if name.startswith("triton_per_")
+                  and "grouped_linear_fp8" in name]
+    assert len(quantisers) == 1, [name for name, _ in forward]
+    assert len(re.findall(r"tl\.store\(", quantisers[0])) == 7
+    writers = [name for name, body in forward
+               if "_tem_" not in name and re.search(r"xnumel = 6144\b", body)]
+    assert not writers, writers
+
+
+@interpreter
 @pytest.mark.parametrize("pieces", [(16, 16), (24, 24), (20, 28)],
                          ids=["parts-are-pieces", "parts-inside-pieces", "a-part-across-pieces"])
 def test_a_concatenated_dy_is_quantised_where_its_pieces_are_computed(pieces, monkeypatch):
