@@ -145,6 +145,23 @@ class LoweredOnly(RuntimeError):
 
 
 @contextlib.contextmanager
+def operands_realized_early(op: torch._ops.OpOverload, early: bool) -> Iterator[None]:
+    """For tests: whether Inductor realizes the operands of ``op`` (an op it calls as an
+    extern kernel) as soon as they are lowered (``early``) or only when ``op`` itself is.
+    Inductor does the first once the op's fallback exists, which a process creates at the
+    first compile that lowers the op: without this, a test would see one or the other
+    depending on what compiled before it."""
+    from torch._inductor.lowering import needs_realized_inputs
+
+    had = op in needs_realized_inputs
+    (needs_realized_inputs.add if early else needs_realized_inputs.discard)(op)
+    try:
+        yield
+    finally:
+        (needs_realized_inputs.add if had else needs_realized_inputs.discard)(op)
+
+
+@contextlib.contextmanager
 def lower_only(sources: list | None = None) -> Iterator[None]:
     """Compiles inside this context lower their graphs, forward and backward (the backward
     right after the forward, not at the first backward call), so every lowering runs and

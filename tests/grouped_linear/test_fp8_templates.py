@@ -447,13 +447,16 @@ def test_rows_gathered_from_a_row_slice_take_the_slices_rows(monkeypatch):
 
 
 @interpreter
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-def test_gathered_dy_kept_for_dw_is_written_by_its_quantiser(dynamic, monkeypatch):
+@pytest.mark.parametrize("dynamic,early", [(False, False), (False, True), (True, True)],
+                         ids=["static", "static-realized-early", "dynamic-realized-early"])
+def test_gathered_dy_kept_for_dw_is_written_by_its_quantiser(dynamic, early, monkeypatch):
     """The MoE layer's backward: dY of the product is the combine's gradient gathered to
     the permuted rows, read by the dX product (quantised with the weight's scales) and kept
     for the bf16 dW. Rows of 48 quantised in 3 parts (the persistent-reduction limit
     lowered to 16): the rows are written in part-wide pieces by the kernel that quantises
-    them, and no other kernel writes them. Every gradient is the eager one, bit for bit."""
+    them, and no other kernel writes them. Every gradient is the eager one, bit for bit.
+    Also where Inductor has realized dY as whole rows before the quantisation is lowered
+    (``early``: the dW op's operands realized as they are lowered)."""
     monkeypatch.setattr(_compat, "PERSISTENT_ROW_LIMIT", 16)
     gen = torch.Generator().manual_seed(11)
     # x in fp32 and the rows cast: the interpreter has no bf16 atomic add for x's gradient.
@@ -475,7 +478,9 @@ def test_gathered_dy_kept_for_dw_is_written_by_its_quantiser(dynamic, monkeypatc
         return x.grad.clone(), w.grad.clone()
 
     eager = step(layer)
-    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
+    wgrad = torch.ops.compileops.grouped_linear_wgrad.default
+    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu(), \
+            _compat.operands_realized_early(wgrad, early):
         compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic)
         got, sources = _compat.run_and_get_code(lambda: step(compiled))
     assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])
