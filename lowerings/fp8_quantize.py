@@ -216,7 +216,14 @@ def quantise_rows(x, column_scale=None):
     amax, every part's quantisation and the producer of the rows (a gather, a cast; the
     pieces of a concatenation built a kernel per piece, read where they were computed) into
     one persistent kernel that reads each row once, where a looped reduction over the whole
-    row reads it twice."""
+    row reads it twice.
+
+    Gathered rows that are also written to memory for another consumer (an operand of
+    another op of this library, or a tensor saved for the backward: dY permuted to the
+    experts' rows and kept for the bf16 down dW, tokens computed inside the permutation and
+    saved for the gate/up dW) are realized in the same part-wide pieces
+    (:func:`._compat.realize_gathered_in_parts`), so that kernel writes them too; a
+    whole-row copy does not fuse with a reduction over part of a row."""
     ops = _compat.ops()
     device, size = x.get_device(), list(x.get_size())
     # Rows wider than the persistent limit cannot be quantised in the kernel that writes
@@ -284,7 +291,8 @@ def _quantise_then_gather(gather, device, size):
 
     The source must be a buffer of its own (a graph input, or written by a kernel of its
     own); where Inductor inlines the tokens' producer (a norm) into the gather, the gathered
-    rows are computed, not copied, and are quantised as gathered."""
+    rows are computed, not copied, and are quantised as gathered, the kept rows written by
+    the same kernel (:func:`quantise_rows`)."""
     source_q, source_scale = quantise_rows(gather.source)
     q = _compat.pointwise(device=device, dtype=E4M3, inner_fn=gather.gathered_from(source_q),
                           ranges=size)
