@@ -484,17 +484,8 @@ def test_gathered_dy_kept_for_dw_is_written_by_its_quantiser(dynamic, early, mon
         compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic)
         got, sources = _compat.run_and_get_code(lambda: step(compiled))
     assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])
-    backward = _kernel_bodies(next(code for code in sources if "tangents_1" in code))
-    quantisers = [body for name, body in backward if name.startswith("triton_per_")
-                  and "grouped_linear_fp8_dx_from_copy" in name]
-    assert len(quantisers) == 1, [name for name, _ in backward]
-    # Three pieces of the kept rows, three of the codes, the scales.
-    assert len(re.findall(r"tl\.store\(", quantisers[0])) == 7
-    # The kept rows are the dW template's operand; no kernel but the quantiser writes a
-    # [128, 48] buffer.
-    writers = [name for name, body in backward
-               if "_tem_" not in name and re.search(r"xnumel = 6144\b", body)]
-    assert not writers, writers
+    _assert_the_quantiser_writes_the_rows(
+        next(code for code in sources if "tangents_1" in code), "grouped_linear_fp8_dx_from_copy")
 
 
 @interpreter
@@ -531,12 +522,21 @@ def test_computed_rows_gathered_and_saved_for_dw_are_written_by_their_quantiser(
         compiled = torch.compile(layer, fullgraph=True)
         got, sources = _compat.run_and_get_code(lambda: step(compiled))
     assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])
-    forward = _kernel_bodies(next(code for code in sources if "tangents_1" not in code))
-    quantisers = [body for name, body in forward if name.startswith("triton_per_")
-                  and "grouped_linear_fp8" in name]
-    assert len(quantisers) == 1, [name for name, _ in forward]
+    _assert_the_quantiser_writes_the_rows(
+        next(code for code in sources if "tangents_1" not in code), "grouped_linear_fp8")
+
+
+def _assert_the_quantiser_writes_the_rows(code: str, op_name: str) -> None:
+    """In ``code`` (one compiled graph), one persistent kernel quantises the rows of the
+    ``op_name`` product, 128 rows of 48 in 3 parts: it stores three pieces of the rows, three
+    of the codes and the scales, and no other kernel (templates aside) writes 128 x 48
+    elements."""
+    bodies = _kernel_bodies(code)
+    quantisers = [body for name, body in bodies
+                  if name.startswith("triton_per_") and op_name in name]
+    assert len(quantisers) == 1, [name for name, _ in bodies]
     assert len(re.findall(r"tl\.store\(", quantisers[0])) == 7
-    writers = [name for name, body in forward
+    writers = [name for name, body in bodies
                if "_tem_" not in name and re.search(r"xnumel = 6144\b", body)]
     assert not writers, writers
 
