@@ -658,22 +658,9 @@ def gather_recomputed(node) -> Callable | None:
     reads the smaller inputs instead (each row top-k times, which the cache may serve) and
     no longer waits for the buffer's kernel. The value is rounded to the buffer's dtype, so the
     consumer sees the bits the buffer holds."""
-    from torch._inductor.virtualized import V
-
     buffer = _realized_pointwise(node)
-    if buffer is None:
+    if buffer is None or not _expands_its_inputs(buffer):
         return None
-    elements = _elements(buffer)
-    read_names = buffer.get_read_names()
-    if not read_names:
-        return None
-    for name in read_names:
-        # A source already written in place by the graph may no longer hold what the
-        # buffer was computed from.
-        source = V.graph.try_get_buffer(name)
-        if (source is None or name in V.graph.mutated_buffers
-                or _elements(source) >= elements):
-            return None
     compute, dtype = buffer.data.make_loader(), buffer.get_dtype()
     return lambda index: ops().to_dtype(compute(index), dtype)
 
@@ -796,9 +783,7 @@ def row_gather(node) -> RowGather | None:
         return None
     # Contiguous, so that a [B, S, K] source is read as its [B * S, K] rows.
     layout = source.get_layout()
-    contiguous = ir.FlexibleLayout.contiguous_strides(size)
-    if (not statically_equal(layout.offset, 0)
-            or not all(statically_equal(a, b) for a, b in zip(layout.stride, contiguous))):
+    if not _contiguous(layout):
         return None
     # The element read must be source[i(row), column] with i free of the column: the index
     # is column + width * i, and i reads the index buffers only.
@@ -896,9 +881,7 @@ def realize_gathered_in_parts(node, part: int) -> list | None:
         if buffer is None or _read_by_an_operation(buffer.get_name()):
             return None
         layout = buffer.get_layout()
-        if not isinstance(layout, ir.FlexibleLayout) and not all(
-                statically_equal(a, b) for a, b in zip(
-                    layout.stride, ir.FlexibleLayout.contiguous_strides(layout.size))):
+        if not isinstance(layout, ir.FlexibleLayout) and not _contiguous(layout):
             return None
         body = buffer.data
     size = list(node.get_size())
@@ -918,14 +901,26 @@ def realize_gathered_in_parts(node, part: int) -> list | None:
     return concatenated_inputs(node, len(size) - 1)
 
 
-def _expands_its_inputs(body) -> bool:
-    """Whether the pointwise ``body`` reads buffers, each with fewer elements than it."""
+def _expands_its_inputs(node) -> bool:
+    """Whether ``node`` (pointwise IR, or a buffer computed from it) reads buffers, each
+    with fewer elements than it (a gather or a broadcast) and none written in place by the
+    graph so far: recomputed from them, it gives the values it was computed as."""
     from torch._inductor.virtualized import V
 
-    elements, names = _elements(body), body.get_read_names()
+    elements, names = _elements(node), node.get_read_names()
     return bool(names) and all(
-        (source := V.graph.try_get_buffer(name)) is not None and _elements(source) < elements
+        (source := V.graph.try_get_buffer(name)) is not None
+        and name not in V.graph.mutated_buffers and _elements(source) < elements
         for name in names)
+
+
+def _contiguous(layout) -> bool:
+    """Whether ``layout`` is row-major contiguous from offset 0."""
+    from torch._inductor import ir
+
+    contiguous = ir.FlexibleLayout.contiguous_strides(layout.size)
+    return statically_equal(layout.offset, 0) and all(
+        statically_equal(a, b) for a, b in zip(layout.stride, contiguous))
 
 
 def _read_by_an_operation(name: str) -> bool:
