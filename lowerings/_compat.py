@@ -140,6 +140,27 @@ def _libdevice_for_the_interpreter() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def reuse_realized_as_on_a_gpu() -> Iterator[None]:
+    """Inductor stores a pointwise value read by several consumers, rather than computing
+    it in each, by the rule it uses for a GPU, also where the tensors are on the CPU. For
+    CPU tensors it also stores any such value that calls ``exp``, ``sigmoid`` and the like
+    (a C++ heuristic), which for Triton codegen on the CPU (:func:`triton_codegen_on_cpu`)
+    adds buffers a GPU compile does not have: an fp32 ``sigmoid`` of the SwiGLU's gate
+    half, say, which moves the memory planner's order. For tests that check a GPU's
+    schedule on the CPU."""
+    from torch._inductor import ir
+
+    rule = ir.StorageBox.should_realize_on_reuse
+
+    def as_on_a_gpu(self, users, *args, **kwargs):
+        with mock.patch.object(ir, "is_cpu", lambda _: False):
+            return rule(self, users, *args, **kwargs)
+
+    with mock.patch.object(ir.StorageBox, "should_realize_on_reuse", as_on_a_gpu):
+        yield
+
+
 class LoweredOnly(RuntimeError):
     """Raised when a function compiled under :func:`lower_only` is called."""
 

@@ -10,8 +10,17 @@ DeepSeek-V3 and Qwen3-235B-A22B (0.03-0.06 GiB). The lowering now tells the plan
 step never frees the copies (on a hit nothing is allocated; on a miss the copy outlives the
 step), and the backward runs the dW first, as the bf16 layer does.
 
-Checked on the generated code (Triton codegen on CPU, nothing run), at Qwen3-30B-A3B's
-shape.
+At Mixtral-8x7B's widths the gate/up rows (2H = 28672) are too wide to quantise in
+part-wide pieces, and the kernel that computes the SwiGLU derivative also writes its e4m3
+codes. The planner then runs dX before the gate/up dW, and the input gradient (0.06 GiB) is
+live at the dW: a known gap, pinned as an expected failure. Writing the codes in a
+kernel of their own does not close it: the planner still runs dX first, rightly, since codes
+written after the dW would be live beside the bf16 derivative and the dW (0.44 GiB more).
+Only a dX that quantises the bf16 derivative as it loads it would keep the bf16 layer's peak.
+
+Checked on the generated code (Triton codegen on CPU, nothing run; pointwise values stored
+where a GPU compile stores them: ``_compat.reuse_realized_as_on_a_gpu``), at Qwen3-30B-A3B's
+and Mixtral-8x7B's shapes.
 """
 import re
 
@@ -22,19 +31,22 @@ import compileops
 from compileops.grouped_linear import permute_by_expert, unpermute_and_combine
 from compileops.lowerings import _compat
 
-# Qwen3-30B-A3B's layer (no tensor data is read: nothing runs). At a quarter of its widths
-# the planner's estimates tie and it keeps the graph's order, which is right there too.
-DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 2048, 768, 128, 8, 8192
+# (dim, hidden, experts, top-k, tokens): the layers' real shapes (no tensor data is read:
+# nothing runs). At a quarter of Qwen3-30B-A3B's widths the planner's estimates tie and it
+# keeps the graph's order, which is right there too.
+SHAPES = {"qwen3-30b": (2048, 768, 128, 8, 8192), "mixtral": (4096, 14336, 8, 2, 8192)}
 
 
-def _moe_layer(options):
+def _moe_layer(options, shape):
     """The benchmark's SwiGLU MoE layer: router, top-k, permutation, gate/up + SwiGLU, down
     times the probability (``row_scale=``), combine."""
+    _, _, experts, top_k, _ = SHAPES[shape]
+
     def layer(x, router, gate_up, down):
         probs, ids = torch.topk(torch.softmax(torch.nn.functional.linear(x, router).float(), -1),
-                                TOP_K, dim=-1)
+                                top_k, dim=-1)
         probs = probs / probs.sum(-1, keepdim=True)
-        xs, order, offsets = permute_by_expert(x, ids, EXPERTS)
+        xs, order, offsets = permute_by_expert(x, ids, experts)
         p_sorted = probs.reshape(-1)[order]
         h = compileops.grouped_linear_swiglu(xs, gate_up, offsets, **options)
         y = compileops.grouped_linear(h, down, offsets, row_scale=p_sorted, **options)
@@ -42,21 +54,19 @@ def _moe_layer(options):
     return layer
 
 
-def _inputs():
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(TOKENS, DIM, generator=gen)
-    router = torch.randn(EXPERTS, DIM, generator=gen) / DIM ** 0.5
-    gate_up = torch.randn(EXPERTS, 2 * HIDDEN, DIM, generator=gen) / DIM ** 0.5
-    down = torch.randn(EXPERTS, DIM, HIDDEN, generator=gen) / HIDDEN ** 0.5
-    return [t.bfloat16().requires_grad_() for t in (x, router, gate_up, down)]
+def _inputs(shape):
+    """Uninitialised bf16 tensors of the layer's shapes: only their metadata is traced."""
+    dim, hidden, experts, _, tokens = SHAPES[shape]
+    sizes = ((tokens, dim), (experts, dim), (experts, 2 * hidden, dim), (experts, dim, hidden))
+    return [torch.empty(size, dtype=torch.bfloat16).requires_grad_() for size in sizes]
 
 
 class _MoEModule(torch.nn.Module):
     """The layer with its weights as parameters, as in a model."""
 
-    def __init__(self, options, router, gate_up, down):
+    def __init__(self, layer, router, gate_up, down):
         super().__init__()
-        self.layer = _moe_layer(options)
+        self.layer = layer
         self.router, self.gate_up, self.down = (torch.nn.Parameter(w.detach())
                                                 for w in (router, gate_up, down))
 
@@ -64,16 +74,17 @@ class _MoEModule(torch.nn.Module):
         return self.layer(x, self.router, self.gate_up, self.down)
 
 
-def _backward_call(options, form) -> list[str]:
+def _backward_call(options, form, shape) -> list[str]:
     """The lines of the compiled backward's ``call`` (the kernels in the order they run)."""
-    x, router, gate_up, down = _inputs()
+    x, router, gate_up, down = _inputs(shape)
     if form == "module":
-        fn, args = _MoEModule(options, router, gate_up, down), (x,)
+        fn, args = _MoEModule(_moe_layer(options, shape), router, gate_up, down), (x,)
     else:
-        fn, args = _moe_layer(options), (x, router, gate_up, down)
+        fn, args = _moe_layer(options, shape), (x, router, gate_up, down)
     sources: list[str] = []
     torch._dynamo.reset()
     with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu(), \
+            _compat.reuse_realized_as_on_a_gpu(), \
             _compat.inductor_config_patch(force_pointwise_cat=True), \
             _compat.lower_only(sources), pytest.raises(_compat.LoweredOnly):
         torch.compile(fn, fullgraph=True)(*args)
@@ -91,18 +102,25 @@ def _first(lines, pattern) -> int:
 FP8_CACHED = {"fp8": "rowwise", "cache_fp8_weights": True, "fp8_fast_accum": True}
 
 
-@pytest.mark.parametrize("options, form", [
-    ({}, "function"),
+@pytest.mark.parametrize("options, form, shape", [
+    ({}, "function", "qwen3-30b"),
     # The weights as parameters: the backward looks the transposed copies up in the cache.
-    (FP8_CACHED, "module"),
+    (FP8_CACHED, "module", "qwen3-30b"),
     # As plain inputs: AOTAutograd moves those lookups into the forward, which saves the copies.
-    (FP8_CACHED, "function"),
-], ids=["bf16", "fp8-cached-module", "fp8-cached-function"])
-def test_the_gate_up_dw_runs_before_the_input_gradient_is_allocated(options, form):
-    lines = _backward_call(options, form)
-    gate_up_dw = _first(lines, re.escape(f"({EXPERTS}, {2 * HIDDEN}, {DIM}), ")
+    (FP8_CACHED, "function", "qwen3-30b"),
+    ({}, "module", "mixtral"),
+    # Rows of 2H = 28672: quantised whole, in the derivative's kernel (module docstring).
+    pytest.param(FP8_CACHED, "module", "mixtral", marks=pytest.mark.xfail(
+        strict=True, reason="fp8 at Mixtral-8x7B's widths: the input gradient is live at "
+        "the gate/up dW (0.06 GiB above the bf16 layer's peak)")),
+], ids=["bf16", "fp8-cached-module", "fp8-cached-function", "bf16-mixtral",
+        "fp8-cached-module-mixtral"])
+def test_the_gate_up_dw_runs_before_the_input_gradient_is_allocated(options, form, shape):
+    dim, hidden, experts, _, tokens = SHAPES[shape]
+    lines = _backward_call(options, form, shape)
+    gate_up_dw = _first(lines, re.escape(f"({experts}, {2 * hidden}, {dim}), ")
                         + r".*grouped_linear_wgrad")
-    input_grad = _first(lines, re.escape(f"empty_strided_cpu(({TOKENS}, {DIM}), ({DIM}, 1), "
+    input_grad = _first(lines, re.escape(f"empty_strided_cpu(({tokens}, {dim}), ({dim}, 1), "
                                          "torch.bfloat16)"))
     assert gate_up_dw < input_grad, (
         "the layer's input gradient [tokens, dim] is allocated before the gate/up dW runs, "
