@@ -142,9 +142,9 @@ def test_moe_layer_benchmark_smoke(tmp_path):
 
 def test_moe_layer_benchmark_user_forms_smoke(tmp_path):
     """The layers users write (the probability as a product, gate and up as two weights,
-    written out or as the pair) compile, run forward and backward, and are timed."""
-    impls = ["compileops", "compileops-pair", "compileops-user-mul",
-             "compileops-user-two-weights"]
+    written out or as the pair) compile, run forward and backward, and are timed (the
+    library's own form, ``compileops``: test_moe_layer_benchmark_smoke)."""
+    impls = ["compileops-pair", "compileops-user-mul", "compileops-user-two-weights"]
     run_script("benchmarks/bench_moe_layer.py", "--smoke", "--modes", "static", "--routing",
                "uniform", "--impls", *impls,
                env=dict(os.environ, COMPILEOPS_BENCH_OUT=str(tmp_path)))

@@ -348,6 +348,8 @@ def test_fast_accum_reaches_every_fp8_product(fast, monkeypatch):
         y = _fast_accum_layer(x, w, offs, p, fast)
         y.sum().backward()
     assert seen == [fast] * 4, seen  # two forward products, two dX products
+    if not fast:
+        return  # the default itself: nothing to compare it with
     grads = (x.grad.clone(), w.grad.clone())
     x.grad = w.grad = None
     with compileops.use_backend("triton"):
