@@ -53,31 +53,26 @@ def forward_mode(ctx):
 
 
 def swiglu_derivative(preact: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """``d swiglu / d preact`` times ``grad [..., H]``: ``[..., 2H]`` (gate, then up) in grad's
-    dtype, computed in fp32 (fp64 for fp64). Plain pointwise torch ops, so Inductor fuses them
-    into one kernel that writes the ``[..., 2H]`` buffer in grad's dtype and nothing else.
+    """``d swiglu / d preact`` times ``grad [M, H]``: ``[M, 2H]`` (gate, then up) in grad's dtype,
+    computed in fp32 (fp64 for fp64). Plain pointwise torch ops, so Inductor fuses them into one kernel.
+    Each half is rounded before the concatenation (the same bits as rounding the whole), so a
+    compiled backward writes the ``[M, 2H]`` buffer in grad's dtype, never an fp32 one.
 
-    Written over ``[..., 2, H]`` (the two halves side by side) as three factors, ``d = ((grad
-    * first) * sigmoid(gate)) * last`` with ``first = (up, gate)`` and ``last = (1 + gate * (1 -
-    sigmoid(gate)), 1)``, each pair selected by the half's index (a ``where``, not a
-    concatenation, which Inductor's CPU code would store): the products ``((grad * up) * s) *
-    (1 + gate * (1 - s))`` and ``(grad * gate) * s`` in that order, so the same bits as
-    computing each half on its own (times 1 is exact). ``grad`` is read by one operation, once
-    per element of ``d``. Read twice (once per half), ``grad`` is a value Inductor stores
-    rather than computes twice when it is itself a fused expression with many reads (the MoE
-    down projection's dX times the router probability, gathered by expert): at Mixtral-8x7B's
-    widths a ``[16384, 14336]`` bf16 copy written and read back in each backward. Eager, the
-    halves' factors are two ``[..., 2, H]`` temporaries."""
+    ``grad`` reaches each half through one ``[M, 2, H]`` broadcast of it, widened per half.
+    When ``grad`` is itself a fused expression with many reads (the MoE down projection's dX
+    times the router probability, gathered by expert), Inductor stores an expression read
+    twice rather than compute it twice: this way what it stores is ``grad`` in its own dtype,
+    where two reads of one widened copy made it store that fp32 ``[M, H]`` copy, twice the
+    bytes, written by one kernel and read back by the next. Eager, the cost is one more
+    ``[M, H]`` widening (each half converts its own view of ``grad``); the bits are the same."""
     acc = reference.compute_dtype(preact.dtype)
-    hidden = grad.shape[-1]
-    halves = preact.to(acc).unflatten(-1, (2, hidden))  # [..., 2, H]
-    gate, up = halves[..., :1, :], halves[..., 1:, :]  # [..., 1, H] each
+    # [..., 2, H]: a view, no copy when eager
+    per_half = grad.unsqueeze(-2).expand(*grad.shape[:-1], 2, grad.shape[-1])
+    gate, up = preact.to(acc).chunk(2, dim=-1)
     sig = torch.sigmoid(gate)
-    is_gate_half = (torch.arange(2, device=preact.device) == 0).unsqueeze(-1)  # [2, 1]
-    first = torch.where(is_gate_half, up, gate)
-    last = torch.where(is_gate_half, 1 + gate * (1 - sig), 1.0)
-    d = ((grad.unsqueeze(-2).to(acc) * first) * sig) * last
-    return d.to(grad.dtype).flatten(-2)
+    d_gate = per_half[..., 0, :].to(acc) * up * sig * (1 + gate * (1 - sig))
+    d_up = per_half[..., 1, :].to(acc) * gate * sig
+    return torch.cat([d_gate.to(grad.dtype), d_up.to(grad.dtype)], dim=-1)
 
 
 @custom_op("grouped_linear_dx")

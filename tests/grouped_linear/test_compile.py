@@ -2,7 +2,6 @@
 under the interpreter on CPU) with its fused epilogues, the lowering's config choice
 (max-autotune, batch-invariant mode). Graph/kernel snapshots: test_snapshots.py."""
 import contextlib
-import re
 
 import pytest
 import torch
@@ -82,8 +81,7 @@ def test_compiled_fw_bw_on_triton_templates_matches_fp64():
     grad = torch.randn(21, 12)
     with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
         out, sources = _compiled_fw_bw(moe_expert, (x, w, offs, b, p), grad)
-    # dX's template (named after what its operand was computed from as well)
-    assert re.search(r"def triton_tem_fused_\w*grouped_linear_dx", "\n".join(sources))
+    assert "def triton_tem_fused_grouped_linear_dx" in "\n".join(sources)
     _assert_fw_bw_match_fp64(out, grad, x, w, offs, b, p)
 
 
