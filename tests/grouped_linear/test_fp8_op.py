@@ -322,11 +322,11 @@ def _fast_accum_layer(x, w, offs, p, fast):
                                      fp8_fast_accum=fast)
 
 
-@pytest.mark.parametrize("fast", [False, True])
-def test_fast_accum_reaches_every_fp8_product(fast, monkeypatch):
+def test_fast_accum_reaches_every_fp8_product(monkeypatch):
     """Every fp8 product of a SwiGLU layer (gate/up and down, forward and dX) launches with
-    the accumulation asked for. The interpreter sums exactly either way, so the results are
-    the default's bit for bit; on a GPU they differ (the gpu test below)."""
+    the accumulation asked for, and the default launches without it. The interpreter sums
+    exactly either way, so the results are the default's bit for bit; on a GPU they differ
+    (the gpu test below)."""
     import os
 
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -344,19 +344,17 @@ def test_fast_accum_reaches_every_fp8_product(fast, monkeypatch):
     monkeypatch.setattr(InterpretedFunction, "run", recording_run)
     x, w, offs = _inputs()
     p = torch.rand(40, generator=torch.Generator().manual_seed(5))
-    with compileops.use_backend("triton"):
-        y = _fast_accum_layer(x, w, offs, p, fast)
-        y.sum().backward()
-    assert seen == [fast] * 4, seen  # two forward products, two dX products
-    if not fast:
-        return  # the default itself: nothing to compare it with
-    grads = (x.grad.clone(), w.grad.clone())
-    x.grad = w.grad = None
-    with compileops.use_backend("triton"):
-        default = _fast_accum_layer(x, w, offs, p, False)
-        default.sum().backward()
-    assert torch.equal(y, default)
-    assert torch.equal(grads[0], x.grad) and torch.equal(grads[1], w.grad)
+    results = {}
+    for fast in (True, False):
+        seen.clear()
+        x.grad = w.grad = None
+        with compileops.use_backend("triton"):
+            y = _fast_accum_layer(x, w, offs, p, fast)
+            y.sum().backward()
+        assert seen == [fast] * 4, (fast, seen)  # two forward products, two dX products
+        results[fast] = (y, x.grad.clone(), w.grad.clone())
+    for fast_result, default_result in zip(results[True], results[False]):
+        assert torch.equal(fast_result, default_result)
 
 
 def test_fast_accum_compiles_and_passes_opcheck():
