@@ -37,7 +37,6 @@ def install() -> None:
             return
         from compileops.lowerings import (
             embedding,
-            gathered_rows,
             grouped_linear,
             grouped_linear_fp8,
             mlstm,
@@ -49,7 +48,6 @@ def install() -> None:
         grouped_linear_fp8.register()
         mlstm.register()
         user_patterns.register()
-        gathered_rows.register()
         _tag_compile_cache()
         _installed = True
 

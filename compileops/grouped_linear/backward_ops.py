@@ -5,17 +5,14 @@ op's autograd calls.
 * ``compileops::grouped_linear_dx(grad [M, N], weight [G, N, K], offsets) -> [M, K]``:
   ``dX_g = grad_g @ W_g``;
 * ``compileops::grouped_linear_wgrad(grad [M, N], x [M, K], offsets, weight_dtype, bias_dtype,
-  with_db=True, x_rows=None) -> (dW [G, N, K], db [G, N])``: K-jagged, deterministic (no
-  split-K, no atomics). ``with_db=False`` (a layer without a trainable bias) skips the
-  column sums and returns an empty ``db [G, 0]``; ``x_rows`` reads x's rows through an
-  index (x ``[T, K]``).
+  with_db=True) -> (dW [G, N, K], db [G, N])``: K-jagged, deterministic (no split-K, no
+  atomics). ``with_db=False`` (a layer without a trainable bias) skips the column sums and
+  returns an empty ``db [G, 0]``.
 
 The bf16 forward ops (:mod:`.op`), the row-scaled autograd (:mod:`.scaled`) and the fp8 ops
 (:mod:`.fp8_op`) import from here; nothing here imports them.
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 
@@ -26,7 +23,6 @@ from compileops.grouped_linear.checks import (
     check_dx_args,
     check_kernel_dtype,
     check_offsets_eagerly,
-    check_rows_eagerly,
     check_wgrad_args,
 )
 from compileops.modes import BATCH_INVARIANT
@@ -102,30 +98,18 @@ def _grouped_linear_dx_fake(grad, weight, offsets):
 def grouped_linear_wgrad_op(
     grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
     weight_dtype: torch.dtype, bias_dtype: torch.dtype, with_db: bool = True,
-    x_rows: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dW [G, N, K] = grad_g^T x_g, db [G, N] = colsum grad_g)``; empty groups give zeros.
-    ``with_db=False``: ``db`` is an empty ``[G, 0]`` tensor and no column sums are computed.
-
-    ``x_rows`` (int64 ``[M]``, each in ``[-T, T)`` as ``x[x_rows]`` takes them): x is ``[T, K]`` and the product's rows are
-    ``x[x_rows]``, read where they are (the same bits as on the gathered copy). A compiled
-    MoE layer's permuted tokens come this way (``lowerings/gathered_rows.py``), so the
-    forward need not keep the ``[M, K]`` copy for this product."""
-    check_wgrad_args(grad, x, offsets, weight_dtype, bias_dtype, x_rows)
+    ``with_db=False``: ``db`` is an empty ``[G, 0]`` tensor and no column sums are computed."""
+    check_wgrad_args(grad, x, offsets, weight_dtype, bias_dtype)
     check_offsets_eagerly(offsets, grad.shape[0])
-    if x_rows is not None:
-        check_rows_eagerly(x_rows, x.shape[0])
-        # Negative rows count from the end, as in x[x_rows] (the kernel takes them as
-        # they are: an [M] int64 pass, under 0.1% of the dW's bytes).
-        x_rows = torch.where(x_rows < 0, x_rows + x.shape[0], x_rows)
     if use_triton("grouped_linear_wgrad", grad):
         from compileops.grouped_linear import kernels
 
         dw, db = kernels.grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype,
-                                              with_db=with_db, x_rows=x_rows)
+                                              with_db=with_db)
     else:
-        rows = x if x_rows is None else x[x_rows]
-        dw, db = reference.grouped_linear_wgrad(grad, rows, offsets, weight_dtype, bias_dtype,
+        dw, db = reference.grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype,
                                                 with_db)
     return dw, db if with_db else _no_db(grad, offsets, bias_dtype)
 
@@ -135,9 +119,8 @@ def _no_db(grad, offsets, bias_dtype) -> torch.Tensor:
 
 
 @grouped_linear_wgrad_op.register_fake
-def _grouped_linear_wgrad_fake(grad, x, offsets, weight_dtype, bias_dtype, with_db=True,
-                               x_rows=None):
-    check_wgrad_args(grad, x, offsets, weight_dtype, bias_dtype, x_rows)
+def _grouped_linear_wgrad_fake(grad, x, offsets, weight_dtype, bias_dtype, with_db=True):
+    check_wgrad_args(grad, x, offsets, weight_dtype, bias_dtype)
     groups, n, k = offsets.shape[0], grad.shape[1], x.shape[1]
     db = (grad.new_empty((groups, n), dtype=bias_dtype) if with_db
           else _no_db(grad, offsets, bias_dtype))

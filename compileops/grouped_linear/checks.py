@@ -136,28 +136,16 @@ def check_dx_args(grad, weight, offsets) -> None:
     check_common(grad.new_empty((grad.shape[0], weight.shape[2])), weight, offsets)
 
 
-def check_wgrad_args(grad, x, offsets, weight_dtype=None, bias_dtype=None,
-                     x_rows=None) -> None:
+def check_wgrad_args(grad, x, offsets, weight_dtype=None, bias_dtype=None) -> None:
     """grad ``[M, N]`` and x ``[M, K]`` of one floating dtype with the same rows, offsets
-    int32 ``[G]``, one device; ``weight_dtype`` and ``bias_dtype`` (when given) floating.
-    With ``x_rows`` (int64 ``[M]``), x is ``[T, K]`` and the product reads ``x[x_rows]``."""
+    int32 ``[G]``, one device; ``weight_dtype`` and ``bias_dtype`` (when given) floating."""
     check_dim(grad, 2, "grad", "[M, N]")
-    check_dim(x, 2, "x", "[M, K]" if x_rows is None else "[T, K]")
+    check_dim(x, 2, "x", "[M, K]")
     check_dim(offsets, 1, "offsets", "[G]")
-    if x_rows is None:
-        torch._check_value(
-            grad.shape[0] == x.shape[0],
-            lambda: f"grad has {grad.shape[0]} rows but x has {x.shape[0]}",
-        )
-    else:
-        check_dim(x_rows, 1, "x_rows", "[M]")
-        torch._check_value(
-            grad.shape[0] == x_rows.shape[0],
-            lambda: f"grad has {grad.shape[0]} rows but x_rows {x_rows.shape[0]}",
-        )
-        torch._check_type(x_rows.dtype == torch.int64,
-                          lambda: f"x_rows must be int64, got {x_rows.dtype}")
-        check_same_device([("x", x), ("x_rows", x_rows)])
+    torch._check_value(
+        grad.shape[0] == x.shape[0],
+        lambda: f"grad has {grad.shape[0]} rows but x has {x.shape[0]}",
+    )
     torch._check_type(grad.dtype in DTYPES,
                       lambda: f"grad must be bf16, fp16, fp32 or fp64, got {grad.dtype}")
     torch._check_type(x.dtype == grad.dtype,
@@ -188,17 +176,6 @@ def check_offset_values(offsets: torch.Tensor, m: int) -> None:
         raise ValueError(
             f"grouped_linear: offsets[-1] = {int(o[-1])} exceeds the number of rows M = {m}"
         )
-
-
-def check_rows_eagerly(rows: torch.Tensor, source_rows: int) -> None:
-    """Row indices within ``[-source_rows, source_rows)`` (negative ones count from the end,
-    as in indexing), checked where :func:`check_offsets_eagerly` checks offsets (an index
-    past the source would read out of bounds)."""
-    if host_value_checks(rows) and rows.numel():
-        low, high = int(rows.min()), int(rows.max())
-        if low < -source_rows or high >= source_rows:
-            raise ValueError(f"grouped_linear: row indices must lie in [{-source_rows}, "
-                             f"{source_rows}), got [{low}, {high}]")
 
 
 def check_offsets_eagerly(offsets: torch.Tensor, m: int) -> None:

@@ -119,15 +119,13 @@ def kjagged_compile(ptr="*fp16", tma=False, block_k=128, num_warps=8, num_stages
     args = ([("dy_ptr", operand), ("x_ptr", operand), ("offs_ptr", "*i32"), ("dw_ptr", ptr),
              ("db_ptr", ptr), ("ticket_ptr", "*i32")] + [(n, "i32") for n in ("M", "N", "K", "G")]
             + [(n, stride_type) for n in ("stride_dym", "stride_dyn", "stride_xm", "stride_xk")]
-            + [("dy_scale_ptr", "*fp32"), ("x_scale_ptr", "*fp32")]
-            + [("dy_rows_ptr", "*i64"), ("x_rows_ptr", "*i64")])
+            + [("dy_scale_ptr", "*fp32"), ("x_scale_ptr", "*fp32")])
     constexprs = dict(WITH_DB=not fp8, DB_MMA=not fp8, NUM_PROGS=132, BLOCK_M=64, BLOCK_N=128,
                       BLOCK_K=block_k, INPUT_PRECISION="tf32", INTERPRETER_DOT=False, USE_TMA=tma,
                       FP8_SCALES=bool(fp8), FP8_FAST_ACCUM=fp8 == "fast")
     # GROUP_N (the tile order) too: an AOT compile does not apply the kernel's default.
     constexprs.update({name: False for name in VARIANT_FLAGS}, GROUP_N=1, DYNAMIC_TILES=False,
-                      ASM_TICKET=True, LANES=32 * num_warps, G_BLOCK=kernels.group_block(64),
-                      DY_ROWS=False, X_ROWS=False)
+                      ASM_TICKET=True, LANES=32 * num_warps, G_BLOCK=kernels.group_block(64))
     constexprs.update(variant or {})
     # fp8 dW reads dY^T and X^T along the reduction (unit strides there), as launched.
     unit = ("stride_dym", "stride_xm") if fp8 else UNIT
@@ -163,12 +161,6 @@ WGRAD_VARIANTS = {
     "wgrad-dynamic-long": (256, 8, 3, dict(RAGGED_TMA=True, TMA_STORE=True, GROUP_N=8,
                                            DYNAMIC_TILES=True)),
 }
-# The long default's flattened loop with one operand read through a row index (the MoE
-# layer's tokens in expert order, never copied out): (the variant it extends, the flags).
-WGRAD_GATHERED = {"wgrad-default-long-flat-gathered-x": ("wgrad-default-long-flat",
-                                                         dict(X_ROWS=True)),
-                  "wgrad-default-long-flat-gathered-dy": ("wgrad-default-long-flat",
-                                                          dict(DY_ROWS=True))}
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 block may use
 SMEM_PER_SM = 233472  # bytes of shared memory per H100 SM (1 KB of it reserved per block)
 
@@ -181,8 +173,6 @@ def summarize_variant(kernel):
                 ragged_loads=any(f"cp.async.bulk.tensor.4d.{space}.global" in ptx
                                  for space in ("shared::cluster", "shared::cta")),
                 tma_stores=ptx.count("cp.async.bulk.tensor.2d.global.shared"),
-                # pipelined pointer copies (a gathered operand's chunks)
-                cp_async=re.search(r"cp\.async\.c[ag]\.shared\.global", ptx) is not None,
                 masked_tail="ld.global" in ptx and "cp.async.cg.shared.global" in ptx,
                 # dynamic schedule: ticket claims (inline PTX), in the for loop and the while
                 tickets=ptx.count("atom.relaxed.gpu.global.add.u32"))
@@ -256,10 +246,6 @@ def _main():  # runs in a subprocess without TRITON_INTERPRET (the compiler need
                          # the output tile through the 4-D ragged descriptor, no pointer store
                          ragged_stores=ptx.count("cp.async.bulk.tensor.4d.global.shared"),
                          pointer_stores="st.global" in ptx)
-    for name, (base, gathered) in WGRAD_GATHERED.items():
-        block_k, warps, stages, flags = WGRAD_VARIANTS[base]
-        out[name] = summarize_variant(kjagged_compile("*bf16", True, block_k, warps, stages,
-                                                      variant=dict(flags, **gathered)))
     out.update(fp8_wgrad_builds())
     out.update(fp8_fast_accum_builds())
     out.update(quantiser_builds())
@@ -507,23 +493,6 @@ def test_wgrad_variants_compile_for_sm90(compiled, case):
         assert got["shared"] == compiled["wgrad-default-long"]["shared"], got
     else:
         assert got["tickets"] == 0 and got["tma_stores"] == stores, got
-
-
-@pytest.mark.parametrize("case", list(WGRAD_GATHERED))
-def test_wgrad_gathered_rows_compile_for_sm90(compiled, case):
-    """An operand read through a row index builds for sm90 in the flattened loop, the other
-    operand's chunks still through the ragged descriptor, the products on wgmma, within the
-    shared-memory limit. Gathered X chunks (the MMA's B operand) are pipelined pointer
-    copies (cp.async). Gathered dY chunks (its A operand, transposed) are not: Triton loads
-    a transposed A tile to registers before it stores it to shared memory, every chunk,
-    the copy in the loop's critical path (what this costs: the probe in
-    benchmarks/tuning/probe_wgrad_gathered.py)."""
-    got = compiled[case]
-    assert got["shared"] <= SMEM_LIMIT, got
-    assert got["wgmma"] and got["pipelined"], got
-    assert got["ragged_loads"], got  # the operand that is not gathered
-    assert got["tma_stores"] == 1, got
-    assert got["cp_async"] == case.endswith("-x"), got
 
 
 @pytest.mark.parametrize("case", list(MJAGGED_STORE_VARIANTS))

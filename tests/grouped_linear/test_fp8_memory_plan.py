@@ -82,18 +82,10 @@ def _backward_call(options, form, shape) -> list[str]:
     else:
         fn, args = _moe_layer(options, shape), (x, router, gate_up, down)
     sources: list[str] = []
-    from compileops.lowerings import install
-
-    install()  # before the patch below, which would undo an install made inside it
     torch._dynamo.reset()
-    # Without the pass that reads the permuted tokens through their index
-    # (lowerings/gathered_rows.py): with it the forward keeps no [M, K] copy and the
-    # planner's trade changes. (WIP: a test of the step's peak with the pass is still to
-    # be written; replayed from the generated backward it is lower.)
     with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu(), \
             _compat.reuse_realized_as_on_a_gpu(), \
-            _compat.inductor_config_patch(force_pointwise_cat=True,
-                                          joint_custom_pre_pass=None), \
+            _compat.inductor_config_patch(force_pointwise_cat=True), \
             _compat.lower_only(sources), pytest.raises(_compat.LoweredOnly):
         torch.compile(fn, fullgraph=True)(*args)
     _, backward = sources

@@ -491,15 +491,13 @@ def test_gathered_dy_kept_for_dw_is_written_by_its_quantiser(dynamic, early, mon
 
 
 @interpreter
-def test_computed_rows_gathered_are_computed_by_their_quantiser(
+def test_computed_rows_gathered_and_saved_for_dw_are_written_by_their_quantiser(
         monkeypatch):
     """Tokens scaled (a norm's last step, which Inductor computes inside the gather) and
-    gathered to 128 rows of 48: no source buffer to quantise before the gather, so the
-    kernel that quantises the gathered rows computes them, in part-wide pieces (3, the
-    persistent-reduction limit lowered to 16). dW reads the scaled tokens through the
-    permutation's index (lowerings/gathered_rows.py), so no forward kernel writes the
-    gathered rows: the quantiser writes their codes and scales only. Output and gradients
-    are the eager ones, bit for bit."""
+    gathered to 128 rows of 48, saved for dW: no source buffer to quantise before the
+    gather, so the rows are written in part-wide pieces (3, the persistent-reduction limit
+    lowered to 16) by the kernel that quantises them, and no other forward kernel writes
+    them. Output and gradients are the eager ones, bit for bit."""
     monkeypatch.setattr(_compat, "PERSISTENT_ROW_LIMIT", 16)
     gen = torch.Generator().manual_seed(12)
     x = torch.randn(64, 48, generator=gen).bfloat16()
@@ -527,20 +525,19 @@ def test_computed_rows_gathered_are_computed_by_their_quantiser(
         got, sources = _compat.run_and_get_code(lambda: step(compiled))
     assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])
     _assert_the_quantiser_writes_the_rows(
-        next(code for code in sources if "tangents_1" not in code), "grouped_linear_fp8",
-        rows_kept=False)
+        next(code for code in sources if "tangents_1" not in code), "grouped_linear_fp8")
 
 
-def _assert_the_quantiser_writes_the_rows(code: str, op_name: str, rows_kept=True) -> None:
+def _assert_the_quantiser_writes_the_rows(code: str, op_name: str) -> None:
     """In ``code`` (one compiled graph), one persistent kernel quantises the rows of the
-    ``op_name`` product, 128 rows of 48 in 3 parts: it stores three pieces of the rows
-    (``rows_kept``: the graph keeps them), three of the codes and the scales, and no other
-    kernel (templates aside) writes 128 x 48 elements."""
+    ``op_name`` product, 128 rows of 48 in 3 parts: it stores three pieces of the rows, three
+    of the codes and the scales, and no other kernel (templates aside) writes 128 x 48
+    elements."""
     bodies = _kernel_bodies(code)
     quantisers = [body for name, body in bodies
                   if name.startswith("triton_per_") and op_name in name]
     assert len(quantisers) == 1, [name for name, _ in bodies]
-    assert len(re.findall(r"tl\.store\(", quantisers[0])) == (7 if rows_kept else 4)
+    assert len(re.findall(r"tl\.store\(", quantisers[0])) == 7
     writers = [name for name, body in bodies
                if "_tem_" not in name and re.search(r"xnumel = 6144\b", body)]
     assert not writers, writers

@@ -54,49 +54,13 @@ from compileops.grouped_linear.kernels.tma import (
 
 
 @triton.jit
-def chunk_source_rows(rows_ptr, rm, m_ok, GATHER: tl.constexpr):
-    """int64 rows of an operand's memory that the product's rows ``rm`` read: ``rows[rm]``
-    where the operand is ``source[rows]`` (``GATHER``: the gathered rows are never written
-    out), else ``rm``. Rows outside the group (``m_ok`` false) read source row 0; every load
-    through them is masked."""
-    if GATHER:
-        return tl.load(rows_ptr + rm, mask=m_ok, other=0).to(tl.int64)
-    return rm.to(tl.int64)
-
-
-@triton.jit
-def gathered_chunk(ptr, rows_ptr, m0, end, col0, C, stride_m, stride_c,
-                   BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """``[BLOCK_M, BLOCK_C]`` tile of ``source[rows[m0:m0 + BLOCK_M], col0:col0 + BLOCK_C]``
-    (``source`` at ``ptr``, strides ``(stride_m, stride_c)``, ``C`` columns) by pointer
-    loads, or its transpose ``[BLOCK_C, BLOCK_M]`` (``TRANSPOSED``, by the addressing: a
-    loaded tile transposed in registers before the MMA is not copied asynchronously): rows
-    ``>= end`` and columns ``>= C`` read 0, as a ragged descriptor gives them (Hopper's TMA
-    unit cannot gather rows)."""
-    rm = m0 + tl.arange(0, BLOCK_M)
-    m_ok = rm < end
-    rc = col0 + tl.arange(0, BLOCK_C)
-    src = chunk_source_rows(rows_ptr, rm, m_ok, True)
-    # One return: a jitted function's returns must agree in shape, even across a constexpr
-    # branch.
-    if TRANSPOSED:
-        tile = tl.load(ptr + rc.to(tl.int64)[:, None] * stride_c + src[None, :] * stride_m,
-                       mask=(rc < C)[:, None] & m_ok[None, :], other=0.0)
-    else:
-        tile = tl.load(ptr + src[:, None] * stride_m + rc.to(tl.int64)[None, :] * stride_c,
-                       mask=m_ok[:, None] & (rc < C)[None, :], other=0.0)
-    return tile
-
-
-@triton.jit
 def kjagged_tile(
     dy_ptr, x_ptr, start, end, tile_n, tile_k, N, K,
     stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc, x_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, INTERPRETER_DOT: tl.constexpr, USE_TMA: tl.constexpr,
     WITH_DB: tl.constexpr, RAGGED_TMA: tl.constexpr = False,
-    FP8_FAST_ACCUM: tl.constexpr = False, dy_rows_ptr=None, x_rows_ptr=None,
-    DY_ROWS: tl.constexpr = False, X_ROWS: tl.constexpr = False,
+    FP8_FAST_ACCUM: tl.constexpr = False,
 ):
     """fp32 ``dW`` tile ``[BLOCK_N, BLOCK_K] = dY[start:end, rn]^T @ X[start:end, rk]``,
     reduced over the rows in ``BLOCK_M`` chunks in row order. An empty range gives zeros.
@@ -126,12 +90,6 @@ def kjagged_tile(
     Hopper's e4m3 MMA reads them, and ``end - start`` must be a multiple of ``BLOCK_M``
     (whole chunks: no mask along the rows); each ``BLOCK_M`` step's partial sum goes into
     the fp32 accumulator unless ``FP8_FAST_ACCUM`` (:func:`.mjagged.tile_dot`).
-
-    ``DY_ROWS`` / ``X_ROWS`` (16- and 32-bit operands): the operand's row ``r`` is row
-    ``rows[r]`` of the memory at ``dy_ptr`` / ``x_ptr`` (``dy_rows_ptr`` / ``x_rows_ptr``,
-    int ``[M]``): the MoE layer's tokens in expert order, read where they are instead of
-    from a permuted copy. Those chunks come by pointer loads (:func:`gathered_chunk`), the
-    other operand's as before; the tiles, and so the bits, are the copy's.
     """
     rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -151,32 +109,25 @@ def kjagged_tile(
         else:
             tail = start + ((end - start) // BLOCK_M) * BLOCK_M
         for m0 in range(start, tail, BLOCK_M):
-            # dyt [BLOCK_N, BLOCK_M] (dY's chunk transposed), xb [BLOCK_M, BLOCK_K]
-            if DY_ROWS:
-                dyt = gathered_chunk(dy_ptr, dy_rows_ptr, m0, end, tile_n * BLOCK_N, N,
-                                     stride_dym, stride_dyn, BLOCK_M, BLOCK_N, True)
-            elif RAGGED_TMA:  # rows >= end read as 0
-                dyt = load_rows_below(dy_desc, m0, end, tile_n * BLOCK_N, BLOCK_M, BLOCK_N).T
-            else:
-                dyt = dy_desc.load([m0, tile_n * BLOCK_N]).T
-            if X_ROWS:
-                xb = gathered_chunk(x_ptr, x_rows_ptr, m0, end, tile_k * BLOCK_K, K,
-                                    stride_xm, stride_xk, BLOCK_M, BLOCK_K, False)
-            elif RAGGED_TMA:
+            # dy [BLOCK_M, BLOCK_N], xb [BLOCK_M, BLOCK_K]
+            if RAGGED_TMA:  # rows >= end read as 0
+                dy = load_rows_below(dy_desc, m0, end, tile_n * BLOCK_N, BLOCK_M, BLOCK_N)
                 xb = load_rows_below(x_desc, m0, end, tile_k * BLOCK_K, BLOCK_M, BLOCK_K)
             else:
+                dy = dy_desc.load([m0, tile_n * BLOCK_N])
                 xb = x_desc.load([m0, tile_k * BLOCK_K])
             if INTERPRETER_DOT:  # interpreter only (see config.interpreter_dot)
-                dyt = dyt.to(tl.float32)
+                dy = dy.to(tl.float32)
                 xb = xb.to(tl.float32)
-            acc = tile_dot(dyt, xb, acc, INPUT_PRECISION, False, FP8_FAST_ACCUM)
+            acc = tile_dot(dy.T, xb, acc, INPUT_PRECISION, False, FP8_FAST_ACCUM)
             if WITH_DB:
-                db_acc = tl.dot(dyt, ones, db_acc, input_precision=INPUT_PRECISION)
+                db_acc = tl.dot(dy.T, ones, db_acc, input_precision=INPUT_PRECISION)
     if USE_TMA and RAGGED_TMA:
         return acc, db_acc
     for m0 in range(tail, end, BLOCK_M):
         rm = m0 + tl.arange(0, BLOCK_M)
         m_ok = rm < end
+        rm64 = rm.to(tl.int64)
         # dyt [BLOCK_N, BLOCK_M] (dY's chunk, transposed by the addressing), xb [BLOCK_M, BLOCK_K]
         if dy_ptr.dtype.element_ty.is_fp8():
             # e4m3 dY^T and X^T: every chunk is whole (each group's span is zero-padded to a
@@ -190,11 +141,9 @@ def kjagged_tile(
             xb = tl.load(x_ptr + ra[:, None] * stride_xm + rk64[None, :] * stride_xk,
                          mask=k_ok[None, :], other=0.0)
         else:
-            dy_rows = chunk_source_rows(dy_rows_ptr, rm, m_ok, DY_ROWS)
-            x_rows = chunk_source_rows(x_rows_ptr, rm, m_ok, X_ROWS)
-            dyt = tl.load(dy_ptr + rn64[:, None] * stride_dyn + dy_rows[None, :] * stride_dym,
+            dyt = tl.load(dy_ptr + rn64[:, None] * stride_dyn + rm64[None, :] * stride_dym,
                           mask=n_ok[:, None] & m_ok[None, :], other=0.0)
-            xb = tl.load(x_ptr + x_rows[:, None] * stride_xm + rk64[None, :] * stride_xk,
+            xb = tl.load(x_ptr + rm64[:, None] * stride_xm + rk64[None, :] * stride_xk,
                          mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if INTERPRETER_DOT:
             dyt = dyt.to(tl.float32)
@@ -207,8 +156,7 @@ def kjagged_tile(
 
 @triton.jit
 def column_sums(dy_ptr, start, end, tile_n, N, stride_dym, stride_dyn,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, dy_rows_ptr=None,
-                DY_ROWS: tl.constexpr = False):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``db`` partial ``[BLOCK_N]`` = fp32 column sums of ``dY[start:end, rn]`` (dY ``[M, N]``,
     strides ``(stride_dym, stride_dyn)``), in ``BLOCK_M``-row chunks in row order
     (deterministic). Zeros for an empty range. The fp32 db path: a tf32 MMA against ones
@@ -218,8 +166,8 @@ def column_sums(dy_ptr, start, end, tile_n, N, stride_dym, stride_dyn,
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for m0 in range(start, end, BLOCK_M):
         rm = m0 + tl.arange(0, BLOCK_M)
-        rows = chunk_source_rows(dy_rows_ptr, rm, rm < end, DY_ROWS)
-        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + rn.to(tl.int64)[None, :] * stride_dyn,
+        dy = tl.load(dy_ptr + rm.to(tl.int64)[:, None] * stride_dym
+                     + rn.to(tl.int64)[None, :] * stride_dyn,
                      mask=(rm < end)[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
         db += tl.sum(dy.to(tl.float32), axis=0)
     return db
@@ -275,7 +223,6 @@ def kjagged_output_tile(
     RAGGED_TMA: tl.constexpr, TMA_STORE: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
     DYNAMIC_TILES: tl.constexpr, ASM_TICKET: tl.constexpr, LANES: tl.constexpr,
     dy_scale_ptr, x_scale_ptr, FP8_SCALES: tl.constexpr, FP8_FAST_ACCUM: tl.constexpr,
-    dy_rows_ptr, x_rows_ptr, DY_ROWS: tl.constexpr, X_ROWS: tl.constexpr,
 ):
     """Computes and stores dW tile ``(g, tile_n, tile_k)``, and ``db[g, rn]`` when this tile
     owns it (pointers and flags as in :func:`kjagged_gemm_kernel`).
@@ -306,7 +253,7 @@ def kjagged_output_tile(
             stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc, x_desc,
             BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, INTERPRETER_DOT, USE_TMA,
             WITH_DB & DB_MMA,  # True wherever this branch runs; a constant for the compiler
-            RAGGED_TMA, FP8_FAST_ACCUM, dy_rows_ptr, x_rows_ptr, DY_ROWS, X_ROWS,
+            RAGGED_TMA, FP8_FAST_ACCUM,
         )
         # Column 0 of db_acc; adding -0.0 to the other lanes' values is exact.
         first = tl.arange(0, 16)[None, :] == 0
@@ -318,11 +265,11 @@ def kjagged_output_tile(
             dy_ptr, x_ptr, start, end, tile_n, tile_k, N, K,
             stride_dym, stride_dyn, stride_xm, stride_xk, dy_desc, x_desc,
             BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, INTERPRETER_DOT, USE_TMA, False,
-            RAGGED_TMA, FP8_FAST_ACCUM, dy_rows_ptr, x_rows_ptr, DY_ROWS, X_ROWS,
+            RAGGED_TMA, FP8_FAST_ACCUM,
         )
         if WITH_DB & (not DB_MMA) & owns_db:
             db = column_sums(dy_ptr, start, end, tile_n, N, stride_dym, stride_dyn,
-                             BLOCK_M, BLOCK_N, dy_rows_ptr, DY_ROWS)
+                             BLOCK_M, BLOCK_N)
             tl.store(db_ptr + tl.cast(g, tl.int64) * N + rn, db.to(db_ptr.dtype.element_ty),
                      mask=n_ok)
     ticket = claim_ticket(ticket_ptr, DYNAMIC_TILES, ASM_TICKET, LANES)
@@ -340,8 +287,7 @@ def kjagged_flat_loop(
     NUM_PROGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, INTERPRETER_DOT: tl.constexpr,
     TMA_STORE: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr, GROUP_N: tl.constexpr,
-    G_BLOCK: tl.constexpr, dy_ptr, x_ptr, stride_dym, stride_dyn, stride_xm, stride_xk,
-    dy_rows_ptr, x_rows_ptr, DY_ROWS: tl.constexpr, X_ROWS: tl.constexpr,
+    G_BLOCK: tl.constexpr,
 ):
     """The static schedule's dW tiles (no db) as ONE loop over all the program's row chunks
     (ragged TMA loads through ``dy_desc`` / ``x_desc``), so the software pipeliner issues the
@@ -354,9 +300,7 @@ def kjagged_flat_loop(
     which is worked out once per tile, in a branch ahead of the MMA (integer divisions and
     offsets loads in every chunk would make the loop instruction-bound). The epilogue runs
     in a second branch after the MMA, in the chunk that ends a tile. Every tile reduces the
-    same chunks in the same order as :func:`kjagged_tile`: the same bits. A gathered
-    operand (``DY_ROWS`` / ``X_ROWS``, see :func:`kjagged_tile`) comes by pointer loads from
-    ``dy_ptr`` / ``x_ptr``."""
+    same chunks in the same order as :func:`kjagged_tile`: the same bits."""
     pid = tl.program_id(0)
     n_chunks = kjagged_program_chunks(offs_ptr, pid, per_group, G, M, NUM_PROGS, BLOCK_M,
                                       G_BLOCK)
@@ -367,18 +311,9 @@ def kjagged_flat_loop(
     next_g, next_n, next_k, next_start, next_end = kjagged_tile_state(
         t + NUM_PROGS, per_group, num_n, num_k, offs_ptr, G, M, GROUP_N)
     for _ in range(0, n_chunks):
-        # dyt [BLOCK_N, BLOCK_M] (dY's chunk transposed), xb [BLOCK_M, BLOCK_K]; rows >= end
-        # read as 0
-        if DY_ROWS:
-            dyt = gathered_chunk(dy_ptr, dy_rows_ptr, m0, end, tile_n * BLOCK_N, N,
-                                 stride_dym, stride_dyn, BLOCK_M, BLOCK_N, True)
-        else:
-            dyt = load_rows_below(dy_desc, m0, end, tile_n * BLOCK_N, BLOCK_M, BLOCK_N).T
-        if X_ROWS:
-            xb = gathered_chunk(x_ptr, x_rows_ptr, m0, end, tile_k * BLOCK_K, K,
-                                stride_xm, stride_xk, BLOCK_M, BLOCK_K, False)
-        else:
-            xb = load_rows_below(x_desc, m0, end, tile_k * BLOCK_K, BLOCK_M, BLOCK_K)
+        # dy [BLOCK_M, BLOCK_N], xb [BLOCK_M, BLOCK_K]; rows >= end read as 0
+        dy = load_rows_below(dy_desc, m0, end, tile_n * BLOCK_N, BLOCK_M, BLOCK_N)
+        xb = load_rows_below(x_desc, m0, end, tile_k * BLOCK_K, BLOCK_M, BLOCK_K)
         last = m0 + BLOCK_M >= end
         tile_g = g  # this chunk's tile, for the epilogue
         tile_n_here = tile_n
@@ -393,9 +328,9 @@ def kjagged_flat_loop(
             next_g, next_n, next_k, next_start, next_end = kjagged_tile_state(
                 t + NUM_PROGS, per_group, num_n, num_k, offs_ptr, G, M, GROUP_N)
         if INTERPRETER_DOT:  # interpreter only (see config.interpreter_dot)
-            dyt = dyt.to(tl.float32)
+            dy = dy.to(tl.float32)
             xb = xb.to(tl.float32)
-        acc = tl.dot(dyt, xb, acc, input_precision=INPUT_PRECISION)
+        acc = tl.dot(dy.T, xb, acc, input_precision=INPUT_PRECISION)
         if last:
             store_dw_tile(dw_ptr, dw_desc, acc, tile_g, tile_n_here, tile_k_here, N, K,
                           BLOCK_N, BLOCK_K, TMA_STORE, EPILOGUE_SUBTILE)
@@ -412,7 +347,6 @@ def kjagged_claimed_tile(
     RAGGED_TMA: tl.constexpr, TMA_STORE: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
     GROUP_N: tl.constexpr, ASM_TICKET: tl.constexpr, LANES: tl.constexpr,
     dy_scale_ptr, x_scale_ptr, FP8_SCALES: tl.constexpr, FP8_FAST_ACCUM: tl.constexpr,
-    dy_rows_ptr, x_rows_ptr, DY_ROWS: tl.constexpr, X_ROWS: tl.constexpr,
 ):
     """Dynamic schedule step: computes and stores flat dW tile ``t`` (group order) and
     returns the next tile this program claimed, ``NUM_PROGS + ticket``."""
@@ -423,7 +357,6 @@ def kjagged_claimed_tile(
         x_desc, dw_desc, WITH_DB, DB_MMA, BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION,
         INTERPRETER_DOT, USE_TMA, RAGGED_TMA, TMA_STORE, EPILOGUE_SUBTILE, True, ASM_TICKET, LANES,
         dy_scale_ptr, x_scale_ptr, FP8_SCALES, FP8_FAST_ACCUM,
-        dy_rows_ptr, x_rows_ptr, DY_ROWS, X_ROWS,
     )
     return NUM_PROGS + ticket_value(ticket, ASM_TICKET)
 
@@ -445,8 +378,7 @@ def kjagged_gemm_kernel(
     DYNAMIC_TILES: tl.constexpr = False, ASM_TICKET: tl.constexpr = False,
     LANES: tl.constexpr = 128, FLATTEN: tl.constexpr = False, G_BLOCK: tl.constexpr = 2,
     dy_scale_ptr=None, x_scale_ptr=None, FP8_SCALES: tl.constexpr = False,
-    FP8_FAST_ACCUM: tl.constexpr = False, dy_rows_ptr=None, x_rows_ptr=None,
-    DY_ROWS: tl.constexpr = False, X_ROWS: tl.constexpr = False,
+    FP8_FAST_ACCUM: tl.constexpr = False,
 ):
     """Persistent K-jagged grouped GEMM.
 
@@ -488,26 +420,18 @@ def kjagged_gemm_kernel(
     (``offs_ptr`` holds the padded spans' ends, M their buffer's width), each tile scaled by
     ``dy_scale_ptr`` ``[G, N]`` and ``x_scale_ptr`` ``[G, K]`` (fp32) before it is stored;
     pointer loads, no db, no ``FLATTEN``. ``FP8_FAST_ACCUM``: the MMA accumulates over the
-    whole reduction.
-
-    ``DY_ROWS`` / ``X_ROWS``: the operand is gathered, ``dy_ptr[dy_rows[r]]`` /
-    ``x_ptr[x_rows[r]]`` (int ``[M]`` at ``dy_rows_ptr`` / ``x_rows_ptr``), by pointer loads
-    (:func:`kjagged_tile`); no descriptor is made over it."""
+    whole reduction."""
     pid = tl.program_id(0)
     dy_desc = None
     x_desc = None
     if USE_TMA and RAGGED_TMA:
-        if not DY_ROWS:
-            dy_desc = ragged_rows_descriptor(dy_ptr, N, stride_dym, BLOCK_M, BLOCK_N)
-        if not X_ROWS:
-            x_desc = ragged_rows_descriptor(x_ptr, K, stride_xm, BLOCK_M, BLOCK_K)
+        dy_desc = ragged_rows_descriptor(dy_ptr, N, stride_dym, BLOCK_M, BLOCK_N)
+        x_desc = ragged_rows_descriptor(x_ptr, K, stride_xm, BLOCK_M, BLOCK_K)
     elif USE_TMA:
-        if not DY_ROWS:
-            dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[M, N], strides=[stride_dym, 1],
-                                                block_shape=[BLOCK_M, BLOCK_N])
-        if not X_ROWS:
-            x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
-                                               block_shape=[BLOCK_M, BLOCK_K])
+        dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[M, N], strides=[stride_dym, 1],
+                                            block_shape=[BLOCK_M, BLOCK_N])
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
     dw_desc = None
     if TMA_STORE:
         dw_desc = tl.make_tensor_descriptor(
@@ -521,8 +445,7 @@ def kjagged_gemm_kernel(
         kjagged_flat_loop(
             dy_desc, x_desc, dw_desc, offs_ptr, dw_ptr, per_group, num_n, num_k, M, N, K, G,
             NUM_PROGS, BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, INTERPRETER_DOT,
-            TMA_STORE, EPILOGUE_SUBTILE, GROUP_N, G_BLOCK, dy_ptr, x_ptr, stride_dym,
-            stride_dyn, stride_xm, stride_xk, dy_rows_ptr, x_rows_ptr, DY_ROWS, X_ROWS,
+            TMA_STORE, EPILOGUE_SUBTILE, GROUP_N, G_BLOCK,
         )
     elif DYNAMIC_TILES:
         # A for loop, not a while: Triton pipelines TMA stores across the iterations of an
@@ -541,7 +464,6 @@ def kjagged_gemm_kernel(
                     INPUT_PRECISION, INTERPRETER_DOT, USE_TMA, RAGGED_TMA, TMA_STORE,
                     EPILOGUE_SUBTILE, GROUP_N, ASM_TICKET, LANES,
                     dy_scale_ptr, x_scale_ptr, FP8_SCALES, FP8_FAST_ACCUM,
-                    dy_rows_ptr, x_rows_ptr, DY_ROWS, X_ROWS,
                 )
         while t < total:
             t = kjagged_claimed_tile(
@@ -551,7 +473,6 @@ def kjagged_gemm_kernel(
                 INPUT_PRECISION, INTERPRETER_DOT, USE_TMA, RAGGED_TMA, TMA_STORE,
                 EPILOGUE_SUBTILE, GROUP_N, ASM_TICKET, LANES,
                 dy_scale_ptr, x_scale_ptr, FP8_SCALES, FP8_FAST_ACCUM,
-                dy_rows_ptr, x_rows_ptr, DY_ROWS, X_ROWS,
             )
     else:
         for t in range(pid, total, NUM_PROGS):
@@ -563,7 +484,6 @@ def kjagged_gemm_kernel(
                 BLOCK_K, INPUT_PRECISION, INTERPRETER_DOT, USE_TMA, RAGGED_TMA, TMA_STORE,
                 EPILOGUE_SUBTILE, False, ASM_TICKET, LANES,
                 dy_scale_ptr, x_scale_ptr, FP8_SCALES, FP8_FAST_ACCUM,
-                dy_rows_ptr, x_rows_ptr, DY_ROWS, X_ROWS,
             )
 
 
@@ -604,44 +524,20 @@ def wgrad_variant_flags(cfg: Config, tma: bool, m: int, n: int, k: int,
                 EPILOGUE_SUBTILE=store and cfg.epilogue_subtile, FLATTEN=flatten)
 
 
-def _check_gather_rows(rows, source, m, what):
-    """``rows`` (int ``[M]``, on ``source``'s device) gathers ``M`` rows of ``source``; the
-    caller guarantees their values lie in ``[0, source.shape[0])`` (the launcher reads no
-    device value)."""
-    if rows is None:
-        if source.shape[0] != m:
-            raise ValueError(f"{what} has {source.shape[0]} rows, the product {m}")
-        return
-    if rows.dim() != 1 or rows.shape[0] != m or rows.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{what}_rows must be int32 or int64 [{m}], got {rows.dtype} "
-                         f"{list(rows.shape)}")
-    if rows.device != source.device:
-        raise ValueError(f"{what}_rows is on {rows.device}, {what} on {source.device}")
-
-
 def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
                          config: Optional[Config] = None, use_tma: Optional[bool] = None,
-                         with_db: bool = True, dy_rows: Optional[torch.Tensor] = None,
-                         x_rows: Optional[torch.Tensor] = None):
+                         with_db: bool = True):
     """``(dW [G, N, K] = dY_g^T X_g, db [G, N] = colsum(dY_g))``, deterministic.
 
-    grad (dY) ``[M, N]``, x ``[M, K]``, offsets int32 ``[G]``. ``dy_rows`` / ``x_rows`` (int
-    ``[M]``): the operand is ``grad[dy_rows]`` / ``x[x_rows]`` (grad / x then hold any number
-    of rows), read in place by the kernel, never written out: the same dW and db bits as
-    the gathered copy gives. ``with_db=False`` (no
+    grad (dY) ``[M, N]``, x ``[M, K]``, offsets int32 ``[G]``. ``with_db=False`` (no
     trainable bias) skips the column sums and returns ``(dW, None)``. ``config=None`` takes
     :func:`~.config.choose_wgrad_config`'s pick; ``use_tma=None`` picks TMA when
     ``tma.wgrad_tma_applies``. If a TMA launch fails: with a default config's variant flags
     the plain TMA kernel is tried next, and a plain TMA failure falls back to the pointer
     kernel, per device (see ``kernels/tma.py``); a variant asked for by an explicit
     ``config`` raises instead."""
-    n = grad.shape[1]
-    m = dy_rows.shape[0] if dy_rows is not None else grad.shape[0]
+    m, n = grad.shape
     k = x.shape[1]
-    _check_gather_rows(dy_rows, grad, m, "grad")
-    _check_gather_rows(x_rows, x, m, "x")
-    if (dy_rows is not None or x_rows is not None) and x.dtype.itemsize == 1:
-        raise ValueError("gathered rows apply to 16- and 32-bit operands, not e4m3 codes")
     offsets = offsets.contiguous()  # the kernel reads offsets[g] at offs_ptr + g
     groups = offsets.shape[0]
     dw = torch.empty((groups, n, k), dtype=weight_dtype, device=grad.device)
@@ -651,9 +547,7 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
     if k == 0:
         if not with_db:
             return dw, None
-        if m == 0:
-            return dw, db.zero_()
-        return dw, _column_sums_only(grad if dy_rows is None else grad[dy_rows], offsets, db)
+        return dw, db.zero_() if m == 0 else _column_sums_only(grad, offsets, db)
     cfg = config or choose_wgrad_config(m, groups, n, k, x.dtype, x.device)
     check_wgrad_variant(cfg)
     progs = grid_size(x.device, cfg)
@@ -667,8 +561,7 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
     def launch(tma: bool, variants: bool = True) -> None:
         # What sets the kernel's shared memory besides the config: a retry's key.
         key = ("K-jagged", cfg, x.dtype, grad.dtype, weight_dtype, with_db, tma,
-               tuple(flags.values()) if variants else (), dy_rows is not None,
-               x_rows is not None)
+               tuple(flags.values()) if variants else ())
         launch_with_stages_that_fit(lambda stages: launch_stages(tma, variants, stages),
                                     cfg.num_stages, x.device, explicit=config is not None,
                                     key=key, what="the dW kernel", config=cfg)
@@ -690,8 +583,6 @@ def grouped_linear_wgrad(grad, x, offsets, weight_dtype, bias_dtype, *,
             ASM_TICKET=x.device.type == "cuda" and not torch.version.hip,
             LANES=32 * cfg.num_warps, num_warps=cfg.num_warps, num_stages=stages,
             G_BLOCK=group_block(groups),
-            dy_rows_ptr=dy_rows, x_rows_ptr=x_rows, DY_ROWS=dy_rows is not None,
-            X_ROWS=x_rows is not None,
             **(flags if tma and variants else plain),
         )
 
