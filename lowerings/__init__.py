@@ -40,7 +40,6 @@ def install() -> None:
             grouped_linear,
             grouped_linear_fp8,
             mlstm,
-            permuted_tokens,
             user_patterns,
         )
 
@@ -49,7 +48,6 @@ def install() -> None:
         grouped_linear_fp8.register()
         mlstm.register()
         user_patterns.register()
-        permuted_tokens.register()
         _tag_compile_cache()
         _installed = True
 

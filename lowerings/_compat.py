@@ -624,29 +624,6 @@ def add_pre_grad_pass(graph_pass) -> None:
                                    else _ChainedPasses(current, graph_pass))
 
 
-def add_joint_pass(graph_pass) -> None:
-    """Run ``graph_pass`` (a :data:`CustomGraphPass`) in Inductor's joint-graph custom pre-pass
-    slot: on the forward and backward traced together, before the partitioner decides what
-    the forward saves. After any pass the user has put there (idempotent); a pass the user
-    sets later replaces it, as in :func:`add_pre_grad_pass`."""
-    import torch._inductor.config as config
-
-    current = config.joint_custom_pre_pass
-    if current is graph_pass or (isinstance(current, _ChainedPasses)
-                                 and current.second is graph_pass):
-        return
-    config.joint_custom_pre_pass = (graph_pass if current is None
-                                    else _ChainedPasses(current, graph_pass))
-
-
-def must_recompute_policy():
-    """The ``node.meta["recompute"]`` value that makes the partitioner recompute a node in the
-    backward rather than save it (activation checkpointing's tag)."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    return CheckpointPolicy.MUST_RECOMPUTE
-
-
 def statically_equal(a, b) -> bool:
     """Whether two sizes (ints or SymInts) are equal without adding a guard."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
