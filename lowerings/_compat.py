@@ -827,6 +827,167 @@ def row_gather(node) -> RowGather | None:
     return RowGather(buffer, box, name, width)
 
 
+class RowScatter:
+    """A buffer ``g [M, K]`` created empty and written by one scatter that copies row ``t`` of a
+    contiguous ``source [T, K]`` of its dtype to row ``o(t, j)`` of ``g`` for each ``j``,
+    ``o`` read from an index buffer: the MoE layer's permuted tokens, each token row written
+    to its ``k`` sorted positions. :func:`row_scatter` finds one.
+
+    ``scattered_from(other)`` and ``rows_scattered_from(other_rows)`` write ``other [T, K]``
+    and ``other_rows [T]`` to the rows ``g``'s scatter writes, into new buffers of their
+    dtypes: the same iteration and output index, the source's loads redirected. A consumer of
+    ``g`` that only needs a row-wise function of it (a row quantisation) then applies the
+    function to the ``T`` source rows and scatters its result, in the kernel that writes
+    ``g``."""
+
+    def __init__(self, scatter, target, source, source_name: str, width: int):
+        self._scatter = scatter  # the Scatter IR node
+        self._target = target  # the buffer it writes
+        self.source = source  # IR [T, K]
+        self._source_name = source_name
+        self._width = width
+
+    def _write(self, dtype, size, inner_fn, ranges, output_indexer):
+        from torch._inductor import ir
+        from torch._inductor.virtualized import V
+
+        device = self._target.get_device()
+        box = empty_buffer(device, dtype, size)
+        box.realize()
+        scatter = ir.Scatter(device=device, dtype=dtype, inner_fn=inner_fn, ranges=ranges,
+                             output_indexer=output_indexer, scatter_mode=None)
+        buffer = ir.ComputedBuffer(name=None, layout=ir.MutationLayoutSHOULDREMOVE(box),
+                                   data=scatter)
+        buffer.name = V.graph.register_buffer(buffer)
+        V.graph.register_operation(buffer)
+        return box
+
+    def _redirected(self, index, redirect):
+        from torch._inductor.virtualized import V
+
+        with V.set_ops_handler(_RedirectLoads(V.get_ops_handler(), self._source_name,
+                                              redirect)):
+            return self._scatter.inner_fn(index)
+
+    def scattered_from(self, other) -> Any:
+        """``other`` (IR, contiguous ``[T, K]``) written to ``g``'s rows: a new ``[M, K]``
+        buffer of ``other``'s dtype (a ``TensorBox``)."""
+        other.realize()
+        name = other.get_name()
+        return self._write(
+            other.get_dtype(), self._target.get_size(),
+            lambda index: self._redirected(index, lambda parent, flat: parent.load(name, flat)),
+            self._scatter.ranges, self._scatter.output_indexer)
+
+    def rows_scattered_from(self, other_rows) -> Any:
+        """``other_rows`` (IR ``[T]``) written to ``g``'s rows: a new ``[M]`` buffer."""
+        from torch._inductor.utils import FloorDiv
+
+        other_rows.realize()
+        name, width = other_rows.get_name(), self._width
+        # Element (..., 0) of the scatter reads source element K * t, whose row is that
+        # offset // K, and writes element [o, 0] of g.
+        return self._write(
+            other_rows.get_dtype(), self._target.get_size()[:1],
+            lambda index: self._redirected(
+                [*index, 0], lambda parent, flat: parent.load(name, FloorDiv(flat, width))),
+            self._scatter.ranges[:-1],
+            lambda index: list(self._scatter.output_indexer([*index, 0]))[:1])
+
+
+def _row_copy_source(inner_fn, ranges, width):
+    """``(name, rows_symbol_free)`` when ``inner_fn`` over ``ranges`` (last: ``width``)
+    only copies element ``[t(i...), c]`` of one contiguous buffer (``c`` the last index),
+    ``t`` free of ``c``; else None."""
+    import sympy
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    symbols = [sympy.Symbol(f"i{d}", integer=True) for d in range(len(ranges))]
+    column = symbols[-1]
+    recorder = _RecordLoads()
+    with V.set_ops_handler(recorder), mock.patch.object(ir.FlexibleLayout, "allow_indexing",
+                                                        True):
+        value = inner_fn(symbols)
+    value = getattr(value, "value", value)
+    copied = [load for load in recorder.loads if load[2] is value]
+    if len(copied) != 1:
+        return None
+    name, index, _ = copied[0]
+    if sum(load[0] == name for load in recorder.loads) != 1:
+        return None
+    rest = sympy.expand(sympy.expand(index) - column)
+    if rest.has(column) or any(sympy.Mod(term.as_coeff_Mul()[0], width) != 0
+                               for term in sympy.Add.make_args(rest)):
+        return None
+    return name
+
+
+def _scatter_writes_whole_rows(output_indexer, ranges) -> bool:
+    """Whether ``output_indexer`` over ``ranges`` writes element ``[o(i...), c]`` of a 2-D
+    buffer (``c`` the last index), ``o`` free of ``c``."""
+    import sympy
+    from torch._inductor.virtualized import V
+
+    symbols = [sympy.Symbol(f"i{d}", integer=True) for d in range(len(ranges))]
+    column = symbols[-1]
+    with V.set_ops_handler(_RecordLoads()):
+        index = list(output_indexer(symbols))
+    return (len(index) == 2 and sympy.expand(index[1] - column) == 0
+            and not sympy.sympify(index[0]).has(column))
+
+
+def row_scatter(node) -> RowScatter | None:
+    """A :class:`RowScatter` when ``node`` (a ``TensorBox``) is a contiguous 2-D buffer,
+    created empty (no kernel writes it: Inductor's ``empty``), that exactly one scatter
+    writes, copying whole rows of a contiguous ``[T, K]`` buffer of its dtype and width
+    (``index_put`` of ``x.unsqueeze(1).expand(T, k, K)`` at a ``[T, k]`` row index, as
+    :func:`compileops.grouped_linear.permute_by_expert` writes its rows) into more rows
+    than the source has; else None."""
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    storage = getattr(node, "data", None)
+    buffer = getattr(storage, "data", None)
+    if (not isinstance(storage, ir.StorageBox) or not isinstance(buffer, ir.ComputedBuffer)
+            or type(buffer.data) is not ir.Pointwise or len(buffer.get_size()) != 2
+            or not is_static(buffer.get_size()[1]) or not _contiguous(buffer.get_layout())
+            or any(not statically_equal(r, 0) for r in buffer.data.ranges)):
+        return None  # not an empty buffer (its data would be ranges of zeros)
+    name, width = buffer.get_name(), int(buffer.get_size()[1])
+    writers = [operation for operation in V.graph.operations
+               if isinstance(getattr(operation, "layout", None), ir.MutationLayoutSHOULDREMOVE)
+               and operation.layout.get_buffer().get_name() == name]
+    if len(writers) != 1 or type(writers[0].data) is not ir.Scatter:
+        return None
+    scatter = writers[0].data
+    if (scatter.scatter_mode is not None or not scatter.ranges
+            or not statically_equal(scatter.ranges[-1], width)):
+        return None
+    source_name = _row_copy_source(scatter.inner_fn, scatter.ranges, width)
+    if source_name is None or source_name == name or source_name in V.graph.mutated_buffers:
+        return None
+    source = V.graph.try_get_buffer(source_name)
+    if source is None or source.get_dtype() != buffer.get_dtype():
+        return None
+    size = list(source.get_size())
+    if not size or not statically_equal(size[-1], width) or not _contiguous(source.get_layout()):
+        return None
+    if not _scatter_writes_whole_rows(scatter.output_indexer, scatter.ranges):
+        return None
+    from torch._inductor.utils import sympy_product
+
+    rows = sympy_product(size[:-1])
+    if size_hint(rows) >= size_hint(buffer.get_size()[0]):
+        return None
+    box = V.graph.graph_inputs.get(source_name)
+    if box is None:
+        box = ir.TensorBox.create(source)
+    if len(size) != 2:
+        box = aten_lowering(torch.ops.aten.reshape.default)(box, [rows, width])
+    return RowScatter(scatter, buffer, box, source_name, width)
+
+
 def _elements(node) -> int:
     """How many elements ``node`` (IR) holds, from the size hints."""
     from torch._inductor.utils import sympy_product
