@@ -226,9 +226,6 @@ def quantise_rows(x, column_scale=None):
     whole-row copy does not fuse with a reduction over part of a row."""
     ops = _compat.ops()
     device, size = x.get_device(), list(x.get_size())
-    scatter = _compat.row_scatter(x) if column_scale is None else None
-    if scatter is not None:
-        return _quantise_then_scatter(scatter)
     # Rows wider than the persistent limit cannot be quantised in the kernel that writes
     # the kept gathered copy (a whole-row pointwise node does not fuse with a reduction
     # over a part of the row); narrower ones are, in one kernel, which this would split.
@@ -302,19 +299,4 @@ def _quantise_then_gather(gather, device, size):
     scale = _compat.pointwise(device=device, dtype=torch.float32,
                               inner_fn=gather.rows_gathered_from(source_scale),
                               ranges=size[:-1])
-    return _compat.require_contiguous(q), _compat.require_contiguous(scale)
-
-
-def _quantise_then_scatter(scatter):
-    """``quantise_rows`` of ``x [M, K]`` written by a scatter of the rows of a source ``[T,
-    K]`` (``scatter``, :class:`._compat.RowScatter`: the MoE layer's permuted tokens, each
-    token row written to its ``k`` sorted positions): the ``T`` source rows are quantised,
-    then codes and scales are scattered as the rows of ``x`` are, by scatters of the same
-    iteration and output index, which fuse with ``x``'s into one kernel that reads each
-    token row and its codes once and writes their ``k`` copies. Each row's quantisation
-    depends on that row alone, so the scattered codes are the bits quantising the rows of
-    ``x`` gives."""
-    source_q, source_scale = quantise_rows(scatter.source)
-    q = scatter.scattered_from(source_q)
-    scale = scatter.rows_scattered_from(source_scale)
     return _compat.require_contiguous(q), _compat.require_contiguous(scale)

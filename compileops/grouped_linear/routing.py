@@ -3,8 +3,7 @@
 Nothing here reads a group size on the host: the sort, the offsets (``searchsorted`` of
 the expert ids ``0..G-1`` in the sorted assignment list) and the inverse permutation all
 stay on the device, so the MoE layer compiles with ``fullgraph=True`` and captures in CUDA
-graphs. The permute writes each token row to its ``k`` sorted positions (a scatter into
-distinct rows), the combine gathers; both backwards are gathers: no scatter-add, whose
+graphs. Both directions are gathers, and so are both backwards: no scatter-add, whose
 atomics on a GPU would sum a token's ``k`` copies in a different order from run to run
 (autograd's own ``index_select`` backward). The combine's backward gathers by the inverse
 permutation (:class:`_CombineSlots`); the permute's gathers the ``k`` copies back into token
@@ -76,14 +75,7 @@ class _GatherTokenCopies(torch.autograd.Function):
 
     @staticmethod
     def forward(x, order, top_k):
-        # Written as a scatter of each token row to its k sorted positions rather than a
-        # gather of each sorted row from its token: compiled, the kernel then reads the token
-        # rows in order, each once, where the gather read them in expert order, k times each
-        # from all over x.
-        slots = inverse_permutation(order).view(x.shape[0], top_k)
-        rows = x.new_empty(order.numel(), *x.shape[1:])
-        rows[slots] = x.unsqueeze(1).expand(-1, top_k, *x.shape[1:])
-        return rows
+        return x.index_select(0, order // top_k)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

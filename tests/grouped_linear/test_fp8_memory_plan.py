@@ -108,11 +108,7 @@ FP8_CACHED = {"fp8": "rowwise", "cache_fp8_weights": True, "fp8_fast_accum": Tru
     (FP8_CACHED, "module", "qwen3-30b"),
     # As plain inputs: AOTAutograd moves those lookups into the forward, which saves the copies.
     (FP8_CACHED, "function", "qwen3-30b"),
-    pytest.param({}, "module", "mixtral", marks=pytest.mark.xfail(
-        strict=True, reason="with the permuted tokens written by a scatter, the planner runs "
-        "both dW last; a replay of the generated code puts the backward's peak at the SwiGLU "
-        "derivative, 0.75 GiB lower, with the input gradient not yet allocated (unmeasured "
-        "on a GPU)")),
+    ({}, "module", "mixtral"),
     # Rows of 2H = 28672: quantised whole, in the derivative's kernel (module docstring).
     pytest.param(FP8_CACHED, "module", "mixtral", marks=pytest.mark.xfail(
         strict=True, reason="fp8 at Mixtral-8x7B's widths: the input gradient is live at "

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import compileops
-from compileops.grouped_linear import permute_by_expert
 from compileops.lowerings import _compat
 from tests.grouped_linear._helpers import empty_fp8_cache  # noqa: F401  (a fixture)
 from tests.grouped_linear._helpers import offsets_of
@@ -424,33 +423,6 @@ def test_rows_gathered_from_fewer_rows_are_quantised_before_the_gather(rows_of, 
 
     quantised_rows = 64 if rows_of == "top-2 copies" else 64 * copies
     assert _rows_quantised_compiled(layer, x, w, token) == quantised_rows
-
-
-@interpreter
-@pytest.mark.parametrize("limit", [1024, 16], ids=["whole-rows", "in-parts"])
-def test_permuted_tokens_are_quantised_before_their_scatter(limit, monkeypatch):
-    """``permute_by_expert`` writes each token row to its ``k`` sorted positions (a
-    scatter): the 64 token rows are quantised, and one kernel writes the rows and their
-    codes to those positions, bit for bit the eager op's."""
-    monkeypatch.setattr(_compat, "PERSISTENT_ROW_LIMIT", limit)
-    gen = torch.Generator().manual_seed(6)
-    x = torch.randn(64, 48, generator=gen).bfloat16()
-    x[3] *= 1e4  # rows of very different magnitudes: wrong scales would show
-    x[7] = 0.0
-    w = (torch.randn(4, 40, 48, generator=gen) / 48 ** 0.5).bfloat16()
-    ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(64)])
-
-    def layer(x, w, ids):
-        rows, _, offsets = permute_by_expert(x, ids, 4)
-        return compileops.grouped_linear(rows, w, offsets, fp8="rowwise"), rows
-
-    assert _rows_quantised_compiled(layer, x, w, ids) == 64
-    with _compat.fresh_inductor_cache(), _compat.triton_codegen_on_cpu():
-        _, sources = _compat.run_and_get_code(torch.compile(layer, fullgraph=True), x, w, ids)
-    code = "\n".join(sources)
-    writers = [name for name, _ in _kernel_bodies(code)
-               if "index_put" in name and "grouped_linear_fp8" in name]
-    assert len(writers) == 1 and writers[0].startswith("triton_poi_"), writers
 
 
 @interpreter
