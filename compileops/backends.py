@@ -64,19 +64,23 @@ def triton_interpret_enabled() -> bool:
 
 
 def device_kind(device: torch.device | str) -> str:
-    device = torch.device(device)
-    if device.type == "cuda":
+    device_type = (device if isinstance(device, torch.device) else torch.device(device)).type
+    if device_type == "cuda":
         return "rocm" if torch.version.hip else "cuda"
-    return device.type
+    return device_type
 
 
 def why_unavailable(name: str, device: torch.device | str) -> str | None:
     """``None`` when ``name`` can run on ``device``, else the reason it cannot."""
+    return _why_unavailable_on(name, device_kind(device))
+
+
+def _why_unavailable_on(name: str, kind: str) -> str | None:
+    """:func:`why_unavailable` for a device of ``kind`` (:func:`device_kind`)."""
     if name not in BACKENDS:
         return f"unknown backend {name!r}; choose one of {BACKENDS}"
     if name == "reference":
         return None
-    kind = device_kind(device)
     if not _triton_installed():
         return "the triton backend needs the 'triton' package, which is not installed"
     if kind in ("cuda", "rocm"):
@@ -107,9 +111,9 @@ def select(op: str, device: torch.device | str) -> str:
             )
         _log_choice(op, device, forced, forced_by_user=True)
         return forced
-    kind = device_kind(device)
+    kind = device_kind(device)  # once: select runs on every eager call of every op
     for name in PRIORITY.get(kind, ("reference",)):
-        if available(name, device):
+        if _why_unavailable_on(name, kind) is None:
             _log_choice(op, device, name)
             return name
     raise BackendUnavailableError(f"compileops::{op}: no backend can run on {device}")

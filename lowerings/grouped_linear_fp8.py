@@ -20,9 +20,11 @@ in its epilogue, so a compiled fp8 step runs no Python of ours for the products:
   lowered to IR fused with whatever produces the weight (a cast of fp32 masters). The
   backward reads that saved copy and transposes it for dX, instead of quantising the
   weight again;
-* the weight with ``cache_weight``: an extern call of ``compileops::fp8_weight_rowwise``,
-  which returns the cached e4m3 copy (a dictionary lookup; quantised once per weight
-  version; for dX the cached transposed copy) and is the only Python left in the step.
+* the weight with ``cache_weight``: an extern call of ``compileops::fp8_weight_cached``
+  (:mod:`compileops.grouped_linear.fp8_cache_op`, the lookup without the custom op's
+  Python wrappers), which returns the cached e4m3 copy (a dictionary lookup; quantised once
+  per weight version; for dX the cached transposed copy) and is the only Python left in
+  the step.
 
 ``grouped_linear_fp8_dx`` (dX from the weight itself, for direct callers) stays an extern
 call.
@@ -175,11 +177,12 @@ def _lower_weight_copy(weight, transposed, cache_weight=False, weight_base=None)
     cache_weight, weight_base = _cache_base(name, weight, cache_weight, weight_base)
     if not cache_weight and not transposed and _why_extern(weight, "rowwise", name) is None:
         return fp8_quantize.quantise_rows(weight)
-    op = torch.ops.compileops.fp8_weight_rowwise.default
     if cache_weight:
-        # The cache's copy: allocated at most once per weight version, never freed by the step.
-        return _compat.fallback_held_outside_the_step(op)(weight, transposed, cache_weight,
-                                                          weight_base)
+        # The cache's copy: allocated at most once per weight version, never freed by the
+        # step. Through the lean lookup op, the step's one host call per weight and layout.
+        lookup = torch.ops.compileops.fp8_weight_cached.default
+        return _compat.fallback_held_outside_the_step(lookup)(weight, transposed, weight_base)
+    op = torch.ops.compileops.fp8_weight_rowwise.default
     return _compat.fallback(op)(weight, transposed, cache_weight, weight_base)
 
 
@@ -233,6 +236,7 @@ def _lower_dx_from_copy(grad, weight_q_t, weight_scale, offsets, fast_accum=Fals
 
 def register() -> None:
     import compileops.grouped_linear.fp8_op  # noqa: F401  (the ops must exist before lowering)
+    import compileops.grouped_linear.fp8_cache_op  # noqa: F401
 
     for name in FP8_OPS:
         op = getattr(torch.ops.compileops, name).default

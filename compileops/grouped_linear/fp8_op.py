@@ -183,8 +183,8 @@ def _quantised_weight(weight, scaling, transposed, cache_weight, weight_base):
 
 
 def _check_weight_dims(weight) -> None:
-    torch._check_value(weight.dim() == 3,
-                       lambda: f"weight must be [G, N, K], got shape {tuple(weight.shape)}")
+    if weight.dim() != 3:  # a plain int: no torch._check needed, and this runs every call
+        raise ValueError(f"weight must be [G, N, K], got shape {tuple(weight.shape)}")
 
 
 @custom_op("fp8_weight_rowwise", tags=_CUDAGRAPH_UNSAFE)
@@ -198,6 +198,14 @@ def fp8_weight_rowwise_op(weight: torch.Tensor, transposed: bool, cache_weight: 
     (``weight_base``: the ops' own). :func:`compileops.grouped_linear` passes the forward's
     copy to the fp8 products; compiled, an uncached copy is a fused Inductor kernel. The
     returned tensors may be the cache's: read them, never write them. Not differentiable."""
+    return rowwise_weight_copy(weight, transposed, cache_weight, weight_base)
+
+
+def rowwise_weight_copy(weight: torch.Tensor, transposed: bool, cache_weight: bool = False,
+                        weight_base: Optional[torch.Tensor] = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8_weight_rowwise``'s body, for the op and for the lean lookup op that compiled
+    graphs call (:mod:`.fp8_cache_op`)."""
     _check_weight_dims(weight)
     if not use_triton("fp8_weight_rowwise", weight):
         # The rule itself, in torch (the kernels' bits): a device without our kernels.

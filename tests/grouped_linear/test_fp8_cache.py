@@ -344,3 +344,31 @@ def test_eager_views_of_a_parameter_share_its_copies(launches):
     with compileops.use_backend("triton"):
         want = compileops.grouped_linear(x.detach(), stored.transpose(1, 2), offs, fp8="rowwise")
     assert torch.equal(call(), want) and not torch.equal(want, first)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_compiled_graphs_lookup_op_serves_the_cache_detached(transposed, launches):
+    """``compileops::fp8_weight_cached``, what a compiled step calls for a cached weight:
+    the same copies as ``fp8_weight_rowwise`` with the cache on (made once, then served),
+    its fake outputs the real ones' shapes and dtypes, and the cache's own tensors never
+    given autograd history, even when called with grad enabled on a weight that requires
+    grad."""
+    w = torch.randn(3, 24, 40, dtype=torch.bfloat16).requires_grad_()
+    lookup = torch.ops.compileops.fp8_weight_cached.default
+    torch.library.opcheck(lookup, (w, transposed, w), test_utils=("test_schema", "test_faketensor"))
+    clear_fp8_weight_cache()
+    launches.clear()
+    first = lookup(w, transposed, w)  # grad enabled: the outputs are views, not the entries
+    assert launches == ["rowwise_quantize_kernel"]
+    with torch.no_grad():
+        again = lookup(w, transposed, w)
+        made_by_the_op = torch.ops.compileops.fp8_weight_rowwise(w, transposed, True, w)
+    assert launches == ["rowwise_quantize_kernel"]  # served from the cache since
+    for a, b, c in zip(first, again, made_by_the_op):
+        assert a.data_ptr() == b.data_ptr() == c.data_ptr()
+        assert not b.requires_grad and b.grad_fn is None
+    fresh_q, fresh_scale = compileops.grouped_linear.fp8_op.fp8_weight_rowwise_op(
+        w.detach().clone(), transposed)
+    assert torch.equal(again[0].view(torch.uint8), fresh_q.view(torch.uint8))
+    assert torch.equal(again[1], fresh_scale)
+    assert tuple(again[0].shape) == ((3, 40, 24) if transposed else (3, 24, 40))

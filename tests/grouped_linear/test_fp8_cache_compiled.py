@@ -287,7 +287,7 @@ def test_every_fp8_op_keeps_out_of_cuda_graphs():
     """A CUDA graph replays its kernels without the cache's Python lookup, so a captured
     step would read the weights' e4m3 copies from the capture: every fp8 op (and the
     compiled products' weight lookup) is tagged for Inductor to leave out of CUDA graphs."""
-    names = ("fp8_weight_rowwise", "grouped_linear_fp8", "grouped_linear_fp8_dx",
+    names = ("fp8_weight_rowwise", "fp8_weight_cached", "grouped_linear_fp8", "grouped_linear_fp8_dx",
              "grouped_linear_row_scaled_fp8", "grouped_linear_swiglu_fp8_with_preact")
     for name in names:
         op = getattr(torch.ops.compileops, name).default

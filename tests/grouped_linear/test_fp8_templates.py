@@ -95,9 +95,11 @@ def test_the_templates_give_the_eager_ops_bits(dtype, cache, fast, dynamic):
     assert re.search(r"def triton_tem_fused\w*_grouped_linear_fp8_dx_from_copy", code)
     externs = _extern_calls(code)
     assert not externs & set(FP8_PRODUCTS), externs
-    # The weight: its cached copies through one lookup each (forward and dX), else IR in
-    # the forward only (dX reads the forward's copy).
-    assert ("fp8_weight_rowwise" in externs) == cache
+    # The weight: its cached copies through one lookup each (forward and dX) of the lean
+    # lookup op, else IR in the forward only (dX reads the forward's copy); never the
+    # custom op's wrappers.
+    assert ("fp8_weight_cached" in externs) == cache
+    assert "fp8_weight_rowwise" not in externs
 
 
 @interpreter

@@ -172,14 +172,14 @@ triton_poi_fused_clone_transpose""")
         kernels = inductor_kernels(experts, x, w, down, offs, p, triton=True, backward=True,
                                    launches=True)
         self.assertSnapshot(kernels, """\
-torch.ops.compileops.fp8_weight_rowwise.default
+torch.ops.compileops.fp8_weight_cached.default
 triton_per_fused_grouped_linear_swiglu_fp8_with_preact
 triton_tem_fused_grouped_linear_swiglu_fp8_with_preact
-torch.ops.compileops.fp8_weight_rowwise.default
+torch.ops.compileops.fp8_weight_cached.default
 triton_per_fused_grouped_linear_row_scaled_fp8
 triton_tem_fused_grouped_linear_row_scaled_fp8
-torch.ops.compileops.fp8_weight_rowwise.default
-torch.ops.compileops.fp8_weight_rowwise.default
+torch.ops.compileops.fp8_weight_cached.default
+torch.ops.compileops.fp8_weight_cached.default
 # backward
 triton_poi_fused_grouped_linear_fp8_dx_from_copy
 triton_per_fused_grouped_linear_fp8_dx_from_copy
