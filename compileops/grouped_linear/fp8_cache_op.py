@@ -24,8 +24,7 @@ from __future__ import annotations
 import torch
 
 from compileops._library import NAMESPACE
-from compileops.grouped_linear import fp8 as fp8_rule
-from compileops.grouped_linear.fp8_op import rowwise_weight_copy
+from compileops.grouped_linear.fp8_op import fake_weight_copy, rowwise_weight_copy
 
 NAME = "fp8_weight_cached"
 
@@ -41,10 +40,7 @@ def _cached_copy(weight: torch.Tensor, transposed: bool, weight_base: torch.Tens
 
 
 def _fake(weight, transposed, weight_base):
-    groups, n, k = weight.shape
-    rows, cols = (k, n) if transposed else (n, k)
-    return (weight.new_empty((groups, rows, cols), dtype=fp8_rule.E4M3),
-            weight.new_empty((groups, n), dtype=torch.float32))
+    return fake_weight_copy(weight, transposed)
 
 
 _library.impl(NAME, _cached_copy, "CompositeExplicitAutograd")

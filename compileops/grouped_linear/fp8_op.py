@@ -215,7 +215,9 @@ def rowwise_weight_copy(weight: torch.Tensor, transposed: bool, cache_weight: bo
 
 
 @fp8_weight_rowwise_op.register_fake
-def _fp8_weight_rowwise_fake(weight, transposed, cache_weight=False, weight_base=None):
+def fake_weight_copy(weight, transposed, cache_weight=False, weight_base=None):
+    """The rowwise copy's outputs as empty tensors of their shapes and dtypes (the fake
+    function of ``fp8_weight_rowwise`` and of the compiled graphs' lookup op)."""
     _check_weight_dims(weight)
     groups, n, k = weight.shape
     rows, cols = (k, n) if transposed else (n, k)
