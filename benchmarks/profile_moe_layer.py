@@ -3,6 +3,12 @@
 against the step's wall time (what the GPU waits for the host), how long the GPU sat idle
 before each kernel, and the peak memory after the forward and after the backward.
 
+Whether the step is bound by the host: the host's time to launch the steps (the loop's time
+before the final sync) against their wall time, and how many host-device synchronisations a
+step makes (torch's sync debug mode). The profiler records GPU activity only: recording
+the host's ops as well slows the host, which shows as GPU idle wherever the host is the
+bound.
+
     python benchmarks/profile_moe_layer.py --shape qwen3-30b --impl compileops-fp8-cached \\
         --fp8-fast-accum [--routing skewed] [--dynamic]
 
@@ -12,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 
 import torch
 
@@ -30,7 +37,7 @@ def main() -> None:
     parser.add_argument("--routing", choices=["uniform", "skewed"], default="uniform")
     parser.add_argument("--dynamic", action="store_true")
     parser.add_argument("--fp8-fast-accum", action="store_true")
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
     device = torch.device("cuda")
     shape = SHAPES[args.shape]
@@ -61,10 +68,22 @@ def main() -> None:
     start = time.perf_counter()
     for _ in range(args.steps):
         _step(compiled, xg, params, dy)
+    launched = time.perf_counter()
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - start) * 1e3 / args.steps
+    host_ms = (launched - start) * 1e3 / args.steps
 
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _step(compiled, xg, params, dy)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    torch.cuda.synchronize()
+
+    activities = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(args.steps):
             _step(compiled, xg, params, dy)
@@ -79,6 +98,10 @@ def main() -> None:
     print(f"step wall {wall_ms:.3f} ms (unprofiled), GPU kernels {busy_ms:.3f} ms a step, "
           f"{per_step} kernels a step; peak after forward {forward_peak:.3f} GiB, after "
           f"backward {step_peak:.3f} GiB")
+    print(f"host: {host_ms:.3f} ms a step to launch {args.steps} steps unsynchronised "
+          f"({'host-bound' if host_ms > 0.9 * wall_ms else 'the GPU is the bound'}); "
+          f"{len(syncs)} host-device synchronisations in a step"
+          + (f", the first: {syncs[0][:120]}" if syncs else ""))
     # The host timeline as the GPU saw it: how long the GPU sat idle before each kernel
     # (waiting for the host to launch it, or for the backward to start).
     gaps = [0.0] + [max(0.0, b.time_range.start - a.time_range.end)
