@@ -21,7 +21,7 @@ in its epilogue, so a compiled fp8 step runs no Python of ours for the products:
   backward reads that saved copy and transposes it for dX, instead of quantising the
   weight again;
 * the weight with ``cache_weight``: an extern call of ``compileops::fp8_weight_cached``
-  (:mod:`compileops.grouped_linear.fp8_cache_op`, the lookup without the custom op's
+  (:mod:`compileops.grouped_linear.fp8_weight_op`, the lookup without the custom op's
   Python wrappers), which returns the cached e4m3 copy (a dictionary lookup; quantised once
   per weight version; for dX the cached transposed copy) and is the only Python left in
   the step.
@@ -236,7 +236,6 @@ def _lower_dx_from_copy(grad, weight_q_t, weight_scale, offsets, fast_accum=Fals
 
 def register() -> None:
     import compileops.grouped_linear.fp8_op  # noqa: F401  (the ops must exist before lowering)
-    import compileops.grouped_linear.fp8_cache_op  # noqa: F401
 
     for name in FP8_OPS:
         op = getattr(torch.ops.compileops, name).default

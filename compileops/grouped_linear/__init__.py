@@ -12,7 +12,6 @@ from compileops.grouped_linear.api import (
 from compileops.grouped_linear.routing import permute_by_expert, unpermute_and_combine
 from compileops.grouped_linear import scaled  # noqa: F401  (documented: the row-scaled autograd)
 from compileops.grouped_linear import fp8_op  # noqa: F401  (registers the fp8 ops)
-from compileops.grouped_linear import fp8_cache_op  # noqa: F401  (the compiled cache lookup)
 from compileops.grouped_linear.fp8_cache import cached_fp8_weight_bytes, clear_fp8_weight_cache
 from compileops.modes import (
     batch_invariant,

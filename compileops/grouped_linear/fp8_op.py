@@ -26,9 +26,9 @@ The ops:
 
 The three forward ops take the weight's rowwise copy as ``weight_q [G, N, K]`` and
 ``weight_scale [G, N]`` when the caller made it (:func:`compileops.grouped_linear` does,
-through ``compileops::fp8_weight_rowwise``): compiled, the copy is then a tensor of the
-graph, which the backward reads for dX instead of quantising the weight again. Without them
-the op quantises the weight itself.
+through ``compileops::fp8_weight_rowwise``, :mod:`.fp8_weight_op`): compiled, the copy is
+then a tensor of the graph, which the backward reads for dX instead of quantising the
+weight again. Without them the op quantises the weight itself.
 
 Autograd: dX through ``grouped_linear_fp8_dx_from_copy`` (rowwise) or
 ``grouped_linear_fp8_dx`` (blockwise); ``dW = dY_g^T X_g`` in x's dtype
@@ -86,7 +86,6 @@ import torch
 from compileops import backends
 from compileops._library import custom_op
 from compileops.grouped_linear import fp8 as fp8_rule
-from compileops.grouped_linear import fp8_cache
 from compileops.grouped_linear.backward_ops import (
     forward_mode,
     grouped_linear_wgrad_op,
@@ -101,6 +100,11 @@ from compileops.grouped_linear.checks import (
     check_row_scaled_args,
     check_same_device,
 )
+from compileops.grouped_linear.fp8_weight_op import (
+    CUDAGRAPH_UNSAFE as _CUDAGRAPH_UNSAFE,
+    fp8_weight_rowwise_op,
+    quantised_weight,
+)
 from compileops.grouped_linear.fp8_wgrad_op import grouped_linear_wgrad_fp8_op
 from compileops.grouped_linear.reference import grouped_linear_forward
 from compileops.grouped_linear.scaled import row_scaled_backward
@@ -109,14 +113,6 @@ from compileops.modes import BATCH_INVARIANT
 #: The ``fp8`` recipes of :func:`compileops.grouped_linear` and friends (None: no fp8).
 RECIPES = ("rowwise", "blockwise")
 
-#: Every fp8 op may read the weight cache (:mod:`.fp8_cache`), a Python lookup whose answer
-#: changes when the weight does. A CUDA graph replays the kernels it captured without that
-#: Python: a captured step would keep reading the e4m3 copy of the weights from the
-#: capture, stale after the first optimizer step. So the ops are ``cudagraph_unsafe``:
-#: Inductor's CUDA graphs (``mode="reduce-overhead"``) leave out the lookups (with graph
-#: partitioning, the default, only them: the compiled fp8 products and quantisation kernels
-#: stay in the graph), or the whole graph without partitioning.
-_CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,)
 
 
 def check_recipe(fp8, bias=None, fast_accum=False, weight_grad=False, **unsupported) -> None:
@@ -162,80 +158,6 @@ def _kernels():
     return fp8_kernels
 
 
-def _quantised_weight(weight, scaling, transposed, cache_weight, weight_base):
-    """The weight's e4m3 copy and scales for the product (``transposed``: dX's, the rowwise
-    copy written as ``W_g^T``), made now or taken from
-    :mod:`compileops.grouped_linear.fp8_cache` (``cache_weight``; ``weight_base``: the
-    tensor whose version counter follows writes to ``weight``, see the ops). Blockwise has
-    one layout for both products (a square block's scale is its transpose's)."""
-    k = _kernels()
-    if scaling == "blockwise":
-        def quantise():
-            return k.quantize_blockwise(weight, fp8_rule.WEIGHT_BLOCK)
-        layout = ("blockwise",)
-    else:
-        def quantise():
-            return k.quantize_weight_rowwise(weight, transpose=transposed)
-        layout = ("rowwise", transposed)
-    if not cache_weight:
-        return quantise()
-    return fp8_cache.quantised_weight(weight, layout, quantise, base=weight_base)
-
-
-def _check_weight_dims(weight) -> None:
-    if weight.dim() != 3:  # a plain int: no torch._check needed, and this runs every call
-        raise ValueError(f"weight must be [G, N, K], got shape {tuple(weight.shape)}")
-
-
-@custom_op("fp8_weight_rowwise", tags=_CUDAGRAPH_UNSAFE)
-def fp8_weight_rowwise_op(weight: torch.Tensor, transposed: bool, cache_weight: bool = False,
-                          weight_base: Optional[torch.Tensor] = None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weight ``[G, N, K]`` quantised rowwise, one scale per output channel: ``(q [G, N,
-    K]`` e4m3, ``scale [G, N]`` fp32) for the forward; ``transposed`` (dX): the same values
-    written as ``W_g^T``, ``q [G, K, N]``, with the same ``scale [G, N]``.
-    ``cache_weight``: taken from :mod:`.fp8_cache` while the weight is unchanged
-    (``weight_base``: the ops' own). :func:`compileops.grouped_linear` passes the forward's
-    copy to the fp8 products; compiled, an uncached copy is a fused Inductor kernel. The
-    returned tensors may be the cache's: read them, never write them. Not differentiable."""
-    return rowwise_weight_copy(weight, transposed, cache_weight, weight_base)
-
-
-def rowwise_weight_copy(weight: torch.Tensor, transposed: bool, cache_weight: bool = False,
-                        weight_base: Optional[torch.Tensor] = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fp8_weight_rowwise``'s body, for the op and for the lean lookup op that compiled
-    graphs call (:mod:`.fp8_cache_op`)."""
-    _check_weight_dims(weight)
-    if not use_triton("fp8_weight_rowwise", weight):
-        # The rule itself, in torch (the kernels' bits): a device without our kernels.
-        q, scale = fp8_rule.quantize_rowwise(weight)
-        return (q.transpose(1, 2) if transposed else q).contiguous(), scale
-    return _quantised_weight(weight, "rowwise", transposed, cache_weight, weight_base)
-
-
-@fp8_weight_rowwise_op.register_fake
-def fake_weight_copy(weight, transposed, cache_weight=False, weight_base=None):
-    """The rowwise copy's outputs as empty tensors of their shapes and dtypes (the fake
-    function of ``fp8_weight_rowwise`` and of the compiled graphs' lookup op)."""
-    _check_weight_dims(weight)
-    groups, n, k = weight.shape
-    rows, cols = (k, n) if transposed else (n, k)
-    return (weight.new_empty((groups, rows, cols), dtype=fp8_rule.E4M3),
-            weight.new_empty((groups, n), dtype=torch.float32))
-
-
-def _weight_copy_setup(ctx, inputs, output) -> None:
-    ctx.mark_non_differentiable(*output)
-
-
-def _weight_copy_backward(ctx, grad_q, grad_scale):
-    return None, None, None, None
-
-
-fp8_weight_rowwise_op.register_autograd(_weight_copy_backward, setup_context=_weight_copy_setup)
-
-
 def _check_weight_copy(weight, weight_q, weight_scale, scaling) -> None:
     """A forward op's ``weight_q``/``weight_scale``: both or neither, rowwise, the weight's
     rowwise copy's shapes and dtypes."""
@@ -262,7 +184,7 @@ def _product(x, weight, offsets, scaling, *, swiglu=False, preact=None, cache_we
     dtype) multiplies each rounded row; ``fast_accum`` (rowwise): the MMA accumulates over
     the whole K loop; ``weight_copy``: the weight's rowwise ``(q, scale)`` if made already."""
     k = _kernels()
-    wq, ws = weight_copy or _quantised_weight(weight, scaling, False, cache_weight,
+    wq, ws = weight_copy or quantised_weight(weight, scaling, False, cache_weight,
                                               weight_base)
     if scaling == "blockwise":
         return k.grouped_linear_fp8_blockwise(x, wq, ws, offsets, out_dtype=x.dtype,
@@ -391,11 +313,11 @@ def grouped_linear_fp8_dx_op(grad: torch.Tensor, weight: torch.Tensor, offsets: 
         return fp8_rule.grouped_linear_dx_reference(grad, weight, offsets,
                                                     scaling).to(grad.dtype)
     if scaling == "rowwise":
-        weight_q_t, weight_scale = _quantised_weight(weight, scaling, True, cache_weight,
+        weight_q_t, weight_scale = quantised_weight(weight, scaling, True, cache_weight,
                                                      weight_base)
         return grouped_linear_fp8_dx_from_copy_op(grad, weight_q_t, weight_scale, offsets,
                                                   fast_accum)
-    wq, ws = _quantised_weight(weight, scaling, True, cache_weight, weight_base)
+    wq, ws = quantised_weight(weight, scaling, True, cache_weight, weight_base)
     return _kernels().grouped_linear_fp8_blockwise(grad, wq, ws, offsets, out_dtype=grad.dtype,
                                                    transposed=True)
 
